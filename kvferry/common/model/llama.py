@@ -1,0 +1,191 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) on a flat token batch.
+
+Tokens of all sequences in a step are concatenated ([num_tokens, hidden]); attention goes
+through the batch's `attend`, which reads and writes the paged KV cache. The q/k/v and the
+gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
+"""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvferry.common.errors import ModelLoadError
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, [max_positions, head_dim], computed as transformers does."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in STATIC_ROPE_TYPES:
+        raise ModelLoadError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
+    if rope_type == "default":
+        head_dim = head_dim_of(config)
+        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+        scaling = 1.0
+    else:
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]  # [P, head_dim / 2]
+    emb = torch.cat((freqs, freqs), dim=-1)                                              # [P, head_dim]
+    return emb.cos() * scaling, emb.sin() * scaling
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [num_tokens, heads, head_dim]; cos/sin [num_tokens, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class Attention(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim ** -0.5
+        # Qwen2 always biases q/k/v and never o; Llama and Qwen3 follow attention_bias for all four.
+        qkv_bias = True if config.model_type == "qwen2" else getattr(config, "attention_bias", False)
+        o_bias = False if config.model_type in ("qwen2", "mistral") else getattr(config, "attention_bias", False)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.qk_norm = config.model_type == "qwen3"
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)     # [T, H, d]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = batch.attend(self.layer_idx, q, k, v, self.scale)   # [T, H, d]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (only silu)")
+        bias = getattr(config, "mlp_bias", False)
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.max_positions = max_positions
+        self.tie_weights()
+        self.init_rope()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_rope(self) -> None:
+        """(Re)compute the RoPE tables; needed again after the module is moved off the meta device."""
+        cos, sin = rope_cos_sin(self.config, self.max_positions)
+        device = self.embed_tokens.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
+        for layer in self.layers:
+            x = layer(x, cos, sin, batch)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)  # [N, vocab]
+
+    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load transformers-named weights, fusing q/k/v and gate/up on the way."""
+        own = self.state_dict()
+        loaded = set()
+
+        def put(name, tensor):
+            if name not in own:
+                raise ModelLoadError(f"unexpected weight {name}")
+            if own[name].shape != tensor.shape:
+                raise ModelLoadError(f"weight {name}: shape {tuple(tensor.shape)}, expected {tuple(own[name].shape)}")
+            own[name].copy_(tensor)
+            loaded.add(name)
+
+        fused = {}
+        for name, tensor in weights.items():
+            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
+                continue
+            for part, (target, index) in FUSED_PARTS.items():
+                if f".{part}." in name:
+                    fused.setdefault(name.replace(part, target), {})[index] = tensor
+                    break
+            else:
+                put(name.removeprefix("model.") if not name.startswith("lm_head.") else name, tensor)
+        for name, pieces in fused.items():
+            if set(pieces) != set(range(3 if "qkv_proj" in name else 2)):
+                raise ModelLoadError(f"incomplete fused weight {name}")
+            put(name.removeprefix("model."), torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
+        if self.config.tie_word_embeddings:
+            loaded.add("lm_head.weight")
+        absent = set(own) - loaded
+        if absent:
+            raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(absent)[:5])}")
+
+
+FUSED_PARTS = {  # transformers name -> (our fused name, position in the fused matrix)
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}

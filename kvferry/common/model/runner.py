@@ -1,0 +1,108 @@
+"""The model runner: the only part of the engine that knows about devices.
+
+It owns the model and the paged KV cache, turns a scheduler plan into tensors (token ids,
+positions, slot mapping, block tables, context lengths), runs the forward pass and samples.
+"""
+from dataclasses import dataclass
+
+import torch
+
+from kvferry.common.model.attention import PagedBatch
+from kvferry.common.model.llama import head_dim_of
+from kvferry.common.model.sampler import sample
+from kvferry.common.scheduler import StepPlan
+
+
+@dataclass(frozen=True)
+class KVCacheLayout:
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype_bytes: int
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def num_blocks_for_budget(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
+    return KVCacheLayout(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config),
+                         block_size, torch.empty((), dtype=dtype).element_size())
+
+
+class ModelRunner:
+    def __init__(self, model, layout: KVCacheLayout, num_blocks: int, device: torch.device, dtype: torch.dtype,
+                 seed: int | None = None):
+        self.model = model
+        self.layout = layout
+        self.device = device
+        self.num_blocks = num_blocks
+        shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, kvh, d]
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
+        # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
+        self.shared_generator = torch.Generator(device=device)
+        if seed is not None:
+            self.shared_generator.manual_seed(seed)
+        else:
+            self.shared_generator.seed()
+        self.seq_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self.seq_generators.pop(request_id, None)
+
+    def _generator_for(self, seq) -> torch.Generator | None:
+        if seq.params.greedy:
+            return None
+        if seq.params.seed is None:
+            return self.shared_generator
+        if seq.request_id not in self.seq_generators:
+            self.seq_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return self.seq_generators[seq.request_id]
+
+    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+        block_size = self.layout.block_size
+        input_ids, positions, slots, tables, context_lens, cu = [], [], [], [], [], [0]
+        for chunk in plan.chunks:
+            seq = chunk.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end] if plan.is_prefill else (seq.last_token_id,))
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+            tables.append(table[:-(-end // block_size)])
+            context_lens.append(end)
+            cu.append(cu[-1] + chunk.num_new_tokens)
+        width = max(len(t) for t in tables)
+        to = dict(device=self.device)
+        batch = PagedBatch(
+            k_caches=self.k_caches, v_caches=self.v_caches, is_prefill=plan.is_prefill,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, **to),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, **to),
+            context_lens=torch.tensor(context_lens, dtype=torch.int32, **to),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, **to),
+        )
+        return torch.tensor(input_ids, **to), torch.tensor(positions, **to), batch
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[int | None]:
+        """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it)."""
+        input_ids, positions, batch = self.prepare(plan)
+        hidden = self.model(input_ids, positions, batch)                  # [T, hidden]
+        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        if not sampling:
+            return [None] * len(plan.chunks)
+        # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
+        last = batch.cu_seqlens_q[1:][sampling] - 1
+        logits = self.model.compute_logits(hidden[last])                  # [num_sampling, vocab]
+        seqs = [plan.chunks[i].seq for i in sampling]
+        token_ids = sample(logits, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+        result: list[int | None] = [None] * len(plan.chunks)
+        for i, token_id in zip(sampling, token_ids):
+            result[i] = token_id
+        return result

@@ -1,0 +1,163 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Pure and deterministic. It owns the waiting and running queues and the block manager,
+takes sampled tokens back through `update`, and never touches tensors.
+
+A step is either a prefill step (prompt chunks, at most `max_num_batched_tokens` tokens
+in all) or a decode step (one token for every running sequence). Prompts go first, so a
+new request joins the running batch at the next step; a sequence leaves the batch on the
+step it finishes. When a decode step runs out of blocks, the newest sequence is
+preempted: its blocks are freed and it is recomputed later as one longer prompt.
+"""
+import bisect
+from dataclasses import dataclass, field
+
+from kvferry.common.block_manager import BlockManager
+from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    seq: Sequence
+    num_new_tokens: int  # computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether this chunk reaches the end of the sequence, so that its last logits are sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class StepPlan:
+    is_prefill: bool
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_new_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        if block_manager.num_blocks * block_manager.block_size < max_model_len:
+            raise ValueError(f"the KV pool ({block_manager.num_blocks * block_manager.block_size} tokens) "
+                             f"cannot hold one sequence of max_model_len={max_model_len} tokens")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: list[Sequence] = []  # sorted by arrival
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+        self._next_arrival = 0
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._finish(seq, FinishReason.ABORT)
+                    return seq
+        return None
+
+    def schedule(self) -> StepPlan:
+        plan = self._schedule_prefill()
+        return plan if plan.chunks else self._schedule_decode()
+
+    def _schedule_prefill(self) -> StepPlan:
+        plan = StepPlan(is_prefill=True)
+        budget = self.max_num_batched_tokens
+        # Prompts already admitted but cut by an earlier step's budget continue first.
+        for seq in self.running:
+            if seq.num_uncomputed_tokens > 1 and budget > 0:
+                n = min(seq.num_uncomputed_tokens, budget)
+                plan.chunks.append(ScheduledChunk(seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # A prompt's blocks are reserved whole on admission, so a chunked prompt never
+            # stalls half-way for lack of blocks.
+            num_new_blocks = self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)
+            if not self.block_manager.can_allocate(num_new_blocks):
+                break
+            self.waiting.pop(0)
+            self.block_manager.grow(seq.block_table, seq.num_tokens)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            n = min(seq.num_uncomputed_tokens, budget)
+            plan.chunks.append(ScheduledChunk(seq, n))
+            budget -= n
+        return plan
+
+    def _schedule_decode(self) -> StepPlan:
+        plan = StepPlan(is_prefill=False)
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)):
+                victim = self.running[-1]
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status == SequenceStatus.RUNNING:
+                self.block_manager.grow(seq.block_table, seq.num_tokens)
+                plan.chunks.append(ScheduledChunk(seq, 1))
+        return plan
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=lambda s: s.arrival)
+
+    def update(self, plan: StepPlan, sampled_token_ids: list[int | None]) -> list[Sequence]:
+        """Record a step's results; sampled_token_ids has one entry per chunk (None where it did not sample).
+        Returns the sequences that finished in this step."""
+        assert len(sampled_token_ids) == len(plan.chunks)
+        finished = []
+        for chunk, token_id in zip(plan.chunks, sampled_token_ids):
+            seq = chunk.seq
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            assert (token_id is not None) == chunk.samples
+            seq.num_computed_tokens += chunk.num_new_tokens
+            if token_id is None:
+                continue
+            seq.output_token_ids.append(token_id)
+            reason = self._finish_reason(seq, token_id)
+            if reason is not None:
+                self.running.remove(seq)
+                self._finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason

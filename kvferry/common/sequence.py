@@ -1,0 +1,53 @@
+"""One request's state as the scheduler sees it: tokens, progress and its block table."""
+import enum
+from dataclasses import dataclass, field
+
+from kvferry.common.sampling import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    FINISHED = 2
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 0     # EOS or a stop token
+    LENGTH = 1   # max_tokens or the model's maximum length
+    ABORT = 2
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: int = 0  # monotonically increasing admission order; preemption picks the largest
+    output_token_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    # Tokens whose KV is in the cache. After preemption it falls back to 0 and the
+    # prompt plus the outputs so far are recomputed as one longer prompt.
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,32 @@
+"""Paged-attention operations, dispatched by device: Triton on CUDA, the PyTorch reference elsewhere."""
+import torch
+
+from kvferry.kernels import reference
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return t.is_cuda
+
+
+def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
+    if _use_triton(key):
+        from kvferry.kernels.triton.store_kv import store_kv as impl
+    else:
+        impl = reference.store_kv
+    impl(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+    if _use_triton(query):
+        from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
+    else:
+        impl = reference.paged_decode_attention
+    return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor:
+    if _use_triton(query):
+        from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as impl
+    else:
+        impl = reference.paged_prefill_attention
+    return impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

@@ -1,0 +1,56 @@
+"""The fp32 compute floor of a workload: the time a perfect engine would need.
+
+Each step costs only the dense forward of transformers' own model (weights pass, no
+attention work to speak of, no scheduling), in the ideal schedule: every prompt prefilled
+in 512-token chunks, then every unfinished request decoded in every step. Same method as
+the reference measurement the project was specified with.
+"""
+import time
+
+import numpy as np
+import torch
+
+GRID = [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256, 512]
+PREFILL_CHUNK = 512
+
+
+@torch.inference_mode()
+def step_costs(hf_model, reps: int = 3) -> dict[int, float]:
+    """Seconds per forward for each grid size: above 64, one sequence of n tokens (logits for the last);
+    otherwise n sequences of one token."""
+    costs = {}
+    for n in GRID:
+        prefill_like = n > 64
+        ids = torch.randint(1000, 2000, (1, n)) if prefill_like else torch.randint(1000, 2000, (n, 1))
+
+        def forward():
+            if prefill_like:
+                hidden = hf_model.model(ids).last_hidden_state
+                hf_model.lm_head(hidden[:, -1])
+            else:
+                hf_model(ids)
+
+        forward()
+        start = time.perf_counter()
+        for _ in range(reps):
+            forward()
+        costs[n] = (time.perf_counter() - start) / reps
+    return costs
+
+
+def floor_from_costs(costs: dict[int, float], requests: list[dict]) -> dict:
+    def cost(n: int) -> float:
+        return float(np.interp(n, GRID, [costs[g] for g in GRID]))
+
+    prefill_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
+    prefill = (prefill_tokens // PREFILL_CHUNK) * costs[PREFILL_CHUNK] + cost(prefill_tokens % PREFILL_CHUNK)
+    outputs = sorted(r["max_tokens"] for r in requests)
+    decode = sum(cost(sum(1 for o in outputs if o > step)) for step in range(1, outputs[-1]))  # token 1: prefill
+    total = prefill + decode
+    return {"floor_s": round(total, 2), "prefill_s": round(prefill, 2), "decode_s": round(decode, 2),
+            "floor_output_tok_per_s": round(sum(outputs) / total, 1),
+            "step_ms": {k: round(v * 1000, 1) for k, v in costs.items()}}
+
+
+def measure_floor(hf_model, requests: list[dict]) -> dict:
+    return floor_from_costs(step_costs(hf_model), requests)

@@ -1,0 +1,104 @@
+"""Every Triton kernel against the PyTorch reference under TRITON_INTERPRET=1, and the reference
+against plain dense attention."""
+import math
+
+import pytest
+import torch
+
+from kvferry.kernels import reference
+from kvferry.kernels.triton.decode_attention import paged_decode_attention as triton_decode
+from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as triton_prefill
+from kvferry.kernels.triton.store_kv import store_kv as triton_store_kv
+
+SHAPES = [  # (num_heads, num_kv_heads, head_dim)
+    (4, 4, 16),   # MHA
+    (6, 2, 32),   # GQA, group 3
+    (4, 1, 24),   # MQA, head_dim not a power of two
+]
+
+
+def make_paged(context_lens, block_size, num_kv_heads, head_dim, seed=0):
+    """A shuffled pool, so that the tables are not contiguous, with random K/V in every slot."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // block_size) for n in context_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, cursor = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[cursor:cursor + n])
+        cursor += n
+    width = max(blocks_per_seq)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    return k_cache, v_cache, block_tables
+
+
+def dense_attention(q, k, v, scale, q_offset):
+    """q [q_len, H, d] at positions q_offset.., k/v [ctx, kvh, d]; causal."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    qpos = torch.arange(q.shape[0])[:, None] + q_offset
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > qpos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_store_kv_matches_reference(block_size, shape):
+    _, num_kv_heads, head_dim = shape
+    g = torch.Generator().manual_seed(1)
+    num_blocks, num_tokens = 6, 13
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:num_tokens]
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=g)
+    caches = [torch.zeros(num_blocks, block_size, num_kv_heads, head_dim) for _ in range(4)]
+    reference.store_kv(key, value, caches[0], caches[1], slots)
+    triton_store_kv(key, value, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    flat = caches[2].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(flat[slots], key)
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_decode_attention_matches_reference(block_size, shape):
+    num_heads, num_kv_heads, head_dim = shape
+    context_lens = [1, block_size, 3 * block_size + 5, 70]  # ragged, including exact block ends
+    k_cache, v_cache, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(2))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = 1 / math.sqrt(head_dim)
+    ref = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    out = triton_decode(q, k_cache, v_cache, block_tables, lens, scale)
+    assert (out - ref).abs().max().item() <= 1e-4
+    for i, n in enumerate(context_lens):  # the reference itself against dense attention
+        k = reference.gather_context(k_cache, block_tables[i], n)
+        v = reference.gather_context(v_cache, block_tables[i], n)
+        dense = dense_attention(q[i:i + 1], k, v, scale, q_offset=n - 1)
+        assert (ref[i:i + 1] - dense).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prefill_attention_over_paged_prefix_matches_reference(block_size, shape):
+    num_heads, num_kv_heads, head_dim = shape
+    # (prefix already cached, new tokens): plain prompts, a chunk after a prefix, single tokens
+    cases = [(0, 37), (block_size + 3, 20), (2 * block_size, 1), (5, 40)]
+    context_lens = [p + n for p, n in cases]
+    k_cache, v_cache, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
+    q_lens = [n for _, n in cases]
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(3))
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    scale = 1 / math.sqrt(head_dim)
+    ref = reference.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, lens, scale)
+    out = triton_prefill(q, k_cache, v_cache, block_tables, cu, lens, scale)
+    assert (out - ref).abs().max().item() <= 1e-4
+    for i, (prefix, n) in enumerate(cases):
+        k = reference.gather_context(k_cache, block_tables[i], prefix + n)
+        v = reference.gather_context(v_cache, block_tables[i], prefix + n)
+        dense = dense_attention(q[cu[i]:cu[i + 1]], k, v, scale, q_offset=prefix)
+        assert (ref[cu[i]:cu[i + 1]] - dense).abs().max().item() <= 1e-5
