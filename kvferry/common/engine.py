@@ -45,15 +45,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, log=sys.stderr):
-        from transformers import AutoTokenizer
-
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = resolve_model(config.model)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
         self.model, self.hf_config, max_model_len = load_model(model_dir, self.dtype, self.device, config.max_model_len)
         layout = kv_cache_layout(self.hf_config, config.block_size, self.dtype)
         num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
@@ -76,6 +74,8 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequest("this model folder has no tokenizer: pass token ids, not text")
         if chat:
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                                            add_generation_prompt=True, return_dict=False))
@@ -145,9 +145,19 @@ class LLMEngine:
         while self.has_unfinished():
             for out in self.step():
                 if out.finished:
-                    out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
+                    if self.tokenizer is not None:
+                        out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+def load_tokenizer(model_dir):
+    """The folder's tokenizer, or None for a weights-only folder (tests' tiny models): such an engine takes token ids."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:

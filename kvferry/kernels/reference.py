@@ -23,24 +23,36 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
 
 
+# Sequences gathered per pass in decode: small enough that the gathered K/V (a few MB) is
+# still in the last-level cache when SDPA reads it, large enough to keep op counts low.
+DECODE_GATHER_SEQS = 8
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """One new token per sequence attending to its whole cached context.
     query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
     batch, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-    # Gathering a [batch, kvh, len, d] view once per layer and running two batched matmuls
-    # beats a per-sequence loop by far on the CPU.
-    keys = k_cache[block_tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)    # [B, kvh, L, d]
-    values = v_cache[block_tables].view(batch, max_len, num_kv_heads, head_dim).transpose(1, 2)  # [B, kvh, L, d]
-    q = query.view(batch, num_kv_heads, group, head_dim)                                            # [B, kvh, g, d]
-    scores = torch.matmul(q, keys.transpose(2, 3)) * scale                                          # [B, kvh, g, L]
-    padding = torch.arange(max_len, device=query.device)[None, :] >= context_lens[:, None]           # [B, L]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, values).view(batch, num_heads, head_dim)                             # [B, H, d]
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one block per row
+    lens = context_lens.tolist()
+    out = torch.empty_like(query)
+    for start in range(0, batch, DECODE_GATHER_SEQS):
+        end = min(batch, start + DECODE_GATHER_SEQS)
+        longest = max(lens[start:end])
+        num_blocks_used = -(-longest // block_size)
+        # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
+        # [n, kvh, len, d] views in place, strides and all.
+        rows = block_tables[start:end, :num_blocks_used].flatten().long()
+        shape = (end - start, num_blocks_used * block_size, num_kv_heads, head_dim)
+        keys = k_rows.index_select(0, rows).view(shape)[:, :longest].transpose(1, 2)    # [n, kvh, len, d]
+        values = v_rows.index_select(0, rows).view(shape)[:, :longest].transpose(1, 2)  # [n, kvh, len, d]
+        mask = None
+        if min(lens[start:end]) < longest:
+            mask = (torch.arange(longest, device=query.device)[None, :] < context_lens[start:end, None])[:, None, None]
+        out[start:end] = F.scaled_dot_product_attention(query[start:end, :, None, :], keys, values, attn_mask=mask,
+                                                        scale=scale, enable_gqa=True)[:, :, 0, :]  # [n, H, d]
+    return out
 
 
 def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused kernel; the same maths as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -28,6 +30,11 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_positions, head_dim], computed as transformers does."""
+    with torch.device("cpu"):  # real numbers even while the model is being built on the meta device
+        return _rope_cos_sin(config, max_positions)
+
+
+def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -78,13 +85,17 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, batch) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)     # [T, H, d]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(qkv[:, :self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(num_tokens, self.num_kv_heads, -1))
+            qk = torch.cat((q, k), dim=1)
+        else:
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+        # q and k sit side by side in the fused output: one RoPE pass rotates both.
+        qk = apply_rope(qk, cos, sin)                            # [T, H + kvh, d]
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]     # [T, H, d], [T, kvh, d]
         out = batch.attend(self.layer_idx, q, k, v, self.scale)   # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -156,4 +156,4 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
     for f in files:
         weights.update(load_file(f, device=str(device)))
     model.load_hf_state_dict(weights)
-    return model.to(dtype).eval(), config, max_model_len
+    return model.to(dtype).eval().requires_grad_(False), config, max_model_len

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from kvferry.common.model.attention import PagedBatch
+from kvferry.common.model.cpu_linear import can_pack, pack_linears
+from kvferry.common.model.cpu_memory import keep_freed_memory
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.sampler import sample
 from kvferry.common.scheduler import StepPlan
@@ -41,6 +43,10 @@ class ModelRunner:
         self.layout = layout
         self.device = device
         self.num_blocks = num_blocks
+        if device.type == "cpu":
+            keep_freed_memory()
+        if can_pack(device, dtype):
+            pack_linears(model)
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, kvh, d]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
@@ -52,6 +58,7 @@ class ModelRunner:
         else:
             self.shared_generator.seed()
         self.seq_generators: dict[str, torch.Generator] = {}
+        self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests and logprobs
 
     def release(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
@@ -100,6 +107,7 @@ class ModelRunner:
         # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
         last = batch.cu_seqlens_q[1:][sampling] - 1
         logits = self.model.compute_logits(hidden[last])                  # [num_sampling, vocab]
+        self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
         token_ids = sample(logits, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
         result: list[int | None] = [None] * len(plan.chunks)

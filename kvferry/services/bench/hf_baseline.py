@@ -6,8 +6,7 @@ import torch
 
 @torch.inference_mode()
 def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int = 256) -> dict:
-    from transformers import GenerationConfig
-    from transformers.generation.continuous_batching import ContinuousBatchingConfig
+    from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests),
                                          eos_token_id=-1, pad_token_id=0)

@@ -30,13 +30,16 @@ class ContiguousBatch:
         return out[:, :, 0, :]
 
 
-def _time(fn, reps: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):  # best of: the machine is shared, the minimum is the least disturbed run
-        start = time.perf_counter()
+def _best_times(fns: list, reps: int) -> list[float]:
+    """Best-of-reps seconds for each fn, run interleaved so that drift on a shared machine hits all alike."""
+    for fn in fns:
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(reps):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -67,7 +70,6 @@ def paging_overhead(engine, batch: int = 32, context: int = 256, reps: int = 10)
     def step(attention_batch):
         return lambda: model.compute_logits(model(input_ids, positions, attention_batch))
 
-    paged_s = _time(step(paged), reps)
-    contiguous_s = _time(step(contiguous), reps)
+    paged_s, contiguous_s = _best_times([step(paged), step(contiguous)], reps)
     return {"batch": batch, "context": context, "paged_step_ms": round(paged_s * 1000, 1),
             "contiguous_step_ms": round(contiguous_s * 1000, 1), "overhead": round(paged_s / contiguous_s, 3)}

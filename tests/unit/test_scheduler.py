@@ -1,0 +1,206 @@
+"""The scheduler driven by a fake model runner: joins, leaves, budgets, preemption, and a property
+test over random workloads with arrivals, finishes and aborts."""
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvferry.common.block_manager import BlockManager
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.scheduler import Scheduler
+from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
+
+EOS = 0
+
+
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64):
+    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, max_model_len,
+                     eos_token_ids=(EOS,))
+
+
+def seq(name, prompt_len, max_tokens=4, ignore_eos=True):
+    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0,
+                                                                         ignore_eos=ignore_eos))
+
+
+class FakeRunner:
+    """Stands in for the model: checks what a real runner would need, and samples from a seeded rng."""
+
+    def __init__(self, scheduler, seed=0, eos_rate=0.0):
+        self.scheduler = scheduler
+        self.rng = random.Random(seed)
+        self.eos_rate = eos_rate
+
+    def execute(self, plan):
+        bs = self.scheduler.block_manager.block_size
+        assert plan.num_tokens <= self.scheduler.max_num_batched_tokens
+        for chunk in plan.chunks:
+            s = chunk.seq
+            assert s.status == SequenceStatus.RUNNING
+            # The blocks for every token computed in this step are there.
+            assert len(s.block_table) * bs >= s.num_computed_tokens + chunk.num_new_tokens
+            if not plan.is_prefill:
+                assert chunk.num_new_tokens == 1 and s.num_uncomputed_tokens == 1
+        return [(EOS if self.rng.random() < self.eos_rate else self.rng.randrange(1, 100)) if c.samples else None
+                for c in plan.chunks]
+
+
+def step(scheduler, runner):
+    plan = scheduler.schedule()
+    return plan, scheduler.update(plan, runner.execute(plan))
+
+
+def check_accounting(scheduler):
+    bm = scheduler.block_manager
+    held = [b for s in scheduler.running for b in s.block_table]
+    assert len(held) == len(set(held)), "a block is in two tables"
+    assert not set(held) & set(bm.free_ids), "a block is both held and free"
+    assert len(held) + bm.num_free_blocks == bm.num_blocks, "a block leaked"
+    assert all(bm.ref_counts[b] == 1 for b in held)
+    assert all(not s.block_table and s.num_computed_tokens == 0 for s in scheduler.waiting)
+    for s in scheduler.running:
+        # Never a block beyond the sequence's own tokens: the waste is under one block (the last one's tail).
+        assert bm.num_blocks_for(s.num_computed_tokens) <= len(s.block_table) <= bm.num_blocks_for(s.num_tokens)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def test_new_sequence_joins_at_next_step_and_finished_leaves_at_once():
+    sch = make()
+    runner = FakeRunner(sch)
+    a = seq("a", 5, max_tokens=3)
+    sch.add(a)
+    plan, _ = step(sch, runner)
+    assert plan.is_prefill and [c.seq for c in plan.chunks] == [a]
+    plan, _ = step(sch, runner)
+    assert not plan.is_prefill and [c.seq for c in plan.chunks] == [a]
+    b = seq("b", 3, max_tokens=5)
+    sch.add(b)
+    plan, _ = step(sch, runner)  # b's prompt runs at once ...
+    assert plan.is_prefill and [c.seq for c in plan.chunks] == [b]
+    plan, finished = step(sch, runner)  # ... and b decodes with a at the next step, where a finishes
+    assert [c.seq for c in plan.chunks] == [a, b]
+    assert finished == [a] and a.finish_reason == FinishReason.LENGTH and len(a.output_token_ids) == 3
+    assert sch.running == [b] and a.block_table == []
+    plan, _ = step(sch, runner)
+    assert [c.seq for c in plan.chunks] == [b]
+
+
+def test_token_budget_chunks_long_prompts():
+    sch = make(max_num_batched_tokens=8)
+    runner = FakeRunner(sch)
+    a, b = seq("a", 20), seq("b", 6)
+    sch.add(a)
+    sch.add(b)
+    sizes = []
+    while a.num_computed_tokens < 20 or b.num_computed_tokens < 6:
+        plan, _ = step(sch, runner)
+        assert plan.is_prefill
+        sizes.append([(c.seq.request_id, c.num_new_tokens) for c in plan.chunks])
+    assert sizes == [[("a", 8)], [("a", 8)], [("a", 4), ("b", 4)], [("b", 2)]]
+    assert len(a.output_token_ids) == 1 and len(b.output_token_ids) == 1
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    sch = make(max_num_seqs=2)
+    runner = FakeRunner(sch)
+    for i in range(3):
+        sch.add(seq(f"s{i}", 2))
+    step(sch, runner)
+    assert [s.request_id for s in sch.running] == ["s0", "s1"] and len(sch.waiting) == 1
+
+
+def test_preempts_newest_by_recompute_when_blocks_run_out():
+    # 4 blocks of 4 tokens: two sequences of 7 tokens fill them; growing past 8 needs a fifth.
+    sch = make(num_blocks=4, block_size=4, max_model_len=16)
+    runner = FakeRunner(sch)
+    old, new = seq("old", 7, max_tokens=6), seq("new", 7, max_tokens=6)
+    sch.add(old)
+    sch.add(new)
+    step(sch, runner)  # both prompts; each samples its 8th token
+    plan, _ = step(sch, runner)  # decode: both write token 8 into their second block, sample the 9th
+    plan = sch.schedule()  # token 9 needs a third block each: only the newest is preempted
+    assert plan.preempted == [new] and [c.seq for c in plan.chunks] == [old]
+    assert new.status == SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert sch.waiting == [new] and new.num_preemptions == 1
+    sch.update(plan, runner.execute(plan))
+    check_accounting(sch)
+    while sch.has_unfinished:
+        step(sch, runner)
+        check_accounting(sch)
+    # The recomputed sequence kept its outputs and still got exactly max_tokens.
+    assert len(new.output_token_ids) == 6 and len(old.output_token_ids) == 6
+    assert sch.block_manager.num_free_blocks == 4
+
+
+def test_abort_frees_blocks_anywhere():
+    sch = make()
+    runner = FakeRunner(sch)
+    a, b = seq("a", 5), seq("b", 5)
+    sch.add(a)
+    step(sch, runner)
+    sch.add(b)
+    assert sch.abort("a") is a and a.finish_reason == FinishReason.ABORT
+    assert sch.abort("b") is b and sch.abort("nope") is None
+    assert not sch.has_unfinished and sch.block_manager.num_free_blocks == sch.block_manager.num_blocks
+
+
+def test_eos_stops_unless_ignored_and_model_length_caps():
+    sch = make(max_model_len=8)
+    runner = FakeRunner(sch, eos_rate=1.0)
+    stops, ignores = seq("stops", 3, max_tokens=10, ignore_eos=False), seq("ignores", 3, max_tokens=10)
+    sch.add(stops)
+    sch.add(ignores)
+    while sch.has_unfinished:
+        step(sch, runner)
+    assert stops.finish_reason == FinishReason.STOP and stops.output_token_ids == [EOS]
+    assert ignores.finish_reason == FinishReason.LENGTH and ignores.num_tokens == 8
+
+
+def test_scheduler_is_deterministic():
+    def run():
+        sch = make(num_blocks=6, block_size=4, max_model_len=24)
+        runner = FakeRunner(sch, seed=3, eos_rate=0.1)
+        for i in range(6):
+            sch.add(seq(f"s{i}", 3 + 2 * i, max_tokens=5 + i, ignore_eos=False))
+        trace = []
+        while sch.has_unfinished:
+            plan, _ = step(sch, runner)
+            trace.append((plan.is_prefill, [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks],
+                           [s.request_id for s in plan.preempted]))
+        return trace
+
+    assert run() == run()
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 24),
+       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 24), seed=st.integers(0, 2**16))
+def test_random_workloads_keep_block_accounting_and_finish(data, block_size, num_blocks, max_num_seqs, budget, seed):
+    max_model_len = min(24, num_blocks * block_size)
+    sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len)
+    runner = FakeRunner(sch, seed=seed, eos_rate=0.05)
+    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 30), st.integers(1, max_model_len - 1),
+                                            st.integers(1, 12), st.booleans()), min_size=1, max_size=12))
+    aborts = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4))
+    seqs = []
+    for t in range(400):
+        for i, (at, plen, max_tokens, ignore_eos) in enumerate(arrivals):
+            if at == t:
+                s = seq(f"r{i}", plen, max_tokens, ignore_eos)
+                seqs.append(s)
+                sch.add(s)
+        for at, idx in aborts:
+            if at == t and idx < len(seqs):
+                sch.abort(seqs[idx].request_id)
+        if sch.has_unfinished:
+            step(sch, runner)
+        check_accounting(sch)
+        if t > 30 and not sch.has_unfinished:
+            break
+    assert not sch.has_unfinished, "a request never finished"
+    assert len(seqs) == len(arrivals)
+    assert sch.block_manager.num_free_blocks == num_blocks, "blocks leaked"
+    for s in seqs:
+        assert s.is_finished
+        assert s.finish_reason == FinishReason.ABORT or 1 <= len(s.output_token_ids) <= s.params.max_tokens
+        assert s.num_tokens <= max_model_len
