@@ -1,0 +1,106 @@
+"""Bad input gets one clear error naming the value or limit, and never takes the engine down."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+from kvferry.common.errors import InvalidRequest, ModelLoadError
+from kvferry.common.model.loader import resolve_model
+from kvferry.common.sampling import SamplingParams
+from tests.tiny_models import save_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("llama", folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return LLMEngine(EngineConfig(model=str(tiny_dir), kv_cache_memory=2**20))
+
+
+def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine):
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.add_request([])
+    with pytest.raises(InvalidRequest, match=r"256 tokens.*maximum of 255"):
+        engine.add_request([5] * 256)
+    with pytest.raises(InvalidRequest, match=r"token id 99999 .*vocabulary"):
+        engine.add_request([5, 99999])
+    with pytest.raises(InvalidRequest, match="temperature"):
+        engine.add_request([5, 6], SamplingParams(temperature=math.nan))
+    with pytest.raises(InvalidRequest, match="top_p"):
+        engine.add_request([5, 6], SamplingParams(top_p=-1))
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        engine.add_request("text needs a tokenizer")
+    assert not engine.has_unfinished()
+    [out] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert len(out.output_token_ids) == 4
+
+
+def test_unknown_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="model path not found: .*nowhere"):
+        resolve_model(tmp_path / "nowhere")
+
+
+def test_unsupported_architecture_is_named_with_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ModelLoadError) as err:
+        resolve_model(tmp_path)
+    message = str(err.value)
+    assert "'gpt2'" in message and all(a in message for a in ("llama", "mistral", "qwen2", "qwen3"))
+
+
+def test_unsupported_gguf_fails_before_any_conversion(tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", str(tmp_path / "cache"))
+    path = tmp_path / "tiny-gpt2.gguf"
+    writer = GGUFWriter(str(path), "gpt2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="'gpt2'"):
+        resolve_model(path)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ModelLoadError, match="not a readable GGUF"):
+        resolve_model(junk)
+    assert not (tmp_path / "cache" / "models").exists() or not any((tmp_path / "cache" / "models").iterdir())
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--model", "/no/such/model"], "model path not found: /no/such/model"),
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--top-p", "0"], "top_p must be in (0, 1]"),
+    (["--max-tokens", "-2"], "max_tokens must be a positive integer"),
+])
+def test_cli_prints_one_line_errors_without_traceback(tiny_dir, args, expected):
+    base = ["generate", "--prompt", "hi", "--model", str(tiny_dir)]
+    result = run_cli(*base, *args)
+    assert result.returncode == 2
+    assert f"kvferry: error: {expected}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_cli_generate_with_the_default_model():
+    ok = run_cli("generate", "--prompt", "The capital of France is", "--max-tokens", "6", "--num-threads", "2")
+    assert ok.returncode == 0, ok.stderr
+    assert "Paris" in ok.stdout and "KV cache" in ok.stderr
+    empty = run_cli("generate", "--prompt", "")
+    assert empty.returncode == 2 and "the prompt is empty" in empty.stderr and "Traceback" not in empty.stderr
+    too_long = run_cli("generate", "--prompt", "word " * 100, "--max-model-len", "64")
+    assert too_long.returncode == 2 and "max_model_len 64" in too_long.stderr and "Traceback" not in too_long.stderr

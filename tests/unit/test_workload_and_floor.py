@@ -1,0 +1,39 @@
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from kvferry.services.bench import workload
+from kvferry.services.bench.floor import GRID, floor_from_costs
+
+REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "workload.py"
+
+
+@pytest.mark.skipif(not REFERENCE.is_file(), reason="../shared/bench is not beside this clone")
+@pytest.mark.parametrize("name", ["std-32", "std-128"])
+@pytest.mark.parametrize("rate,seed,vocab", [(0.0, 0, 49152), (2.0, 0, 49152), (0.5, 3, 32000)])
+def test_workload_matches_the_reference_request_for_request(name, rate, seed, vocab):
+    spec = importlib.util.spec_from_file_location("reference_workload", REFERENCE)
+    ref = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ref)
+    assert workload.generate(name, vocab, rate, seed) == ref.generate(name, vocab, rate, seed)
+
+
+def test_workload_shape():
+    reqs = workload.generate("std-32")
+    assert len(reqs) == 32 and len({r["id"] for r in reqs}) == 32
+    assert all(32 <= len(r["prompt_token_ids"]) <= 384 and 32 <= r["max_tokens"] <= 256 for r in reqs)
+    assert all(256 <= t < 49152 - 256 for r in reqs for t in r["prompt_token_ids"])
+    assert workload.generate("std-32") == reqs  # seeded
+
+
+def test_floor_arithmetic_on_known_costs():
+    # Cost n/10 s for a step of n tokens (sequences): prefill in 512 chunks, decode with every unfinished request.
+    costs = {n: n / 10 for n in GRID}
+    reqs = [{"prompt_token_ids": [0] * 600, "max_tokens": 3}, {"prompt_token_ids": [0] * 100, "max_tokens": 2}]
+    floor = floor_from_costs(costs, reqs)
+    # prefill: one 512 chunk + 188 tokens; decode: step 1 has 2 unfinished (3 > 1, 2 > 1), step 2 has 1.
+    assert floor["prefill_s"] == pytest.approx(70.0)
+    assert floor["decode_s"] == pytest.approx(0.3)
+    assert floor["floor_s"] == pytest.approx(70.3)
+    assert floor["floor_output_tok_per_s"] == pytest.approx(round(5 / 70.3, 1))
