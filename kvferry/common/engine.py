@@ -12,7 +12,7 @@ import torch
 
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
-from kvferry.common.errors import InvalidRequest
+from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams
@@ -56,7 +56,7 @@ class LLMEngine:
         layout = kv_cache_layout(self.hf_config, config.block_size, self.dtype)
         num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
         if num_blocks < 1:
-            raise InvalidRequest(f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block "
+            raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block "
                                  f"({layout.bytes_per_block} bytes each)")
         if num_blocks * config.block_size < max_model_len:
             max_model_len = num_blocks * config.block_size

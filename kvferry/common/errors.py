@@ -11,3 +11,7 @@ class InvalidRequest(KvferryError, ValueError):
 
 class ModelLoadError(KvferryError):
     """A model path or architecture kvferry cannot load."""
+
+
+class ConfigError(KvferryError, ValueError):
+    """Settings that cannot work together."""

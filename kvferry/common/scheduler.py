@@ -13,6 +13,7 @@ import bisect
 from dataclasses import dataclass, field
 
 from kvferry.common.block_manager import BlockManager
+from kvferry.common.errors import ConfigError
 from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -41,8 +42,12 @@ class StepPlan:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        if max_num_batched_tokens < max_num_seqs:
+            # A decode step runs one token per sequence, all under the same budget.
+            raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
+                              f"max_num_seqs ({max_num_seqs})")
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
-            raise ValueError(f"the KV pool ({block_manager.num_blocks * block_manager.block_size} tokens) "
+            raise ConfigError(f"the KV pool ({block_manager.num_blocks * block_manager.block_size} tokens) "
                              f"cannot hold one sequence of max_model_len={max_model_len} tokens")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs

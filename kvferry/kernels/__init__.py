@@ -16,12 +16,15 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor:
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                           reference_plan=None) -> torch.Tensor:
+    """reference_plan: reference.plan_decode's result, built once per step and shared by the layers."""
     if _use_triton(query):
         from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
-    else:
-        impl = reference.paged_decode_attention
-    return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+
+        return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                            plan=reference_plan)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor:

@@ -4,6 +4,8 @@ They run on the CPU and are the oracle that the Triton kernels are tested agains
 Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A block table
 row lists a sequence's block ids; entries past its context are padding (any valid id).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -28,30 +30,48 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 DECODE_GATHER_SEQS = 8
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-    """One new token per sequence attending to its whole cached context.
-    query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
-    batch, num_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
-    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one block per row
+@dataclass
+class DecodeChunk:
+    start: int
+    end: int
+    rows: torch.Tensor          # [n * num_blocks] int64 block ids, flattened
+    longest: int                # the chunk's longest context
+    mask: torch.Tensor | None   # [n, 1, 1, longest] visible keys; None when all lengths are equal
+
+
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int) -> list[DecodeChunk]:
+    """The per-step half of decode attention: the same for every layer, so a step builds it once."""
     lens = context_lens.tolist()
-    out = torch.empty_like(query)
-    for start in range(0, batch, DECODE_GATHER_SEQS):
-        end = min(batch, start + DECODE_GATHER_SEQS)
+    chunks = []
+    for start in range(0, len(lens), DECODE_GATHER_SEQS):
+        end = min(len(lens), start + DECODE_GATHER_SEQS)
         longest = max(lens[start:end])
-        num_blocks_used = -(-longest // block_size)
-        # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
-        # [n, kvh, len, d] views in place, strides and all.
-        rows = block_tables[start:end, :num_blocks_used].flatten().long()
-        shape = (end - start, num_blocks_used * block_size, num_kv_heads, head_dim)
-        keys = k_rows.index_select(0, rows).view(shape)[:, :longest].transpose(1, 2)    # [n, kvh, len, d]
-        values = v_rows.index_select(0, rows).view(shape)[:, :longest].transpose(1, 2)  # [n, kvh, len, d]
+        rows = block_tables[start:end, :-(-longest // block_size)].flatten().long()
         mask = None
         if min(lens[start:end]) < longest:
-            mask = (torch.arange(longest, device=query.device)[None, :] < context_lens[start:end, None])[:, None, None]
-        out[start:end] = F.scaled_dot_product_attention(query[start:end, :, None, :], keys, values, attn_mask=mask,
-                                                        scale=scale, enable_gqa=True)[:, :, 0, :]  # [n, H, d]
+            positions = torch.arange(longest, device=context_lens.device)
+            mask = (positions[None, :] < context_lens[start:end, None])[:, None, None, :]
+        chunks.append(DecodeChunk(start, end, rows, longest, mask))
+    return chunks
+
+
+def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                           plan: list[DecodeChunk] | None = None) -> torch.Tensor:
+    """One new token per sequence attending to its whole cached context.
+    query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one block per row
+    out = torch.empty_like(query)
+    for c in plan or plan_decode(block_tables, context_lens, block_size):
+        # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
+        # [n, kvh, len, d] views in place, strides and all.
+        shape = (c.end - c.start, -1, num_kv_heads, head_dim)
+        keys = k_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)    # [n, kvh, len, d]
+        values = v_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)  # [n, kvh, len, d]
+        out[c.start:c.end] = F.scaled_dot_product_attention(
+            query[c.start:c.end, :, None, :], keys, values, attn_mask=c.mask, scale=scale,
+            enable_gqa=True)[:, :, 0, :]                                                     # [n, H, d]
     return out
 
 

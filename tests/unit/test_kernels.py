@@ -64,9 +64,13 @@ def test_store_kv_matches_reference(block_size, shape):
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_decode_attention_matches_reference(block_size, shape):
+@pytest.mark.parametrize("ragged", [True, False])
+def test_decode_attention_matches_reference(block_size, shape, ragged):
     num_heads, num_kv_heads, head_dim = shape
-    context_lens = [1, block_size, 3 * block_size + 5, 70]  # ragged, including exact block ends
+    if ragged:  # exact block ends included, and more sequences than the reference gathers per pass
+        context_lens = [1, block_size, 3 * block_size + 5, 70, 2, 33, block_size + 1, 9, 64, 17, 5]
+    else:
+        context_lens = [2 * block_size + 3] * 3
     k_cache, v_cache, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(2))
     lens = torch.tensor(context_lens, dtype=torch.int32)

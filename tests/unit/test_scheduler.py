@@ -2,6 +2,7 @@
 test over random workloads with arrivals, finishes and aborts."""
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -172,10 +173,12 @@ def test_scheduler_is_deterministic():
     assert run() == run()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 24),
-       max_num_seqs=st.integers(1, 6), budget=st.integers(1, 24), seed=st.integers(0, 2**16))
-def test_random_workloads_keep_block_accounting_and_finish(data, block_size, num_blocks, max_num_seqs, budget, seed):
+       max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 18), seed=st.integers(0, 2**16))
+def test_random_workloads_keep_block_accounting_and_finish(data, block_size, num_blocks, max_num_seqs, extra_budget,
+                                                           seed):
+    budget = max_num_seqs + extra_budget
     max_model_len = min(24, num_blocks * block_size)
     sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len)
     runner = FakeRunner(sch, seed=seed, eos_rate=0.05)
@@ -204,3 +207,12 @@ def test_random_workloads_keep_block_accounting_and_finish(data, block_size, num
         assert s.is_finished
         assert s.finish_reason == FinishReason.ABORT or 1 <= len(s.output_token_ids) <= s.params.max_tokens
         assert s.num_tokens <= max_model_len
+
+
+def test_settings_that_cannot_work_are_refused():
+    from kvferry.common.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        make(max_num_seqs=8, max_num_batched_tokens=4)
+    with pytest.raises(ConfigError, match="max_model_len=64"):
+        make(num_blocks=2, block_size=4, max_model_len=64)

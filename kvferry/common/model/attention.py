@@ -1,9 +1,10 @@
 """What one step's attention needs: the paged KV caches and the batch layout over them."""
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from kvferry import kernels
+from kvferry.kernels import reference
 
 
 @dataclass
@@ -15,6 +16,7 @@ class PagedBatch:
     block_tables: torch.Tensor    # [num_seqs, max_blocks] int32, padded with 0
     context_lens: torch.Tensor    # [num_seqs] int32, cached + new tokens
     cu_seqlens_q: torch.Tensor    # [num_seqs + 1] int32, new-token offsets (prefill only)
+    _reference_plan: list | None = field(default=None, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this step's k/v [T, kvh, d], then attend q [T, H, d] over the cache -> [T, H, d]."""
@@ -23,4 +25,7 @@ class PagedBatch:
         if self.is_prefill:
             return kernels.paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q,
                                                    self.context_lens, scale)
-        return kernels.paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale)
+        if self._reference_plan is None and not q.is_cuda:  # every layer shares one gather plan
+            self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache.shape[1])
+        return kernels.paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale,
+                                              reference_plan=self._reference_plan)

@@ -91,4 +91,6 @@ def _summary(report: dict) -> None:
     if "paging" in report:
         p = report["paging"]
         print(f"paging overhead             {p['overhead']:>10}x  (decode step, batch {p['batch']}, context "
-              f"{p['context']}: paged {p['paged_step_ms']} ms, contiguous {p['contiguous_step_ms']} ms)")
+              f"{p['context']}: paged {p['paged_step_ms']} ms, preallocated contiguous {p['contiguous_step_ms']} ms)")
+        print(f"  vs a growing cache        {p['overhead_vs_growing']:>10}x  (contiguous, concatenated each step as "
+              f"transformers' default cache: {p['growing_step_ms']} ms)")
