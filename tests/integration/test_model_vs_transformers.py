@@ -16,7 +16,7 @@ from tests.tiny_models import VOCAB, save_tiny_model
 def test_logits_match_transformers(tmp_path, arch, block_size):
     hf = save_tiny_model(arch, tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=block_size, kv_cache_memory=2**20,
-                                    max_num_batched_tokens=24))  # forces prompts to be prefilled in chunks
+                                    max_num_seqs=8, max_num_batched_tokens=24))  # prompts get prefilled in chunks
     rng = random.Random(arch)
     prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 40, 9, 1)}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
