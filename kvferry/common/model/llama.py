@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_positions, head_dim], computed as transformers does."""
-    with torch.device("cpu"):  # real numbers even while the model is being built on the meta device
+    with torch.device("cpu"):  # the tables are computed in fp32 on the CPU whatever device the model is built on
         return _rope_cos_sin(config, max_positions)
 
 
@@ -136,17 +136,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.max_positions = max_positions
-        self.tie_weights()
-        self.init_rope()
-
-    def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    def init_rope(self) -> None:
-        """(Re)compute the RoPE tables; needed again after the module is moved off the meta device."""
-        cos, sin = rope_cos_sin(self.config, self.max_positions)
+        cos, sin = rope_cos_sin(config, max_positions)
         device = self.embed_tokens.weight.device
         self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin.to(device), persistent=False)

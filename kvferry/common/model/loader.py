@@ -3,6 +3,7 @@
 A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it)
 into a cache folder, so that every later start reads plain safetensors in about a second.
 """
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -129,6 +130,22 @@ def max_model_len_of(config) -> int:
     return limit
 
 
+@contextlib.contextmanager
+def skip_weight_init():
+    """Build layers without random initialisation: every weight is overwritten by the checkpoint at once.
+    (The meta device would do too, but initialising on it pulls in torch's compiler stack: a second more.)"""
+    from torch import nn
+
+    saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
+    try:
+        for cls in saved:
+            cls.reset_parameters = lambda self: None
+        yield
+    finally:
+        for cls, method in saved.items():
+            cls.reset_parameters = method
+
+
 def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None):
     """Build the model from a resolved folder and load its safetensors. Returns (model, hf_config, max_model_len)."""
     import torch
@@ -146,12 +163,8 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors weights in {model_dir}")
-    # Built on the meta device: random initialisation of weights about to be overwritten is wasted time.
-    with torch.device("meta"):
+    with skip_weight_init(), torch.device(device):
         model = LlamaModel(config, max_model_len)
-    model.to_empty(device=device)
-    model.tie_weights()
-    model.init_rope()
     weights = {}
     for f in files:
         weights.update(load_file(f, device=str(device)))
