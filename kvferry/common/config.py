@@ -31,28 +31,35 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads for this process
     seed: int | None = None
 
+    def __post_init__(self):
+        from kvferry.common.errors import ConfigError
+
+        if self.block_size not in (8, 16, 32):
+            raise ConfigError(f"block_size must be 8, 16 or 32, got {self.block_size}")
+        for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
+        # Defaults stay strings: argparse then parses an environment value exactly like a flag,
+        # and a bad one gets the same one-line usage error.
         env = os.environ.get
         g = parser.add_argument_group("engine (each also read from KVFERRY_<NAME>)")
         g.add_argument("--model", default=env("KVFERRY_MODEL"),
                        help="Hugging Face folder or .gguf file; default: embedded SmolLM2-135M-Instruct")
-        g.add_argument("--device", default=env("KVFERRY_DEVICE", "auto"))
+        g.add_argument("--device", default=env("KVFERRY_DEVICE", "auto"), help="auto, cpu, cuda or cuda:N")
         g.add_argument("--dtype", default=env("KVFERRY_DTYPE", "auto"), choices=["auto", "float32", "bfloat16", "float16"])
-        g.add_argument("--block-size", type=int, default=int(env("KVFERRY_BLOCK_SIZE", 16)), choices=[8, 16, 32])
-        g.add_argument("--kv-cache-memory", type=parse_size, default=parse_size(env("KVFERRY_KV_CACHE_MEMORY", "1GiB")),
+        g.add_argument("--block-size", type=int, default=env("KVFERRY_BLOCK_SIZE", "16"), help="8, 16 or 32")
+        g.add_argument("--kv-cache-memory", type=parse_size, default=env("KVFERRY_KV_CACHE_MEMORY", "1GiB"),
                        help="memory budget of the paged KV cache, e.g. 512MiB")
-        g.add_argument("--max-num-seqs", type=int, default=int(env("KVFERRY_MAX_NUM_SEQS", 128)))
-        g.add_argument("--max-num-batched-tokens", type=int, default=int(env("KVFERRY_MAX_NUM_BATCHED_TOKENS", 2048)))
-        g.add_argument("--max-model-len", type=int, default=_opt_int(env("KVFERRY_MAX_MODEL_LEN")))
-        g.add_argument("--num-threads", type=int, default=_opt_int(env("KVFERRY_NUM_THREADS")))
-        g.add_argument("--engine-seed", dest="seed", type=int, default=_opt_int(env("KVFERRY_SEED")),
+        g.add_argument("--max-num-seqs", type=int, default=env("KVFERRY_MAX_NUM_SEQS", "128"))
+        g.add_argument("--max-num-batched-tokens", type=int, default=env("KVFERRY_MAX_NUM_BATCHED_TOKENS", "2048"))
+        g.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
+        g.add_argument("--num-threads", type=int, default=env("KVFERRY_NUM_THREADS"))
+        g.add_argument("--engine-seed", dest="seed", type=int, default=env("KVFERRY_SEED"),
                        help="seed of the shared generator used by requests without a seed")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
         return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-def _opt_int(value: str | None) -> int | None:
-    return None if value in (None, "") else int(value)

@@ -34,7 +34,15 @@ class RequestOutput:
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -46,7 +54,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, log=sys.stderr):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
+        if config.num_threads is not None:
+            if config.num_threads < 1:
+                raise ConfigError(f"num_threads must be at least 1, got {config.num_threads}")
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -67,7 +77,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config))
-        self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed)
+        try:
+            self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            if "memory" not in str(exc).lower():
+                raise
+            raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
+                              f"lower it") from None
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
@@ -77,6 +93,8 @@ class LLMEngine:
         if self.tokenizer is None:
             raise InvalidRequest("this model folder has no tokenizer: pass token ids, not text")
         if chat:
+            if not self.tokenizer.chat_template:
+                raise InvalidRequest("this model's tokenizer has no chat template: send the prompt without --chat")
             return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
                                                            add_generation_prompt=True, return_dict=False))
         return self.tokenizer.encode(prompt)
@@ -130,7 +148,7 @@ class LLMEngine:
                 continue
             seq = chunk.seq
             done = id(seq) in finished
-            outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, seq.output_token_ids, [token_id],
+            outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id],
                                          done, seq.finish_reason))
             if done:
                 self._forget(seq.request_id)
@@ -140,7 +158,13 @@ class LLMEngine:
                  chat: bool = False) -> list[RequestOutput]:
         """Run prompts to completion together; outputs in the order of the prompts."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
-        ids = [self.add_request(p, sp, chat=chat) for p, sp in zip(prompts, params_list)]
+        if len(params_list) != len(prompts):
+            raise InvalidRequest(f"{len(prompts)} prompts but {len(params_list)} sampling parameters")
+        # Every prompt is checked before any is queued: a bad one must not leave the others behind.
+        token_lists = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
+        for token_ids in token_lists:
+            self.validate_prompt(token_ids)
+        ids = [self.add_request(t, sp) for t, sp in zip(token_lists, params_list)]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from kvferry.common.errors import InvalidRequest
 
 
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -33,4 +36,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # Below this, logits / temperature overflows to inf; it is argmax in all but name.
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1

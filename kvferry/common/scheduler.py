@@ -42,6 +42,8 @@ class StepPlan:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+        if max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
             # A decode step runs one token per sequence, all under the same budget.
             raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "

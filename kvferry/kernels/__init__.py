@@ -27,9 +27,11 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
                                             plan=reference_plan)
 
 
-def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale) -> torch.Tensor:
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
+                            max_q_len: int | None = None) -> torch.Tensor:
+    """max_q_len: the longest new-token run, known on the host; saves the kernel a device sync per layer."""
     if _use_triton(query):
         from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as impl
-    else:
-        impl = reference.paged_prefill_attention
-    return impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+        return impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len=max_q_len)
+    return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

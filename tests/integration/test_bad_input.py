@@ -44,6 +44,50 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(engine):
     assert len(out.output_token_ids) == 4
 
 
+def test_a_bad_prompt_in_a_batch_queues_none_of_it(engine):
+    with pytest.raises(InvalidRequest, match="empty"):
+        engine.generate([[5, 6], []], SamplingParams(max_tokens=2))
+    with pytest.raises(InvalidRequest, match="2 prompts but 1 sampling"):
+        engine.generate([[5, 6], [7]], [SamplingParams(max_tokens=2)])
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("kwargs,expected", [
+    (dict(max_num_seqs=0), "max_num_seqs must be positive"),
+    (dict(block_size=12), "block_size must be 8, 16 or 32"),
+    (dict(kv_cache_memory=1000), "holds no block"),
+    (dict(device="tpu"), "device 'tpu'"),
+    (dict(device="cuda:7"), "CUDA devices"),
+    (dict(num_threads=0), "num_threads must be at least 1"),
+    (dict(max_model_len=1), "max_model_len must be at least 2"),
+    (dict(max_model_len=10**6), "exceeds the model's limit 256"),
+])
+def test_bad_engine_settings_are_refused_by_name(tiny_dir, kwargs, expected):
+    from kvferry.common.errors import KvferryError
+
+    with pytest.raises(KvferryError) as err:
+        LLMEngine(EngineConfig(model=str(tiny_dir), **kwargs))
+    assert expected in str(err.value)
+
+
+def test_loader_reads_only_the_transformers_checkpoint(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_tiny_model("mistral", tmp_path)
+    # Mistral's own repos ship their native-format weights beside the transformers ones.
+    save_file({"layers.0.attention.wq.weight": torch.zeros(2, 2)}, str(tmp_path / "consolidated.safetensors"))
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory=2**20))
+    [out] = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    assert len(out.output_token_ids) == 2
+
+
+def test_malformed_config_json(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not a valid config.json"):
+        resolve_model(tmp_path)
+
+
 def test_unknown_model_path(tmp_path):
     with pytest.raises(ModelLoadError, match="model path not found: .*nowhere"):
         resolve_model(tmp_path / "nowhere")
@@ -93,6 +137,16 @@ def test_cli_prints_one_line_errors_without_traceback(tiny_dir, args, expected):
     assert result.returncode == 2
     assert f"kvferry: error: {expected}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_cli_bad_environment_value_is_a_usage_error(tiny_dir):
+    import os
+
+    result = subprocess.run([sys.executable, "-m", "kvferry.services.cli", "generate", "--prompt", "hi"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "KVFERRY_MAX_NUM_SEQS": "lots", "KVFERRY_MODEL": str(tiny_dir)})
+    assert result.returncode == 2
+    assert "--max-num-seqs: invalid int value: 'lots'" in result.stderr and "Traceback" not in result.stderr
 
 
 @pytest.mark.slow

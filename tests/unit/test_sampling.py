@@ -28,6 +28,13 @@ def test_greedy_rows_take_the_argmax():
     assert sample(logits, params, [None, None, None]) == logits.argmax(-1).tolist()
 
 
+def test_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    params = SamplingParams(temperature=1e-40)
+    assert params.greedy
+    assert sample(logits, [params], [gen(0)]) == [1]
+
+
 def test_seeded_row_is_independent_of_its_batch():
     torch.manual_seed(0)
     vocab = 1000

@@ -16,6 +16,7 @@ class PagedBatch:
     block_tables: torch.Tensor    # [num_seqs, max_blocks] int32, padded with 0
     context_lens: torch.Tensor    # [num_seqs] int32, cached + new tokens
     cu_seqlens_q: torch.Tensor    # [num_seqs + 1] int32, new-token offsets (prefill only)
+    max_q_len: int = 1            # the longest run of new tokens of one sequence
     _reference_plan: list | None = field(default=None, repr=False)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -24,7 +25,7 @@ class PagedBatch:
         kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.is_prefill:
             return kernels.paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q,
-                                                   self.context_lens, scale)
+                                                   self.context_lens, scale, max_q_len=self.max_q_len)
         if self._reference_plan is None and not q.is_cuda:  # every layer shares one gather plan
             self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache.shape[1])
         return kernels.paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale,

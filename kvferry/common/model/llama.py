@@ -171,6 +171,8 @@ class LlamaModel(nn.Module):
         for name, tensor in weights.items():
             if name.startswith("lm_head.") and self.config.tie_word_embeddings:
                 continue
+            if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved it; the tables are recomputed
+                continue
             for part, (target, index) in FUSED_PARTS.items():
                 if f".{part}." in name:
                     fused.setdefault(name.replace(part, target), {})[index] = tensor

@@ -105,7 +105,11 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             config = path / "config.json"
             if not config.is_file():
                 raise ModelLoadError(f"model folder {path} has no config.json")
-            check_architecture(json.loads(config.read_text()).get("model_type"), str(config))
+            try:
+                model_type = json.loads(config.read_text()).get("model_type")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ModelLoadError(f"{config} is not a valid config.json ({exc})") from None
+            check_architecture(model_type, str(config))
             return path
         if not path.exists():
             raise ModelLoadError(f"model path not found: {path}")
@@ -128,6 +132,19 @@ def max_model_len_of(config) -> int:
     if window and getattr(config, "use_sliding_window", True):
         limit = min(limit, window)
     return limit
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors: those its index names, else model*.safetensors. Other files beside them
+    (Mistral's consolidated.safetensors, in its own naming) are not part of the transformers checkpoint."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({model_dir / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(model_dir.glob("model*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no model*.safetensors weights in {model_dir}")
+    return files
 
 
 @contextlib.contextmanager
@@ -157,12 +174,12 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
     config = AutoConfig.from_pretrained(model_dir)
     check_architecture(config.model_type, str(model_dir / "config.json"))
     limit = max_model_len_of(config)
+    if max_model_len is not None and max_model_len < 2:
+        raise ModelLoadError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {max_model_len}")
     if max_model_len is not None and max_model_len > limit:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
-    max_model_len = max_model_len or limit
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"no .safetensors weights in {model_dir}")
+    max_model_len = limit if max_model_len is None else max_model_len
+    files = weight_files(model_dir)
     with skip_weight_init(), torch.device(device):
         model = LlamaModel(config, max_model_len)
     weights = {}

@@ -93,6 +93,7 @@ class ModelRunner:
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, **to),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, **to),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, **to),
+            max_q_len=max(c.num_new_tokens for c in plan.chunks),
         )
         return torch.tensor(input_ids, **to), torch.tensor(positions, **to), batch
 

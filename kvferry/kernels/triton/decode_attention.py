@@ -24,8 +24,10 @@ def _paged_decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cont
     for start in range(0, context_len, BLOCK_N):
         pos = start + offs_n                                   # [BLOCK_N] token positions
         mask_n = pos < context_len
-        # Looking the block up per token lets BLOCK_N differ from the cache's block size.
-        block_id = tl.load(block_tables_ptr + seq * stride_bt_b + pos // BLOCK_SIZE, mask=mask_n, other=0)
+        # Looking the block up per token lets BLOCK_N differ from the cache's block size; int64, as
+        # block_id * stride overflows int32 once one layer's cache passes 2^31 elements.
+        block_id = tl.load(block_tables_ptr + seq * stride_bt_b + pos // BLOCK_SIZE, mask=mask_n,
+                           other=0).to(tl.int64)
         base = block_id * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
         kv_mask = mask_n[:, None] & mask_d[None, :]
         k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)

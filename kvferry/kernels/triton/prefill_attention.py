@@ -35,7 +35,9 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
         for start in range(0, kv_end, BLOCK_N):
             key_pos = start + offs_n                           # [BLOCK_N]
             mask_n = key_pos < kv_end
-            block_id = tl.load(block_tables_ptr + seq * stride_bt_s + key_pos // BLOCK_SIZE, mask=mask_n, other=0)
+            # int64: block_id * stride overflows int32 once one layer's cache passes 2^31 elements.
+            block_id = tl.load(block_tables_ptr + seq * stride_bt_s + key_pos // BLOCK_SIZE, mask=mask_n,
+                               other=0).to(tl.int64)
             base = block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)

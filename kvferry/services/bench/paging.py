@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvferry.common.errors import ConfigError
 from kvferry.common.model.attention import PagedBatch
 
 
@@ -62,7 +63,9 @@ def paging_overhead(engine, batch: int = 32, context: int = 256, reps: int = 10)
     model, layout, runner = engine.model, engine.runner.layout, engine.runner
     bs = layout.block_size
     blocks_per_seq = -(-(context + 1) // bs)
-    assert batch * blocks_per_seq <= runner.num_blocks, "KV cache too small for the paging benchmark"
+    if batch * blocks_per_seq > runner.num_blocks:
+        raise ConfigError(f"the paging benchmark needs {batch * blocks_per_seq} KV blocks, the cache has "
+                          f"{runner.num_blocks}: raise --kv-cache-memory")
     # Shuffled block ids: a long-running server's tables are scattered, not contiguous.
     ids = list(range(runner.num_blocks))
     random.Random(0).shuffle(ids)
