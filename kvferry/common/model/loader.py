@@ -57,9 +57,16 @@ def gguf_architecture(path: Path) -> str:
 
 
 def converted_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / "models" / f"{gguf_path.stem}-{key}"
+    """Keyed by content, not location: every clone's virtualenv holds its own copy of the default model's
+    file, and all of them share one conversion. The size plus both ends of the file tell GGUFs apart
+    (the header holds the metadata and tensor layout) without reading all of it on every start."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(0, size - 2**20))
+        digest.update(f.read(2**20))
+    return cache_root() / "models" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
