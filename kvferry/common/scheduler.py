@@ -41,7 +41,7 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = ()):
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), keep_finished_blocks: bool = False):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -60,6 +60,9 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
         self._next_arrival = 0
+        # A prefill worker keeps a finished prompt's blocks until a decode worker holds their copy,
+        # then hands them back with `release`. Aborted sequences always free at once.
+        self.keep_finished_blocks = keep_finished_blocks
 
     @property
     def has_unfinished(self) -> bool:
@@ -69,6 +72,27 @@ class Scheduler:
         seq.arrival = self._next_arrival
         self._next_arrival += 1
         self.waiting.append(seq)
+
+    def can_admit_prefilled(self, num_tokens: int) -> bool:
+        return (len(self.running) < self.max_num_seqs
+                and self.block_manager.can_allocate(self.block_manager.num_blocks_for(num_tokens)))
+
+    def admit_prefilled(self, seq: Sequence) -> None:
+        """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
+        receiving a transfer). Allocates its blocks; the caller fills them before the next step, where the
+        sequence joins the running batch."""
+        assert seq.num_uncomputed_tokens == 1 and not seq.block_table
+        self.block_manager.grow(seq.block_table, seq.num_tokens)
+        seq.arrival = self._next_arrival
+        self._next_arrival += 1
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)  # the newest arrival: running stays sorted
+
+    def release(self, seq: Sequence) -> None:
+        """Free the blocks a finished sequence kept (keep_finished_blocks)."""
+        assert seq.is_finished
+        self.block_manager.free(seq.block_table)
+        seq.block_table = []
 
     def abort(self, request_id: str) -> Sequence | None:
         for queue in (self.waiting, self.running):
@@ -164,7 +188,8 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.block_manager.free(seq.block_table)
-        seq.block_table = []
+        if reason == FinishReason.ABORT or not self.keep_finished_blocks:
+            self.block_manager.free(seq.block_table)
+            seq.block_table = []
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

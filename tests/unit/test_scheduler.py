@@ -216,3 +216,40 @@ def test_settings_that_cannot_work_are_refused():
         make(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ConfigError, match="max_model_len=64"):
         make(num_blocks=2, block_size=4, max_model_len=64)
+
+
+def test_prefill_worker_keeps_finished_blocks_until_released():
+    sch = Scheduler(BlockManager(8, 4), 4, 32, 32, eos_token_ids=(EOS,), keep_finished_blocks=True)
+    runner = FakeRunner(sch)
+    s = seq("p", 6, max_tokens=1)
+    sch.add(s)
+    _, finished = step(sch, runner)
+    assert finished == [s] and s.is_finished and len(s.block_table) == 2
+    assert sch.block_manager.num_free_blocks == 6  # held for the transfer
+    sch.release(s)
+    assert sch.block_manager.num_free_blocks == 8 and s.block_table == []
+    aborted = seq("a", 5)
+    sch.add(aborted)
+    sch.abort("a")
+    assert sch.block_manager.num_free_blocks == 8  # an abort never holds blocks
+
+
+def test_decode_worker_admits_a_prefilled_sequence_into_the_next_step():
+    sch = make(num_blocks=8, block_size=4)
+    runner = FakeRunner(sch)
+    running = seq("r", 3, max_tokens=5)
+    sch.add(running)
+    step(sch, runner)
+    arrived = seq("kv", 6, max_tokens=3)
+    arrived.output_token_ids = [42]  # the first token, sampled by the prefill worker
+    arrived.num_computed_tokens = 6
+    assert sch.can_admit_prefilled(arrived.num_tokens)
+    sch.admit_prefilled(arrived)
+    assert len(arrived.block_table) == 2
+    plan, _ = step(sch, runner)
+    assert not plan.is_prefill and [c.seq for c in plan.chunks] == [running, arrived]
+    while sch.has_unfinished:
+        step(sch, runner)
+        check_accounting(sch)
+    assert len(arrived.output_token_ids) == 3 and sch.block_manager.num_free_blocks == 8
+    assert not sch.can_admit_prefilled(8 * 4 + 1)

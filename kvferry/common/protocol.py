@@ -1,0 +1,298 @@
+"""Wire messages: one small typed class per kind, a msgpack header and raw frames.
+
+A message on the wire is a ZeroMQ multipart message `[header, frame, frame, ...]`. The
+header is msgpack `[kind, version, request_id, trace, body]`; tensors never go inside it:
+each is a raw frame, described in the body (dtype, shape) and sent without copying.
+
+Decoding is strict. Anything unexpected (unknown kind, other version, missing, extra or
+mistyped field, a frame count or size that does not match its description, an oversized
+header or frame) raises ProtocolError and nothing else. No pickle anywhere.
+"""
+import enum
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 1 << 20
+MAX_FRAME_BYTES = 1 << 31
+
+
+class ProtocolError(Exception):
+    """A message that does not follow the protocol; the receiver counts it, logs it and moves on."""
+
+
+class Kind(enum.IntEnum):
+    REGISTER = 1
+    REGISTER_REPLY = 2
+    HEARTBEAT = 3
+    PREFILL_REQUEST = 4
+    FIRST_TOKEN = 5
+    KV_TRANSFER = 6
+    KV_ACK = 7
+    TOKENS = 8
+    ABORT = 9
+    REQUEST_FAILED = 10
+
+
+class Role(enum.IntEnum):
+    PREFILL = 0
+    DECODE = 1
+
+
+@dataclass
+class TraceContext:
+    trace_id: str = ""
+    span_id: str = ""
+    parent_id: str = ""
+
+
+@dataclass
+class Sampling:
+    """SamplingParams as they travel; rebuilt (and validated) on the worker."""
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    ignore_eos: bool
+    stop_token_ids: list[int]
+
+
+@dataclass
+class WorkerStats:
+    num_free_blocks: int
+    num_total_blocks: int
+    num_running: int
+    num_waiting: int
+    queued_prompt_tokens: int
+    num_preemptions: int = 0
+    num_protocol_errors: int = 0
+
+
+# --- messages -------------------------------------------------------------------------------------------------
+@dataclass
+class Register:
+    KIND: typing.ClassVar[Kind] = Kind.REGISTER
+    role: int
+    worker_id: str
+    model: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    kv_address: str = ""  # decode workers: where prefill workers send KV
+
+
+@dataclass
+class RegisterReply:
+    KIND: typing.ClassVar[Kind] = Kind.REGISTER_REPLY
+    accepted: bool
+    reason: str = ""
+    heartbeat_interval_s: float = 1.0
+
+
+@dataclass
+class Heartbeat:
+    KIND: typing.ClassVar[Kind] = Kind.HEARTBEAT
+    worker_id: str
+    stats: WorkerStats
+
+
+@dataclass
+class PrefillRequest:
+    KIND: typing.ClassVar[Kind] = Kind.PREFILL_REQUEST
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    decode_worker_id: str
+    decode_address: str
+    deadline_s: float  # wall-clock time after which the request is given up
+
+
+@dataclass
+class FirstToken:
+    KIND: typing.ClassVar[Kind] = Kind.FIRST_TOKEN
+    token_id: int
+    finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
+
+
+@dataclass
+class KVTransfer:
+    """Frames: [keys, values], each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+    KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
+    prefill_worker_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling: Sampling
+    num_computed_tokens: int
+    dtype: str
+    shape: list[int]
+    deadline_s: float
+
+
+@dataclass
+class KVAck:
+    KIND: typing.ClassVar[Kind] = Kind.KV_ACK
+    accepted: bool
+    reason: str = ""
+
+
+@dataclass
+class Tokens:
+    KIND: typing.ClassVar[Kind] = Kind.TOKENS
+    token_ids: list[int]
+    finish_reason: int = -1
+    kv_transfer_s: float = 0.0
+
+
+@dataclass
+class Abort:
+    KIND: typing.ClassVar[Kind] = Kind.ABORT
+
+
+@dataclass
+class RequestFailed:
+    KIND: typing.ClassVar[Kind] = Kind.REQUEST_FAILED
+    message: str
+    code: int = 500
+
+
+MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
+                             (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
+                              Tokens, Abort, RequestFailed)}
+FRAMED = {Kind.KV_TRANSFER: 2}  # kinds that carry raw frames, and how many
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def kv_frame_bytes(message: "KVTransfer") -> int:
+    """The exact size each of a KVTransfer's two frames must have."""
+    if message.dtype not in DTYPE_BYTES:
+        raise ProtocolError(f"KVTransfer.dtype {message.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+    if len(message.shape) != 5 or any(n < 0 for n in message.shape):
+        raise ProtocolError(f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, kv_heads, head_dim]")
+    size = DTYPE_BYTES[message.dtype]
+    for n in message.shape:
+        size *= n
+    return size
+
+
+@dataclass
+class Envelope:
+    """A decoded message with what travels around it."""
+    message: object
+    request_id: str = ""
+    trace: TraceContext = field(default_factory=TraceContext)
+    frames: list = field(default_factory=list)  # zmq.Frame or bytes-like, zero-copy
+
+
+# --- encoding -----------------------------------------------------------------------------------------------------
+def _to_wire(value):
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    return value
+
+
+def encode(message, request_id: str = "", trace: TraceContext | None = None, frames: list | None = None) -> list:
+    """-> [header bytes, *frames]; frames are passed through untouched (zero-copy on send)."""
+    frames = list(frames or [])
+    expected = FRAMED.get(message.KIND, 0)
+    if len(frames) != expected:
+        raise ProtocolError(f"{type(message).__name__} carries {expected} frames, got {len(frames)}")
+    header = msgpack.packb([int(message.KIND), PROTOCOL_VERSION, request_id, _to_wire(trace or TraceContext()),
+                            _to_wire(message)], use_bin_type=True)
+    return [header, *frames]
+
+
+# --- strict decoding ------------------------------------------------------------------------------------------
+def _check(value, annotation, where: str):
+    """Validate a decoded msgpack value against a field annotation; returns the typed value."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(annotation)
+        if value is None and type(None) in options:
+            return None
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _check(value, option, where)
+            except ProtocolError:
+                pass
+        raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        (item,) = typing.get_args(annotation)
+        return [_check(v, item, f"{where}[]") for v in value]
+    if hasattr(annotation, "__dataclass_fields__"):
+        return _build(annotation, value, where)
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+        return float(value)
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
+        return value
+    if annotation in (str, bool):
+        if type(value) is not annotation:
+            raise ProtocolError(f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
+        return value
+    raise ProtocolError(f"{where}: unsupported field type {annotation}")
+
+
+def _build(cls, body, where: str):
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in fields(cls)}
+    extra = set(body) - set(known)
+    if extra:
+        raise ProtocolError(f"{where}: unknown fields {sorted(map(str, extra))}")
+    values = {}
+    for name, f in known.items():
+        if name not in body:
+            if f.default is MISSING and f.default_factory is MISSING:
+                raise ProtocolError(f"{where}: missing field {name!r}")
+            continue
+        values[name] = _check(body[name], hints[name], f"{where}.{name}")
+    return cls(**values)
+
+
+def decode(parts: list) -> Envelope:
+    """[header, *frames] as received -> Envelope, or ProtocolError."""
+    if not parts:
+        raise ProtocolError("empty message")
+    header = bytes(parts[0].buffer if hasattr(parts[0], "buffer") else parts[0])
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    try:
+        decoded = msgpack.unpackb(header, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several types for bad bytes: one error for all
+        raise ProtocolError(f"undecodable header: {exc.__class__.__name__}") from None
+    if not isinstance(decoded, list) or len(decoded) != 5:
+        raise ProtocolError("header must be [kind, version, request_id, trace, body]")
+    kind, version, request_id, trace, body = decoded
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
+    if isinstance(kind, bool) or not isinstance(kind, int) or kind not in MESSAGES:
+        raise ProtocolError(f"unknown message kind {kind!r}")
+    if not isinstance(request_id, str):
+        raise ProtocolError("request_id must be a string")
+    cls = MESSAGES[kind]
+    message = _build(cls, body, cls.__name__)
+    frames = list(parts[1:])
+    expected = FRAMED.get(kind, 0)
+    if len(frames) != expected:
+        raise ProtocolError(f"{cls.__name__} carries {expected} frames, got {len(frames)}")
+    for frame in frames:
+        size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+        if size > MAX_FRAME_BYTES:
+            raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+        if kind == Kind.KV_TRANSFER and size != kv_frame_bytes(message):
+            raise ProtocolError(f"KV frame of {size} bytes, its header says {kv_frame_bytes(message)}")
+    return Envelope(message, request_id, _build(TraceContext, trace, "trace"), frames)
