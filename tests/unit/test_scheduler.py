@@ -235,7 +235,7 @@ def test_prefill_worker_keeps_finished_blocks_until_released():
 
 
 def test_decode_worker_admits_a_prefilled_sequence_into_the_next_step():
-    sch = make(num_blocks=8, block_size=4)
+    sch = make(num_blocks=8, block_size=4, max_model_len=32)
     runner = FakeRunner(sch)
     running = seq("r", 3, max_tokens=5)
     sch.add(running)
