@@ -52,7 +52,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, log=sys.stderr):
+    def __init__(self, config: EngineConfig | None = None, log=sys.stderr, keep_finished_blocks: bool = False):
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             if config.num_threads < 1:
@@ -76,7 +76,8 @@ class LLMEngine:
               f"tokens, {num_blocks * layout.bytes_per_block / 2**20:.1f} MiB ({self.dtype}, {self.device})", file=log)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config))
+                                   max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
+                                   keep_finished_blocks=keep_finished_blocks)
         try:
             self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
@@ -85,6 +86,7 @@ class LLMEngine:
             raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
                               f"lower it") from None
         self.vocab_size = self.hf_config.vocab_size
+        self.model_dir = model_dir
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
 
@@ -122,12 +124,27 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
 
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
+                      params: SamplingParams, keys, values) -> bool:
+        """Admit a sequence whose prompt KV was computed elsewhere; False when there is no room for it now."""
+        self.validate_prompt(prompt_token_ids)
+        if request_id in self._live:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id],
+                       num_computed_tokens=len(prompt_token_ids))
+        if not self.scheduler.can_admit_prefilled(seq.num_tokens):
+            return False
+        self.scheduler.admit_prefilled(seq)
+        self.runner.write_blocks(seq.block_table[:keys.shape[1]], keys, values)
+        self._live[request_id] = seq
+        return True
+
     def abort(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
-        self._forget(request_id)
+        self.forget(request_id)
         return seq is not None
 
-    def _forget(self, request_id: str) -> None:
+    def forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
         self.runner.release(request_id)
 
@@ -151,7 +168,7 @@ class LLMEngine:
             outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id],
                                          done, seq.finish_reason))
             if done:
-                self._forget(seq.request_id)
+                self.forget(seq.request_id)
         return outputs
 
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,

@@ -40,6 +40,44 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_gateway(args) -> int:
+    from kvferry.services.gateway.main import run_gateway
+
+    run_gateway(args.model, args.host, args.port, args.control, args.block_size, args.heartbeat_interval,
+                args.max_model_len)
+    return 0
+
+
+def _run_worker(args, cls, **kwargs) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    worker = cls(EngineConfig.from_args(args), args.gateway, args.worker_id, **kwargs)
+    try:
+        worker.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_prefill(args) -> int:
+    from kvferry.services.prefill.worker import PrefillWorker
+
+    return _run_worker(args, PrefillWorker)
+
+
+def cmd_decode(args) -> int:
+    from kvferry.services.decode.worker import DecodeWorker
+
+    return _run_worker(args, DecodeWorker, kv_bind=args.kv_bind)
+
+
+def cmd_serve(args) -> int:
+    from kvferry.services.launcher import serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +97,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     EngineConfig.add_args(p)
     p.set_defaults(func=cmd_generate)
+
+    env = os.environ.get
+    p = sub.add_parser("gateway", help="the HTTP API and the worker registry")
+    p.add_argument("--model", default=env("KVFERRY_MODEL"))
+    p.add_argument("--host", default=env("KVFERRY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("KVFERRY_PORT", "8000"))
+    p.add_argument("--control", default=env("KVFERRY_CONTROL", "tcp://*:5557"), help="where workers register")
+    p.add_argument("--block-size", type=int, default=env("KVFERRY_BLOCK_SIZE", "16"))
+    p.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
+    p.add_argument("--heartbeat-interval", type=float, default=env("KVFERRY_HEARTBEAT_INTERVAL", "1.0"))
+    p.set_defaults(func=cmd_gateway)
+
+    for role, func in (("prefill", cmd_prefill), ("decode", cmd_decode)):
+        p = sub.add_parser(role, help=f"one {role} worker")
+        p.add_argument("--gateway", default=env("KVFERRY_GATEWAY", "tcp://127.0.0.1:5557"),
+                       help="the gateway's control address")
+        p.add_argument("--worker-id", default=env("KVFERRY_WORKER_ID"))
+        if role == "decode":
+            p.add_argument("--kv-bind", default=env("KVFERRY_KV_BIND", "tcp://127.0.0.1:0"),
+                           help="where prefill workers send KV (port 0: any free port)")
+        EngineConfig.add_args(p)
+        p.set_defaults(func=func)
+
+    p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
+    p.add_argument("--host", default=env("KVFERRY_HOST", "127.0.0.1"))
+    p.add_argument("--port", type=int, default=env("KVFERRY_PORT", "8000"))
+    p.add_argument("--control-port", type=int, default=env("KVFERRY_CONTROL_PORT", "5557"))
+    p.add_argument("--model", default=env("KVFERRY_MODEL"))
+    p.add_argument("--worker-threads", type=int, default=env("KVFERRY_WORKER_THREADS", "1"),
+                   help="torch threads per worker")
+    p.set_defaults(func=cmd_serve)
 
     from kvferry.services.bench.cli import add_bench_parser
     add_bench_parser(sub)

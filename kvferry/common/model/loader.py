@@ -194,3 +194,10 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
         weights.update(load_file(f, device=str(device)))
     model.load_hf_state_dict(weights)
     return model.to(dtype).eval().requires_grad_(False), config, max_model_len
+
+
+def served_model_name(model: str | os.PathLike | None) -> str:
+    """The name clients and workers use for --model: the default model's, or the folder's or file's stem."""
+    if model is None or str(model) == "":
+        return "SmolLM2-135M-Instruct"
+    return Path(model).expanduser().resolve().stem

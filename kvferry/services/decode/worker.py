@@ -1,0 +1,91 @@
+"""The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches
+generation continuously, streaming each step's tokens to the gateway."""
+import logging
+import time
+
+import numpy as np
+import torch
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.transport import Channel
+from kvferry.services.worker import Worker, advertised_host, sampling_from_wire
+
+log = logging.getLogger("kvferry.decode")
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:
+    """A received frame as a tensor over the same memory (no copy)."""
+    raw = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
+    return torch.from_numpy(raw).view(TORCH_DTYPES[dtype]).view(shape)
+
+
+class DecodeWorker(Worker):
+    role = p.Role.DECODE
+
+    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://*:0"):
+        super().__init__(config, gateway, worker_id)
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind(kv_bind)
+        endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        host, port = endpoint.rsplit(":", 1)
+        if host.endswith("0.0.0.0") or host.endswith("*"):
+            host = "tcp://" + advertised_host()
+        self.advertised_kv = f"{host}:{port}"
+        self.kv_in = Channel(sock, f"{self.worker_id}/kv")
+        self.poller.register(sock, zmq.POLLIN)
+        self.traces: dict[str, p.TraceContext] = {}
+        self.transfer_s: dict[str, float] = {}
+
+    def kv_address(self) -> str:
+        return self.advertised_kv
+
+    def channel_for(self, sock) -> Channel:
+        return self.kv_in if sock is self.kv_in.socket else self.control
+
+    def num_protocol_errors(self) -> int:
+        return self.control.num_protocol_errors + self.kv_in.num_protocol_errors
+
+    def handle(self, channel, peer, env: p.Envelope) -> None:
+        msg, rid = env.message, env.request_id
+        if isinstance(msg, p.KVTransfer):
+            self.receive_kv(peer, env)
+        elif isinstance(msg, p.Abort):
+            self.engine.abort(rid)
+            self.traces.pop(rid, None)
+
+    def receive_kv(self, peer: bytes, env: p.Envelope) -> None:
+        msg, rid = env.message, env.request_id
+        if rid in self.traces:  # a duplicate of a transfer already placed
+            self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+            return
+        started = time.perf_counter()
+        try:
+            params = sampling_from_wire(msg.sampling)
+            keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
+            values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
+            placed = self.engine.add_prefilled(rid, msg.prompt_token_ids, msg.output_token_ids[-1], params, keys, values)
+        except (InvalidRequest, AssertionError, KeyError) as exc:
+            self.kv_in.send(p.KVAck(False, f"refused: {exc}"), rid, env.trace, to=peer)
+            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", 500), rid, env.trace)
+            return
+        if not placed:
+            self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)
+            return
+        self.traces[rid] = env.trace
+        self.transfer_s[rid] = time.perf_counter() - started
+        self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+
+    def step(self) -> None:
+        for out in self.engine.step():
+            reason = int(out.finish_reason) if out.finished else -1
+            trace = self.traces.pop(out.request_id, None) if out.finished else self.traces.get(out.request_id)
+            self.control.send(p.Tokens(out.new_token_ids, reason, self.transfer_s.pop(out.request_id, 0.0)),
+                              out.request_id, trace)
+
+    def close(self) -> None:
+        self.kv_in.close()
+        super().close()

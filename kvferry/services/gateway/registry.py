@@ -1,0 +1,107 @@
+"""The gateway's view of its workers: who is live, with what stats, and whom to route to.
+
+Pure Python: it is told about registrations, heartbeats and the time, and answers questions.
+"""
+import time
+from dataclasses import dataclass, field
+
+from kvferry.common import protocol as p
+
+MISSED_HEARTBEATS = 3  # a worker silent for this many intervals is dropped
+
+
+@dataclass
+class WorkerInfo:
+    worker_id: str
+    role: p.Role
+    identity: bytes
+    model: str
+    dtype: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    kv_address: str
+    stats: p.WorkerStats
+    last_seen: float
+    # Prompt tokens routed here since the last heartbeat: keeps a burst from all landing on one worker.
+    pending_prompt_tokens: int = 0
+    num_served: int = 0
+
+    def as_json(self) -> dict:
+        s = self.stats
+        return {"id": self.worker_id, "role": self.role.name.lower(), "model": self.model, "dtype": self.dtype,
+                "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_address": self.kv_address,
+                "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
+                "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
+                "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
+                "requests_served": self.num_served, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
+
+
+@dataclass
+class Registry:
+    heartbeat_interval_s: float = 1.0
+    expected_model: str | None = None
+    expected_block_size: int | None = None
+    expected_dtype: str | None = None  # the first worker's, unless set
+    workers: dict[str, WorkerInfo] = field(default_factory=dict)
+
+    def register(self, msg: p.Register, identity: bytes, now: float) -> str | None:
+        """Admit a worker; returns the reason it is refused, or None."""
+        try:
+            role = p.Role(msg.role)
+        except ValueError:
+            return f"unknown role {msg.role}"
+        for what, expected, got in (("model", self.expected_model, msg.model),
+                                    ("block size", self.expected_block_size, msg.block_size),
+                                    ("dtype", self.expected_dtype or self._live_dtype(), msg.dtype)):
+            if expected is not None and expected != got:
+                return f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}"
+        if role == p.Role.DECODE and not msg.kv_address:
+            return "a decode worker must give its KV ingress address"
+        self.workers[msg.worker_id] = WorkerInfo(msg.worker_id, role, identity, msg.model, msg.dtype, msg.block_size,
+                                                 msg.num_blocks, msg.max_model_len, msg.kv_address,
+                                                 p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0), now)
+        return None
+
+    def _live_dtype(self) -> str | None:
+        return next((w.dtype for w in self.workers.values()), None)
+
+    def heartbeat(self, msg: p.Heartbeat, now: float) -> bool:
+        worker = self.workers.get(msg.worker_id)
+        if worker is None:
+            return False  # expired meanwhile: it must register again
+        worker.stats, worker.last_seen, worker.pending_prompt_tokens = msg.stats, now, 0
+        return True
+
+    def expire(self, now: float) -> list[WorkerInfo]:
+        gone = [w for w in self.workers.values() if now - w.last_seen > MISSED_HEARTBEATS * self.heartbeat_interval_s]
+        for w in gone:
+            del self.workers[w.worker_id]
+        return gone
+
+    def live(self, role: p.Role) -> list[WorkerInfo]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def pick_prefill(self) -> WorkerInfo | None:
+        """The prefill worker with the least queued prompt tokens."""
+        candidates = self.live(p.Role.PREFILL)
+        return min(candidates, key=lambda w: (w.stats.queued_prompt_tokens + w.pending_prompt_tokens, w.num_served),
+                   default=None)
+
+    def pick_decode(self) -> WorkerInfo | None:
+        """The decode worker with the most free KV blocks, then the fewest running sequences."""
+        candidates = self.live(p.Role.DECODE)
+        return min(candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served),
+                   default=None)
+
+    def assign(self, prefill: WorkerInfo, decode: WorkerInfo, num_prompt_tokens: int, num_blocks: int) -> None:
+        """Count a routed request against both workers until their next heartbeat reports it."""
+        prefill.pending_prompt_tokens += num_prompt_tokens
+        prefill.num_served += 1
+        decode.stats.num_free_blocks -= num_blocks
+        decode.stats.num_running += 1
+        decode.num_served += 1
+
+    def max_model_len(self) -> int | None:
+        lens = [w.max_model_len for w in self.workers.values()]
+        return min(lens) if lens else None

@@ -1,0 +1,69 @@
+"""`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+READY_TIMEOUT_S = 300.0
+
+
+def spawn(*args: str, env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env=env)
+
+
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            return False
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def stop_all(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve(args) -> int:
+    from kvferry.common.model.loader import resolve_model
+
+    resolve_model(args.model)  # convert once here, not in three processes at the same time
+    # SIGTERM (a supervisor, `timeout`) stops the children too, as Ctrl-C does.
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    env = {**os.environ, "KVFERRY_NUM_THREADS": str(args.worker_threads)}
+    if args.model:
+        env["KVFERRY_MODEL"] = args.model
+    control = f"tcp://127.0.0.1:{args.control_port}"
+    procs = [spawn("gateway", "--host", args.host, "--port", str(args.port), "--control", control, env=env)]
+    try:
+        procs += [spawn("prefill", "--gateway", control, env=env), spawn("decode", "--gateway", control, env=env)]
+        url = f"http://{args.host}:{args.port}"
+        if not wait_healthy(url, procs, READY_TIMEOUT_S):
+            print("kvferry: the services did not become healthy", file=sys.stderr)
+            return 1
+        print(f"kvferry: serving on {url}  (Ctrl-C stops all)", flush=True)
+        while all(p.poll() is None for p in procs):
+            time.sleep(0.5)
+        print("kvferry: a service exited; stopping the others", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop_all(procs)

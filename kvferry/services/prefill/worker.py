@@ -1,0 +1,134 @@
+"""The prefill worker: computes prompts' KV into its paged cache, samples the first token, sends it to the
+gateway at once, then ships the prompt's blocks straight to the chosen decode worker and frees them
+when that worker acknowledges."""
+import dataclasses
+import logging
+import time
+
+import torch
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.transport import Channel
+from kvferry.services.worker import Worker, sampling_from_wire
+
+log = logging.getLogger("kvferry.prefill")
+RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
+
+
+@dataclasses.dataclass
+class Transfer:
+    seq: Sequence
+    request: p.PrefillRequest
+    trace: p.TraceContext
+    keys: object
+    values: object
+    sent_at: float = 0.0
+    retry_at: float = 0.0
+
+
+class PrefillWorker(Worker):
+    role = p.Role.PREFILL
+
+    def __init__(self, config, gateway, worker_id=None):
+        super().__init__(config, gateway, worker_id, keep_finished_blocks=True)
+        self.requests: dict[str, tuple[p.PrefillRequest, p.TraceContext]] = {}
+        self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
+        self.decode_channels: dict[str, Channel] = {}
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished() or any(t.sent_at == 0.0 for t in self.transfers.values())
+
+    def num_protocol_errors(self) -> int:
+        return self.control.num_protocol_errors + sum(c.num_protocol_errors for c in self.decode_channels.values())
+
+    def channel_for(self, sock) -> Channel:
+        for channel in self.decode_channels.values():
+            if channel.socket is sock:
+                return channel
+        return self.control
+
+    def decode_channel(self, address: str) -> Channel:
+        if address not in self.decode_channels:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+            sock.connect(address)
+            self.poller.register(sock, zmq.POLLIN)
+            self.decode_channels[address] = Channel(sock, f"{self.worker_id}->{address}")
+        return self.decode_channels[address]
+
+    def handle(self, channel, peer, env: p.Envelope) -> None:
+        msg, rid = env.message, env.request_id
+        if isinstance(msg, p.PrefillRequest):
+            try:
+                params = sampling_from_wire(msg.sampling)
+                # The prefill worker samples only the first token; the decode worker does the rest.
+                self.engine.add_request(msg.prompt_token_ids, dataclasses.replace(params, max_tokens=1),
+                                        request_id=rid)
+            except InvalidRequest as exc:
+                self.control.send(p.RequestFailed(str(exc), 400), rid, env.trace)
+                return
+            self.requests[rid] = (msg, env.trace)
+        elif isinstance(msg, p.KVAck):
+            transfer = self.transfers.get(rid)
+            if transfer is None:
+                return  # a duplicate, or a request given up meanwhile
+            if msg.accepted:
+                self.engine.scheduler.release(self.transfers.pop(rid).seq)
+            else:
+                transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
+        elif isinstance(msg, p.Abort):
+            self.engine.abort(rid)
+            self.requests.pop(rid, None)
+            transfer = self.transfers.pop(rid, None)
+            if transfer is not None:
+                self.engine.scheduler.release(transfer.seq)
+
+    def step(self) -> None:
+        if self.engine.has_unfinished():
+            plan = self.engine.scheduler.schedule()
+            if plan.chunks:
+                sampled = self.engine.runner.execute(plan)
+                for seq in self.engine.scheduler.update(plan, sampled):
+                    self.prompt_done(seq)
+        self.send_due_transfers()
+
+    def prompt_done(self, seq: Sequence) -> None:
+        request, trace = self.requests.pop(seq.request_id)
+        params = sampling_from_wire(request.sampling)
+        token = seq.output_token_ids[-1]
+        reason = -1
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.scheduler.eos_token_ids):
+            reason = int(FinishReason.STOP)
+        elif params.max_tokens == 1 or seq.num_tokens >= self.engine.max_model_len:
+            reason = int(FinishReason.LENGTH)
+        self.control.send(p.FirstToken(token, reason), seq.request_id, trace)  # TTFT never waits on the transfer
+        if reason >= 0:
+            self.engine.scheduler.release(seq)
+            self.engine.forget(seq.request_id)
+            return
+        keys, values = self.engine.runner.read_blocks(seq.block_table)
+        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values)
+        self.engine.forget(seq.request_id)
+
+    def send_due_transfers(self) -> None:
+        now = time.monotonic()
+        for rid, t in list(self.transfers.items()):
+            if t.sent_at or now < t.retry_at:
+                continue
+            if time.time() > t.request.deadline_s:
+                self.control.send(p.RequestFailed("no decode worker took the KV in time", 503), rid, t.trace)
+                self.engine.scheduler.release(self.transfers.pop(rid).seq)
+                continue
+            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.seq.prompt_token_ids,
+                               output_token_ids=t.seq.output_token_ids, sampling=t.request.sampling,
+                               num_computed_tokens=len(t.seq.prompt_token_ids),
+                               dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
+                               deadline_s=t.request.deadline_s)
+            # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
+            frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
+            self.decode_channel(t.request.decode_address).send(msg, rid, t.trace, frames=frames)
+            t.sent_at = now

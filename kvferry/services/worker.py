@@ -1,0 +1,147 @@
+"""What prefill and decode workers share: the engine, the gateway connection, registration and heartbeats.
+
+A worker is told only the gateway's control address. It connects a DEALER socket there,
+registers (role, id, model, dtype, block size, KV capacity, and for a decode worker the
+address its KV ingress listens on) and then heartbeats its live stats. Its loop polls its
+sockets, handles messages, and runs one engine step whenever there is work.
+"""
+import logging
+import os
+import socket
+import time
+import uuid
+
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+from kvferry.common.errors import KvferryError
+from kvferry.common.model.loader import served_model_name
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.transport import Channel
+
+log = logging.getLogger("kvferry.worker")
+REGISTER_TIMEOUT_S = 30.0
+
+
+def sampling_to_wire(params: SamplingParams) -> p.Sampling:
+    return p.Sampling(params.max_tokens, float(params.temperature), float(params.top_p), params.top_k, params.seed,
+                      params.ignore_eos, list(params.stop_token_ids))
+
+
+def sampling_from_wire(s: p.Sampling) -> SamplingParams:
+    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+                          seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids))
+
+
+def advertised_host() -> str:
+    """The address other machines reach this worker at: KVFERRY_ADVERTISE_HOST, else this host's IP."""
+    host = os.environ.get("KVFERRY_ADVERTISE_HOST")
+    if host:
+        return host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Worker:
+    role: p.Role
+
+    def __init__(self, config: EngineConfig, gateway: str, worker_id: str | None = None,
+                 keep_finished_blocks: bool = False):
+        self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
+        self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
+        self.gateway_address = gateway
+        self.ctx = zmq.Context.instance()
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(gateway)
+        self.control = Channel(sock, f"{self.worker_id}/control")
+        self.poller = zmq.Poller()
+        self.poller.register(sock, zmq.POLLIN)
+        self.heartbeat_interval_s = 1.0
+        self.last_heartbeat = 0.0
+        self.running = True
+
+    # -- registry ------------------------------------------------------------------------------------------
+    def kv_address(self) -> str:
+        return ""
+
+    def register(self) -> None:
+        engine = self.engine
+        self.control.send(p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
+                                     dtype=str(engine.dtype).removeprefix("torch."),
+                                     block_size=engine.config.block_size, num_blocks=engine.block_manager.num_blocks,
+                                     max_model_len=engine.max_model_len, kv_address=self.kv_address()))
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if not self.control.socket.poll(timeout=200):
+                continue
+            received = self.control.recv()
+            if received is None or not isinstance(received[1].message, p.RegisterReply):
+                continue
+            reply = received[1].message
+            if not reply.accepted:
+                raise KvferryError(f"the gateway refused {self.worker_id}: {reply.reason}")
+            self.heartbeat_interval_s = reply.heartbeat_interval_s
+            log.info("%s registered with %s", self.worker_id, self.gateway_address)
+            return
+        raise KvferryError(f"no reply from the gateway at {self.gateway_address} within {REGISTER_TIMEOUT_S:.0f} s")
+
+    def stats(self) -> p.WorkerStats:
+        sch = self.engine.scheduler
+        return p.WorkerStats(
+            num_free_blocks=self.engine.block_manager.num_free_blocks, num_total_blocks=self.engine.block_manager.num_blocks,
+            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sch.waiting)
+            + sum(s.num_uncomputed_tokens for s in sch.running if s.num_uncomputed_tokens > 1),
+            num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors())
+
+    def num_protocol_errors(self) -> int:
+        return self.control.num_protocol_errors
+
+    def heartbeat_if_due(self) -> None:
+        now = time.monotonic()
+        if now - self.last_heartbeat >= self.heartbeat_interval_s:
+            self.control.send(p.Heartbeat(self.worker_id, self.stats()))
+            self.last_heartbeat = now
+
+    # -- loop ----------------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def serve_forever(self) -> None:
+        self.register()
+        try:
+            while self.running:
+                timeout = 0 if self.has_work() else int(self.heartbeat_interval_s * 1000 / 2)
+                for sock, _ in self.poller.poll(timeout):
+                    self.drain(sock)
+                if self.has_work():
+                    self.step()
+                self.heartbeat_if_due()
+        finally:
+            self.close()
+
+    def drain(self, sock) -> None:
+        """Handle every message waiting on sock."""
+        channel = self.channel_for(sock)
+        while sock.poll(0):
+            received = channel.recv()
+            if received is not None:
+                self.handle(channel, *received)
+
+    def channel_for(self, sock) -> Channel:
+        return self.control
+
+    def handle(self, channel: Channel, peer, env: p.Envelope) -> None:
+        raise NotImplementedError
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        self.control.close()
