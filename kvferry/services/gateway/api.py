@@ -183,7 +183,7 @@ class Api:
                 return ApiError(event.error_code, event.error, kind="server_error").response()
             num_out += len(event.token_ids)
             pieces.append(text.add(event.token_ids))
-            reason = "stop" if text.stopped else (FINISH_NAMES[event.finish_reason] if event.finish_reason else None)
+            reason = "stop" if text.stopped else finish_name(event.finish_reason)
             if reason:
                 break
             event = await events.__anext__()
@@ -202,7 +202,7 @@ class Api:
                     break
                 num_out += len(event.token_ids)
                 delta = text.add(event.token_ids)
-                reason = "stop" if text.stopped else (FINISH_NAMES[event.finish_reason] if event.finish_reason else None)
+                reason = "stop" if text.stopped else finish_name(event.finish_reason)
                 if reason:
                     delta += text.flush()
                 if delta or reason:
@@ -215,6 +215,10 @@ class Api:
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
+
+
+def finish_name(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FINISH_NAMES[reason]  # STOP is 0: test for None, not truth
 
 
 def sse(obj) -> bytes:

@@ -1,0 +1,109 @@
+"""Real processes for end-to-end tests: a gateway and workers on free 127.0.0.1 ports, always cleaned up."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    def __init__(self, log_dir: Path, model: str | None = None, kv_cache_memory: str = "256MiB",
+                 heartbeat_interval: float = 0.5):
+        self.log_dir = log_dir
+        self.port, self.control_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.control = f"tcp://127.0.0.1:{self.control_port}"
+        self.env = {**os.environ, "KVFERRY_NUM_THREADS": "1", "KVFERRY_KV_CACHE_MEMORY": kv_cache_memory,
+                    "KVFERRY_HEARTBEAT_INTERVAL": str(heartbeat_interval)}
+        if model:
+            self.env["KVFERRY_MODEL"] = model
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env=self.env, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start_gateway(self):
+        return self.start("gateway", "gateway", "--port", str(self.port), "--control", self.control)
+
+    def start_worker(self, name: str, role: str, *extra: str):
+        return self.start(name, role, "--gateway", self.control, "--worker-id", name, *extra)
+
+    def stop(self, name: str, sig=signal.SIGKILL) -> None:
+        proc = self.procs.pop(name)
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            proc.wait(timeout=30)
+
+    def close(self) -> None:
+        for name in list(self.procs):
+            try:
+                self.stop(name)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / f"{name}.log").read_text()
+
+    # -- HTTP ------------------------------------------------------------------------------------------------
+    def get(self, path: str) -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def post(self, path: str, body, raw: bytes | None = None, timeout: float = 300) -> tuple[int, dict]:
+        data = raw if raw is not None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def stream(self, path: str, body, timeout: float = 300) -> list:
+        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
+                                     headers={"content-type": "application/json"})
+        events = []
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for line in r:
+                line = line.decode().strip()
+                if line.startswith("data: "):
+                    payload = line[6:]
+                    events.append(payload if payload == "[DONE]" else json.loads(payload))
+        return events
+
+    def workers(self) -> dict[str, dict]:
+        return {w["id"]: w for w in self.get("/v1/workers")[1]["workers"]}
+
+    def wait_for(self, condition, timeout: float = 120, what: str = "condition") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None and name.startswith("gateway"):
+                    raise RuntimeError(f"{name} exited:\n{self.log(name)[-3000:]}")
+            try:
+                if condition():
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"timed out waiting for {what}")
+
+    def wait_workers(self, names: set[str], timeout: float = 180) -> None:
+        self.wait_for(lambda: names <= set(self.workers()), timeout, f"workers {sorted(names)}")
