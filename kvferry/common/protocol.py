@@ -130,6 +130,8 @@ class KVTransfer:
     dtype: str
     shape: list[int]
     deadline_s: float
+    gather_s: float = 0.0   # time the prefill worker spent copying the blocks out
+    sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
 
 
 @dataclass

@@ -8,6 +8,7 @@ sockets, handles messages, and runs one engine step whenever there is work.
 import logging
 import os
 import socket
+import threading
 import time
 import uuid
 
@@ -23,6 +24,7 @@ from kvferry.common.transport import Channel
 
 log = logging.getLogger("kvferry.worker")
 REGISTER_TIMEOUT_S = 30.0
+UNKNOWN_WORKER = "unknown worker: register again"
 
 
 def sampling_to_wire(params: SamplingParams) -> p.Sampling:
@@ -63,8 +65,9 @@ class Worker:
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.heartbeat_interval_s = 1.0
-        self.last_heartbeat = 0.0
         self.running = True
+        self.must_register = False
+        self.latest_stats: p.WorkerStats | None = None
 
     # -- registry ------------------------------------------------------------------------------------------
     def kv_address(self) -> str:
@@ -103,11 +106,23 @@ class Worker:
     def num_protocol_errors(self) -> int:
         return self.control.num_protocol_errors
 
-    def heartbeat_if_due(self) -> None:
-        now = time.monotonic()
-        if now - self.last_heartbeat >= self.heartbeat_interval_s:
-            self.control.send(p.Heartbeat(self.worker_id, self.stats()))
-            self.last_heartbeat = now
+    def _heartbeat_loop(self) -> None:
+        """Own thread, own socket: a long step (a big prefill on one core) must not look like a dead worker.
+        The main loop publishes its stats after every step; this thread only reads that snapshot."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.gateway_address)
+        channel = Channel(sock, f"{self.worker_id}/heartbeat")
+        try:
+            while self.running:
+                channel.send(p.Heartbeat(self.worker_id, self.latest_stats))
+                if sock.poll(timeout=int(self.heartbeat_interval_s * 1000)):
+                    received = channel.recv()
+                    # The gateway dropped us (say, after a network partition): register again.
+                    if received and isinstance(received[1].message, p.RegisterReply) and not received[1].message.accepted:
+                        self.must_register = True
+        finally:
+            channel.close()
 
     # -- loop ----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -115,6 +130,9 @@ class Worker:
 
     def serve_forever(self) -> None:
         self.register()
+        self.latest_stats = self.stats()
+        heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
+        heartbeats.start()
         try:
             while self.running:
                 timeout = 0 if self.has_work() else int(self.heartbeat_interval_s * 1000 / 2)
@@ -122,8 +140,13 @@ class Worker:
                     self.drain(sock)
                 if self.has_work():
                     self.step()
-                self.heartbeat_if_due()
+                if self.must_register:
+                    self.must_register = False
+                    self.register()
+                self.latest_stats = self.stats()
         finally:
+            self.running = False
+            heartbeats.join(timeout=5)
             self.close()
 
     def drain(self, sock) -> None:

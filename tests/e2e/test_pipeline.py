@@ -164,3 +164,22 @@ def test_mismatched_worker_is_refused_on_both_sides(make_stack):
     assert proc.wait(timeout=180) != 0
     assert "block size mismatch" in s.log("odd") and "block size mismatch" in s.log("gateway")
     assert "odd" not in s.workers()
+
+
+def test_garbage_on_the_wire_is_counted_and_survived(stack):
+    import zmq
+
+    ctx = zmq.Context.instance()
+    decode = next(w for w in stack.workers().values() if w["role"] == "decode")
+    for address in (stack.control, decode["kv_address"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        sock.send_multipart([b"\x93not", b"a message"])
+        sock.send_multipart([b"\x95\x01\x63\xa1r\x80\x80"])  # msgpack, but kind 99
+        sock.close()
+    stack.wait_for(lambda: stack.get("/v1/workers")[1]["gateway"]["protocol_errors"] >= 2, 10, "gateway count")
+    stack.wait_for(lambda: stack.workers()[decode["id"]]["protocol_errors"] >= 2, 10, "decode worker count")
+    status, reply = stack.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
+                                                   "temperature": 0})
+    assert status == 200 and "Paris" in reply["choices"][0]["text"]

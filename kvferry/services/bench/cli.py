@@ -20,6 +20,18 @@ def add_bench_parser(sub) -> None:
     EngineConfig.add_args(p)
     p.set_defaults(func=cmd_bench_engine)
 
+    p = bench.add_parser("serve", help="the workload over HTTP against a running stack, streaming")
+    p.add_argument("--url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="the served model, for the floor and the baseline")
+    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+    p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
+    p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--no-floor", action="store_true")
+    p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
+    p.add_argument("--threads", type=int, default=2, help="torch threads for the floor and the baseline")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_serve)
+
 
 def cmd_bench_engine(args) -> int:
     import torch
@@ -73,13 +85,83 @@ def cmd_bench_engine(args) -> int:
     return 0
 
 
-def _load_hf_model(engine):
+def cmd_bench_serve(args) -> int:
+    import asyncio
+    import json as _json
+    import urllib.request
+
+    import torch
+    from transformers import AutoConfig
+
+    from kvferry.common.model.loader import resolve_model
+    from kvferry.services.bench import workload
+    from kvferry.services.bench.serve import replay
+
+    torch.set_num_threads(args.threads)
+    with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as r:
+        model_name = _json.loads(r.read())["data"][0]["id"]
+    model_dir = resolve_model(args.model)
+    requests = workload.generate(args.workload, AutoConfig.from_pretrained(model_dir).vocab_size, rate=args.rate)
+    report = {"workload": args.workload, "rate": args.rate, "url": args.url}
+    hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
+    asyncio.run(replay(args.url, model_name, requests[:2]))  # warm-up
+    runs, floors = [], []
+    for i in range(args.repeat):
+        runs.append(asyncio.run(replay(args.url, model_name, requests)))
+        _say(args, f"serve run {i + 1}", runs[-1])
+        if not args.no_floor:
+            from kvferry.services.bench.floor import measure_floor
+
+            floors.append(measure_floor(hf_model, requests))
+            _say(args, f"floor run {i + 1}", floors[-1])
+    report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
+    if floors:
+        report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
+        report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+    # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
+    probe = asyncio.run(replay(args.url, model_name, [{"id": "probe-512", "prompt_token_ids": requests[0]["prompt_token_ids"][:1] * 512,
+                                                       "max_tokens": 2, "arrival_s": 0.0}]))
+    report["probe_512"] = {"ttft_s": probe["ttft_p50_s"], "kv_transfer_ms": probe["kv_transfer_p50_ms"],
+                           "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4)}
+    _say(args, "512-token prompt", report["probe_512"])
+    if args.baseline == "hf":
+        from kvferry.services.bench.hf_baseline import run_hf_continuous_batching
+
+        report["hf"] = run_hf_continuous_batching(hf_model, requests)
+        report["hf"]["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / report["hf"]["output_tok_per_s"], 2)
+        _say(args, "transformers continuous batching", report["hf"])
+    if args.json:
+        print(json.dumps(report))
+    else:
+        k = report["kvferry"]
+        print(f"\n== {args.workload} over HTTP at {args.url} (rate {args.rate or 'all at once'}) ==")
+        print(f"output tok/s {k['output_tok_per_s']}, requests/s {k['requests_per_s']} ({k['elapsed_s']} s; runs "
+              f"{k['runs_s']} s)")
+        print(f"TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} "
+              f"ms, KV transfer per request p50/p99 {k['kv_transfer_p50_ms']}/{k['kv_transfer_p99_ms']} ms")
+        if "floor" in report:
+            f = report["floor"]
+            print(f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "
+                  f"{k['fraction_of_floor']:.0%} of it")
+        pr = report["probe_512"]
+        print(f"512-token prompt: {pr['ttft_s']} s to its first token, KV transfer {pr['kv_transfer_ms']} ms "
+              f"(+{pr['transfer_share']:.1%} on its way to decode)")
+        if "hf" in report:
+            print(f"transformers CB {report['hf']['output_tok_per_s']} tok/s: kvferry is {report['hf']['kvferry_speedup']}x")
+    return 0
+
+
+def _load_hf_model_dir(model_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _load_hf_model(engine):
     from kvferry.common.model.loader import resolve_model
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model(engine.config.model), dtype=torch.float32).eval()
+    return _load_hf_model_dir(resolve_model(engine.config.model))
 
 
 def _say(args, title: str, figures: dict) -> None:

@@ -76,7 +76,9 @@ class DecodeWorker(Worker):
             self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)
             return
         self.traces[rid] = env.trace
-        self.transfer_s[rid] = time.perf_counter() - started
+        # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
+        hop_s = time.time() - msg.sent_at if msg.sent_at else time.perf_counter() - started
+        self.transfer_s[rid] = msg.gather_s + max(0.0, hop_s)
         self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
 
     def step(self) -> None:

@@ -76,7 +76,9 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def workers(self, request: Request) -> JSONResponse:
-        return JSONResponse({"workers": [w.as_json() for w in self.core.registry.workers.values()]})
+        return JSONResponse({"workers": [w.as_json() for w in self.core.registry.workers.values()],
+                             "gateway": {"protocol_errors": self.core.control.num_protocol_errors,
+                                         "requests_in_flight": len(self.core.flights)}})
 
     # -- generation ----------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -177,10 +179,11 @@ class Api:
         return params, stop or [], stream, bool(options.get("include_usage"))
 
     async def _whole(self, events, first, text, shaper, num_prompt):
-        event, pieces, num_out, reason = first, [], 0, None
+        event, pieces, num_out, reason, kv_transfer_s = first, [], 0, None, 0.0
         while True:
             if event.error:
                 return ApiError(event.error_code, event.error, kind="server_error").response()
+            kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
             num_out += len(event.token_ids)
             pieces.append(text.add(event.token_ids))
             reason = "stop" if text.stopped else finish_name(event.finish_reason)
@@ -189,10 +192,12 @@ class Api:
             event = await events.__anext__()
         await events.aclose()
         pieces.append(text.flush())
-        return JSONResponse(shaper.whole("".join(pieces), reason, usage(num_prompt, num_out)))
+        whole = shaper.whole("".join(pieces), reason, usage(num_prompt, num_out))
+        whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+        return JSONResponse(whole)
 
     async def _stream(self, events, first, text, shaper, num_prompt, include_usage):
-        event, num_out = first, 0
+        event, num_out, kv_transfer_s = first, 0, 0.0
         try:
             yield sse(shaper.chunk("", None, first_chunk=True)) if shaper.has_role_chunk else b""
             while True:
@@ -205,8 +210,12 @@ class Api:
                 reason = "stop" if text.stopped else finish_name(event.finish_reason)
                 if reason:
                     delta += text.flush()
-                if delta or reason:
-                    yield sse(shaper.chunk(delta, reason))
+                kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
+                # One chunk per token event, even when the text is held back: clients time tokens by chunks.
+                chunk = shaper.chunk(delta, reason)
+                if reason:
+                    chunk["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+                yield sse(chunk)
                 if reason:
                     if include_usage:
                         yield sse(shaper.usage_chunk(usage(num_prompt, num_out)))

@@ -18,7 +18,7 @@ from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel
 from kvferry.services.gateway.registry import Registry
-from kvferry.services.worker import sampling_to_wire
+from kvferry.services.worker import UNKNOWN_WORKER, sampling_to_wire
 
 log = logging.getLogger("kvferry.gateway")
 REQUEST_TIMEOUT_S = 600.0  # the longest a request may take end to end
@@ -102,7 +102,8 @@ class GatewayCore:
             await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s), peer)
         elif isinstance(msg, p.Heartbeat):
             if not self.registry.heartbeat(msg, now):
-                log.warning("heartbeat from unregistered worker %s", msg.worker_id)
+                log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
+                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s), peer)
         elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
             flight = self.flights.get(rid)
             if flight is None:

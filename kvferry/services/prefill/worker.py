@@ -25,6 +25,7 @@ class Transfer:
     trace: p.TraceContext
     keys: object
     values: object
+    gather_s: float
     sent_at: float = 0.0
     retry_at: float = 0.0
 
@@ -110,8 +111,9 @@ class PrefillWorker(Worker):
             self.engine.scheduler.release(seq)
             self.engine.forget(seq.request_id)
             return
+        started = time.perf_counter()
         keys, values = self.engine.runner.read_blocks(seq.block_table)
-        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values)
+        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, time.perf_counter() - started)
         self.engine.forget(seq.request_id)
 
     def send_due_transfers(self) -> None:
@@ -127,7 +129,7 @@ class PrefillWorker(Worker):
                                output_token_ids=t.seq.output_token_ids, sampling=t.request.sampling,
                                num_computed_tokens=len(t.seq.prompt_token_ids),
                                dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
-                               deadline_s=t.request.deadline_s)
+                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time())
             # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
             frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
             self.decode_channel(t.request.decode_address).send(msg, rid, t.trace, frames=frames)

@@ -1,0 +1,53 @@
+"""Replay a workload over HTTP against a running stack: streaming completions, all at once or at a Poisson rate."""
+import asyncio
+import json
+import time
+
+import numpy as np
+
+
+async def _one(client, url: str, model: str, request: dict, start: float) -> dict:
+    await asyncio.sleep(max(0.0, request["arrival_s"] - (time.perf_counter() - start)))
+    body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
+            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    token_times, num_tokens, kv_transfer_s = [], 0, 0.0
+    async with client.stream("POST", url + "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"{request['id']}: HTTP {response.status_code}: {await response.aread()}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RuntimeError(f"{request['id']}: {chunk['error']}")
+            if chunk["choices"]:
+                token_times.append(time.perf_counter())
+                kv_transfer_s = chunk.get("kvferry", {}).get("kv_transfer_s", kv_transfer_s)
+            if chunk.get("usage"):
+                num_tokens = chunk["usage"]["completion_tokens"]
+    if num_tokens != request["max_tokens"]:
+        raise RuntimeError(f"{request['id']}: {num_tokens} tokens, expected {request['max_tokens']}")
+    ttft = token_times[0] - sent
+    tpot = (token_times[-1] - token_times[0]) / max(1, len(token_times) - 1)
+    return {"ttft": ttft, "tpot": tpot, "tokens": num_tokens, "kv_transfer_s": kv_transfer_s}
+
+
+async def replay(url: str, model: str, requests: list[dict]) -> dict:
+    import httpx
+
+    limits = httpx.Limits(max_connections=len(requests) + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(client, url, model, r, start) for r in requests))
+        elapsed = time.perf_counter() - start
+    ttft = np.array([r["ttft"] for r in results])
+    tpot = np.array([r["tpot"] for r in results])
+    kv = np.array([r["kv_transfer_s"] for r in results])
+    total = sum(r["tokens"] for r in results)
+    pct = lambda a, q: round(float(np.percentile(a, q)), 4)
+    return {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1),
+            "requests_per_s": round(len(requests) / elapsed, 3), "ttft_p50_s": pct(ttft, 50),
+            "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": round(pct(tpot, 50) * 1000, 1),
+            "tpot_p99_ms": round(pct(tpot, 99) * 1000, 1), "kv_transfer_p50_ms": round(pct(kv, 50) * 1000, 2),
+            "kv_transfer_p99_ms": round(pct(kv, 99) * 1000, 2)}
