@@ -3,7 +3,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-export KVFERRY_NUM_THREADS ?= 2
 
 .PHONY: install model serve test bench clean
 
@@ -22,7 +21,7 @@ model: $(STAMP)
 	$(VENV)/bin/kvferry prepare
 
 serve: model
-	$(VENV)/bin/kvferry generate --chat --max-tokens 64 --prompt "What is paged attention, in two sentences?"
+	$(VENV)/bin/kvferry serve
 
 test: model
 	$(PY) -m pytest -q tests

@@ -31,7 +31,7 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> b
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT)
+            p.send_signal(signal.SIGTERM)  # SIGINT may be ignored in a background job; SIGTERM never is
     deadline = time.monotonic() + 10
     for p in procs:
         try:
@@ -41,19 +41,26 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+def _interrupt(*_):
+    raise KeyboardInterrupt
+
+
 def serve(args) -> int:
     from kvferry.common.model.loader import resolve_model
 
     resolve_model(args.model)  # convert once here, not in three processes at the same time
-    # SIGTERM (a supervisor, `timeout`) stops the children too, as Ctrl-C does.
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    env = {**os.environ, "KVFERRY_NUM_THREADS": str(args.worker_threads)}
+    # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:
+    # a shell starts background jobs with it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
+    env = dict(os.environ)
     if args.model:
         env["KVFERRY_MODEL"] = args.model
     control = f"tcp://127.0.0.1:{args.control_port}"
     procs = [spawn("gateway", "--host", args.host, "--port", str(args.port), "--control", control, env=env)]
     try:
-        procs += [spawn("prefill", "--gateway", control, env=env), spawn("decode", "--gateway", control, env=env)]
+        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(args.prefill_threads), env=env),
+                  spawn("decode", "--gateway", control, "--num-threads", str(args.decode_threads), env=env)]
         url = f"http://{args.host}:{args.port}"
         if not wait_healthy(url, procs, READY_TIMEOUT_S):
             print("kvferry: the services did not become healthy", file=sys.stderr)
