@@ -183,3 +183,25 @@ def test_garbage_on_the_wire_is_counted_and_survived(stack):
     status, reply = stack.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
                                                    "temperature": 0})
     assert status == 200 and "Paris" in reply["choices"][0]["text"]
+
+
+def test_a_full_decode_worker_makes_requests_wait_not_fail(make_stack):
+    # 40 blocks of 16 tokens on the decode worker: one 300-token conversation at a time fits.
+    s = make_stack(kv_cache_memory=str(40 * 737280))
+    s.env["KVFERRY_MAX_MODEL_LEN"] = "640"
+    s.start_gateway()
+    s.start_worker("p", "prefill", "--kv-cache-memory", "256MiB")
+    s.start_worker("d", "decode")
+    s.wait_workers({"p", "d"})
+    prompt = list(range(1000, 1300))
+
+    def one(_):
+        return s.post("/v1/completions", {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True})
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(one, range(3)))
+    for status, reply in replies:
+        assert status == 200, reply
+        assert reply["usage"]["completion_tokens"] == 40 and reply["choices"][0]["finish_reason"] == "length"
+    assert len({r["choices"][0]["text"] for _, r in replies}) == 1  # same prompt, greedy: same text
+    s.wait_for(lambda: all(w["free_blocks"] == w["num_blocks"] for w in s.workers().values()), 10, "blocks back")
