@@ -132,6 +132,14 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id],
                        num_computed_tokens=len(prompt_token_ids))
+        layout = self.runner.layout
+        expected = (layout.num_layers, self.block_manager.num_blocks_for(len(prompt_token_ids)), layout.block_size,
+                    layout.num_kv_heads, layout.head_dim)
+        if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+            raise InvalidRequest(f"KV of shape {tuple(keys.shape)} for {len(prompt_token_ids)} prompt tokens; "
+                                 f"this worker needs {expected}")
+        if not 0 <= first_token_id < self.vocab_size:
+            raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
         if not self.scheduler.can_admit_prefilled(seq.num_tokens):
             return False
         self.scheduler.admit_prefilled(seq)

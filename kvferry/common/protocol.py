@@ -139,6 +139,7 @@ class KVAck:
     KIND: typing.ClassVar[Kind] = Kind.KV_ACK
     accepted: bool
     reason: str = ""
+    retry: bool = True  # a refusal that may pass later (no room) rather than never (bad request)
 
 
 @dataclass

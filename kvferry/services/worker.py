@@ -84,7 +84,10 @@ class Worker:
             if not self.control.socket.poll(timeout=200):
                 continue
             received = self.control.recv()
-            if received is None or not isinstance(received[1].message, p.RegisterReply):
+            if received is None:
+                continue
+            if not isinstance(received[1].message, p.RegisterReply):
+                self.handle(self.control, *received)  # re-registering: what arrives meanwhile still counts
                 continue
             reply = received[1].message
             if not reply.accepted:
@@ -128,6 +131,9 @@ class Worker:
     def has_work(self) -> bool:
         return self.engine.has_unfinished()
 
+    def idle_wait_ms(self) -> int:
+        return int(self.heartbeat_interval_s * 1000 / 2)
+
     def serve_forever(self) -> None:
         self.register()
         self.latest_stats = self.stats()
@@ -135,7 +141,7 @@ class Worker:
         heartbeats.start()
         try:
             while self.running:
-                timeout = 0 if self.has_work() else int(self.heartbeat_interval_s * 1000 / 2)
+                timeout = 0 if self.has_work() else self.idle_wait_ms()
                 for sock, _ in self.poller.poll(timeout):
                     self.drain(sock)
                 if self.has_work():
@@ -154,8 +160,12 @@ class Worker:
         channel = self.channel_for(sock)
         while sock.poll(0):
             received = channel.recv()
-            if received is not None:
+            if received is None:
+                continue
+            try:
                 self.handle(channel, *received)
+            except Exception:  # one bad message must not take the worker down
+                log.exception("%s: while handling %s", self.worker_id, type(received[1].message).__name__)
 
     def channel_for(self, sock) -> Channel:
         return self.control

@@ -91,6 +91,9 @@ def test_openai_client(stack):
     assert streamed == done.choices[0].text
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
                                           max_tokens=10, temperature=0)
+    parts = client.chat.completions.create(model=model, max_tokens=10, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]}])
+    assert parts.choices[0].message.content == chat.choices[0].message.content
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
     pieces = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
                                             max_tokens=10, temperature=0, stream=True,
@@ -122,6 +125,9 @@ def test_stop_strings_even_across_tokens(stack):
     ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, None, 400, "context_length_exceeded"),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, None, 404, "model_not_found"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, None),
+    ("/v1/completions", {"prompt": "hi", "echo": True, "logprobs": 1}, None, 400, None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": 0.5}, None, 400,
+     None),
 ])
 def test_bad_requests_get_openai_shaped_errors(stack, path, body, raw, status, code):
     got, reply = stack.post(path, body, raw=raw)

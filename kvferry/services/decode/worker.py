@@ -13,6 +13,7 @@ from kvferry.common.transport import Channel
 from kvferry.services.worker import Worker, advertised_host, sampling_from_wire
 
 log = logging.getLogger("kvferry.decode")
+TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -39,6 +40,9 @@ class DecodeWorker(Worker):
         self.poller.register(sock, zmq.POLLIN)
         self.traces: dict[str, p.TraceContext] = {}
         self.transfer_s: dict[str, float] = {}
+        # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
+        # late (an Abort can overtake its transfer; a resend can follow an ack) is acknowledged and dropped.
+        self.tombstones: dict[str, float] = {}
 
     def kv_address(self) -> str:
         return self.advertised_kv
@@ -55,21 +59,32 @@ class DecodeWorker(Worker):
             self.receive_kv(peer, env)
         elif isinstance(msg, p.Abort):
             self.engine.abort(rid)
-            self.traces.pop(rid, None)
+            self.bury(rid)
+
+    def bury(self, rid: str) -> None:
+        self.traces.pop(rid, None)
+        self.transfer_s.pop(rid, None)
+        now = time.monotonic()
+        self.tombstones[rid] = now + TOMBSTONE_S
+        if len(self.tombstones) > 1024:
+            self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
 
     def receive_kv(self, peer: bytes, env: p.Envelope) -> None:
         msg, rid = env.message, env.request_id
-        if rid in self.traces:  # a duplicate of a transfer already placed
+        if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
             self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
             return
         started = time.perf_counter()
         try:
+            if not msg.output_token_ids:
+                raise InvalidRequest("a KV transfer without its first token")
             params = sampling_from_wire(msg.sampling)
             keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
             values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
             placed = self.engine.add_prefilled(rid, msg.prompt_token_ids, msg.output_token_ids[-1], params, keys, values)
-        except (InvalidRequest, AssertionError, KeyError) as exc:
-            self.kv_in.send(p.KVAck(False, f"refused: {exc}"), rid, env.trace, to=peer)
+        except (InvalidRequest, KeyError, RuntimeError) as exc:
+            self.bury(rid)
+            self.kv_in.send(p.KVAck(False, f"refused: {exc}", retry=False), rid, env.trace, to=peer)
             self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", 500), rid, env.trace)
             return
         if not placed:
@@ -84,9 +99,11 @@ class DecodeWorker(Worker):
     def step(self) -> None:
         for out in self.engine.step():
             reason = int(out.finish_reason) if out.finished else -1
-            trace = self.traces.pop(out.request_id, None) if out.finished else self.traces.get(out.request_id)
+            trace = self.traces.get(out.request_id)
             self.control.send(p.Tokens(out.new_token_ids, reason, self.transfer_s.pop(out.request_id, 0.0)),
                               out.request_id, trace)
+            if out.finished:
+                self.bury(out.request_id)
 
     def close(self) -> None:
         self.kv_in.close()

@@ -20,6 +20,9 @@ from kvferry.services.gateway.server import GatewayCore, NoWorkers
 log = logging.getLogger("kvferry.gateway")
 FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
 MAX_STOP_STRINGS = 16
+# Parameters kvferry does not honour yet, with the value that asks for nothing (False == 0 in Python).
+NOT_YET_SUPPORTED = {"logprobs": None, "top_logprobs": 0, "echo": False, "best_of": 1, "presence_penalty": 0,
+                     "frequency_penalty": 0, "logit_bias": {}, "repetition_penalty": 1}
 
 
 class ApiError(Exception):
@@ -122,10 +125,13 @@ class Api:
     def _prompt(self, body: dict, chat: bool) -> list[int]:
         if chat:
             messages = body.get("messages")
+            if isinstance(messages, list):
+                messages = [dict(m, content=text_of(m.get("content"))) if isinstance(m, dict) else m for m in messages]
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages):
-                raise ApiError(400, "'messages' must be a non-empty list of {role, content} strings", "messages")
+                raise ApiError(400, "'messages' must be a non-empty list of {role, content} with text content",
+                               "messages")
             try:
                 ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
                                                          return_dict=False)
@@ -167,6 +173,10 @@ class Api:
             raise ApiError(400, f"at most {MAX_STOP_STRINGS} stop strings", "stop")
         if _field(body, "n", (int,), 1) != 1:
             raise ApiError(400, "only n=1 is supported", "n")
+        # Refused, never silently ignored: a client that asked for them would read a wrong answer.
+        for name, neutral in NOT_YET_SUPPORTED.items():
+            if body.get(name) not in (None, neutral):
+                raise ApiError(400, f"'{name}' is not supported yet", name)
         stream = _field(body, "stream", (bool,), False)
         options = _field(body, "stream_options", (dict,), {}) or {}
         try:
@@ -180,17 +190,19 @@ class Api:
 
     async def _whole(self, events, first, text, shaper, num_prompt):
         event, pieces, num_out, reason, kv_transfer_s = first, [], 0, None, 0.0
-        while True:
-            if event.error:
-                return ApiError(event.error_code, event.error, kind="server_error").response()
-            kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
-            num_out += len(event.token_ids)
-            pieces.append(text.add(event.token_ids))
-            reason = "stop" if text.stopped else finish_name(event.finish_reason)
-            if reason:
-                break
-            event = await events.__anext__()
-        await events.aclose()
+        try:
+            while True:
+                if event.error:
+                    return ApiError(event.error_code, event.error, kind="server_error").response()
+                kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
+                num_out += len(event.token_ids)
+                pieces.append(text.add(event.token_ids))
+                reason = "stop" if text.stopped else finish_name(event.finish_reason)
+                if reason:
+                    break
+                event = await events.__anext__()
+        finally:
+            await events.aclose()
         pieces.append(text.flush())
         whole = shaper.whole("".join(pieces), reason, usage(num_prompt, num_out))
         whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
@@ -224,6 +236,14 @@ class Api:
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
+
+
+def text_of(content):
+    """Chat content as text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    return content
 
 
 def finish_name(reason: FinishReason | None) -> str | None:

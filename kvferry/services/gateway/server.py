@@ -112,6 +112,9 @@ class GatewayCore:
                 flight.queue.put_nowait(Event(error=msg.message, error_code=msg.code))
                 return
             ids = [msg.token_id] if isinstance(msg, p.FirstToken) else msg.token_ids
+            if msg.finish_reason >= len(FinishReason):
+                flight.queue.put_nowait(Event(error=f"a worker sent finish reason {msg.finish_reason}"))
+                return
             reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
             flight.queue.put_nowait(Event(ids, reason, kv_transfer_s=getattr(msg, "kv_transfer_s", 0.0)))
 
@@ -120,6 +123,11 @@ class GatewayCore:
             await asyncio.sleep(self.registry.heartbeat_interval_s)
             for worker in self.registry.expire(time.time()):
                 log.warning("worker %s dropped: no heartbeat for %d intervals", worker.worker_id, 3)
+                # Its requests fail now rather than after a long silence (moving them is issue 6's work).
+                for flight in self.flights.values():
+                    if worker.identity in (flight.prefill_identity, flight.decode_identity):
+                        flight.queue.put_nowait(Event(error=f"worker {worker.worker_id} stopped responding",
+                                                      error_code=503))
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
@@ -135,7 +143,7 @@ class GatewayCore:
         deadline = time.time() + REQUEST_TIMEOUT_S
         request = p.PrefillRequest(prompt_token_ids, sampling_to_wire(params), decode.worker_id, decode.kv_address,
                                    deadline)
-        finished = False
+        completed = False  # ended by a finish reason: nothing left on the workers
         try:
             if not await self._send(request, prefill.identity, rid, trace):
                 raise NoWorkers("the chosen prefill worker is gone")
@@ -144,14 +152,15 @@ class GatewayCore:
                     event = await asyncio.wait_for(flight.queue.get(), EVENT_TIMEOUT_S)
                 except asyncio.TimeoutError:
                     event = Event(error=f"no word from the workers for {EVENT_TIMEOUT_S:.0f} s", error_code=504)
-                finished = event.error is not None or event.finish_reason is not None
+                completed = event.error is None and event.finish_reason is not None
                 yield event
-                if finished:
+                if completed or event.error is not None:
                     return
         finally:
             self.flights.pop(rid, None)
-            if not finished:  # the client went away, or a stop string ended it: free it everywhere
-                await self.abort(rid, flight)
+            if not completed:  # an error, a timeout, a stop string or a client gone: free it everywhere
+                # Shielded: a disconnect cancels this task, and the Abort must still go out.
+                await asyncio.shield(self.abort(rid, flight))
 
     async def abort(self, rid: str, flight: Flight) -> None:
         for identity in {flight.prefill_identity, flight.decode_identity}:

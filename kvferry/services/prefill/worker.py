@@ -16,6 +16,7 @@ from kvferry.services.worker import Worker, sampling_from_wire
 
 log = logging.getLogger("kvferry.prefill")
 RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
+ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again (until the request's deadline)
 
 
 @dataclasses.dataclass
@@ -39,8 +40,18 @@ class PrefillWorker(Worker):
         self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
 
+    def next_transfer_due(self) -> float:
+        """Monotonic time at which some transfer needs sending again (inf: none)."""
+        return min((t.retry_at if not t.sent_at else t.sent_at + ACK_TIMEOUT_S for t in self.transfers.values()),
+                   default=float("inf"))
+
     def has_work(self) -> bool:
-        return self.engine.has_unfinished() or any(t.sent_at == 0.0 for t in self.transfers.values())
+        return self.engine.has_unfinished() or self.next_transfer_due() <= time.monotonic()
+
+    def idle_wait_ms(self) -> int:
+        # Sleep until the next retry is due, not in a busy loop: the decode worker needs the core.
+        until_due = self.next_transfer_due() - time.monotonic()
+        return max(1, int(min(until_due, self.heartbeat_interval_s / 2) * 1000))
 
     def num_protocol_errors(self) -> int:
         return self.control.num_protocol_errors + sum(c.num_protocol_errors for c in self.decode_channels.values())
@@ -77,7 +88,7 @@ class PrefillWorker(Worker):
             transfer = self.transfers.get(rid)
             if transfer is None:
                 return  # a duplicate, or a request given up meanwhile
-            if msg.accepted:
+            if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
                 self.engine.scheduler.release(self.transfers.pop(rid).seq)
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
@@ -119,8 +130,8 @@ class PrefillWorker(Worker):
     def send_due_transfers(self) -> None:
         now = time.monotonic()
         for rid, t in list(self.transfers.items()):
-            if t.sent_at or now < t.retry_at:
-                continue
+            if now < (t.sent_at + ACK_TIMEOUT_S if t.sent_at else t.retry_at):
+                continue  # in flight and not yet overdue, or waiting for its retry time
             if time.time() > t.request.deadline_s:
                 self.control.send(p.RequestFailed("no decode worker took the KV in time", 503), rid, t.trace)
                 self.engine.scheduler.release(self.transfers.pop(rid).seq)
