@@ -193,8 +193,7 @@ def test_garbage_on_the_wire_is_counted_and_survived(stack):
 
 def test_a_full_decode_worker_makes_requests_wait_not_fail(make_stack):
     # 40 blocks of 16 tokens on the decode worker: one 300-token conversation at a time fits.
-    s = make_stack(kv_cache_memory=str(40 * 737280))
-    s.env["KVFERRY_MAX_MODEL_LEN"] = "640"
+    s = make_stack(kv_cache_memory=str(40 * 737280))  # the decode worker lowers its max_model_len to 640
     s.start_gateway()
     s.start_worker("p", "prefill", "--kv-cache-memory", "256MiB")
     s.start_worker("d", "decode")
@@ -209,5 +208,8 @@ def test_a_full_decode_worker_makes_requests_wait_not_fail(make_stack):
     for status, reply in replies:
         assert status == 200, reply
         assert reply["usage"]["completion_tokens"] == 40 and reply["choices"][0]["finish_reason"] == "length"
+    # The decode worker holds 640 tokens: the gateway's limit follows its smallest worker.
+    status, reply = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 400})
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded" and "640" in reply["error"]["message"]
     assert len({r["choices"][0]["text"] for _, r in replies}) == 1  # same prompt, greedy: same text
     s.wait_for(lambda: all(w["free_blocks"] == w["num_blocks"] for w in s.workers().values()), 10, "blocks back")

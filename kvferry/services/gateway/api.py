@@ -51,7 +51,13 @@ def _field(body: dict, name: str, types: tuple, default=None, check=None, what: 
 
 class Api:
     def __init__(self, core: GatewayCore, tokenizer, model_name: str, max_model_len: int):
-        self.core, self.tokenizer, self.model_name, self.max_model_len = core, tokenizer, model_name, max_model_len
+        self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
+
+    @property
+    def max_model_len(self) -> int:
+        """The model's limit, or less where a live worker's KV cache holds fewer tokens."""
+        workers = self.core.registry.max_model_len()
+        return min(self.model_max_len, workers) if workers else self.model_max_len
 
     def app(self) -> Starlette:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
