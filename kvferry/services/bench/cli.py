@@ -50,34 +50,14 @@ def cmd_bench_engine(args) -> int:
     report = {"workload": args.workload, "threads": torch.get_num_threads()}
     hf_model = _load_hf_model(engine) if not args.no_floor or args.baseline == "hf" else None
     engine.generate([requests[0]["prompt_token_ids"]], None)  # warm-up: first-call allocations
-    # The engine and the floor are measured in alternation and the best of each is kept: on a shared
-    # machine a slow spell then hits both sides rather than one.
-    runs, floors = [], []
-    for i in range(args.repeat):
-        runs.append(run_engine(engine, requests))
-        _say(args, f"kvferry run {i + 1}", runs[-1])
-        if not args.no_floor:
-            from kvferry.services.bench.floor import measure_floor
-
-            floors.append(measure_floor(hf_model, requests))
-            _say(args, f"floor run {i + 1}", floors[-1])
-    report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
-    if floors:
-        report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
-        report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+    _alternate_with_floor(args, "kvferry", lambda: run_engine(engine, requests), hf_model, requests, report)
     if not args.no_paging:
         from kvferry.services.bench.paging import paging_overhead
 
         report["paging"] = paging_overhead(engine)
         _say(args, "paging overhead", report["paging"])
     if args.baseline == "hf":
-        from kvferry.services.bench.hf_baseline import run_hf_continuous_batching
-
-        report["hf"] = run_hf_continuous_batching(hf_model, requests)
-        report["hf"]["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / report["hf"]["output_tok_per_s"], 2)
-        if "floor" in report:
-            report["hf"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["hf"]["elapsed_s"], 3)
-        _say(args, "transformers continuous batching", report["hf"])
+        _hf_baseline(args, hf_model, requests, report)
     if args.json:
         print(json.dumps(report))
     else:
@@ -105,31 +85,17 @@ def cmd_bench_serve(args) -> int:
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
     hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
     asyncio.run(replay(args.url, model_name, requests[:2]))  # warm-up
-    runs, floors = [], []
-    for i in range(args.repeat):
-        runs.append(asyncio.run(replay(args.url, model_name, requests)))
-        _say(args, f"serve run {i + 1}", runs[-1])
-        if not args.no_floor:
-            from kvferry.services.bench.floor import measure_floor
-
-            floors.append(measure_floor(hf_model, requests))
-            _say(args, f"floor run {i + 1}", floors[-1])
-    report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
-    if floors:
-        report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
-        report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+    _alternate_with_floor(args, "serve", lambda: asyncio.run(replay(args.url, model_name, requests)), hf_model,
+                          requests, report)
     # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
-    probe = asyncio.run(replay(args.url, model_name, [{"id": "probe-512", "prompt_token_ids": requests[0]["prompt_token_ids"][:1] * 512,
+    prompt_512 = [t for r in requests for t in r["prompt_token_ids"]][:512]
+    probe = asyncio.run(replay(args.url, model_name, [{"id": "probe-512", "prompt_token_ids": prompt_512,
                                                        "max_tokens": 2, "arrival_s": 0.0}]))
     report["probe_512"] = {"ttft_s": probe["ttft_p50_s"], "kv_transfer_ms": probe["kv_transfer_p50_ms"],
                            "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4)}
     _say(args, "512-token prompt", report["probe_512"])
     if args.baseline == "hf":
-        from kvferry.services.bench.hf_baseline import run_hf_continuous_batching
-
-        report["hf"] = run_hf_continuous_batching(hf_model, requests)
-        report["hf"]["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / report["hf"]["output_tok_per_s"], 2)
-        _say(args, "transformers continuous batching", report["hf"])
+        _hf_baseline(args, hf_model, requests, report)
     if args.json:
         print(json.dumps(report))
     else:
@@ -149,6 +115,34 @@ def cmd_bench_serve(args) -> int:
         if "hf" in report:
             print(f"transformers CB {report['hf']['output_tok_per_s']} tok/s: kvferry is {report['hf']['kvferry_speedup']}x")
     return 0
+
+
+def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[dict], report: dict) -> None:
+    """Run the workload and measure the floor in alternation, keeping the best of each: on a shared machine
+    a slow spell then hits both sides rather than one."""
+    from kvferry.services.bench.floor import measure_floor
+
+    runs, floors = [], []
+    for i in range(args.repeat):
+        runs.append(run_once())
+        _say(args, f"{label} run {i + 1}", runs[-1])
+        if not args.no_floor:
+            floors.append(measure_floor(hf_model, requests))
+            _say(args, f"floor run {i + 1}", floors[-1])
+    report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
+    if floors:
+        report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
+        report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+
+
+def _hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
+    from kvferry.services.bench.hf_baseline import run_hf_continuous_batching
+
+    hf = report["hf"] = run_hf_continuous_batching(hf_model, requests)
+    hf["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / hf["output_tok_per_s"], 2)
+    if "floor" in report:
+        hf["fraction_of_floor"] = round(report["floor"]["floor_s"] / hf["elapsed_s"], 3)
+    _say(args, "transformers continuous batching", hf)
 
 
 def _load_hf_model_dir(model_dir):
