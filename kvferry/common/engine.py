@@ -86,7 +86,6 @@ class LLMEngine:
             raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
                               f"lower it") from None
         self.vocab_size = self.hf_config.vocab_size
-        self.model_dir = model_dir
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
 
@@ -106,6 +105,10 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
+        return self._queue(token_ids, params, request_id)
+
+    def _queue(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
@@ -189,7 +192,7 @@ class LLMEngine:
         token_lists = [self.encode(p, chat) if isinstance(p, str) else list(p) for p in prompts]
         for token_ids in token_lists:
             self.validate_prompt(token_ids)
-        ids = [self.add_request(t, sp) for t, sp in zip(token_lists, params_list)]
+        ids = [self._queue(t, sp or SamplingParams()) for t, sp in zip(token_lists, params_list)]
         done: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -136,7 +136,7 @@ class Worker:
 
     def serve_forever(self) -> None:
         self.register()
-        self.latest_stats = self.stats()
+        self.latest_stats, stats_due = self.stats(), 0.0
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
         try:
@@ -149,7 +149,9 @@ class Worker:
                 if self.must_register:
                     self.must_register = False
                     self.register()
-                self.latest_stats = self.stats()
+                now = time.monotonic()
+                if now >= stats_due:  # the heartbeat thread only needs a fresh snapshot each half interval
+                    self.latest_stats, stats_due = self.stats(), now + self.heartbeat_interval_s / 2
         finally:
             self.running = False
             heartbeats.join(timeout=5)

@@ -1,6 +1,5 @@
 """The disaggregated stack as a user runs it: real processes, real ZeroMQ sockets, real HTTP on 127.0.0.1."""
 import concurrent.futures
-import time
 
 import pytest
 

