@@ -16,7 +16,7 @@ from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams
-from kvferry.common.scheduler import Scheduler
+from kvferry.common.scheduler import Scheduler, StepPlan
 from kvferry.common.sequence import FinishReason, Sequence
 
 
@@ -88,6 +88,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
+        self.last_plan: StepPlan | None = None
 
     # -- requests -----------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -165,7 +166,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every sequence that got a token in it."""
-        plan = self.scheduler.schedule()
+        self.last_plan = plan = self.scheduler.schedule()  # what ran, for a worker's trace of the step
         if not plan.chunks:
             return []
         sampled = self.runner.execute(plan)

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: timings for the gateway's metrics on FirstToken and Tokens
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -44,6 +44,7 @@ class Role(enum.IntEnum):
 
 @dataclass
 class TraceContext:
+    """W3C-style ids (hex): the request's trace, this message's (or span's) own id, and the span that caused it."""
     trace_id: str = ""
     span_id: str = ""
     parent_id: str = ""
@@ -116,6 +117,8 @@ class FirstToken:
     KIND: typing.ClassVar[Kind] = Kind.FIRST_TOKEN
     token_id: int
     finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
+    queue_s: float = 0.0     # arrival at the prefill worker to its first scheduled chunk
+    prefill_s: float = 0.0   # first chunk to the sampled first token
 
 
 @dataclass
@@ -147,7 +150,8 @@ class Tokens:
     KIND: typing.ClassVar[Kind] = Kind.TOKENS
     token_ids: list[int]
     finish_reason: int = -1
-    kv_transfer_s: float = 0.0
+    kv_transfer_s: float = 0.0   # on a sequence's first Tokens message only
+    kv_transfer_bytes: int = 0
 
 
 @dataclass

@@ -1,51 +1,89 @@
-"""ZeroMQ plumbing for protocol messages: send, receive, and count what cannot be decoded.
+"""ZeroMQ plumbing for protocol messages: send, receive, trace, and count what cannot be decoded.
 
 ROUTER sockets prefix every message with the peer's identity frame; DEALER sockets do not.
 Raw frames (KV tensors) are sent with copy=False, so ZeroMQ reads the tensor's memory in
 place, and received with copy=False, so the receiver can view them without a copy.
+
+Each message sent gets its own span id, a child of the context that caused it, and is
+recorded (with the receive on the other side) by the process's tracer when tracing is on.
 """
 import logging
 
 import zmq
 
-from kvferry.common import protocol
+from kvferry.common import protocol, tracing
 from kvferry.common.protocol import Envelope, ProtocolError, TraceContext
 
 log = logging.getLogger("kvferry.transport")
 
 
-class Channel:
-    """One socket with protocol-aware send and receive."""
+def peer_label(identity: bytes) -> str:
+    """A ZeroMQ identity as text: worker ids are readable; ZeroMQ's own random ids are shown in hex."""
+    text = identity.decode("utf-8", "replace")
+    return text if text.isprintable() and "\ufffd" not in text else "0x" + identity.hex()
 
-    def __init__(self, socket: zmq.Socket, name: str):
+
+def _nbytes(frame) -> int:
+    if hasattr(frame, "nbytes"):
+        return frame.nbytes
+    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+
+
+class Channel:
+    """One socket with protocol-aware, traced send and receive.
+
+    pack/unpack do the encoding, decoding and tracing; send/recv add the blocking socket calls.
+    The gateway's asyncio socket uses pack/unpack around its own awaits.
+    """
+
+    def __init__(self, socket: zmq.Socket, name: str, peer_name: str = "", tracer=None):
         self.socket = socket
         self.name = name
-        self.is_router = socket.socket_type == zmq.ROUTER
+        self.peer_name = peer_name  # who is at the other end of a DEALER socket
+        self.is_router = socket.type == zmq.ROUTER
+        self.tracer = tracer or tracing.tracer()
         self.num_protocol_errors = 0
 
-    def send(self, message, request_id: str = "", trace: TraceContext | None = None, frames: list | None = None,
-             to: bytes | None = None) -> None:
-        parts = protocol.encode(message, request_id, trace, frames)
+    def pack(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
+             to: bytes | None = None) -> tuple[list, TraceContext]:
+        """-> (multipart message, the message's own trace context)."""
+        ctx = tracing.child_of(parent)
+        parts = protocol.encode(message, request_id, ctx, frames)
+        if self.tracer.enabled:
+            self.tracer.message("send", type(message).__name__, peer_label(to) if to else self.peer_name, request_id,
+                                ctx, len(parts[0]), sum(_nbytes(f) for f in parts[1:]))
         if self.is_router:
             if to is None:
                 raise ValueError(f"{self.name}: a ROUTER send needs the peer identity")
             parts = [to, *parts]
+        return parts, ctx
+
+    def send(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
+             to: bytes | None = None) -> TraceContext:
+        parts, ctx = self.pack(message, request_id, parent, frames, to)
         # Frames after the header go zero-copy; the header is small and copied.
         self.socket.send_multipart(parts, copy=False)
+        return ctx
 
-    def recv(self, flags: int = 0) -> tuple[bytes | None, Envelope] | None:
-        """Next valid message as (peer identity or None, envelope); None for a message that broke the
-        protocol, which is counted and logged, never raised: one bad peer must not stop the loop."""
-        parts = self.socket.recv_multipart(flags=flags, copy=False)
+    def unpack(self, parts: list) -> tuple[bytes | None, Envelope] | None:
+        """(peer identity or None, envelope); None for a message that broke the protocol, which is counted
+        and logged, never raised: one bad peer must not stop the loop."""
         peer = None
         if self.is_router:
             peer, parts = parts[0].bytes, parts[1:]
         try:
-            return peer, protocol.decode(parts)
+            env = protocol.decode(parts)
         except ProtocolError as exc:
             self.num_protocol_errors += 1
-            log.warning("%s: protocol error from %r: %s", self.name, peer, exc)
+            log.warning("%s: protocol error from %s: %s", self.name, peer_label(peer) if peer else self.peer_name, exc)
             return None
+        if self.tracer.enabled:
+            self.tracer.message("recv", type(env.message).__name__, peer_label(peer) if peer else self.peer_name,
+                                env.request_id, env.trace, _nbytes(parts[0]), sum(_nbytes(f) for f in parts[1:]))
+        return peer, env
+
+    def recv(self, flags: int = 0) -> tuple[bytes | None, Envelope] | None:
+        return self.unpack(self.socket.recv_multipart(flags=flags, copy=False))
 
     def close(self) -> None:
         self.socket.close(linger=0)

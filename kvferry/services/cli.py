@@ -43,21 +43,41 @@ def cmd_generate(args) -> int:
 def cmd_gateway(args) -> int:
     from kvferry.services.gateway.main import run_gateway
 
-    run_gateway(args.model, args.host, args.port, args.control, args.block_size, args.heartbeat_interval,
-                args.max_model_len)
+    run_gateway(args)
     return 0
 
 
-def _run_worker(args, cls, **kwargs) -> int:
-    import logging
+def observe(args, role: str, process: str) -> None:
+    """Logs, the trace folder and OpenTelemetry export for this process, from its flags."""
+    from kvferry.common import tracing
+    from kvferry.common.logs import setup_logging
 
+    setup_logging(args.log_format, process)
+    tracing.configure(role, process, args.trace_dir, args.otlp_endpoint)
+
+
+def add_observability_args(parser: argparse.ArgumentParser) -> None:
+    from kvferry.common.logs import FORMATS
+
+    env = os.environ.get
+    g = parser.add_argument_group("observability (each also read from KVFERRY_<NAME>)")
+    g.add_argument("--trace-dir", default=env("KVFERRY_TRACE_DIR") or None,
+                   help="append one JSON line per message and span to files in this folder (read with kvferry trace)")
+    g.add_argument("--otlp-endpoint", default=env("KVFERRY_OTLP_ENDPOINT") or None,
+                   help="also export spans to this OpenTelemetry collector (OTLP/HTTP), e.g. http://localhost:4318")
+    g.add_argument("--log-format", default=env("KVFERRY_LOG_FORMAT", "text"), choices=FORMATS)
+
+
+def _run_worker(args, cls, **kwargs) -> int:
     import signal
+    import uuid
 
     from kvferry.services.launcher import _interrupt
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    worker_id = args.worker_id or f"{cls.role.name.lower()}-{uuid.uuid4().hex[:8]}"
+    observe(args, cls.role.name.lower(), worker_id)  # before the worker: its channels take the tracer
     signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: close sockets, end the heartbeat thread
-    worker = cls(EngineConfig.from_args(args), args.gateway, args.worker_id, **kwargs)
+    worker = cls(EngineConfig.from_args(args), args.gateway, worker_id, **kwargs)
     try:
         worker.serve_forever()
     except KeyboardInterrupt:
@@ -112,6 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=env("KVFERRY_BLOCK_SIZE", "16"))
     p.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
     p.add_argument("--heartbeat-interval", type=float, default=env("KVFERRY_HEARTBEAT_INTERVAL", "1.0"))
+    add_observability_args(p)
     p.set_defaults(func=cmd_gateway)
 
     for role, func in (("prefill", cmd_prefill), ("decode", cmd_decode)):
@@ -123,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--kv-bind", default=env("KVFERRY_KV_BIND", "tcp://127.0.0.1:0"),
                            help="where prefill workers send KV (port 0: any free port)")
         EngineConfig.add_args(p)
+        add_observability_args(p)
         p.set_defaults(func=func)
 
     p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
@@ -134,10 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
     p.add_argument("--prefill-threads", type=int, default=env("KVFERRY_PREFILL_THREADS", "1"))
     p.add_argument("--decode-threads", type=int, default=env("KVFERRY_DECODE_THREADS", "2"))
+    add_observability_args(p)
     p.set_defaults(func=cmd_serve)
 
     from kvferry.services.bench.cli import add_bench_parser
+    from kvferry.services.trace.cli import add_trace_parser
     add_bench_parser(sub)
+    add_trace_parser(sub)
     return parser
 
 

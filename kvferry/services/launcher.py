@@ -6,6 +6,8 @@ import sys
 import time
 import urllib.request
 
+from kvferry.common.errors import KvferryError
+
 READY_TIMEOUT_S = 300.0
 
 
@@ -45,6 +47,22 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
+def start_services(host: str, port: int, control_port: int, prefill_threads: int, decode_threads: int,
+                   env: dict) -> list[subprocess.Popen]:
+    """The gateway and one worker of each role; returns once they are healthy (stopped again if they fail)."""
+    control = f"tcp://127.0.0.1:{control_port}"
+    procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
+    try:
+        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env),
+                  spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)]
+        if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
+            raise KvferryError("the services did not become healthy")
+    except BaseException:
+        stop_all(procs)
+        raise
+    return procs
+
+
 def serve(args) -> int:
     from kvferry.common.model.loader import resolve_model
 
@@ -56,16 +74,15 @@ def serve(args) -> int:
     env = dict(os.environ)
     if args.model:
         env["KVFERRY_MODEL"] = args.model
-    control = f"tcp://127.0.0.1:{args.control_port}"
-    procs = [spawn("gateway", "--host", args.host, "--port", str(args.port), "--control", control, env=env)]
+    # The children read these from the environment, like every other setting.
+    for name in ("trace_dir", "otlp_endpoint", "log_format"):
+        value = getattr(args, name)
+        if value:
+            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if name == "trace_dir" else value
+    procs = []
     try:
-        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(args.prefill_threads), env=env),
-                  spawn("decode", "--gateway", control, "--num-threads", str(args.decode_threads), env=env)]
-        url = f"http://{args.host}:{args.port}"
-        if not wait_healthy(url, procs, READY_TIMEOUT_S):
-            print("kvferry: the services did not become healthy", file=sys.stderr)
-            return 1
-        print(f"kvferry: serving on {url}  (Ctrl-C stops all)", flush=True)
+        procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)
+        print(f"kvferry: serving on http://{args.host}:{args.port}  (Ctrl-C stops all)", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("kvferry: a service exited; stopping the others", file=sys.stderr)

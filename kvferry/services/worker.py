@@ -61,7 +61,7 @@ class Worker:
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(gateway)
-        self.control = Channel(sock, f"{self.worker_id}/control")
+        self.control = Channel(sock, f"{self.worker_id}/control", peer_name="gateway")
         self.poller = zmq.Poller()
         self.poller.register(sock, zmq.POLLIN)
         self.heartbeat_interval_s = 1.0
@@ -115,7 +115,7 @@ class Worker:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.gateway_address)
-        channel = Channel(sock, f"{self.worker_id}/heartbeat")
+        channel = Channel(sock, f"{self.worker_id}/heartbeat", peer_name="gateway")
         try:
             while self.running:
                 channel.send(p.Heartbeat(self.worker_id, self.latest_stats))
@@ -167,7 +167,8 @@ class Worker:
             try:
                 self.handle(channel, *received)
             except Exception:  # one bad message must not take the worker down
-                log.exception("%s: while handling %s", self.worker_id, type(received[1].message).__name__)
+                log.exception("%s: while handling %s", self.worker_id, type(received[1].message).__name__,
+                              extra={"request_id": received[1].request_id})
 
     def channel_for(self, sock) -> Channel:
         return self.control

@@ -19,7 +19,7 @@ def free_port() -> int:
 
 class Stack:
     def __init__(self, log_dir: Path, model: str | None = None, kv_cache_memory: str = "256MiB",
-                 heartbeat_interval: float = 0.5):
+                 heartbeat_interval: float = 0.5, extra_env: dict | None = None):
         self.log_dir = log_dir
         self.port, self.control_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -28,6 +28,7 @@ class Stack:
                     "KVFERRY_HEARTBEAT_INTERVAL": str(heartbeat_interval)}
         if model:
             self.env["KVFERRY_MODEL"] = model
+        self.env.update(extra_env or {})
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -68,13 +69,24 @@ class Stack:
             return e.code, json.loads(e.read())
 
     def post(self, path: str, body, raw: bytes | None = None, timeout: float = 300) -> tuple[int, dict]:
+        status, _, reply = self.exchange(path, body, raw=raw, timeout=timeout)
+        return status, reply
+
+    def exchange(self, path: str, body, headers: dict | None = None, raw: bytes | None = None,
+                 timeout: float = 300) -> tuple[int, dict, dict]:
+        """POST and return (status, response headers, JSON body)."""
         data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, headers={"content-type": "application/json"})
+        req = urllib.request.Request(self.url + path, data=data,
+                                     headers={"content-type": "application/json", **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
-                return r.status, json.loads(r.read())
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, {k.lower(): v for k, v in e.headers.items()}, json.loads(e.read())
+
+    def text(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            return r.read().decode()
 
     def stream(self, path: str, body, timeout: float = 300) -> list:
         req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),

@@ -42,7 +42,7 @@ def header(kind=p.Kind.ABORT, version=p.PROTOCOL_VERSION, request_id="r", trace=
     ([msgpack.packb({"kind": 1})], "header must be"),
     ([header(kind=99)], "unknown message kind 99"),
     ([header(kind=True)], "unknown message kind"),
-    ([header(version=2)], "protocol version 2"),
+    ([header(version=p.PROTOCOL_VERSION + 1)], f"protocol version {p.PROTOCOL_VERSION + 1}"),
     ([header(request_id=5)], "request_id"),
     ([header(p.Kind.FIRST_TOKEN, body={"token_id": "7"})], "FirstToken.token_id: expected an int"),
     ([header(p.Kind.FIRST_TOKEN, body={})], "missing field 'token_id'"),

@@ -32,6 +32,17 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_serve)
 
+    from kvferry.services.bench.tracing import cmd_bench_tracing
+
+    p = bench.add_parser("tracing", help="std-32 over HTTP with message tracing off and on: what tracing costs")
+    p.add_argument("--model", default=None)
+    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+    p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on), alternated")
+    p.add_argument("--prefill-threads", type=int, default=1)
+    p.add_argument("--decode-threads", type=int, default=2)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_tracing)
+
 
 def cmd_bench_engine(args) -> int:
     import torch

@@ -8,6 +8,7 @@ import torch
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.transport import Channel
 from kvferry.services.worker import Worker, advertised_host, sampling_from_wire
@@ -39,7 +40,8 @@ class DecodeWorker(Worker):
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
         self.traces: dict[str, p.TraceContext] = {}
-        self.transfer_s: dict[str, float] = {}
+        self.transfer_s: dict[str, tuple[float, int]] = {}  # (seconds, bytes), told with the first Tokens
+        self.num_steps = 0
         # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
         # late (an Abort can overtake its transfer; a resend can follow an ack) is acknowledged and dropped.
         self.tombstones: dict[str, float] = {}
@@ -74,7 +76,7 @@ class DecodeWorker(Worker):
         if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
             self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
             return
-        started = time.perf_counter()
+        received_at, started = time.time(), time.perf_counter()
         try:
             if not msg.output_token_ids:
                 raise InvalidRequest("a KV transfer without its first token")
@@ -91,17 +93,31 @@ class DecodeWorker(Worker):
             self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)
             return
         self.traces[rid] = env.trace
+        placed_at = time.time()
         # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
-        hop_s = time.time() - msg.sent_at if msg.sent_at else time.perf_counter() - started
-        self.transfer_s[rid] = msg.gather_s + max(0.0, hop_s)
+        hop_s = placed_at - msg.sent_at if msg.sent_at else time.perf_counter() - started
+        num_bytes = keys.nbytes + values.nbytes
+        self.transfer_s[rid] = (msg.gather_s + max(0.0, hop_s), num_bytes)
+        if self.kv_in.tracer.enabled:
+            self.kv_in.tracer.span("kv.transfer_in", received_at, placed_at, rid, tracing.child_of(env.trace),
+                                   bytes=num_bytes, num_blocks=msg.shape[1], prefill=msg.prefill_worker_id)
         self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
 
     def step(self) -> None:
-        for out in self.engine.step():
+        started = time.time()
+        outputs = self.engine.step()
+        tracer = self.control.tracer
+        if tracer.enabled and self.engine.last_plan.chunks:
+            plan = self.engine.last_plan
+            self.num_steps += 1
+            tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
+                        step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
+                        num_preempted=len(plan.preempted), rids=[c.seq.request_id for c in plan.chunks])
+        for out in outputs:
             reason = int(out.finish_reason) if out.finished else -1
             trace = self.traces.get(out.request_id)
-            self.control.send(p.Tokens(out.new_token_ids, reason, self.transfer_s.pop(out.request_id, 0.0)),
-                              out.request_id, trace)
+            transfer_s, transfer_bytes = self.transfer_s.pop(out.request_id, (0.0, 0))
+            self.control.send(p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes), out.request_id, trace)
             if out.finished:
                 self.bury(out.request_id)
 

@@ -8,13 +8,17 @@ import uuid
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.logs import request_id_var
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway.detokenizer import IncrementalText
+from kvferry.services.gateway.metrics import GatewayMetrics
+from kvferry.services.gateway.request_trace import RequestTrace
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
 
 log = logging.getLogger("kvferry.gateway")
@@ -31,9 +35,9 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
-    def response(self) -> JSONResponse:
+    def response(self, headers: dict | None = None) -> JSONResponse:
         return JSONResponse({"error": {"message": self.message, "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=headers)
 
 
 def _field(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
@@ -52,6 +56,7 @@ def _field(body: dict, name: str, types: tuple, default=None, check=None, what: 
 class Api:
     def __init__(self, core: GatewayCore, tokenizer, model_name: str, max_model_len: int):
         self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
+        self.metrics = GatewayMetrics(core)
 
     @property
     def max_model_len(self) -> int:
@@ -62,7 +67,8 @@ class Api:
     def app(self) -> Starlette:
         routes = [Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                  Route("/v1/models", self.models), Route("/health", self.health), Route("/v1/workers", self.workers)]
+                  Route("/v1/models", self.models), Route("/health", self.health), Route("/v1/workers", self.workers),
+                  Route("/metrics", self.prometheus)]
         return Starlette(routes=routes, lifespan=self.lifespan)
 
     @contextlib.asynccontextmanager
@@ -89,6 +95,9 @@ class Api:
                              "gateway": {"protocol_errors": self.core.control.num_protocol_errors,
                                          "requests_in_flight": len(self.core.flights)}})
 
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     # -- generation ----------------------------------------------------------------------------------------
     async def completions(self, request: Request):
         return await self._serve(request, chat=False)
@@ -97,23 +106,39 @@ class Api:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool):
+        arrived_at = time.time()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the one id, on every message and log line
+        request_id_var.set(rid)
+        ctx = self._trace_context(request.headers.get("traceparent"))
+        headers = {"x-request-id": rid, "traceparent": tracing.format_traceparent(ctx)}
+        trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at)
         try:
             body = await self._json(request)
             prompt_ids = self._prompt(body, chat)
             params, stop, stream, include_usage = self._params(body, chat, len(prompt_ids))
-            events = self.core.generate(prompt_ids, params)
+            trace.admitted(len(prompt_ids))
+            events = self.core.generate(prompt_ids, params, rid, ctx)
             first = await events.__anext__()  # routing errors surface here, before any byte is sent
         except ApiError as exc:
-            return exc.response()
+            trace.finish(exc.status, error=exc.message)
+            return exc.response(headers)
         except NoWorkers as exc:
-            return ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable").response()
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+            error = ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
+            trace.finish(503, error=error.message)
+            return error.response(headers)
         shaper = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         text = IncrementalText(self.tokenizer, stop)
         if stream:
-            return StreamingResponse(self._stream(events, first, text, shaper, len(prompt_ids), include_usage),
-                                     media_type="text/event-stream")
-        return await self._whole(events, first, text, shaper, len(prompt_ids))
+            return StreamingResponse(self._stream(events, first, text, shaper, trace, include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        return await self._whole(events, first, text, shaper, trace, headers)
+
+    def _trace_context(self, traceparent: str | None):
+        """The request's own span: a child of the client's traceparent, or the root of a new trace."""
+        parent = tracing.parse_traceparent(traceparent)
+        if traceparent is not None and parent is None:
+            log.warning("ignoring a malformed traceparent header %r; starting a new trace", traceparent[:100])
+        return tracing.child_of(parent)
 
     async def _json(self, request: Request) -> dict:
         try:
@@ -194,40 +219,50 @@ class Api:
             raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
         return params, stop or [], stream, bool(options.get("include_usage"))
 
-    async def _whole(self, events, first, text, shaper, num_prompt):
-        event, pieces, num_out, reason, kv_transfer_s = first, [], 0, None, 0.0
+    def _next_text(self, event, text, trace) -> tuple[str, str | None]:
+        """An event's text delta and the finish reason it brings (None: more to come)."""
+        trace.tokens(event)
+        started = time.time()
+        delta = text.add(event.token_ids)
+        reason = "stop" if text.stopped else finish_name(event.finish_reason)
+        if reason:
+            delta += text.flush()
+        trace.detokenized(started, len(event.token_ids))
+        return delta, reason
+
+    async def _whole(self, events, first, text, shaper, trace, headers):
+        event, pieces, kv_transfer_s, reason = first, [], 0.0, None
         try:
             while True:
                 if event.error:
-                    return ApiError(event.error_code, event.error, kind="server_error").response()
+                    trace.finish(event.error_code, error=event.error)
+                    return ApiError(event.error_code, event.error, kind="server_error").response(headers)
                 kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
-                num_out += len(event.token_ids)
-                pieces.append(text.add(event.token_ids))
-                reason = "stop" if text.stopped else finish_name(event.finish_reason)
+                delta, reason = self._next_text(event, text, trace)
+                pieces.append(delta)
                 if reason:
                     break
                 event = await events.__anext__()
         finally:
             await events.aclose()
-        pieces.append(text.flush())
-        whole = shaper.whole("".join(pieces), reason, usage(num_prompt, num_out))
+            if reason is None:
+                trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
+        whole = shaper.whole("".join(pieces), reason, usage(trace.num_prompt, trace.num_out))
         whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-        return JSONResponse(whole)
+        trace.finish(200, reason)
+        return JSONResponse(whole, headers=headers)
 
-    async def _stream(self, events, first, text, shaper, num_prompt, include_usage):
-        event, num_out, kv_transfer_s = first, 0, 0.0
+    async def _stream(self, events, first, text, shaper, trace, include_usage):
+        event, kv_transfer_s = first, 0.0
         try:
             yield sse(shaper.chunk("", None, first_chunk=True)) if shaper.has_role_chunk else b""
             while True:
                 if event.error:
                     yield sse({"error": {"message": event.error, "type": "server_error", "param": None,
                                          "code": event.error_code}})
+                    trace.finish(event.error_code, error=event.error)
                     break
-                num_out += len(event.token_ids)
-                delta = text.add(event.token_ids)
-                reason = "stop" if text.stopped else finish_name(event.finish_reason)
-                if reason:
-                    delta += text.flush()
+                delta, reason = self._next_text(event, text, trace)
                 kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
                 # One chunk per token event, even when the text is held back: clients time tokens by chunks.
                 chunk = shaper.chunk(delta, reason)
@@ -236,12 +271,14 @@ class Api:
                 yield sse(chunk)
                 if reason:
                     if include_usage:
-                        yield sse(shaper.usage_chunk(usage(num_prompt, num_out)))
+                        yield sse(shaper.usage_chunk(usage(trace.num_prompt, trace.num_out)))
+                    trace.finish(200, reason)
                     break
                 event = await events.__anext__()
             yield b"data: [DONE]\n\n"
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
+            trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
 
 
 def text_of(content):

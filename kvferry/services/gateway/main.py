@@ -6,18 +6,20 @@ from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.server import GatewayCore
 
 
-def run_gateway(model: str | None, host: str, port: int, control: str, block_size: int,
-                heartbeat_interval_s: float, max_model_len: int | None) -> None:
+def run_gateway(args) -> None:
     import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    model_dir = resolve_model(model)
+    from kvferry.services.cli import observe
+
+    observe(args, "gateway", "gateway")
+    model_dir = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    name = served_model_name(model)
-    core = GatewayCore(control, name, block_size, heartbeat_interval_s)
-    api = Api(core, tokenizer, name, max_model_len or max_model_len_of(hf_config))
-    logging.getLogger("kvferry.gateway").info("serving %s on http://%s:%d, workers register at %s", name, host, port,
-                                              core.control_endpoint)
-    uvicorn.run(api.app(), host=host, port=port, log_level="warning")
+    name = served_model_name(args.model)
+    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval)
+    api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config))
+    logging.getLogger("kvferry.gateway").info("serving %s on http://%s:%d, workers register at %s", name, args.host,
+                                              args.port, core.control_endpoint)
+    # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
+    uvicorn.run(api.app(), host=args.host, port=args.port, log_level="warning", log_config=None)

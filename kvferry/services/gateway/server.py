@@ -14,6 +14,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.common import protocol as p
+from kvferry.common import tracing
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel
@@ -35,7 +36,10 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int = 500
-    kv_transfer_s: float = 0.0
+    queue_s: float = 0.0          # on the first token: time queued and computing on the prefill worker
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0    # on the first decode tokens: the KV hop
+    kv_transfer_bytes: int = 0
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Flight:
     """A request on its way: where it went and where its events arrive."""
     prefill_identity: bytes
     decode_identity: bytes
+    trace: p.TraceContext
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -54,7 +59,7 @@ class GatewayCore:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
         sock.bind(control_address)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.control = Channel(sock, "gateway/control")
+        self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and unpack
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
@@ -70,22 +75,19 @@ class GatewayCore:
     # -- control messages -------------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
-            parts = await self.control.socket.recv_multipart(copy=False)
-            peer, parts = parts[0].bytes, parts[1:]
-            try:
-                env = p.decode(parts)
-            except p.ProtocolError as exc:
-                self.control.num_protocol_errors += 1
-                log.warning("protocol error from %r: %s", peer, exc)
-                continue
+            received = self.control.unpack(await self.control.socket.recv_multipart(copy=False))
+            if received is None:
+                continue  # counted and logged
+            peer, env = received
             try:
                 await self._handle(peer, env)
             except Exception:  # one bad message must not stop the gateway
                 log.exception("while handling %s from %r", type(env.message).__name__, peer)
 
-    async def _send(self, message, identity: bytes, request_id: str = "", trace=None) -> bool:
+    async def _send(self, message, identity: bytes, request_id: str = "", parent=None) -> bool:
+        parts, _ = self.control.pack(message, request_id, parent, to=identity)
         try:
-            await self.control.socket.send_multipart([identity, *p.encode(message, request_id, trace)])
+            await self.control.socket.send_multipart(parts)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone
             log.warning("send to %r failed: %s", identity, exc)
@@ -99,11 +101,13 @@ class GatewayCore:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
                 log.info("worker %s joined as %s", msg.worker_id, p.Role(msg.role).name.lower())
-            await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s), peer)
+            await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s), peer,
+                             parent=env.trace)
         elif isinstance(msg, p.Heartbeat):
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
-                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s), peer)
+                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s), peer,
+                                 parent=env.trace)
         elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
             flight = self.flights.get(rid)
             if flight is None:
@@ -116,7 +120,11 @@ class GatewayCore:
                 flight.queue.put_nowait(Event(error=f"a worker sent finish reason {msg.finish_reason}"))
                 return
             reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
-            flight.queue.put_nowait(Event(ids, reason, kv_transfer_s=getattr(msg, "kv_transfer_s", 0.0)))
+            if isinstance(msg, p.FirstToken):
+                event = Event(ids, reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s)
+            else:
+                event = Event(ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes)
+            flight.queue.put_nowait(event)
 
     async def _expire_loop(self) -> None:
         while True:
@@ -132,14 +140,15 @@ class GatewayCore:
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        trace: p.TraceContext | None = None):
-        """Route one request and yield its Events until it finishes. Raises NoWorkers when it cannot be routed."""
+        """Route one request and yield its Events until it finishes. Raises NoWorkers when it cannot be routed.
+        trace: the request's own span (the HTTP request's); the messages it causes are its children."""
         prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
         if prefill is None or decode is None:
             raise NoWorkers(self.missing())
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        trace = trace or p.TraceContext(uuid.uuid4().hex, uuid.uuid4().hex[:16], "")
+        trace = trace or tracing.child_of(None)
         self.registry.assign(prefill, decode, len(prompt_token_ids), -(-len(prompt_token_ids) // decode.block_size))
-        flight = self.flights[rid] = Flight(prefill.identity, decode.identity)
+        flight = self.flights[rid] = Flight(prefill.identity, decode.identity, trace)
         deadline = time.time() + REQUEST_TIMEOUT_S
         request = p.PrefillRequest(prompt_token_ids, sampling_to_wire(params), decode.worker_id, decode.kv_address,
                                    deadline)
@@ -164,7 +173,7 @@ class GatewayCore:
 
     async def abort(self, rid: str, flight: Flight) -> None:
         for identity in {flight.prefill_identity, flight.decode_identity}:
-            await self._send(p.Abort(), identity, rid)
+            await self._send(p.Abort(), identity, rid, flight.trace)
 
     def missing(self) -> str:
         lacking = [role.name.lower() for role in p.Role if not self.registry.live(role)]

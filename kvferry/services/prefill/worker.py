@@ -9,6 +9,7 @@ import torch
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sequence import FinishReason, Sequence
 from kvferry.common.transport import Channel
@@ -27,8 +28,18 @@ class Transfer:
     keys: object
     values: object
     gather_s: float
-    sent_at: float = 0.0
+    sent_at: float = 0.0     # monotonic time of the latest send; 0: not in flight
     retry_at: float = 0.0
+    first_sent_at: float = 0.0  # wall clock, for the transfer's span
+    num_sends: int = 0
+
+
+@dataclasses.dataclass
+class Arrival:
+    request: p.PrefillRequest
+    trace: p.TraceContext
+    arrived_at: float          # wall clock
+    started_at: float = 0.0    # wall clock of its first scheduled chunk
 
 
 class PrefillWorker(Worker):
@@ -36,7 +47,7 @@ class PrefillWorker(Worker):
 
     def __init__(self, config, gateway, worker_id=None):
         super().__init__(config, gateway, worker_id, keep_finished_blocks=True)
-        self.requests: dict[str, tuple[p.PrefillRequest, p.TraceContext]] = {}
+        self.requests: dict[str, Arrival] = {}
         self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
 
@@ -62,14 +73,14 @@ class PrefillWorker(Worker):
                 return channel
         return self.control
 
-    def decode_channel(self, address: str) -> Channel:
+    def decode_channel(self, address: str, peer: str) -> Channel:
         if address not in self.decode_channels:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
             sock.connect(address)
             self.poller.register(sock, zmq.POLLIN)
-            self.decode_channels[address] = Channel(sock, f"{self.worker_id}->{address}")
+            self.decode_channels[address] = Channel(sock, f"{self.worker_id}->{address}", peer_name=peer)
         return self.decode_channels[address]
 
     def handle(self, channel, peer, env: p.Envelope) -> None:
@@ -83,13 +94,19 @@ class PrefillWorker(Worker):
             except InvalidRequest as exc:
                 self.control.send(p.RequestFailed(str(exc), 400), rid, env.trace)
                 return
-            self.requests[rid] = (msg, env.trace)
+            self.requests[rid] = Arrival(msg, env.trace, time.time())
         elif isinstance(msg, p.KVAck):
             transfer = self.transfers.get(rid)
             if transfer is None:
                 return  # a duplicate, or a request given up meanwhile
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
                 self.engine.scheduler.release(self.transfers.pop(rid).seq)
+                tracer = self.control.tracer
+                if tracer.enabled:
+                    tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
+                                tracing.child_of(transfer.trace), bytes=transfer.keys.nbytes * 2,
+                                sends=transfer.num_sends, accepted=msg.accepted,
+                                decode=transfer.request.decode_worker_id)
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
         elif isinstance(msg, p.Abort):
@@ -103,13 +120,28 @@ class PrefillWorker(Worker):
         if self.engine.has_unfinished():
             plan = self.engine.scheduler.schedule()
             if plan.chunks:
+                started = time.time()
+                for chunk in plan.chunks:
+                    arrival = self.requests.get(chunk.seq.request_id)
+                    if arrival is not None and not arrival.started_at:
+                        arrival.started_at = started
                 sampled = self.engine.runner.execute(plan)
+                if self.control.tracer.enabled:
+                    self.control.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
+                                             num_tokens=plan.num_tokens,
+                                             rids=[c.seq.request_id for c in plan.chunks])
                 for seq in self.engine.scheduler.update(plan, sampled):
                     self.prompt_done(seq)
         self.send_due_transfers()
 
     def prompt_done(self, seq: Sequence) -> None:
-        request, trace = self.requests.pop(seq.request_id)
+        arrival = self.requests.pop(seq.request_id)
+        request, trace, done_at = arrival.request, arrival.trace, time.time()
+        tracer = self.control.tracer
+        if tracer.enabled:
+            tracer.span("queue", arrival.arrived_at, arrival.started_at, seq.request_id, tracing.child_of(trace))
+            tracer.span("prefill", arrival.started_at, done_at, seq.request_id, tracing.child_of(trace),
+                        num_prompt_tokens=len(seq.prompt_token_ids))
         params = sampling_from_wire(request.sampling)
         token = seq.output_token_ids[-1]
         reason = -1
@@ -117,14 +149,20 @@ class PrefillWorker(Worker):
             reason = int(FinishReason.STOP)
         elif params.max_tokens == 1 or seq.num_tokens >= self.engine.max_model_len:
             reason = int(FinishReason.LENGTH)
-        self.control.send(p.FirstToken(token, reason), seq.request_id, trace)  # TTFT never waits on the transfer
+        first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
+                             prefill_s=done_at - arrival.started_at)
+        self.control.send(first, seq.request_id, trace)  # TTFT never waits on the transfer
         if reason >= 0:
             self.engine.scheduler.release(seq)
             self.engine.forget(seq.request_id)
             return
-        started = time.perf_counter()
+        started = time.time()
         keys, values = self.engine.runner.read_blocks(seq.block_table)
-        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, time.perf_counter() - started)
+        gathered = time.time()
+        if tracer.enabled:
+            tracer.span("kv.gather", started, gathered, seq.request_id, tracing.child_of(trace),
+                        num_blocks=len(seq.block_table))
+        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, gathered - started)
         self.engine.forget(seq.request_id)
 
     def send_due_transfers(self) -> None:
@@ -143,5 +181,7 @@ class PrefillWorker(Worker):
                                deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time())
             # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
             frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
-            self.decode_channel(t.request.decode_address).send(msg, rid, t.trace, frames=frames)
-            t.sent_at = now
+            channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
+            channel.send(msg, rid, t.trace, frames=frames)
+            t.sent_at, t.num_sends = now, t.num_sends + 1
+            t.first_sent_at = t.first_sent_at or msg.sent_at

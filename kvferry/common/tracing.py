@@ -1,0 +1,163 @@
+"""Message-level tracing: trace ids, W3C traceparent, and the per-process JSON-lines sink.
+
+Every message carries a TraceContext: the request's trace id, the message's own span id, and
+the span that caused it. With a trace folder set, each process appends one JSON line per
+message it sends or receives, and one per span of its own work (queueing, prefill, KV
+transfer, decode steps, detokenization, the HTTP response). `kvferry trace` reads them back.
+
+Tracing off costs a branch: the process-wide tracer is then a NullTracer whose methods do
+nothing, and hot paths test `tracer.enabled` before they build anything to record.
+"""
+import atexit
+import json
+import os
+import re
+import secrets
+import threading
+import time
+
+from kvferry.common.protocol import TraceContext
+
+FLUSH_EVERY_S = 0.2  # a crashed process loses at most this much of its trace
+TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
+
+
+def new_trace_id() -> str:
+    return secrets.token_hex(16)
+
+
+def new_span_id() -> str:
+    return secrets.token_hex(8)
+
+
+def child_of(parent: TraceContext | None) -> TraceContext:
+    """The context of a new span (or message) caused by parent; a new trace when there is none."""
+    if parent is None or not parent.trace_id:
+        return TraceContext(new_trace_id(), new_span_id(), "")
+    return TraceContext(parent.trace_id, new_span_id(), parent.span_id)
+
+
+def parse_traceparent(header: str | None) -> TraceContext | None:
+    """A W3C traceparent as the remote parent (its span id); None when absent or malformed."""
+    if not header:
+        return None
+    match = TRACEPARENT.match(header.strip())
+    if not match:
+        return None
+    version, trace_id, span_id, _flags, rest = match.groups()
+    # Version ff is forbidden; version 00 has nothing after the flags; all-zero ids are invalid.
+    if version == "ff" or (version == "00" and rest) or trace_id == "0" * 32 or span_id == "0" * 16:
+        return None
+    return TraceContext(trace_id, span_id, "")
+
+
+def format_traceparent(ctx: TraceContext) -> str:
+    return f"00-{ctx.trace_id}-{ctx.span_id}-01"
+
+
+class NullTracer:
+    """Tracing off."""
+    enabled = False
+
+    def message(self, *args, **kwargs) -> None:
+        pass
+
+    def span(self, *args, **kwargs) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class Tracer(NullTracer):
+    """Appends this process's trace lines to DIR/<process>-<pid>.jsonl; thread-safe."""
+    enabled = True
+
+    def __init__(self, trace_dir: str, role: str, process: str, exporter=None):
+        os.makedirs(trace_dir, exist_ok=True)
+        self.role, self.process, self.exporter = role, process, exporter
+        self.path = os.path.join(trace_dir, f"{process}-{os.getpid()}.jsonl")
+        self.file = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+        self.lock = threading.Lock()
+        self.flushed_at = time.monotonic()
+        atexit.register(self.close)
+
+    def _write(self, record: dict) -> None:
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self.lock:
+            if self.file.closed:
+                return
+            self.file.write(line)
+            now = time.monotonic()
+            if now - self.flushed_at > FLUSH_EVERY_S:
+                self.file.flush()
+                self.flushed_at = now
+
+    def message(self, direction: str, kind: str, peer: str, request_id: str, ctx: TraceContext,
+                header_bytes: int, payload_bytes: int = 0) -> None:
+        """One message sent ("send") or received ("recv")."""
+        self._write({"ts": time.time(), "role": self.role, "proc": self.process, "ev": direction, "kind": kind,
+                     "peer": peer, "rid": request_id, "trace_id": ctx.trace_id, "span_id": ctx.span_id,
+                     "parent_id": ctx.parent_id, "header_bytes": header_bytes, "payload_bytes": payload_bytes})
+
+    def span(self, name: str, start: float, end: float, request_id: str = "", ctx: TraceContext | None = None,
+             **attrs) -> None:
+        """Work this process did from start to end (wall-clock seconds); a batch step lists its requests in
+        attrs["rids"]. An instant event has start == end."""
+        record = {"ts": start, "dur": max(0.0, end - start), "role": self.role, "proc": self.process, "ev": "span",
+                  "name": name, "rid": request_id}
+        if ctx is not None:
+            record.update(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_id=ctx.parent_id)
+        if attrs:
+            record["attrs"] = attrs
+        self._write(record)
+        if self.exporter is not None:
+            self.exporter.export(name, start, end, request_id, ctx, attrs)
+
+    def close(self) -> None:
+        with self.lock:
+            if not self.file.closed:
+                self.file.close()
+        if self.exporter is not None:
+            self.exporter.shutdown()
+            self.exporter = None
+
+
+_tracer: NullTracer = NullTracer()
+
+
+def tracer() -> NullTracer:
+    """This process's tracer (a NullTracer until configure() turns tracing on)."""
+    return _tracer
+
+
+def configure(role: str, process: str, trace_dir: str | None, otlp_endpoint: str | None = None) -> NullTracer:
+    """Set this process's tracer from --trace-dir and --otlp-endpoint; call once at start-up."""
+    global _tracer
+    exporter = None
+    if otlp_endpoint:
+        from kvferry.common.otel import OtlpExporter  # only here: without an endpoint nothing is imported
+
+        exporter = OtlpExporter(otlp_endpoint, f"kvferry-{role}", process)
+    if trace_dir:
+        _tracer = Tracer(trace_dir, role, process, exporter)
+    elif exporter is not None:
+        _tracer = ExportOnlyTracer(role, process, exporter)
+    else:
+        _tracer = NullTracer()
+    return _tracer
+
+
+class ExportOnlyTracer(NullTracer):
+    """OpenTelemetry export without a trace folder: spans go out, nothing is written here."""
+    enabled = True
+
+    def __init__(self, role: str, process: str, exporter):
+        self.role, self.process, self.exporter = role, process, exporter
+        atexit.register(self.close)
+
+    def span(self, name, start, end, request_id="", ctx=None, **attrs) -> None:
+        self.exporter.export(name, start, end, request_id, ctx, attrs)
+
+    def close(self) -> None:
+        self.exporter.shutdown()

@@ -1,0 +1,79 @@
+"""Prometheus metrics of the gateway, `GET /metrics`: its own request figures, plus what workers heartbeat.
+
+Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_first_token_seconds`).
+Worker figures are read from the registry at scrape time, so a worker that leaves leaves the
+output with it.
+"""
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvferry.common import protocol as p
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
+
+
+class WorkerFigures:
+    """Scrape-time view of the registry and the gateway's live counts."""
+
+    def __init__(self, core):
+        self.core = core
+
+    def collect(self):
+        workers = list(self.core.registry.workers.values())
+        gauges = {name: GaugeMetricFamily(f"kvferry:{name}", doc, labels=["worker", "role"]) for name, doc in (
+            ("num_requests_running", "Requests in a worker's running batch."),
+            ("num_requests_waiting", "Requests queued on a worker."),
+            ("kv_cache_usage_perc", "Fraction of a worker's KV cache blocks in use (0 to 1)."))}
+        preemptions = CounterMetricFamily("kvferry:num_preemptions", "Sequences preempted by a worker.",
+                                          labels=["worker", "role"])
+        errors = CounterMetricFamily("kvferry:protocol_errors", "Messages that broke the wire protocol.",
+                                     labels=["process"])
+        errors.add_metric(["gateway"], self.core.control.num_protocol_errors)
+        for w in workers:
+            labels = [w.worker_id, p.Role(w.role).name.lower()]
+            stats = w.stats
+            if stats is None:
+                continue
+            gauges["num_requests_running"].add_metric(labels, stats.num_running)
+            gauges["num_requests_waiting"].add_metric(labels, stats.num_waiting)
+            used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
+            gauges["kv_cache_usage_perc"].add_metric(labels, used)
+            preemptions.add_metric(labels, stats.num_preemptions)
+            errors.add_metric([w.worker_id], stats.num_protocol_errors)
+        live = GaugeMetricFamily("kvferry:num_workers", "Live workers per role.", labels=["role"])
+        for role in p.Role:
+            live.add_metric([role.name.lower()], sum(1 for w in workers if w.role == role))
+        in_flight = GaugeMetricFamily("kvferry:gateway_requests_in_flight", "Requests the gateway is serving.")
+        in_flight.add_metric([], len(self.core.flights))
+        yield from gauges.values()
+        yield from (preemptions, errors, live, in_flight)
+
+
+class GatewayMetrics:
+    def __init__(self, core):
+        self.registry = registry = CollectorRegistry()
+        registry.register(WorkerFigures(core))
+        self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.",
+                                     registry=registry)
+        self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
+        self.request_success = Counter("kvferry:request_success", "Requests finished, by finish reason.",
+                                       ["finished_reason"], registry=registry)
+        self.request_errors = Counter("kvferry:request_errors", "Requests that ended in an error, by HTTP status.",
+                                      ["code"], registry=registry)
+
+        def histogram(name, doc, buckets):
+            return Histogram(f"kvferry:{name}", doc, buckets=buckets, registry=registry)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token.", LATENCY_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", STEP_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS)
+        self.queue = histogram("request_queue_time_seconds", "Waiting on the prefill worker.", LATENCY_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "Prefill compute.", LATENCY_BUCKETS)
+        self.kv_time = histogram("kv_transfer_time_seconds", "Prefill to decode KV transfer.", LATENCY_BUCKETS)
+        self.kv_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV transfer.", BYTE_BUCKETS)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,74 @@
+"""One HTTP request's observation at the gateway: its metrics, its spans and its closing log line.
+
+The API calls it as the request moves: each event from the workers, each detokenization, then
+finish. It turns that into the Prometheus histograms and counters and, with tracing on, into
+the request's `http`, `detokenize` and `finish` spans.
+"""
+import logging
+import time
+
+from kvferry.common import tracing
+from kvferry.common.protocol import TraceContext
+
+log = logging.getLogger("kvferry.gateway")
+
+
+class RequestTrace:
+    def __init__(self, metrics, request_id: str, ctx: TraceContext, path: str, arrived_at: float):
+        self.metrics, self.request_id, self.ctx, self.path = metrics, request_id, ctx, path
+        self.tracer = tracing.tracer()
+        self.arrived_at = arrived_at
+        self.last_token_at = 0.0
+        self.num_prompt = self.num_out = 0
+        self.finished = False
+
+    def admitted(self, num_prompt: int) -> None:
+        self.num_prompt = num_prompt
+        self.metrics.prompt_tokens.inc(num_prompt)
+        if self.tracer.enabled:
+            self.tracer.span("arrival", self.arrived_at, self.arrived_at, self.request_id, tracing.child_of(self.ctx),
+                             path=self.path, prompt_tokens=num_prompt)
+
+    def tokens(self, event) -> None:
+        """A worker's event with tokens arrived."""
+        now, n = time.time(), len(event.token_ids)
+        if not n:
+            return
+        m = self.metrics
+        if not self.last_token_at:
+            m.ttft.observe(now - self.arrived_at)
+            m.queue.observe(event.queue_s)
+            m.prefill.observe(event.prefill_s)
+        else:
+            for _ in range(n):
+                m.itl.observe((now - self.last_token_at) / n)
+        if event.kv_transfer_bytes:
+            m.kv_time.observe(event.kv_transfer_s)
+            m.kv_bytes.observe(event.kv_transfer_bytes)
+        self.last_token_at = now
+        self.num_out += n
+        m.generation_tokens.inc(n)
+
+    def detokenized(self, started: float, num_tokens: int) -> None:
+        if self.tracer.enabled:
+            self.tracer.span("detokenize", started, time.time(), self.request_id, tracing.child_of(self.ctx),
+                             num_tokens=num_tokens)
+
+    def finish(self, status: int, reason: str | None = None, error: str | None = None) -> None:
+        """The response is complete (reason), failed (error), or the client left (reason "abort")."""
+        if self.finished:
+            return
+        self.finished = True
+        now = time.time()
+        if error is None:
+            self.metrics.request_success.labels(reason or "abort").inc()
+            if self.last_token_at:
+                self.metrics.e2e.observe(now - self.arrived_at)
+        else:
+            self.metrics.request_errors.labels(str(status)).inc()
+            log.warning("request failed (%d): %s", status, error)
+        if self.tracer.enabled:
+            attrs = {"path": self.path, "status": status, "prompt_tokens": self.num_prompt,
+                     "completion_tokens": self.num_out, "finish_reason": reason or "", "error": error or ""}
+            self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)
+            self.tracer.span("http", self.arrived_at, now, self.request_id, self.ctx, **attrs)

@@ -1,0 +1,130 @@
+"""`kvferry trace list|show|export|plot`: read a trace folder written with --trace-dir."""
+import sys
+
+from kvferry.services.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order
+
+
+def add_trace_parser(sub) -> None:
+    p = sub.add_parser("trace", help="read message traces written with --trace-dir")
+    tsub = p.add_subparsers(dest="trace_command", required=True)
+    q = tsub.add_parser("list", help="the traced requests, with latency and token counts")
+    q.add_argument("trace_dir")
+    q.set_defaults(func=cmd_list)
+    q = tsub.add_parser("show", help="one request's timeline across the gateway, prefill and decode processes")
+    q.add_argument("trace_dir")
+    q.add_argument("request_id")
+    q.set_defaults(func=cmd_show)
+    q = tsub.add_parser("export", help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
+    q.add_argument("trace_dir")
+    q.add_argument("--chrome", required=True, metavar="OUT_JSON")
+    q.set_defaults(func=cmd_export)
+    q = tsub.add_parser("plot", help="draw one request's timeline as a picture")
+    q.add_argument("trace_dir")
+    q.add_argument("request_id")
+    q.add_argument("-o", "--output", required=True, metavar="OUT_PNG")
+    q.set_defaults(func=cmd_plot)
+
+
+def _load(trace_dir: str) -> TraceSet:
+    traces = load(trace_dir)
+    for note in traces.notes:
+        print(f"note: {note}", file=sys.stderr)
+    return traces
+
+
+def _request(traces: TraceSet, request_id: str) -> list[dict]:
+    events = traces.for_request(request_id)
+    if not events:
+        known = [r.request_id for r in traces.requests()]
+        close = [rid for rid in known if request_id in rid or rid in request_id][:5]
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; `kvferry trace list` shows the {len(known)} traced"
+        raise TraceError(f"no request {request_id!r} in the traces{hint}")
+    return events
+
+
+def cmd_list(args) -> int:
+    traces = _load(args.trace_dir)
+    rows = traces.requests()
+    if not rows:
+        print("no requests in the traces (only worker heartbeats)")
+        return 0
+    t0 = rows[0].start
+    print(f"{'request id':<42} {'start s':>8} {'latency ms':>10} {'prompt':>6} {'output':>6}  finish   processes")
+    for r in rows:
+        latency = f"{r.latency_s * 1000:.1f}" if r.latency_s is not None else "-"
+        prompt = "-" if r.prompt_tokens is None else r.prompt_tokens
+        output = "-" if r.completion_tokens is None else r.completion_tokens
+        print(f"{r.request_id:<42} {r.start - t0:>8.3f} {latency:>10} {prompt:>6} {output:>6}  {r.finish_reason:<8} "
+              f"{','.join(r.processes)}")
+    print(f"{len(rows)} requests")
+    return 0
+
+
+def describe(r: dict, sends: dict) -> tuple[str, str, str, str]:
+    """(what, peer or detail, bytes, latency or duration) of one event, for `show`."""
+    if r["ev"] in ("send", "recv"):
+        size = r.get("header_bytes", 0) + r.get("payload_bytes", 0)
+        arrow = "->" if r["ev"] == "send" else "<-"
+        latency = ""
+        if r["ev"] == "recv":
+            send = sends.get((r.get("span_id"), r.get("kind")))
+            latency = f"hop {(r['t'] - send['t']) * 1000:.2f} ms" if send else "hop ? (send not traced)"
+        return f"{r['ev']} {r.get('kind', '?')}", f"{arrow} {r.get('peer', '?')}", str(size), latency
+    attrs = r.get("attrs", {})
+    name = r.get("name", "?")
+    if name == "prefill.step":
+        detail = f"batch {attrs.get('batch_size', '?')}, {attrs.get('num_tokens', '?')} tokens"
+    elif name in BATCH_SPANS:
+        detail = f"step {attrs.get('step', '?')}, batch {attrs.get('batch_size', '?')}"
+    elif name in ("finish", "http"):
+        detail = (f"{attrs.get('status', '')} {attrs.get('finish_reason') or attrs.get('error', '')} "
+                  f"{attrs.get('prompt_tokens', '?')}+{attrs.get('completion_tokens', '?')} tokens")
+    else:
+        detail = ", ".join(f"{k}={v}" for k, v in attrs.items() if k != "rids")
+    size = str(attrs.get("bytes", "")) if "bytes" in attrs else ""
+    duration = f"{r['dur'] * 1000:.2f} ms" if r["dur"] else ""
+    return name, detail[:48], size, duration
+
+
+def cmd_show(args) -> int:
+    traces = _load(args.trace_dir)
+    events = _request(traces, args.request_id)
+    sends = {(r.get("span_id"), r.get("kind")): r for r in traces.records if r["ev"] == "send"}
+    t0 = events[0]["t"]
+    trace_id = next((e["trace_id"] for e in events if e.get("trace_id")), "?")
+    procs = sorted({e["proc"] for e in events}, key=process_order)
+    print(f"request {args.request_id}  trace {trace_id}  {len(events)} events in {', '.join(procs)}")
+    print(f"{'t ms':>10}  {'process':<18} {'event':<22} {'peer / detail':<48} {'bytes':>9}  latency")
+    for r in events:
+        what, detail, size, latency = describe(r, sends)
+        print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
+    steps = [r for r in events if r.get("name") == "decode.step"]
+    if steps:
+        sizes = [r.get("attrs", {}).get("batch_size", 0) for r in steps]
+        print(f"decode steps: {len(steps)}, batch size {min(sizes)}..{max(sizes)} (mean {sum(sizes) / len(sizes):.1f})")
+    for proc, offset in traces.offsets.items():
+        if offset:
+            print(f"note: {proc}'s times shifted by {offset * 1000:+.1f} ms (clock skew)")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from kvferry.services.trace.chrome import chrome_trace, write_json
+
+    traces = _load(args.trace_dir)
+    document = chrome_trace(traces)
+    write_json(document, args.chrome)
+    num_flows = sum(1 for e in document["traceEvents"] if e["ph"] == "s")
+    print(f"wrote {args.chrome}: {len(document['traceEvents'])} events, {len(traces.processes)} processes, "
+          f"{num_flows} message flows (open it in https://ui.perfetto.dev)")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from kvferry.services.trace.plot import plot_request
+
+    traces = _load(args.trace_dir)
+    events = _request(traces, args.request_id)
+    plot_request(traces, args.request_id, events, args.output)
+    print(f"wrote {args.output}")
+    return 0

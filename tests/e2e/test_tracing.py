@@ -1,0 +1,169 @@
+"""Tracing and metrics on a real stack: trace files from three processes, `kvferry trace`, /metrics, traceparent."""
+import concurrent.futures
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvferry.services.trace.reader import load
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.slow
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+def kvferry(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("traced")
+    trace_dir = folder / "traces"
+    s = Stack(folder, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir), "KVFERRY_LOG_FORMAT": "json"})
+    try:
+        s.start_gateway()
+        s.start_worker("prefill-a", "prefill")
+        s.start_worker("decode-a", "decode")
+        s.wait_workers({"prefill-a", "decode-a"})
+        # Token-id prompts of known lengths and exact output lengths: the metrics must match them exactly.
+        asks = [({"prompt": list(range(100, 100 + 7 * (i + 1))), "max_tokens": 4 + 3 * i, "ignore_eos": True,
+                  "temperature": 0}, {}) for i in range(5)]
+        asks.append(({"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True},
+                     {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}))
+        asks.append(({"prompt": [9, 10, 11], "max_tokens": 5, "ignore_eos": True}, {"traceparent": "not-a-trace"}))
+        with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
+            replies = list(pool.map(lambda a: s.exchange("/v1/completions", *a), asks))
+        assert all(status == 200 for status, _, _ in replies), replies
+        rids = [headers["x-request-id"] for _, headers, _ in replies]
+
+        def all_finished():  # trace files are flushed at most every 0.2 s, at the next line
+            return all(any(e.get("name") == "finish" for e in load(str(trace_dir)).for_request(r)) for r in rids)
+
+        s.wait_for(all_finished, timeout=30, what="every request's finish in the trace files")
+        yield s, trace_dir, asks, replies
+    finally:
+        s.close()
+
+
+def test_trace_show_lists_every_hop_in_causal_order(traced):
+    s, trace_dir, asks, replies = traced
+    for _, headers, reply in replies:
+        rid = headers["x-request-id"]
+        assert reply["id"] == rid  # one id: the HTTP reply, the header and every message
+        shown = kvferry("trace", "show", str(trace_dir), rid)
+        assert shown.returncode == 0, shown.stderr
+        lines = shown.stdout.splitlines()[2:]
+        events = [line.split()[2] + ("" if line.split()[2] not in ("send", "recv") else " " + line.split()[3])
+                  for line in lines if len(line.split()) > 2 and not line.startswith("decode steps")]
+
+        def first(what):
+            assert what in events, f"{rid}: no {what} in\n{shown.stdout}"
+            return events.index(what)
+
+        order = [first("arrival"), first("send PrefillRequest"), first("recv PrefillRequest"), first("prefill"),
+                 first("send FirstToken"), first("recv FirstToken")]
+        assert order == sorted(order), shown.stdout
+        kv = [first("send KVTransfer"), first("recv KVTransfer"), first("kv.transfer_in"), first("decode.step")]
+        assert kv == sorted(kv) and first("send FirstToken") < kv[0], shown.stdout
+        first("kv.transfer_out")
+        last_tokens = max(i for i, e in enumerate(events) if e == "recv Tokens")
+        assert first("finish") > last_tokens
+        assert "decode steps:" in shown.stdout
+
+
+def test_trace_list_export_and_plot(traced, tmp_path):
+    s, trace_dir, asks, replies = traced
+    listed = kvferry("trace", "list", str(trace_dir))
+    assert listed.returncode == 0, listed.stderr
+    for (body, _), (_, headers, reply) in zip(asks, replies):
+        row = next(line for line in listed.stdout.splitlines() if line.startswith(headers["x-request-id"]))
+        assert row.split()[3:5] == [str(len(body["prompt"])), str(body["max_tokens"])]
+    out = tmp_path / "trace.json"
+    exported = kvferry("trace", "export", str(trace_dir), "--chrome", str(out))
+    assert exported.returncode == 0, exported.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    lanes = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert lanes == {"gateway", "prefill-a", "decode-a"}
+    assert len({e["pid"] for e in events if e["ph"] == "X"}) == 3
+    starts = [e["id"] for e in events if e["ph"] == "s"]
+    ends = [e["id"] for e in events if e["ph"] == "f"]
+    assert starts and sorted(starts) == sorted(ends) and len(set(starts)) == len(starts)
+    png = tmp_path / "r.png"
+    plotted = kvferry("trace", "plot", str(trace_dir), replies[0][1]["x-request-id"], "-o", str(png))
+    assert plotted.returncode == 0, plotted.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_skewed_clock_is_corrected_and_reported(traced, tmp_path):
+    s, trace_dir, asks, replies = traced
+    skewed = tmp_path / "skewed"
+    shutil.copytree(trace_dir, skewed)
+    (decode_file,) = skewed.glob("decode-a-*.jsonl")
+    lines = [json.loads(x) for x in decode_file.read_text().splitlines() if x.strip()]
+    decode_file.write_text("".join(json.dumps({**r, "ts": r["ts"] - 3.0}) + "\n" for r in lines))
+    traces = load(str(skewed))
+    assert any("decode-a" in note and "behind" in note for note in traces.notes)
+    for _, headers, _ in replies:
+        events = traces.for_request(headers["x-request-id"])
+        sends = {e["span_id"]: i for i, e in enumerate(events) if e["ev"] == "send"}
+        assert all(sends[e["span_id"]] < i for i, e in enumerate(events) if e["ev"] == "recv" and e["span_id"] in sends)
+    shown = kvferry("trace", "show", str(skewed), replies[0][1]["x-request-id"])
+    assert shown.returncode == 0 and "clock skew" in shown.stderr
+
+
+def test_metrics_match_what_was_sent(traced):
+    s, trace_dir, asks, replies = traced
+    families = {f.name: f for f in text_string_to_metric_families(s.text("/metrics"))}
+
+    def value(name, **labels):
+        family = families[name]
+        return sum(x.value for x in family.samples
+                   if x.name in (name, name + "_total") and all(x.labels.get(k) == v for k, v in labels.items()))
+
+    assert value("kvferry:prompt_tokens") == sum(len(body["prompt"]) for body, _ in asks)
+    assert value("kvferry:generation_tokens") == sum(body["max_tokens"] for body, _ in asks)
+    assert value("kvferry:request_success", finished_reason="length") == len(asks)
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "request_prefill_time_seconds", "kv_transfer_time_seconds", "kv_transfer_bytes"):
+        count = next(x.value for x in families[f"kvferry:{name}"].samples if x.name.endswith("_count"))
+        assert count == len(asks), name
+    itl = next(x.value for x in families["kvferry:inter_token_latency_seconds"].samples if x.name.endswith("_count"))
+    assert itl == sum(body["max_tokens"] - 1 for body, _ in asks)
+    assert value("kvferry:num_workers", role="prefill") == 1 and value("kvferry:num_workers", role="decode") == 1
+    usage = [x for x in families["kvferry:kv_cache_usage_perc"].samples if x.labels["worker"] == "decode-a"]
+    assert len(usage) == 1 and 0.0 <= usage[0].value <= 1.0
+    assert value("kvferry:protocol_errors", process="gateway") == 0
+    assert {x.labels["worker"] for x in families["kvferry:num_preemptions"].samples} == {"prefill-a", "decode-a"}
+
+
+def test_the_client_traceparent_names_the_trace(traced):
+    s, trace_dir, asks, replies = traced
+    _, headers, _ = replies[5]
+    version, trace_id, span_id, flags = headers["traceparent"].split("-")
+    assert trace_id == CLIENT_TRACE and span_id != CLIENT_SPAN and version == "00"
+    traces = load(str(trace_dir))
+    events = traces.for_request(headers["x-request-id"])
+    assert {e["trace_id"] for e in events if e.get("trace_id")} == {CLIENT_TRACE}
+    assert {e["proc"] for e in events if e.get("trace_id") == CLIENT_TRACE} == {"gateway", "prefill-a", "decode-a"}
+    http = next(e for e in events if e.get("name") == "http")
+    assert http["span_id"] == span_id and http["parent_id"] == CLIENT_SPAN
+
+
+def test_a_malformed_traceparent_starts_a_new_trace_and_warns(traced):
+    s, trace_dir, asks, replies = traced
+    _, headers, _ = replies[6]
+    rid = headers["x-request-id"]
+    _, trace_id, _, _ = headers["traceparent"].split("-")
+    assert len(trace_id) == 32 and trace_id != CLIENT_TRACE
+    events = load(str(trace_dir)).for_request(rid)
+    assert {e["trace_id"] for e in events if e.get("trace_id")} == {trace_id}
+    logged = [json.loads(line) for line in s.log("gateway").splitlines() if line.startswith("{")]
+    warning = next(x for x in logged if "malformed traceparent" in x["msg"])
+    assert warning["level"] == "warning" and warning["request_id"] == rid
