@@ -4,8 +4,8 @@ It is also the oracle for the distributed pipeline: the same request with greedy
 gives the same tokens through both.
 """
 import itertools
+import logging
 import os
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +18,8 @@ from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.scheduler import Scheduler, StepPlan
 from kvferry.common.sequence import FinishReason, Sequence
+
+log = logging.getLogger("kvferry.engine")
 
 
 @dataclass
@@ -52,7 +54,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, log=sys.stderr, keep_finished_blocks: bool = False):
+    def __init__(self, config: EngineConfig | None = None, keep_finished_blocks: bool = False):
         self.config = config = config or EngineConfig()
         if config.num_threads is not None:
             if config.num_threads < 1:
@@ -70,10 +72,10 @@ class LLMEngine:
                                  f"({layout.bytes_per_block} bytes each)")
         if num_blocks * config.block_size < max_model_len:
             max_model_len = num_blocks * config.block_size
-            print(f"kvferry: max_model_len lowered to {max_model_len}, all the KV cache holds", file=log)
+            log.warning("max_model_len lowered to %d, all the KV cache holds", max_model_len)
         self.max_model_len = max_model_len
-        print(f"kvferry: KV cache {num_blocks} blocks x {config.block_size} tokens = {num_blocks * config.block_size} "
-              f"tokens, {num_blocks * layout.bytes_per_block / 2**20:.1f} MiB ({self.dtype}, {self.device})", file=log)
+        log.info("KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s)", num_blocks, config.block_size,
+                 num_blocks * config.block_size, num_blocks * layout.bytes_per_block / 2**20, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),

@@ -168,6 +168,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command in ("generate", "bench", "prepare"):  # services set up their own logs (observe)
+        from kvferry.common.logs import setup_logging
+
+        setup_logging("text", args.command)
     try:
         return args.func(args)
     except KvferryError as exc:

@@ -167,3 +167,12 @@ def test_a_malformed_traceparent_starts_a_new_trace_and_warns(traced):
     logged = [json.loads(line) for line in s.log("gateway").splitlines() if line.startswith("{")]
     warning = next(x for x in logged if "malformed traceparent" in x["msg"])
     assert warning["level"] == "warning" and warning["request_id"] == rid
+
+
+def test_every_log_line_is_json(traced):
+    s, trace_dir, asks, replies = traced
+    for name in ("gateway", "prefill-a", "decode-a"):
+        lines = [line for line in s.log(name).splitlines() if line.strip()]
+        parsed = [json.loads(line) for line in lines]  # raises on a plain-text line
+        assert parsed and all({"ts", "level", "logger", "process", "msg"} <= set(x) for x in parsed)
+        assert {x["process"] for x in parsed} == {name}
