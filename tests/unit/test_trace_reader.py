@@ -130,3 +130,16 @@ def test_an_unknown_request_is_named(tmp_path, capsys):
     write_request(tmp_path, "cmpl-abc", 1000.0)
     assert main(["trace", "show", str(tmp_path), "abc"]) == 2
     assert "did you mean cmpl-abc" in capsys.readouterr().err
+
+
+def test_lines_with_mistyped_fields_are_skipped_not_fatal(tmp_path, capsys):
+    write_request(tmp_path, "r1", 1000.0)
+    odd = [{"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": "x"},
+           {"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": {"rids": 5}},
+           {"ts": 1000.3, "ev": "recv", "proc": "decode-a", "rid": 7},
+           {"ts": "soon", "ev": "send", "proc": "gateway"}, [1, 2]]
+    with open(tmp_path / "decode-a-1.jsonl", "a") as f:
+        f.write("".join(json.dumps(x) + "\n" for x in odd))
+    for command in (["list"], ["show", "r1"]):
+        assert main(["trace", command[0], str(tmp_path), *command[1:]]) == 0
+    assert "skipped 5 unreadable" in capsys.readouterr().err

@@ -4,7 +4,7 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_firs
 Worker figures are read from the registry at scrape time, so a worker that leaves leaves the
 output with it.
 """
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvferry.common import protocol as p
@@ -13,6 +13,7 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0
                    20.0, 40.0, 80.0, 160.0, 640.0)
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
+disable_created_metrics()  # no `_created` series beside each counter and histogram (vLLM does the same)
 
 
 class WorkerFigures:

@@ -91,8 +91,15 @@ def causal_key(r: dict):
 
 
 def _valid(record) -> bool:
-    return (isinstance(record, dict) and isinstance(record.get("ts"), (int, float)) and record.get("ev") in EVENT_KINDS
-            and isinstance(record.get("proc"), str) and (record["ev"] != "span" or isinstance(record.get("dur"), (int, float))))
+    """A line kvferry could have written: the fields every reader relies on have their types."""
+    if not isinstance(record, dict) or record.get("ev") not in EVENT_KINDS:
+        return False
+    attrs = record.get("attrs", {})
+    return (isinstance(record.get("ts"), (int, float)) and isinstance(record.get("proc"), str)
+            and all(isinstance(record.get(k, ""), str) for k in ("rid", "kind", "name", "span_id", "trace_id", "peer"))
+            and all(isinstance(record.get(k, 0), (int, float)) for k in ("header_bytes", "payload_bytes"))
+            and isinstance(attrs, dict) and isinstance(attrs.get("rids", []), list)
+            and (record["ev"] != "span" or isinstance(record.get("dur"), (int, float))))
 
 
 def load(trace_dir: str) -> TraceSet:
