@@ -6,7 +6,7 @@ gives the same tokens through both.
 import itertools
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,7 +15,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
 from kvferry.common.sequence import FinishReason, Sequence
 
@@ -31,6 +31,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None
     text: str = ""
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the new token's, when asked for
+    logprobs: list[TokenLogprobs] | None = None         # every output token's so far, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for (echo)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -81,7 +84,8 @@ class LLMEngine:
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
                                    keep_finished_blocks=keep_finished_blocks)
         try:
-            self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed)
+            self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed,
+                                      eos_token_ids=self.scheduler.eos_token_ids)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if "memory" not in str(exc).lower():
                 raise
@@ -90,6 +94,7 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
+        self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_plan: StepPlan | None = None
 
     # -- requests -----------------------------------------------------------------------------------------
@@ -108,6 +113,7 @@ class LLMEngine:
         params = params or SamplingParams()
         token_ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids)
+        self.validate_params(params)
         return self._queue(token_ids, params, request_id)
 
     def _queue(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
@@ -130,10 +136,18 @@ class LLMEngine:
         if bad is not None:
             raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
+        for name, ids in (("logit_bias", [t for t, _ in params.logit_bias]), ("stop_token_ids", params.stop_token_ids)):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
                       params: SamplingParams, keys, values) -> bool:
         """Admit a sequence whose prompt KV was computed elsewhere; False when there is no room for it now."""
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id],
@@ -160,6 +174,7 @@ class LLMEngine:
 
     def forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
         self.runner.release(request_id)
 
     # -- the loop -----------------------------------------------------------------------------------------
@@ -174,13 +189,20 @@ class LLMEngine:
         sampled = self.runner.execute(plan)
         finished = {id(s) for s in self.scheduler.update(plan, sampled)}
         outputs = []
-        for chunk, token_id in zip(plan.chunks, sampled):
+        for chunk, token_id, logprobs in zip(plan.chunks, sampled, self.runner.last_logprobs):
             if token_id is None:
                 continue
             seq = chunk.seq
             done = id(seq) in finished
-            outputs.append(RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id],
-                                         done, seq.finish_reason))
+            out = RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id], done,
+                                seq.finish_reason)
+            if logprobs is not None:
+                out.new_logprobs = [logprobs]
+                out.logprobs = self._logprobs.setdefault(seq.request_id, [])
+                out.logprobs.append(logprobs)
+            if (plan.is_prefill or done) and seq.params.prompt_logprobs is not None:  # first and last output
+                out.prompt_logprobs = self.runner.prompt_logprobs.get(seq.request_id)
+            outputs.append(out)
             if done:
                 self.forget(seq.request_id)
         return outputs

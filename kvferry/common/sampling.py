@@ -6,6 +6,16 @@ from kvferry.common.errors import InvalidRequest
 
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A token's log-probability under the model (log_softmax of its logits) and the top alternatives."""
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -17,6 +27,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float = 0.0     # subtracted once from every token already generated
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # divides positive (multiplies negative) logits of prompt and output tokens
+    min_p: float = 0.0                # drop tokens below min_p times the most likely one's probability
+    min_tokens: int = 0               # EOS and stop tokens are masked until this many are generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    logprobs: int | None = None       # alternatives to report per generated token (0: the token only)
+    prompt_logprobs: int | None = None  # the same for each prompt token (echo)
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -33,6 +51,28 @@ class SamplingParams:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty <= 2 or not math.isfinite(self.repetition_penalty):
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        for token_id, bias in self.logit_bias:
+            if not isinstance(token_id, int) or token_id < 0 or not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias maps token ids to biases in [-100, 100], got {token_id}: {bias}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise InvalidRequest(f"{name} must be between 0 and {MAX_LOGPROBS}, got {value!r}")
+
+    @property
+    def needs_processing(self) -> bool:
+        """Whether its logits are changed before sampling (penalties, bias, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -11,7 +11,8 @@ from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import keep_freed_memory
 from kvferry.common.model.llama import head_dim_of
-from kvferry.common.model.sampler import sample
+from kvferry.common.model.logits_processors import process_logits
+from kvferry.common.model.sampler import sample, token_logprobs
 from kvferry.common.scheduler import StepPlan
 
 
@@ -38,8 +39,9 @@ def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLa
 
 class ModelRunner:
     def __init__(self, model, layout: KVCacheLayout, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 seed: int | None = None):
+                 seed: int | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.model = model
+        self.eos_token_ids = eos_token_ids
         self.layout = layout
         self.device = device
         self.num_blocks = num_blocks
@@ -59,9 +61,13 @@ class ModelRunner:
             self.shared_generator.seed()
         self.seq_generators: dict[str, torch.Generator] = {}
         self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests and logprobs
+        self.last_logprobs: list = []  # per chunk of the latest step: TokenLogprobs where asked for, else None
+        # Per request asking for them: entry p is prompt token p's logprobs given the tokens before it.
+        self.prompt_logprobs: dict[str, list] = {}
 
     def release(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
+        self.prompt_logprobs.pop(request_id, None)
 
     def read_blocks(self, block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, each [num_layers, num_blocks, block_size, kv_heads, head_dim], contiguous on
@@ -117,7 +123,10 @@ class ModelRunner:
         """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it)."""
         input_ids, positions, batch = self.prepare(plan)
         hidden = self.model(input_ids, positions, batch)                  # [T, hidden]
+        if plan.is_prefill:
+            self._record_prompt_logprobs(plan, hidden, batch.cu_seqlens_q.tolist())
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        self.last_logprobs = [None] * len(plan.chunks)
         if not sampling:
             return [None] * len(plan.chunks)
         # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
@@ -125,8 +134,33 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])                  # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
-        token_ids = sample(logits, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+        processed = process_logits(logits, seqs, self.eos_token_ids)
+        token_ids = sample(processed, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
         result: list[int | None] = [None] * len(plan.chunks)
         for i, token_id in zip(sampling, token_ids):
             result[i] = token_id
+        asking = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
+        if asking:
+            found = token_logprobs(logits[asking], [token_ids[j] for j in asking],
+                                   [seqs[j].params.logprobs for j in asking])
+            for j, entry in zip(asking, found):
+                self.last_logprobs[sampling[j]] = entry
         return result
+
+    def _record_prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, cu: list[int]) -> None:
+        """Prompt tokens' logprobs for the sequences that asked (echo): each position's logits score the next
+        prompt token. Done in slices: a whole chunk's logits would be [tokens, vocab]."""
+        for i, chunk in enumerate(plan.chunks):
+            seq = chunk.seq
+            if seq.params.prompt_logprobs is None:
+                continue
+            prompt = seq.prompt_token_ids
+            entries = self.prompt_logprobs.setdefault(seq.request_id, [None] * len(prompt))
+            start = seq.num_computed_tokens
+            # Position p scores prompt token p + 1; the prompt's last position scores the first output instead.
+            end = min(start + chunk.num_new_tokens, len(prompt) - 1)
+            for lo in range(start, end, 256):
+                hi = min(lo + 256, end)
+                logits = self.model.compute_logits(hidden[cu[i] + lo - start:cu[i] + hi - start])  # [n, vocab]
+                found = token_logprobs(logits, prompt[lo + 1:hi + 1], [seq.params.prompt_logprobs] * (hi - lo))
+                entries[lo + 1:hi + 1] = found

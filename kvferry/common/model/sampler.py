@@ -6,7 +6,7 @@ depend only on its seed and its logits, never on what else shares the batch.
 """
 import torch
 
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
@@ -24,6 +24,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     if any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps):
         sub = _apply_top_k_top_p(sub, top_ks, top_ps)
     probs = torch.softmax(sub, dim=-1)                                               # [R, vocab]
+    min_ps = torch.tensor([params[i].min_p for i in random_rows], device=probs.device)
+    if bool((min_ps > 0).any()):
+        # Relative to each row's most likely token; the race below needs no renormalisation.
+        probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)
     for j, i in enumerate(random_rows):
         noise[j].exponential_(generator=generators[i])
@@ -44,3 +48,18 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
     cut |= mass_before >= torch.tensor(top_ps, device=logits.device)[:, None]
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
+    """logits [num_rows, vocab] (the model's, before any processing) -> each row's chosen token's
+    log-probability and its num_top most likely alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)                            # [N, vocab]
+    chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
+    k = max(num_top, default=0)
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)           # [N, k]
+    out = []
+    for row, (token_id, n) in enumerate(zip(token_ids, num_top)):
+        ids = tuple(top_ids[row, :n].tolist()) if n else ()
+        values = tuple(top_values[row, :n].tolist()) if n else ()
+        out.append(TokenLogprobs(token_id, chosen[row], ids, values))
+    return out
