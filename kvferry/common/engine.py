@@ -143,28 +143,44 @@ class LLMEngine:
             if bad is not None:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], first_token_id: int,
-                      params: SamplingParams, keys, values) -> bool:
-        """Admit a sequence whose prompt KV was computed elsewhere; False when there is no room for it now."""
+    def add_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
+                      params: list[SamplingParams], keys, values) -> bool:
+        """Admit sequences (one per choice) whose prompt KV was computed elsewhere; False when there is no room for
+        them now. The choices share the prompt's full blocks (ref counts); each gets its own copy of a partly
+        filled last block, since each appends its own tokens there."""
+        if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
+            raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
         self.validate_prompt(prompt_token_ids)
-        self.validate_params(params)
-        if request_id in self._live:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, list(prompt_token_ids), params, output_token_ids=[first_token_id],
-                       num_computed_tokens=len(prompt_token_ids))
+        for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
+            self.validate_params(choice_params)
+            if request_id in self._live:
+                raise InvalidRequest(f"request id {request_id!r} is already in use")
+            if not 0 <= first_token_id < self.vocab_size:
+                raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
+        num_prompt = len(prompt_token_ids)
         layout = self.runner.layout
-        expected = (layout.num_layers, self.block_manager.num_blocks_for(len(prompt_token_ids)), layout.block_size,
+        expected = (layout.num_layers, self.block_manager.num_blocks_for(num_prompt), layout.block_size,
                     layout.num_kv_heads, layout.head_dim)
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
-            raise InvalidRequest(f"KV of shape {tuple(keys.shape)} for {len(prompt_token_ids)} prompt tokens; "
+            raise InvalidRequest(f"KV of shape {tuple(keys.shape)} for {num_prompt} prompt tokens; "
                                  f"this worker needs {expected}")
-        if not 0 <= first_token_id < self.vocab_size:
-            raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        if not self.scheduler.can_admit_prefilled(seq.num_tokens):
+        if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids)):
             return False
-        self.scheduler.admit_prefilled(seq)
-        self.runner.write_blocks(seq.block_table[:keys.shape[1]], keys, values)
-        self._live[request_id] = seq
+        num_full = num_prompt // layout.block_size
+        first = None
+        for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
+            seq = Sequence(request_id, list(prompt_token_ids), choice_params, output_token_ids=[first_token_id],
+                           num_computed_tokens=num_prompt)
+            if first is None:
+                self.scheduler.admit_prefilled(seq)
+                self.runner.write_blocks(seq.block_table[:keys.shape[1]], keys, values)
+                first = seq
+            else:
+                self.block_manager.share(first.block_table[:num_full])
+                self.scheduler.admit_prefilled(seq, first.block_table[:num_full])
+                if num_prompt % layout.block_size:
+                    self.runner.copy_block(first.block_table[num_full], seq.block_table[num_full])
+            self._live[request_id] = seq
         return True
 
     def abort(self, request_id: str) -> bool:

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 2  # 2: timings for the gateway's metrics on FirstToken and Tokens
+PROTOCOL_VERSION = 3  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -60,6 +60,24 @@ class Sampling:
     seed: int | None
     ignore_eos: bool
     stop_token_ids: list[int]
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias_ids: list[int] = field(default_factory=list)
+    logit_bias_values: list[float] = field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class Logprob:
+    """A token's log-probability and its top alternatives (TokenLogprobs on the wire)."""
+    token_id: int
+    logprob: float
+    top_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +89,7 @@ class WorkerStats:
     queued_prompt_tokens: int
     num_preemptions: int = 0
     num_protocol_errors: int = 0
+    num_prompts_prefilled: int = 0  # prefill workers: prompts computed (once per request, whatever its n)
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -110,6 +129,7 @@ class PrefillRequest:
     decode_worker_id: str
     decode_address: str
     deadline_s: float  # wall-clock time after which the request is given up
+    n: int = 1         # choices: the prompt is prefilled once, each choice samples its own first token
 
 
 @dataclass
@@ -119,6 +139,9 @@ class FirstToken:
     finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
     queue_s: float = 0.0     # arrival at the prefill worker to its first scheduled chunk
     prefill_s: float = 0.0   # first chunk to the sampled first token
+    logprobs: list[Logprob] = field(default_factory=list)  # the token's, when asked for
+    prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # when asked for (echo); entry 0 is None
+    choice: int = 0
 
 
 @dataclass
@@ -127,7 +150,8 @@ class KVTransfer:
     KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: list[int]  # one first token per choice still to decode
+    choices: list[int]           # which choices those are
     sampling: Sampling
     num_computed_tokens: int
     dtype: str
@@ -152,6 +176,8 @@ class Tokens:
     finish_reason: int = -1
     kv_transfer_s: float = 0.0   # on a sequence's first Tokens message only
     kv_transfer_bytes: int = 0
+    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked for
+    choice: int = 0
 
 
 @dataclass

@@ -1,4 +1,5 @@
 """Per-request sampling parameters, validated where they enter the engine."""
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -78,3 +79,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         # Below this, logits / temperature overflows to inf; it is argmax in all but name.
         return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+def for_choice(params: SamplingParams, choice: int) -> SamplingParams:
+    """Choice i of n draws from seed + i: each choice reproducible, and different from the others."""
+    if params.seed is None or choice == 0:
+        return params
+    return dataclasses.replace(params, seed=params.seed + choice)

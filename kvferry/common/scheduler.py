@@ -73,15 +73,20 @@ class Scheduler:
         self._next_arrival += 1
         self.waiting.append(seq)
 
-    def can_admit_prefilled(self, num_tokens: int) -> bool:
-        return (len(self.running) < self.max_num_seqs
-                and self.block_manager.can_allocate(self.block_manager.num_blocks_for(num_tokens)))
+    def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
+        """Room for num_choices sequences of num_tokens tokens that share their prompt's full blocks."""
+        num_shared = (num_tokens - 1) // self.block_manager.block_size
+        num_own = self.block_manager.num_blocks_for(num_tokens) - num_shared
+        return (len(self.running) + num_choices <= self.max_num_seqs
+                and self.block_manager.can_allocate(num_shared + num_choices * num_own))
 
-    def admit_prefilled(self, seq: Sequence) -> None:
+    def admit_prefilled(self, seq: Sequence, shared_blocks: list[int] = ()) -> None:
         """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
-        receiving a transfer). Allocates its blocks; the caller fills them before the next step, where the
-        sequence joins the running batch."""
+        receiving a transfer). Its table starts with shared_blocks (already shared by the caller: another
+        choice's full prompt blocks); the rest is allocated, and the caller fills it before the next step,
+        where the sequence joins the running batch."""
         assert seq.num_uncomputed_tokens == 1 and not seq.block_table
+        seq.block_table.extend(shared_blocks)
         self.block_manager.grow(seq.block_table, seq.num_tokens)
         seq.arrival = self._next_arrival
         self._next_arrival += 1

@@ -68,6 +68,23 @@ def add_observability_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-format", default=env("KVFERRY_LOG_FORMAT", "text"), choices=FORMATS)
 
 
+def add_api_args(parser: argparse.ArgumentParser) -> None:
+    from kvferry.common.config import parse_size
+    from kvferry.services.gateway.request_parsing import Limits
+
+    env, limits = os.environ.get, Limits()
+    g = parser.add_argument_group("API (each also read from KVFERRY_<NAME>)")
+    g.add_argument("--api-key", default=env("KVFERRY_API_KEY") or None,
+                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
+    g.add_argument("--max-body-size", type=parse_size, default=env("KVFERRY_MAX_BODY_SIZE", str(limits.max_body_bytes)),
+                   help="larger request bodies get 413")
+    g.add_argument("--max-n", type=int, default=env("KVFERRY_MAX_N", str(limits.max_n)))
+    g.add_argument("--max-tokens-limit", type=int, default=env("KVFERRY_MAX_TOKENS_LIMIT", str(limits.max_tokens)),
+                   help="the largest max_tokens a request may ask for")
+    g.add_argument("--max-stop", type=int, default=env("KVFERRY_MAX_STOP", str(limits.max_stop)),
+                   help="the most stop strings a request may send")
+
+
 def _run_worker(args, cls, **kwargs) -> int:
     import signal
     import uuid
@@ -132,6 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=env("KVFERRY_BLOCK_SIZE", "16"))
     p.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
     p.add_argument("--heartbeat-interval", type=float, default=env("KVFERRY_HEARTBEAT_INTERVAL", "1.0"))
+    add_api_args(p)
     add_observability_args(p)
     p.set_defaults(func=cmd_gateway)
 
@@ -156,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
     p.add_argument("--prefill-threads", type=int, default=env("KVFERRY_PREFILL_THREADS", "1"))
     p.add_argument("--decode-threads", type=int, default=env("KVFERRY_DECODE_THREADS", "2"))
+    add_api_args(p)
     add_observability_args(p)
     p.set_defaults(func=cmd_serve)
 

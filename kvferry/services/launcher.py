@@ -75,10 +75,11 @@ def serve(args) -> int:
     if args.model:
         env["KVFERRY_MODEL"] = args.model
     # The children read these from the environment, like every other setting.
-    for name in ("trace_dir", "otlp_endpoint", "log_format"):
+    for name in ("trace_dir", "otlp_endpoint", "log_format", "api_key", "max_body_size", "max_n", "max_tokens_limit",
+                 "max_stop"):
         value = getattr(args, name)
         if value:
-            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if name == "trace_dir" else value
+            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if name == "trace_dir" else str(value)
     procs = []
     try:
         procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)

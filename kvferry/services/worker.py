@@ -17,7 +17,7 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import KvferryError
+from kvferry.common.errors import InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
@@ -29,12 +29,27 @@ UNKNOWN_WORKER = "unknown worker: register again"
 
 def sampling_to_wire(params: SamplingParams) -> p.Sampling:
     return p.Sampling(params.max_tokens, float(params.temperature), float(params.top_p), params.top_k, params.seed,
-                      params.ignore_eos, list(params.stop_token_ids))
+                      params.ignore_eos, list(params.stop_token_ids), float(params.presence_penalty),
+                      float(params.frequency_penalty), float(params.repetition_penalty), float(params.min_p),
+                      params.min_tokens, [t for t, _ in params.logit_bias], [float(b) for _, b in params.logit_bias],
+                      params.logprobs, params.prompt_logprobs)
 
 
 def sampling_from_wire(s: p.Sampling) -> SamplingParams:
+    """Validated again here: a worker trusts no peer."""
+    if len(s.logit_bias_ids) != len(s.logit_bias_values):
+        raise InvalidRequest("logit_bias ids and values differ in length")
     return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids))
+                          seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
+                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                          repetition_penalty=s.repetition_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
+                          logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)), logprobs=s.logprobs,
+                          prompt_logprobs=s.prompt_logprobs)
+
+
+def logprobs_to_wire(entries) -> list:
+    return [None if e is None else p.Logprob(e.token_id, e.logprob, list(e.top_ids), list(e.top_logprobs))
+            for e in entries or ()]
 
 
 def advertised_host() -> str:
@@ -50,6 +65,7 @@ def advertised_host() -> str:
 
 class Worker:
     role: p.Role
+    num_prompts_prefilled = 0
 
     def __init__(self, config: EngineConfig, gateway: str, worker_id: str | None = None,
                  keep_finished_blocks: bool = False):
@@ -104,7 +120,8 @@ class Worker:
             num_running=len(sch.running), num_waiting=len(sch.waiting),
             queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sch.waiting)
             + sum(s.num_uncomputed_tokens for s in sch.running if s.num_uncomputed_tokens > 1),
-            num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors())
+            num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors(),
+            num_prompts_prefilled=self.num_prompts_prefilled)
 
     def num_protocol_errors(self) -> int:
         return self.control.num_protocol_errors

@@ -9,7 +9,7 @@ SAMPLING = p.Sampling(max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=No
 
 
 def kv_message(num_blocks=2):
-    return p.KVTransfer(prefill_worker_id="p0", prompt_token_ids=[1, 2, 3], output_token_ids=[9], sampling=SAMPLING,
+    return p.KVTransfer(prefill_worker_id="p0", prompt_token_ids=[1, 2, 3], output_token_ids=[9], choices=[0], sampling=SAMPLING,
                         num_computed_tokens=3, dtype="float32", shape=[2, num_blocks, 4, 1, 2], deadline_s=1e9)
 
 

@@ -74,7 +74,7 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
     into = Channel(router, "in", tracer=receiver)
     parent = tracing.child_of(None)
     frame = bytes(2 * 1 * 4 * 1 * 2 * 4)
-    msg = p.KVTransfer(prefill_worker_id="prefill-a", prompt_token_ids=[1, 2], output_token_ids=[3],
+    msg = p.KVTransfer(prefill_worker_id="prefill-a", prompt_token_ids=[1, 2], output_token_ids=[3], choices=[0],
                        sampling=p.Sampling(4, 0.0, 1.0, 0, None, False, []), num_computed_tokens=2,
                        dtype="float32", shape=[2, 1, 4, 1, 2], deadline_s=1e12)
     sent_ctx = out.send(msg, "r1", parent, frames=[frame, frame])

@@ -14,6 +14,7 @@ from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import sample, token_logprobs
 from kvferry.common.scheduler import StepPlan
+from kvferry.common.sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,7 @@ class ModelRunner:
             self.shared_generator.seed()
         self.seq_generators: dict[str, torch.Generator] = {}
         self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests and logprobs
+        self.last_rows: dict[str, int] = {}  # request id -> its row in last_logits
         self.last_logprobs: list = []  # per chunk of the latest step: TokenLogprobs where asked for, else None
         # Per request asking for them: entry p is prompt token p's logprobs given the tokens before it.
         self.prompt_logprobs: dict[str, list] = {}
@@ -83,6 +85,11 @@ class ModelRunner:
         index = torch.tensor(block_table, device=self.device)
         self.k_cache[:, index] = keys.to(self.device, self.k_cache.dtype)
         self.v_cache[:, index] = values.to(self.device, self.v_cache.dtype)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """One block's K and V, in every layer, into another block (a choice's own copy of a shared one)."""
+        self.k_cache[:, dst] = self.k_cache[:, src]
+        self.v_cache[:, dst] = self.v_cache[:, src]
 
     def _generator_for(self, seq) -> torch.Generator | None:
         if seq.params.greedy:
@@ -134,6 +141,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[last])                  # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
+        self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}
         processed = process_logits(logits, seqs, self.eos_token_ids)
         token_ids = sample(processed, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
         result: list[int | None] = [None] * len(plan.chunks)
@@ -146,6 +154,23 @@ class ModelRunner:
             for j, entry in zip(asking, found):
                 self.last_logprobs[sampling[j]] = entry
         return result
+
+    @torch.inference_mode()
+    def sample_choices(self, seq, choice_params: list) -> list[tuple[int, object]]:
+        """More first tokens from the prompt just sampled in the latest step, one per extra choice (each with its
+        own parameters: its own seed): (token id, TokenLogprobs or None) each."""
+        logits = self.last_logits[self.last_rows[seq.request_id]][None]              # [1, vocab]
+        out = []
+        for params in choice_params:
+            choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
+            generator = None
+            if not params.greedy:
+                generator = (self.shared_generator if params.seed is None
+                             else torch.Generator(device=self.device).manual_seed(params.seed))
+            [token_id] = sample(process_logits(logits, [choice], self.eos_token_ids), [params], [generator])
+            found = token_logprobs(logits, [token_id], [params.logprobs])[0] if params.logprobs is not None else None
+            out.append((token_id, found))
+        return out
 
     def _record_prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor, cu: list[int]) -> None:
         """Prompt tokens' logprobs for the sequences that asked (echo): each position's logits score the next

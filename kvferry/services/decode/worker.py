@@ -10,10 +10,12 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
-from kvferry.services.worker import Worker, advertised_host, sampling_from_wire
+from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger("kvferry.decode")
+MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -40,6 +42,9 @@ class DecodeWorker(Worker):
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
         self.traces: dict[str, p.TraceContext] = {}
+        # A request's choices run as sequences of their own: engine id -> (request id, choice), and back.
+        self.choice_of: dict[str, tuple[str, int]] = {}
+        self.engine_ids: dict[str, list[str]] = {}
         self.transfer_s: dict[str, tuple[float, int]] = {}  # (seconds, bytes), told with the first Tokens
         self.num_steps = 0
         # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
@@ -60,10 +65,13 @@ class DecodeWorker(Worker):
         if isinstance(msg, p.KVTransfer):
             self.receive_kv(peer, env)
         elif isinstance(msg, p.Abort):
-            self.engine.abort(rid)
+            for engine_id in self.engine_ids.get(rid, [rid]):
+                self.engine.abort(engine_id)
             self.bury(rid)
 
     def bury(self, rid: str) -> None:
+        for engine_id in self.engine_ids.pop(rid, []):
+            self.choice_of.pop(engine_id, None)
         self.traces.pop(rid, None)
         self.transfer_s.pop(rid, None)
         now = time.monotonic()
@@ -78,12 +86,15 @@ class DecodeWorker(Worker):
             return
         received_at, started = time.time(), time.perf_counter()
         try:
-            if not msg.output_token_ids:
-                raise InvalidRequest("a KV transfer without its first token")
+            if not msg.output_token_ids or len(msg.choices) != len(msg.output_token_ids) or len(set(msg.choices)) != len(
+                    msg.choices) or not all(0 <= c < MAX_CHOICES for c in msg.choices):
+                raise InvalidRequest("a KV transfer needs one first token per choice, with distinct choice numbers")
             params = sampling_from_wire(msg.sampling)
             keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
             values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
-            placed = self.engine.add_prefilled(rid, msg.prompt_token_ids, msg.output_token_ids[-1], params, keys, values)
+            engine_ids = [rid] if msg.choices == [0] else [f"{rid}#{c}" for c in msg.choices]
+            placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, msg.output_token_ids,
+                                               [for_choice(params, c) for c in msg.choices], keys, values)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.bury(rid)
             self.kv_in.send(p.KVAck(False, f"refused: {exc}", retry=False), rid, env.trace, to=peer)
@@ -93,6 +104,8 @@ class DecodeWorker(Worker):
             self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)
             return
         self.traces[rid] = env.trace
+        self.engine_ids[rid] = engine_ids
+        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, msg.choices)})
         placed_at = time.time()
         # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
         hop_s = placed_at - msg.sent_at if msg.sent_at else time.perf_counter() - started
@@ -112,14 +125,22 @@ class DecodeWorker(Worker):
             self.num_steps += 1
             tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
                         step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
-                        num_preempted=len(plan.preempted), rids=[c.seq.request_id for c in plan.chunks])
+                        num_preempted=len(plan.preempted), rids=list(dict.fromkeys(self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0]
+                                                  for c in plan.chunks)))
         for out in outputs:
+            rid, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
             reason = int(out.finish_reason) if out.finished else -1
-            trace = self.traces.get(out.request_id)
-            transfer_s, transfer_bytes = self.transfer_s.pop(out.request_id, (0.0, 0))
-            self.control.send(p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes), out.request_id, trace)
+            transfer_s, transfer_bytes = self.transfer_s.pop(rid, (0.0, 0))
+            tokens = p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes, logprobs_to_wire(out.new_logprobs),
+                              choice)
+            self.control.send(tokens, rid, self.traces.get(rid))
             if out.finished:
-                self.bury(out.request_id)
+                self.choice_of.pop(out.request_id, None)
+                remaining = [e for e in self.engine_ids.get(rid, []) if e != out.request_id]
+                if remaining:
+                    self.engine_ids[rid] = remaining
+                else:
+                    self.bury(rid)
 
     def close(self) -> None:
         self.kv_in.close()

@@ -3,6 +3,7 @@ import logging
 
 from kvferry.common.model.loader import max_model_len_of, resolve_model, served_model_name
 from kvferry.services.gateway.api import Api
+from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import GatewayCore
 
 
@@ -18,7 +19,9 @@ def run_gateway(args) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = served_model_name(args.model)
     core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval)
-    api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config))
+    limits = Limits(max_body_bytes=args.max_body_size, max_n=args.max_n, max_tokens=args.max_tokens_limit,
+                    max_stop=args.max_stop)
+    api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)
     logging.getLogger("kvferry.gateway").info("serving %s on http://%s:%d, workers register at %s", name, args.host,
                                               args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format).

@@ -34,6 +34,7 @@ class WorkerInfo:
                 "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
                 "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
                 "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
+                "prompts_prefilled": s.num_prompts_prefilled,
                 "requests_served": self.num_served, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
 
 

@@ -55,13 +55,15 @@ class RequestTrace:
                              num_tokens=num_tokens)
 
     def finish(self, status: int, reason: str | None = None, error: str | None = None) -> None:
-        """The response is complete (reason), failed (error), or the client left (reason "abort")."""
+        """The response is complete (reason; with n choices, theirs joined by commas), failed (error), or the client
+        left (no reason: "abort")."""
         if self.finished:
             return
         self.finished = True
         now = time.time()
         if error is None:
-            self.metrics.request_success.labels(reason or "abort").inc()
+            for one in (reason or "abort").split(","):  # each choice counts, as vLLM counts its child requests
+                self.metrics.request_success.labels(one).inc()
             if self.last_token_at:
                 self.metrics.e2e.observe(now - self.arrived_at)
         else:

@@ -40,6 +40,9 @@ class Event:
     prefill_s: float = 0.0
     kv_transfer_s: float = 0.0    # on the first decode tokens: the KV hop
     kv_transfer_bytes: int = 0
+    choice: int = 0
+    logprobs: list = field(default_factory=list)         # p.Logprob per token, when asked for
+    prompt_logprobs: list = field(default_factory=list)  # with the first token, when asked for (echo)
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Flight:
     prefill_identity: bytes
     decode_identity: bytes
     trace: p.TraceContext
+    n: int = 1
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
 
@@ -121,9 +125,13 @@ class GatewayCore:
                 return
             reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
             if isinstance(msg, p.FirstToken):
-                event = Event(ids, reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s)
+                event = Event(ids, reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s, choice=msg.choice,
+                              logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
             else:
-                event = Event(ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes)
+                event = Event(ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes,
+                              choice=msg.choice, logprobs=msg.logprobs)
+            if not 0 <= event.choice < flight.n:
+                event = Event(error=f"a worker sent choice {event.choice} of a request with {flight.n}")
             flight.queue.put_nowait(event)
 
     async def _expire_loop(self) -> None:
@@ -139,7 +147,7 @@ class GatewayCore:
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       trace: p.TraceContext | None = None):
+                       trace: p.TraceContext | None = None, n: int = 1):
         """Route one request and yield its Events until it finishes. Raises NoWorkers when it cannot be routed.
         trace: the request's own span (the HTTP request's); the messages it causes are its children."""
         prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
@@ -148,11 +156,12 @@ class GatewayCore:
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         trace = trace or tracing.child_of(None)
         self.registry.assign(prefill, decode, len(prompt_token_ids), -(-len(prompt_token_ids) // decode.block_size))
-        flight = self.flights[rid] = Flight(prefill.identity, decode.identity, trace)
+        flight = self.flights[rid] = Flight(prefill.identity, decode.identity, trace, n)
         deadline = time.time() + REQUEST_TIMEOUT_S
         request = p.PrefillRequest(prompt_token_ids, sampling_to_wire(params), decode.worker_id, decode.kv_address,
-                                   deadline)
-        completed = False  # ended by a finish reason: nothing left on the workers
+                                   deadline, n)
+        completed = False  # every choice ended by a finish reason: nothing left on the workers
+        num_finished = 0
         try:
             if not await self._send(request, prefill.identity, rid, trace):
                 raise NoWorkers("the chosen prefill worker is gone")
@@ -161,7 +170,8 @@ class GatewayCore:
                     event = await asyncio.wait_for(flight.queue.get(), EVENT_TIMEOUT_S)
                 except asyncio.TimeoutError:
                     event = Event(error=f"no word from the workers for {EVENT_TIMEOUT_S:.0f} s", error_code=504)
-                completed = event.error is None and event.finish_reason is not None
+                num_finished += event.error is None and event.finish_reason is not None
+                completed = num_finished == n
                 yield event
                 if completed or event.error is not None:
                     return

@@ -11,12 +11,14 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import FinishReason, Sequence
 from kvferry.common.transport import Channel
-from kvferry.services.worker import Worker, sampling_from_wire
+from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger("kvferry.prefill")
 RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
+MAX_CHOICES = 128         # n per request: a bound on what one message can make this worker do
 ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again (until the request's deadline)
 
 
@@ -28,6 +30,8 @@ class Transfer:
     keys: object
     values: object
     gather_s: float
+    first_token_ids: list[int]  # of the choices that go on to decode
+    choices: list[int]
     sent_at: float = 0.0     # monotonic time of the latest send; 0: not in flight
     retry_at: float = 0.0
     first_sent_at: float = 0.0  # wall clock, for the transfer's span
@@ -50,6 +54,7 @@ class PrefillWorker(Worker):
         self.requests: dict[str, Arrival] = {}
         self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
+        self.num_prompts_prefilled = 0  # each prompt once, however many choices it has
 
     def next_transfer_due(self) -> float:
         """Monotonic time at which some transfer needs sending again (inf: none)."""
@@ -87,10 +92,12 @@ class PrefillWorker(Worker):
         msg, rid = env.message, env.request_id
         if isinstance(msg, p.PrefillRequest):
             try:
+                if not 1 <= msg.n <= MAX_CHOICES:
+                    raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
                 params = sampling_from_wire(msg.sampling)
                 # The prefill worker samples only the first token; the decode worker does the rest.
-                self.engine.add_request(msg.prompt_token_ids, dataclasses.replace(params, max_tokens=1),
-                                        request_id=rid)
+                first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+                self.engine.add_request(msg.prompt_token_ids, first_only, request_id=rid)
             except InvalidRequest as exc:
                 self.control.send(p.RequestFailed(str(exc), 400), rid, env.trace)
                 return
@@ -126,15 +133,16 @@ class PrefillWorker(Worker):
                     if arrival is not None and not arrival.started_at:
                         arrival.started_at = started
                 sampled = self.engine.runner.execute(plan)
+                logprobs = {id(c.seq): lp for c, lp in zip(plan.chunks, self.engine.runner.last_logprobs)}
                 if self.control.tracer.enabled:
                     self.control.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
                                              num_tokens=plan.num_tokens,
                                              rids=[c.seq.request_id for c in plan.chunks])
                 for seq in self.engine.scheduler.update(plan, sampled):
-                    self.prompt_done(seq)
+                    self.prompt_done(seq, logprobs.get(id(seq)))
         self.send_due_transfers()
 
-    def prompt_done(self, seq: Sequence) -> None:
+    def prompt_done(self, seq: Sequence, logprobs) -> None:
         arrival = self.requests.pop(seq.request_id)
         request, trace, done_at = arrival.request, arrival.trace, time.time()
         tracer = self.control.tracer
@@ -142,17 +150,23 @@ class PrefillWorker(Worker):
             tracer.span("queue", arrival.arrived_at, arrival.started_at, seq.request_id, tracing.child_of(trace))
             tracer.span("prefill", arrival.started_at, done_at, seq.request_id, tracing.child_of(trace),
                         num_prompt_tokens=len(seq.prompt_token_ids))
+        self.num_prompts_prefilled += 1
         params = sampling_from_wire(request.sampling)
-        token = seq.output_token_ids[-1]
-        reason = -1
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.scheduler.eos_token_ids):
-            reason = int(FinishReason.STOP)
-        elif params.max_tokens == 1 or seq.num_tokens >= self.engine.max_model_len:
-            reason = int(FinishReason.LENGTH)
-        first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
-                             prefill_s=done_at - arrival.started_at)
-        self.control.send(first, seq.request_id, trace)  # TTFT never waits on the transfer
-        if reason >= 0:
+        # Choice 0 was sampled with the prompt; the others draw from the same logits, each with its own seed.
+        extra = [dataclasses.replace(for_choice(seq.params, i), logprobs=params.logprobs) for i in range(1, request.n)]
+        firsts = [(seq.output_token_ids[-1], logprobs), *self.engine.runner.sample_choices(seq, extra)]
+        prompt_logprobs = logprobs_to_wire(self.engine.runner.prompt_logprobs.get(seq.request_id))
+        continuing = []
+        for choice, (token, token_logprobs) in enumerate(firsts):
+            reason = self.first_token_finish(token, params, seq.num_tokens)
+            first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
+                                 prefill_s=done_at - arrival.started_at,
+                                 logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
+                                 prompt_logprobs=prompt_logprobs, choice=choice)
+            self.control.send(first, seq.request_id, trace)  # TTFT never waits on the transfer
+            if reason < 0:
+                continuing.append(choice)
+        if not continuing:
             self.engine.scheduler.release(seq)
             self.engine.forget(seq.request_id)
             return
@@ -162,8 +176,17 @@ class PrefillWorker(Worker):
         if tracer.enabled:
             tracer.span("kv.gather", started, gathered, seq.request_id, tracing.child_of(trace),
                         num_blocks=len(seq.block_table))
-        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, gathered - started)
+        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, gathered - started,
+                                                  [firsts[c][0] for c in continuing], continuing)
         self.engine.forget(seq.request_id)
+
+    def first_token_finish(self, token: int, params, num_tokens: int) -> int:
+        """A first token's FinishReason, or -1 when its choice goes on to decode."""
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.scheduler.eos_token_ids):
+            return int(FinishReason.STOP)
+        if params.max_tokens == 1 or num_tokens >= self.engine.max_model_len:
+            return int(FinishReason.LENGTH)
+        return -1
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
@@ -175,7 +198,7 @@ class PrefillWorker(Worker):
                 self.engine.scheduler.release(self.transfers.pop(rid).seq)
                 continue
             msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.seq.prompt_token_ids,
-                               output_token_ids=t.seq.output_token_ids, sampling=t.request.sampling,
+                               output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
                                num_computed_tokens=len(t.seq.prompt_token_ids),
                                dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
                                deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time())

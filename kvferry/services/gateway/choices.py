@@ -1,0 +1,81 @@
+"""Turning a request's worker events into its choices: text with stop strings, logprobs, finish reasons.
+
+One ChoiceState per choice (`n`). Each event for a choice yields that choice's delta: the new text
+(held back at a partial character or a possible stop string), its logprobs part, and the finish
+reason when the choice ends. With echo the prompt comes first; with max_tokens 0 (prompt_only)
+the one token the workers generate is dropped and only the prompt is returned.
+"""
+from dataclasses import dataclass, field
+
+from kvferry.services.gateway.detokenizer import IncrementalText
+from kvferry.services.gateway.request_parsing import Generation
+from kvferry.services.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenText, finish_name
+
+
+@dataclass
+class Delta:
+    text: str
+    reason: str | None
+    logprobs: dict | None
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text: IncrementalText
+    logprobs: CompletionLogprobs | ChatLogprobs | None
+    num_out: int = 0
+    reason: str | None = None
+    pieces: list[str] = field(default_factory=list)
+    logprob_parts: list[dict] = field(default_factory=list)
+    started: bool = False  # the echoed prompt has been emitted
+
+
+class Choices:
+    def __init__(self, generation: Generation, tokenizer, token_text: TokenText, chat: bool):
+        self.generation, self.tokenizer = generation, tokenizer
+        builder = ChatLogprobs if chat else CompletionLogprobs
+        self.states = [ChoiceState(i, IncrementalText(tokenizer, generation.stop),
+                                   builder(token_text) if generation.logprobs is not None else None)
+                       for i in range(generation.n)]
+
+    @property
+    def done(self) -> bool:
+        return all(s.reason is not None for s in self.states)
+
+    @property
+    def num_out(self) -> int:
+        return sum(s.num_out for s in self.states)
+
+    def apply(self, event) -> Delta:
+        """One event's delta for its choice (event.choice)."""
+        state, g = self.states[event.choice], self.generation
+        text, parts = "", []
+        if g.echo and not state.started:
+            text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
+            if state.logprobs is not None:
+                parts.append(state.logprobs.part([None, *event.prompt_logprobs[1:]] if event.prompt_logprobs
+                                                 else [None] * len(g.prompt_ids), g.prompt_ids))
+        state.started = True
+        if g.prompt_only:
+            state.reason = "length"
+        else:
+            token_ids = event.token_ids
+            state.num_out += len(token_ids)
+            text += state.text.add(token_ids)
+            reason = "stop" if state.text.stopped else finish_name(event.finish_reason)
+            if reason:
+                text += state.text.flush()
+                state.reason = reason
+            if state.logprobs is not None and event.logprobs:
+                parts.append(state.logprobs.part(event.logprobs, token_ids))
+        logprobs = state.logprobs.join(parts) if parts else None
+        state.pieces.append(text)
+        if logprobs:
+            state.logprob_parts.append(logprobs)
+        return Delta(text, state.reason, logprobs)
+
+    def whole(self, shape) -> list[dict]:
+        return [shape.choice(s.index, "".join(s.pieces), s.reason,
+                             s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None)
+                for s in self.states]

@@ -1,0 +1,152 @@
+"""From an OpenAI-style JSON body to what the gateway generates: the prompt, SamplingParams and the response's options.
+
+Every field is checked, and every error names its field (`param`) as OpenAI's do. A field kvferry
+does not know, or knows but does not honour, is refused: a client that asked for it would read a
+wrong answer otherwise.
+"""
+import math
+from dataclasses import dataclass
+
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.sampling import MAX_LOGPROBS, SamplingParams
+
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
+          "frequency_penalty", "logit_bias", "seed", "user",
+          # vLLM's extra sampling parameters
+          "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos"}
+COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
+                        "parallel_tool_calls", "response_format"}
+# Known, not honoured: accepted only with the value that asks for nothing.
+NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
+           "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"})}
+
+
+@dataclass
+class Limits:
+    """What one request may ask for; each is a gateway flag."""
+    max_body_bytes: int = 8 * 2**20
+    max_n: int = 16
+    max_tokens: int = 16384
+    max_stop: int = 16
+
+
+@dataclass
+class Generation:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    n: int = 1
+    echo: bool = False          # completions: the prompt comes first, in text and in logprobs
+    logprobs: int | None = None  # alternatives per token to report; None: no logprobs
+    prompt_only: bool = False   # echo with max_tokens 0: the prompt and its logprobs, nothing generated
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def field(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a finite number", name)
+    if check is not None and not check(value):
+        raise ApiError(400, f"'{name}' is out of range: {value!r}", name)
+    return value
+
+
+def check_fields(body: dict, chat: bool) -> None:
+    known = CHAT_FIELDS if chat else COMPLETION_FIELDS
+    for name in body:
+        if name not in known:
+            raise ApiError(400, f"unknown parameter '{name}'", name)
+        if name in NEUTRAL and body[name] not in NEUTRAL[name]:
+            raise ApiError(400, f"'{name}' is not supported", name)
+
+
+def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_len: int, vocab_size: int,
+                     limits: Limits) -> Generation:
+    check_fields(body, chat)
+    num_prompt = len(prompt_ids)
+    echo = not chat and field(body, "echo", (bool,), False)
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    lowest = 0 if echo else 1  # max_tokens 0 with echo: the prompt's logprobs alone (lm-evaluation-harness)
+    max_tokens = field(body, name, (int,), None, lambda v: v >= lowest, f"an integer of at least {lowest}")
+    if max_tokens is None:
+        max_tokens = min(max_model_len - num_prompt, limits.max_tokens) if chat else 16
+    if num_prompt + max_tokens > max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                            f"{max_tokens} for the completion).", name, "context_length_exceeded")
+    if max_tokens > limits.max_tokens:
+        raise ApiError(400, f"'{name}' may be at most {limits.max_tokens} on this server", name)
+    n = field(body, "n", (int,), 1, lambda v: 1 <= v <= limits.max_n, f"an integer from 1 to {limits.max_n}")
+    stream = field(body, "stream", (bool,), False)
+    if body.get("stream_options") is not None and not stream:
+        raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
+    options = field(body, "stream_options", (dict,), {}) or {}
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
+        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if stop is not None and len(stop) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
+    logprobs = _logprobs(body, chat)
+    try:
+        params = SamplingParams(
+            max_tokens=max(1, max_tokens), temperature=field(body, "temperature", (int, float), 1.0),
+            top_p=field(body, "top_p", (int, float), 1.0), top_k=field(body, "top_k", (int,), 0),
+            seed=field(body, "seed", (int,), None), ignore_eos=field(body, "ignore_eos", (bool,), False),
+            stop_token_ids=tuple(_token_ids(body, "stop_token_ids", vocab_size)),
+            presence_penalty=field(body, "presence_penalty", (int, float), 0.0),
+            frequency_penalty=field(body, "frequency_penalty", (int, float), 0.0),
+            repetition_penalty=field(body, "repetition_penalty", (int, float), 1.0),
+            min_p=field(body, "min_p", (int, float), 0.0), min_tokens=field(body, "min_tokens", (int,), 0),
+            logit_bias=_logit_bias(body, vocab_size), logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
+    return Generation(prompt_ids, params, stop or [], stream, bool(options.get("include_usage")), n, echo, logprobs,
+                      prompt_only=max_tokens == 0)
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    in_range = (lambda v: 0 <= v <= MAX_LOGPROBS)
+    if not chat:
+        return field(body, "logprobs", (int,), None, in_range, f"an integer from 0 to {MAX_LOGPROBS}")
+    wanted = field(body, "logprobs", (bool,), False)
+    top = field(body, "top_logprobs", (int,), None, in_range, f"an integer from 0 to {MAX_LOGPROBS}")
+    if top is not None and not wanted:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+    ids = field(body, name, (list,), [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"'{name}' must be token ids in [0, {vocab_size})", name)
+    return ids
+
+
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    bias = field(body, "logit_bias", (dict,), {})
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+            raise ApiError(400, f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)

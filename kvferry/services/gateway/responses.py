@@ -1,0 +1,127 @@
+"""The OpenAI response shapes: completion and chat, whole or streamed, with usage and logprobs."""
+import json
+import time
+
+from kvferry.common.sequence import FinishReason
+
+FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+def text_of(content):
+    """Chat content as text: a string, or the text parts of a list of content parts."""
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    return content
+
+
+def finish_name(reason: FinishReason | None) -> str | None:
+    return None if reason is None else FINISH_NAMES[reason]  # STOP is 0: test for None, not truth
+
+
+def sse(obj) -> bytes:
+    return f"data: {json.dumps(obj)}\n\n".encode()
+
+
+def usage(num_prompt: int, num_out: int) -> dict:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
+
+
+class CompletionShape:
+    has_role_chunk = False
+    object_name, chunk_name = "text_completion", "text_completion"
+
+    def __init__(self, rid: str, model: str):
+        self.base = {"id": rid, "created": int(time.time()), "model": model}
+
+    def choice(self, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+    def delta_choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
+                     first_chunk: bool = False) -> dict:
+        return self.choice(index, text, reason, logprobs)
+
+    def whole(self, choices: list[dict], use: dict) -> dict:
+        return {**self.base, "object": self.object_name, "choices": choices, "usage": use}
+
+    def chunk(self, choices: list[dict], use: dict | None = None) -> dict:
+        out = {**self.base, "object": self.chunk_name, "choices": choices}
+        if use is not None:
+            out["usage"] = use
+        return out
+
+
+class ChatShape(CompletionShape):
+    has_role_chunk = True
+    object_name, chunk_name = "chat.completion", "chat.completion.chunk"
+
+    def choice(self, index, text, reason, logprobs):
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": reason}
+
+    def delta_choice(self, index, text, reason, logprobs, first_chunk=False):
+        piece = {"role": "assistant", "content": ""} if first_chunk else ({"content": text} if text else {})
+        return {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}
+
+
+class TokenText:
+    """Token ids as the text OpenAI's logprobs show: each token decoded alone, cached (the vocabulary is fixed)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+
+class CompletionLogprobs:
+    """The completions API's logprobs object, built a few tokens at a time (a stream chunk, or the whole)."""
+
+    def __init__(self, token_text: TokenText):
+        self.token_text = token_text
+        self.offset = 0  # characters before the next token, for text_offset
+
+    def part(self, entries: list, token_ids: list[int]) -> dict:
+        """entries: a p.Logprob (or None: the prompt's first token) per token id."""
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for entry, token_id in zip(entries, token_ids):
+            text = self.token_text(token_id)
+            out["tokens"].append(text)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+            if entry is None:
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
+            out["token_logprobs"].append(entry.logprob)
+            top = {self.token_text(i): v for i, v in zip(entry.top_ids, entry.top_logprobs)}
+            top.setdefault(text, entry.logprob)  # OpenAI's top_logprobs always hold the chosen token
+            out["top_logprobs"].append(top)
+        return out
+
+    @staticmethod
+    def join(parts: list[dict]) -> dict:
+        return {key: [v for part in parts for v in part[key]] for key in
+                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
+class ChatLogprobs:
+    def __init__(self, token_text: TokenText):
+        self.token_text = token_text
+
+    def _one(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def part(self, entries: list, token_ids: list[int]) -> dict:
+        return {"content": [{**self._one(entry.token_id, entry.logprob),
+                             "top_logprobs": [self._one(i, v) for i, v in zip(entry.top_ids, entry.top_logprobs)]}
+                            for entry in entries]}
+
+    @staticmethod
+    def join(parts: list[dict]) -> dict:
+        return {"content": [item for part in parts for item in part["content"]]}
