@@ -29,6 +29,8 @@ class Stack:
         if model:
             self.env["KVFERRY_MODEL"] = model
         self.env.update(extra_env or {})
+        key = self.env.get("KVFERRY_API_KEY")
+        self.auth = {"authorization": f"Bearer {key}"} if key else {}
         self.procs: dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -63,7 +65,7 @@ class Stack:
     # -- HTTP ------------------------------------------------------------------------------------------------
     def get(self, path: str) -> tuple[int, dict]:
         try:
-            with urllib.request.urlopen(self.url + path, timeout=10) as r:
+            with urllib.request.urlopen(urllib.request.Request(self.url + path, headers=self.auth), timeout=10) as r:
                 return r.status, json.loads(r.read())
         except urllib.error.HTTPError as e:
             return e.code, json.loads(e.read())
@@ -77,7 +79,7 @@ class Stack:
         """POST and return (status, response headers, JSON body)."""
         data = raw if raw is not None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"content-type": "application/json", **(headers or {})})
+                                     headers={"content-type": "application/json", **self.auth, **(headers or {})})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
@@ -90,7 +92,7 @@ class Stack:
 
     def stream(self, path: str, body, timeout: float = 300) -> list:
         req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"content-type": "application/json"})
+                                     headers={"content-type": "application/json", **self.auth})
         events = []
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for line in r:
