@@ -235,3 +235,29 @@ def test_openapi_describes_every_route(stack):
         assert path in spec["paths"], path
     post = spec["paths"]["/v1/completions"]["post"]
     assert {"400", "401", "413", "503"} <= set(post["responses"]) and "requestBody" in post
+
+
+def test_an_error_after_streaming_started_is_an_sse_event_then_done(make_stack):
+    s = make_stack()
+    s.start_gateway()
+    s.start_worker("prefill-b", "prefill")
+    s.start_worker("decode-b", "decode")
+    s.wait_for(lambda: s.get("/health")[0] == 200, 180, "healthy stack")
+    conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps(
+        {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        headers={"content-type": "application/json"})
+    response = conn.getresponse()
+    events = []
+    while True:
+        line = response.readline().decode()
+        if not line:
+            break
+        if line.startswith("data: "):
+            events.append(line[6:].strip())
+            if len(events) == 3:
+                s.stop("decode-b")  # killed mid-stream: the gateway notices the missing heartbeats
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])
+    assert set(error["error"]) == {"message", "type", "param", "code"} and "decode-b" in error["error"]["message"]
+    assert all("choices" in json.loads(e) for e in events[:-2])

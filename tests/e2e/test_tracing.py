@@ -4,7 +4,6 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families

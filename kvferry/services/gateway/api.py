@@ -20,7 +20,7 @@ from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, parse_generation
 from kvferry.services.gateway.request_trace import RequestTrace
-from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText, sse, text_of, usage
+from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText, sse, usage
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
 from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
 
