@@ -83,6 +83,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="the largest max_tokens a request may ask for")
     g.add_argument("--max-stop", type=int, default=env("KVFERRY_MAX_STOP", str(limits.max_stop)),
                    help="the most stop strings a request may send")
+    g.add_argument("--max-prompts", type=int, default=env("KVFERRY_MAX_PROMPTS", str(limits.max_prompts)),
+                   help="the most prompts one completions request may carry")
 
 
 def _run_worker(args, cls, **kwargs) -> int:

@@ -76,7 +76,7 @@ def serve(args) -> int:
         env["KVFERRY_MODEL"] = args.model
     # The children read these from the environment, like every other setting.
     for name in ("trace_dir", "otlp_endpoint", "log_format", "api_key", "max_body_size", "max_n", "max_tokens_limit",
-                 "max_stop"):
+                 "max_stop", "max_prompts"):
         value = getattr(args, name)
         if value:
             env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if name == "trace_dir" else str(value)

@@ -76,7 +76,7 @@ def test_lm_eval_local_completions_matches_the_engine(stack, tmp_path):
     results = lm_eval.simple_evaluate(
         model="local-completions", tasks=["kvferry_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
         model_args={"base_url": stack.url + "/v1/completions", "model": model, "tokenizer_backend": "remote",
-                    "num_concurrent": 1, "max_retries": 1},
+                    "num_concurrent": 1, "max_retries": 1, "batch_size": 4},  # 4 prompts per request
         log_samples=True)
     served_acc = results["results"]["kvferry_tiny_mc"]["acc,none"]
 

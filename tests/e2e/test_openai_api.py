@@ -206,7 +206,8 @@ def test_api_keys(stack, model):
     ({"max_tokens": 300}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"frequency_penalty": 3}, "frequency_penalty"), ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"guided_json": {}}, "guided_json"), ({"best_of": 2}, "best_of"),
-    ({"max_tokens": 0}, "max_tokens"), ({"echo": "yes"}, "echo"),
+    ({"max_tokens": 0}, "max_tokens"), ({"echo": "yes"}, "echo"), ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
 ])
 def test_bad_values_name_their_field(stack, body, param):
     status, reply = authed(stack, "/v1/completions", {"prompt": PROMPT, **body})
@@ -261,3 +262,20 @@ def test_an_error_after_streaming_started_is_an_sse_event_then_done(make_stack):
     error = json.loads(events[-2])
     assert set(error["error"]) == {"message", "type", "param", "code"} and "decode-b" in error["error"]["message"]
     assert all("choices" in json.loads(e) for e in events[:-2])
+
+
+def test_a_batch_of_prompts_gets_its_choices_in_order(client, model):
+    prompts = [PROMPT, "Once upon a time"]
+    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text
+             for p in prompts]
+    batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
+    by_index = {c.index: c.text for c in batch.choices}
+    assert by_index == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}
+    assert batch.usage.completion_tokens == 24
+    streamed: dict[int, str] = {}
+    for chunk in client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + c.text
+    assert streamed == {0: alone[0], 1: alone[1]}
+    ids = client.completions.create(model=model, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
+    assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5

@@ -14,6 +14,7 @@ from starlette.routing import Route
 
 from kvferry.common import tracing
 from kvferry.common.logs import request_id_var
+from kvferry.services.gateway import fanout
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.metrics import GatewayMetrics
@@ -119,10 +120,17 @@ class Api:
         trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at)
         try:
             body = await self.json_body(request)
-            prompt_ids = self.prompt(body, chat)
-            generation = parse_generation(body, chat, prompt_ids, self.max_model_len, self.vocab_size, self.limits)
-            trace.admitted(len(prompt_ids))
-            events = self.core.generate(prompt_ids, generation.params, rid, ctx, generation.n)
+            prompts = self.prompts(body, chat)
+            generations = [parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits)
+                           for ids in prompts]
+            generation = generations[0]
+            trace.admitted(sum(len(ids) for ids in prompts))
+            if len(prompts) == 1:
+                events = self.core.generate(prompts[0], generation.params, rid, ctx, generation.n)
+            else:  # one flight per prompt, each with its own id derived from the request's
+                streams = [self.core.generate(ids, g.params, f"{rid}-{p}", ctx, g.n)
+                           for p, (ids, g) in enumerate(zip(prompts, generations))]
+                events = fanout.merged(streams, await fanout.start(streams), generation.n)
             first = await events.__anext__()  # routing errors surface here, before any byte is sent
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
@@ -132,7 +140,7 @@ class Api:
             trace.finish(503, error=error.message)
             return error_response(error, headers)
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
-        choices = Choices(generation, self.tokenizer, self.token_text, chat)
+        choices = Choices(generations, self.tokenizer, self.token_text, chat)
         if generation.stream:
             return StreamingResponse(self._stream(events, first, choices, shape, trace, generation),
                                      media_type="text/event-stream", headers=headers)
@@ -158,25 +166,30 @@ class Api:
                            "model", "model_not_found", kind="not_found_error")
         return body
 
-    def prompt(self, body: dict, chat: bool) -> list[int]:
+    def prompts(self, body: dict, chat: bool) -> list[list[int]]:
+        """The request's prompts as token ids: chat has one; completions take a string, token ids, or a list of
+        either (a batch)."""
         if chat:
-            ids = self.tokenizer_routes.chat_ids(body.get("messages"))
+            return [self._checked(self.tokenizer_routes.chat_ids(body.get("messages")), "messages")]
+        prompt = body.get("prompt")
+        is_ids = lambda x: isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        if isinstance(prompt, str) or is_ids(prompt):
+            batch = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
+            batch = prompt
         else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]  # a batch of one
-            if isinstance(prompt, str):
-                ids = self.tokenizer.encode(prompt)
-            elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                ids = list(prompt)
-                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise ApiError(400, f"token id {bad} is outside the vocabulary", "prompt")
-            else:
-                raise ApiError(400, "'prompt' must be a string or a list of token ids (one prompt per request)",
-                               "prompt")
+            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of either",
+                           "prompt")
+        if len(batch) > self.limits.max_prompts:
+            raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", "prompt")
+        return [self._checked(self.tokenizer.encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]
+
+    def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt" if not chat else "messages")
+            raise ApiError(400, "the prompt is empty", param)
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise ApiError(400, f"token id {bad} is outside the vocabulary", param)
         return ids
 
     def _apply(self, event, choices: Choices, trace: RequestTrace):
@@ -215,8 +228,8 @@ class Api:
         event, kv_transfer_s = first, 0.0
         try:
             if shape.has_role_chunk:
-                yield sse(shape.chunk([shape.delta_choice(i, "", None, None, first_chunk=True)
-                                       for i in range(generation.n)]))
+                yield sse(shape.chunk([shape.delta_choice(state.index, "", None, None, first_chunk=True)
+                                       for state in choices.states]))
             while True:
                 if event.error:
                     yield sse({"error": {"message": event.error, "type": "server_error", "param": None,

@@ -22,6 +22,7 @@ class Delta:
 @dataclass
 class ChoiceState:
     index: int
+    generation: Generation  # its prompt's: a completions request may carry several prompts
     text: IncrementalText
     logprobs: CompletionLogprobs | ChatLogprobs | None
     num_out: int = 0
@@ -32,12 +33,14 @@ class ChoiceState:
 
 
 class Choices:
-    def __init__(self, generation: Generation, tokenizer, token_text: TokenText, chat: bool):
-        self.generation, self.tokenizer = generation, tokenizer
+    """All choices of a request: prompt p's choice c has index p * n + c, as in OpenAI's and vLLM's responses."""
+
+    def __init__(self, generations: list[Generation], tokenizer, token_text: TokenText, chat: bool):
+        self.generation, self.tokenizer = generations[0], tokenizer  # what the prompts share
         builder = ChatLogprobs if chat else CompletionLogprobs
-        self.states = [ChoiceState(i, IncrementalText(tokenizer, generation.stop),
-                                   builder(token_text) if generation.logprobs is not None else None)
-                       for i in range(generation.n)]
+        self.states = [ChoiceState(p * g.n + c, g, IncrementalText(tokenizer, g.stop),
+                                   builder(token_text) if g.logprobs is not None else None)
+                       for p, g in enumerate(generations) for c in range(g.n)]
 
     @property
     def done(self) -> bool:
@@ -49,7 +52,8 @@ class Choices:
 
     def apply(self, event) -> Delta:
         """One event's delta for its choice (event.choice)."""
-        state, g = self.states[event.choice], self.generation
+        state = self.states[event.choice]
+        g = state.generation
         text, parts = "", []
         if g.echo and not state.started:
             text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)

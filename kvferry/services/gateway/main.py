@@ -20,7 +20,7 @@ def run_gateway(args) -> None:
     name = served_model_name(args.model)
     core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval)
     limits = Limits(max_body_bytes=args.max_body_size, max_n=args.max_n, max_tokens=args.max_tokens_limit,
-                    max_stop=args.max_stop)
+                    max_stop=args.max_stop, max_prompts=args.max_prompts)
     api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)
     logging.getLogger("kvferry.gateway").info("serving %s on http://%s:%d, workers register at %s", name, args.host,
                                               args.port, core.control_endpoint)

@@ -60,7 +60,10 @@ def openapi_spec(version: str, limits) -> dict:
                "properties": {"role": {"type": "string"}, "content": {"type": "string"}}}
     schemas = {
         "CompletionRequest": {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
-            **sampling, "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}}]},
+            **sampling, "prompt": {"oneOf": [
+                {"type": "string"}, {"type": "array", "items": {"type": "integer", "minimum": 0}},
+                {"type": "array", "minItems": 1, "maxItems": limits.max_prompts, "items": {"oneOf": [
+                    {"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}]}}]},
             "echo": {"type": "boolean", "nullable": True}, "logprobs": _num(0, MAX_LOGPROBS, True),
             "best_of": _num(1, 1, True), "suffix": {"type": "string", "nullable": True, "maxLength": 0}}},
         "ChatCompletionRequest": {"type": "object", "required": ["messages"], "additionalProperties": False, "properties": {

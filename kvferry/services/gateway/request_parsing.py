@@ -29,6 +29,7 @@ class Limits:
     max_n: int = 16
     max_tokens: int = 16384
     max_stop: int = 16
+    max_prompts: int = 64  # prompts in one completions request
 
 
 @dataclass
