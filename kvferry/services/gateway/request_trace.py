@@ -19,6 +19,7 @@ class RequestTrace:
         self.tracer = tracing.tracer()
         self.arrived_at = arrived_at
         self.last_token_at = 0.0
+        self.last_token_at_by_choice: dict[int, float] = {}  # inter-token latency is per choice
         self.num_prompt = self.num_out = 0
         self.finished = False
 
@@ -39,9 +40,11 @@ class RequestTrace:
             m.ttft.observe(now - self.arrived_at)
             m.queue.observe(event.queue_s)
             m.prefill.observe(event.prefill_s)
-        else:
+        previous = self.last_token_at_by_choice.get(event.choice)
+        if previous is not None:
             for _ in range(n):
-                m.itl.observe((now - self.last_token_at) / n)
+                m.itl.observe((now - previous) / n)
+        self.last_token_at_by_choice[event.choice] = now
         if event.kv_transfer_bytes:
             m.kv_time.observe(event.kv_transfer_s)
             m.kv_bytes.observe(event.kv_transfer_bytes)
