@@ -164,6 +164,10 @@ class LLMEngine:
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
             raise InvalidRequest(f"KV of shape {tuple(keys.shape)} for {num_prompt} prompt tokens; "
                                  f"this worker needs {expected}")
+        if not self.scheduler.could_ever_admit_prefilled(num_prompt + 1, len(request_ids)):
+            raise InvalidRequest(f"{len(request_ids)} choices of {num_prompt + 1} tokens exceed what this worker can "
+                                 f"run at once (max_num_seqs {self.scheduler.max_num_seqs}, "
+                                 f"{self.block_manager.num_blocks} blocks)")
         if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids)):
             return False
         num_full = num_prompt // layout.block_size

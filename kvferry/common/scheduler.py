@@ -80,6 +80,12 @@ class Scheduler:
         return (len(self.running) + num_choices <= self.max_num_seqs
                 and self.block_manager.can_allocate(num_shared + num_choices * num_own))
 
+    def could_ever_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
+        """Whether an empty worker could take them: if not, waiting for room is pointless."""
+        num_shared = (num_tokens - 1) // self.block_manager.block_size
+        num_own = self.block_manager.num_blocks_for(num_tokens) - num_shared
+        return num_choices <= self.max_num_seqs and num_shared + num_choices * num_own <= self.block_manager.num_blocks
+
     def admit_prefilled(self, seq: Sequence, shared_blocks: list[int] = ()) -> None:
         """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
         receiving a transfer). Its table starts with shared_blocks (already shared by the caller: another

@@ -1,5 +1,6 @@
 """The scheduler driven by a fake model runner: joins, leaves, budgets, preemption, and a property
 test over random workloads with arrivals, finishes and aborts."""
+import collections
 import random
 
 import pytest
@@ -53,11 +54,11 @@ def step(scheduler, runner):
 
 def check_accounting(scheduler):
     bm = scheduler.block_manager
-    held = [b for s in scheduler.running for b in s.block_table]
-    assert len(held) == len(set(held)), "a block is in two tables"
-    assert not set(held) & set(bm.free_ids), "a block is both held and free"
-    assert len(held) + bm.num_free_blocks == bm.num_blocks, "a block leaked"
-    assert all(bm.ref_counts[b] == 1 for b in held)
+    # A block may sit in several tables (choices sharing a prompt): its ref count says exactly how many.
+    holders = collections.Counter(b for s in scheduler.running for b in s.block_table)
+    assert not set(holders) & set(bm.free_ids), "a block is both held and free"
+    assert len(holders) + bm.num_free_blocks == bm.num_blocks, "a block leaked"
+    assert all(bm.ref_counts[b] == n for b, n in holders.items()), "a ref count differs from its holders"
     assert all(not s.block_table and s.num_computed_tokens == 0 for s in scheduler.waiting)
     for s in scheduler.running:
         # Never a block beyond the sequence's own tokens: the waste is under one block (the last one's tail).
@@ -253,3 +254,30 @@ def test_decode_worker_admits_a_prefilled_sequence_into_the_next_step():
         check_accounting(sch)
     assert len(arrived.output_token_ids) == 3 and sch.block_manager.num_free_blocks == 8
     assert not sch.can_admit_prefilled(8 * 4 + 1)
+
+
+def test_choices_share_their_prompts_full_blocks_on_admission():
+    sch = make(num_blocks=8, block_size=4, max_model_len=32, max_num_seqs=3)
+    bm = sch.block_manager
+    # 6 prompt tokens + 1 first token: one full shared block, each choice one block of its own.
+    assert sch.can_admit_prefilled(7, num_choices=3) and not sch.can_admit_prefilled(7, num_choices=4)
+    assert sch.could_ever_admit_prefilled(7, 3) and not sch.could_ever_admit_prefilled(7, 4)  # max_num_seqs
+    assert sch.could_ever_admit_prefilled(4 * 8, 1) and not sch.could_ever_admit_prefilled(4 * 8 + 1, 1)  # the pool
+    first = seq("r#0", 6, max_tokens=3)
+    first.output_token_ids, first.num_computed_tokens = [42], 6
+    sch.admit_prefilled(first)
+    others = []
+    for i in (1, 2):
+        other = seq(f"r#{i}", 6, max_tokens=3)
+        other.output_token_ids, other.num_computed_tokens = [43], 6
+        bm.share(first.block_table[:1])
+        sch.admit_prefilled(other, first.block_table[:1])
+        others.append(other)
+    assert all(o.block_table[0] == first.block_table[0] for o in others)
+    assert len({first.block_table[1], *(o.block_table[1] for o in others)}) == 3
+    assert bm.ref_counts[first.block_table[0]] == 3 and bm.num_free_blocks == 8 - 4
+    runner = FakeRunner(sch)
+    while sch.has_unfinished:
+        step(sch, runner)
+        check_accounting(sch)
+    assert bm.num_free_blocks == 8 and not any(bm.ref_counts)

@@ -20,7 +20,8 @@ def process_logits(logits: torch.Tensor, seqs: list, eos_token_ids: tuple[int, .
         params = seq.params
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], device=row.device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in params.logit_bias], device=row.device))
+            row.index_add_(0, ids, torch.tensor([float(b) for _, b in params.logit_bias], dtype=row.dtype,
+                                                device=row.device))
         if len(seq.output_token_ids) < params.min_tokens:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
             row[torch.tensor(sorted(t for t in stops if t < vocab), dtype=torch.long, device=row.device)] = float("-inf")

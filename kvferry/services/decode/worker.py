@@ -98,7 +98,8 @@ class DecodeWorker(Worker):
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.bury(rid)
             self.kv_in.send(p.KVAck(False, f"refused: {exc}", retry=False), rid, env.trace, to=peer)
-            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", 500), rid, env.trace)
+            code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
+            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code), rid, env.trace)
             return
         if not placed:
             self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)

@@ -41,6 +41,7 @@ class Choices:
         self.states = [ChoiceState(p * g.n + c, g, IncrementalText(tokenizer, g.stop),
                                    builder(token_text) if g.logprobs is not None else None)
                        for p, g in enumerate(generations) for c in range(g.n)]
+        self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
 
     @property
     def done(self) -> bool:
@@ -55,10 +56,13 @@ class Choices:
         state = self.states[event.choice]
         g = state.generation
         text, parts = "", []
+        if event.prompt_logprobs:
+            self.prompt_logprobs[id(g)] = event.prompt_logprobs
         if g.echo and not state.started:
             text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
             if state.logprobs is not None:
-                parts.append(state.logprobs.part([None, *event.prompt_logprobs[1:]] if event.prompt_logprobs
+                prompt_logprobs = self.prompt_logprobs.get(id(g))
+                parts.append(state.logprobs.part([None, *prompt_logprobs[1:]] if prompt_logprobs
                                                  else [None] * len(g.prompt_ids), g.prompt_ids))
         state.started = True
         if g.prompt_only:

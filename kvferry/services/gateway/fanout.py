@@ -5,17 +5,18 @@ aborts whatever is still running on the workers.
 """
 import asyncio
 
+from kvferry.services.gateway.server import Event
+
 
 async def start(streams: list) -> list:
-    """Each flight's first event (routing errors surface here); on an error the flights started are closed."""
-    firsts = []
-    try:
-        for stream in streams:
-            firsts.append(await stream.__anext__())
-    except BaseException:
+    """Each flight's first event, the flights started together (routing errors surface here); on an error every
+    flight is closed and the first error raised."""
+    firsts = await asyncio.gather(*(stream.__anext__() for stream in streams), return_exceptions=True)
+    error = next((f for f in firsts if isinstance(f, BaseException)), None)
+    if error is not None:
         for stream in streams:
             await stream.aclose()
-        raise
+        raise error
     return firsts
 
 
@@ -30,6 +31,8 @@ async def merged(streams: list, firsts: list, n: int):
                 event = await stream.__anext__()
         except StopAsyncIteration:
             pass
+        except Exception as exc:  # the reader waits on the queue: it must hear of it
+            await queue.put(Event(error=f"prompt {prompt}: {exc}", error_code=500))
 
     tasks = [asyncio.create_task(pump(p, s, f)) for p, (s, f) in enumerate(zip(streams, firsts))]
     try:

@@ -1,13 +1,13 @@
 """What every HTTP request passes before a route: the API key and the body size limit (pure ASGI middleware).
 
-With an API key, every /v1 route and the tokenizer routes need `Authorization: Bearer KEY`,
-compared in constant time; /health, /metrics, /version and /openapi.json stay open. A body over
+With an API key, every route but an allow-list (/health, /metrics, /version, /openapi.json) needs
+`Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. A body over
 the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one.
 """
 import hmac
 import json
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")
+OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
 
 
 def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
@@ -24,7 +24,12 @@ class Guards:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.api_key and scope["path"].startswith(PROTECTED_PREFIXES):
+        # Routed the way Starlette routes: without the root path a proxy or a mount may put in front.
+        path = scope["path"]
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        if self.api_key and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.api_key):
                 what = "missing" if not given else "incorrect"

@@ -81,6 +81,10 @@ def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_le
                      limits: Limits) -> Generation:
     check_fields(body, chat)
     num_prompt = len(prompt_ids)
+    if num_prompt >= max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                            f"has {num_prompt} tokens, leaving none to generate.", "messages" if chat else "prompt",
+                       "context_length_exceeded")
     echo = not chat and field(body, "echo", (bool,), False)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     lowest = 0 if echo else 1  # max_tokens 0 with echo: the prompt's logprobs alone (lm-evaluation-harness)
@@ -120,7 +124,7 @@ def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_le
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
     return Generation(prompt_ids, params, stop or [], stream, bool(options.get("include_usage")), n, echo, logprobs,
-                      prompt_only=max_tokens == 0)
+                      prompt_only=echo and max_tokens == 0)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

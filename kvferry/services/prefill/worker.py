@@ -162,7 +162,7 @@ class PrefillWorker(Worker):
             first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
                                  prefill_s=done_at - arrival.started_at,
                                  logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
-                                 prompt_logprobs=prompt_logprobs, choice=choice)
+                                 prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice)
             self.control.send(first, seq.request_id, trace)  # TTFT never waits on the transfer
             if reason < 0:
                 continuing.append(choice)

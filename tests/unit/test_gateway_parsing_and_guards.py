@@ -1,0 +1,71 @@
+"""Request parsing at the gateway (pure) and the API-key / body-size guard (a real ASGI app, in process)."""
+import pytest
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+from starlette.testclient import TestClient
+
+from kvferry.services.gateway.guards import Guards
+from kvferry.services.gateway.request_parsing import ApiError, Limits, parse_generation
+
+
+def parse(body, chat=False, num_prompt=5, max_model_len=64):
+    return parse_generation(body, chat, list(range(num_prompt)), max_model_len, 1000, Limits(max_tokens=100))
+
+
+def test_a_prompt_that_fills_the_context_is_refused_before_any_default():
+    for chat in (False, True):
+        with pytest.raises(ApiError) as caught:
+            parse({}, chat=chat, num_prompt=64)
+        assert caught.value.code == "context_length_exceeded"
+        assert caught.value.param == ("messages" if chat else "prompt")
+    assert parse({}, chat=True, num_prompt=63).params.max_tokens == 1  # chat's default: what is left
+
+
+def test_max_tokens_zero_means_the_prompt_alone_only_with_echo():
+    g = parse({"max_tokens": 0, "echo": True, "logprobs": 1})
+    assert g.prompt_only and g.params.max_tokens == 1 and g.params.prompt_logprobs == 1
+    with pytest.raises(ApiError) as caught:
+        parse({"max_tokens": 0})
+    assert caught.value.param == "max_tokens"
+    assert not parse({}).prompt_only
+
+
+def test_the_largest_max_tokens_is_a_limit_but_the_context_comes_first():
+    with pytest.raises(ApiError) as caught:
+        parse({"max_tokens": 101}, max_model_len=1000)
+    assert caught.value.param == "max_tokens" and caught.value.code is None
+    with pytest.raises(ApiError) as caught:
+        parse({"max_tokens": 101})
+    assert caught.value.code == "context_length_exceeded"
+
+
+def app_with_guards(**kwargs):
+    async def ok(request):
+        return JSONResponse({"ok": True, "body_bytes": len(await request.body())})
+
+    routes = [Route(p, ok, methods=["GET", "POST"]) for p in ("/v1/models", "/tokenize", "/health", "/metrics", "/new")]
+    return Starlette(routes=routes, middleware=[Middleware(Guards, **kwargs)])
+
+
+@pytest.mark.parametrize("root_path", ["", "/api"])
+def test_every_route_but_the_open_ones_needs_the_key(root_path):
+    client = TestClient(app_with_guards(api_key="k1", max_body_bytes=100), root_path=root_path)
+    for path in ("/v1/models", "/tokenize", "/new"):
+        for headers in ({}, {"authorization": "Bearer k2"}, {"authorization": "k1"}):
+            response = client.get(root_path + path, headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert client.get(root_path + path, headers={"authorization": "Bearer k1"}).status_code == 200
+    for path in ("/health", "/metrics"):
+        assert client.get(root_path + path).status_code == 200
+
+
+def test_bodies_over_the_limit_get_413_by_length_or_when_chunked():
+    client = TestClient(app_with_guards(api_key=None, max_body_bytes=100))
+    assert client.post("/tokenize", content=b"x" * 100).json()["body_bytes"] == 100
+    assert client.post("/tokenize", content=b"x" * 101).status_code == 413
+    chunks = lambda n: (b"x" * 10 for _ in range(n))  # noqa: E731 - no Content-Length: sent chunked
+    assert client.post("/tokenize", content=chunks(10)).json()["body_bytes"] == 100
+    response = client.post("/tokenize", content=chunks(11))
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
