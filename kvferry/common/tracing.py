@@ -10,6 +10,7 @@ nothing, and hot paths test `tracer.enabled` before they build anything to recor
 """
 import atexit
 import json
+import logging
 import os
 import re
 import secrets
@@ -18,6 +19,7 @@ import time
 
 from kvferry.common.protocol import TraceContext
 
+log = logging.getLogger("kvferry.tracing")
 FLUSH_EVERY_S = 0.2  # a crashed process loses at most this much of its trace
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
@@ -58,6 +60,7 @@ def format_traceparent(ctx: TraceContext) -> str:
 class NullTracer:
     """Tracing off."""
     enabled = False
+    exporter = None
 
     def message(self, *args, **kwargs) -> None:
         pass
@@ -96,23 +99,25 @@ class Tracer(NullTracer):
     def message(self, direction: str, kind: str, peer: str, request_id: str, ctx: TraceContext,
                 header_bytes: int, payload_bytes: int = 0) -> None:
         """One message sent ("send") or received ("recv")."""
-        self._write({"ts": time.time(), "role": self.role, "proc": self.process, "ev": direction, "kind": kind,
-                     "peer": peer, "rid": request_id, "trace_id": ctx.trace_id, "span_id": ctx.span_id,
+        now = time.time()
+        self._write({"ts": now, "role": self.role, "proc": self.process, "pid": os.getpid(), "ev": direction,
+                     "kind": kind, "peer": peer, "rid": request_id, "trace_id": ctx.trace_id, "span_id": ctx.span_id,
                      "parent_id": ctx.parent_id, "header_bytes": header_bytes, "payload_bytes": payload_bytes})
+        if direction == "send":
+            export_message(self, kind, now, peer, request_id, ctx, header_bytes + payload_bytes)
 
     def span(self, name: str, start: float, end: float, request_id: str = "", ctx: TraceContext | None = None,
              **attrs) -> None:
         """Work this process did from start to end (wall-clock seconds); a batch step lists its requests in
         attrs["rids"]. An instant event has start == end."""
-        record = {"ts": start, "dur": max(0.0, end - start), "role": self.role, "proc": self.process, "ev": "span",
-                  "name": name, "rid": request_id}
+        record = {"ts": start, "dur": max(0.0, end - start), "role": self.role, "proc": self.process,
+                  "pid": os.getpid(), "ev": "span", "name": name, "rid": request_id}
         if ctx is not None:
             record.update(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_id=ctx.parent_id)
         if attrs:
             record["attrs"] = attrs
         self._write(record)
-        if self.exporter is not None:
-            self.exporter.export(name, start, end, request_id, ctx, attrs)
+        export_span(self, name, start, end, request_id, ctx, attrs)
 
     def close(self) -> None:
         with self.lock:
@@ -121,6 +126,42 @@ class Tracer(NullTracer):
         if self.exporter is not None:
             self.exporter.shutdown()
             self.exporter = None
+
+
+class ExportOnlyTracer(NullTracer):
+    """OpenTelemetry export without a trace folder: spans go out, nothing is written here."""
+    enabled = True
+
+    def __init__(self, role: str, process: str, exporter):
+        self.role, self.process, self.exporter = role, process, exporter
+        atexit.register(self.close)
+
+    def message(self, direction, kind, peer, request_id, ctx, header_bytes, payload_bytes=0) -> None:
+        if direction == "send":
+            export_message(self, kind, time.time(), peer, request_id, ctx, header_bytes + payload_bytes)
+
+    def span(self, name, start, end, request_id="", ctx=None, **attrs) -> None:
+        export_span(self, name, start, end, request_id, ctx, attrs)
+
+    def close(self) -> None:
+        self.exporter.shutdown()
+
+
+def export_span(tracer, name: str, start: float, end: float, request_id: str, ctx, attrs: dict) -> None:
+    """To OpenTelemetry, when an exporter is set; a failure there is logged, never raised into a worker's step."""
+    if tracer.exporter is None:
+        return
+    try:
+        tracer.exporter.export(name, start, end, request_id, ctx, attrs)
+    except Exception as exc:  # a malformed id from a peer, an SDK error
+        if not getattr(tracer, "export_failed", False):
+            tracer.export_failed = True
+            log.warning("OpenTelemetry export failed (reported once): %s", exc)
+
+
+def export_message(tracer, kind: str, at: float, peer: str, request_id: str, ctx, num_bytes: int) -> None:
+    """A message sent, as an instant span: the spans it causes on the receiver name it as their parent."""
+    export_span(tracer, f"send {kind}", at, at, request_id, ctx, {"peer": peer, "bytes": num_bytes})
 
 
 _tracer: NullTracer = NullTracer()
@@ -146,18 +187,3 @@ def configure(role: str, process: str, trace_dir: str | None, otlp_endpoint: str
     else:
         _tracer = NullTracer()
     return _tracer
-
-
-class ExportOnlyTracer(NullTracer):
-    """OpenTelemetry export without a trace folder: spans go out, nothing is written here."""
-    enabled = True
-
-    def __init__(self, role: str, process: str, exporter):
-        self.role, self.process, self.exporter = role, process, exporter
-        atexit.register(self.close)
-
-    def span(self, name, start, end, request_id="", ctx=None, **attrs) -> None:
-        self.exporter.export(name, start, end, request_id, ctx, attrs)
-
-    def close(self) -> None:
-        self.exporter.shutdown()

@@ -109,6 +109,7 @@ def test_a_skewed_clock_is_corrected_and_reported(traced, tmp_path):
     decode_file.write_text("".join(json.dumps({**r, "ts": r["ts"] - 3.0}) + "\n" for r in lines))
     traces = load(str(skewed))
     assert any("decode-a" in note and "behind" in note for note in traces.notes)
+    assert traces.offsets["decode-a"] == pytest.approx(3.0, abs=0.05) and traces.offsets["prefill-a"] == 0.0
     for _, headers, _ in replies:
         events = traces.for_request(headers["x-request-id"])
         sends = {e["span_id"]: i for i, e in enumerate(events) if e["ev"] == "send"}
@@ -175,3 +176,18 @@ def test_every_log_line_is_json(traced):
         parsed = [json.loads(line) for line in lines]  # raises on a plain-text line
         assert parsed and all({"ts", "level", "logger", "process", "msg"} <= set(x) for x in parsed)
         assert {x["process"] for x in parsed} == {name}
+
+
+def test_a_batch_of_prompts_is_one_request_in_the_traces(traced):
+    s, trace_dir, asks, replies = traced
+    status, headers, reply = s.exchange("/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3,
+                                                            "ignore_eos": True})
+    assert status == 200 and len(reply["choices"]) == 2
+    rid = headers["x-request-id"]
+    s.wait_for(lambda: any(e.get("name") == "finish" for e in load(str(trace_dir)).for_request(rid)), 30, "finish")
+    events = load(str(trace_dir)).for_request(rid)
+    assert {e["rid"] for e in events if e["ev"] == "send" and e["kind"] == "PrefillRequest"} == {f"{rid}/p0",
+                                                                                                  f"{rid}/p1"}
+    assert any(e.get("name") == "decode.step" for e in events)
+    listed = kvferry("trace", "list", str(trace_dir)).stdout
+    assert [line.split()[3:5] for line in listed.splitlines() if line.startswith(rid)] == [["5", "6"]]

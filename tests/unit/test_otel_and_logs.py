@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.logs import JsonFormatter, request_id_var, setup_logging
 
@@ -102,3 +103,22 @@ def test_the_request_id_comes_from_the_context_or_extra(capsys):
         assert stream.getvalue().rstrip().endswith("plain [cmpl-t]")
     finally:
         root.handlers[:], _ = saved[0], root.setLevel(saved[1])
+
+
+def test_a_failing_exporter_never_breaks_the_caller(tmp_path, caplog):
+    class Broken:
+        def export(self, *args):
+            raise ValueError("invalid literal for int() with base 16: 'zz'")
+
+        def shutdown(self):
+            pass
+
+    tracer = tracing.Tracer(str(tmp_path), "prefill", "prefill-a", exporter=Broken())
+    ctx = p.TraceContext("zz" * 16, "zz" * 8, "")
+    with caplog.at_level(logging.WARNING, logger="kvferry.tracing"):
+        tracer.span("prefill", 1.0, 2.0, "r1", ctx)
+        tracer.message("send", "FirstToken", "gateway", "r1", ctx, 10)
+    tracer.close()
+    assert [r.message for r in caplog.records].count(
+        "OpenTelemetry export failed (reported once): invalid literal for int() with base 16: 'zz'") == 1
+    assert len(next(tmp_path.glob("*.jsonl")).read_text().splitlines()) == 2  # the file still has both lines

@@ -120,14 +120,10 @@ class DecodeWorker(Worker):
     def step(self) -> None:
         started = time.time()
         outputs = self.engine.step()
-        tracer = self.control.tracer
-        if tracer.enabled and self.engine.last_plan.chunks:
-            plan = self.engine.last_plan
+        if self.engine.last_plan.chunks:
             self.num_steps += 1
-            tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
-                        step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
-                        num_preempted=len(plan.preempted), rids=list(dict.fromkeys(self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0]
-                                                  for c in plan.chunks)))
+            if self.control.tracer.enabled:
+                self.trace_step(self.engine.last_plan, started)
         for out in outputs:
             rid, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
             reason = int(out.finish_reason) if out.finished else -1
@@ -142,6 +138,13 @@ class DecodeWorker(Worker):
                     self.engine_ids[rid] = remaining
                 else:
                     self.bury(rid)
+
+    def trace_step(self, plan, started: float) -> None:
+        """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
+        rids = dict.fromkeys(self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
+        self.control.tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
+                                 step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
+                                 num_preempted=len(plan.preempted), rids=list(rids))
 
     def close(self) -> None:
         self.kv_in.close()

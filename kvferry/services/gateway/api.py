@@ -124,14 +124,14 @@ class Api:
             generations = [parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits)
                            for ids in prompts]
             generation = generations[0]
-            trace.admitted(sum(len(ids) for ids in prompts))
             if len(prompts) == 1:
                 events = self.core.generate(prompts[0], generation.params, rid, ctx, generation.n)
-            else:  # one flight per prompt, each with its own id derived from the request's
-                streams = [self.core.generate(ids, g.params, f"{rid}-{p}", ctx, g.n)
+            else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
+                streams = [self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
                            for p, (ids, g) in enumerate(zip(prompts, generations))]
                 events = fanout.merged(streams, await fanout.start(streams), generation.n)
             first = await events.__anext__()  # routing errors surface here, before any byte is sent
+            trace.admitted(sum(len(ids) for ids in prompts), generation.n)
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
             return error_response(exc, headers)

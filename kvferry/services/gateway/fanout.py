@@ -1,7 +1,7 @@
 """Several prompts in one completions request: one flight per prompt, their events merged into one stream.
 
-Prompt p's choice c becomes choice p * n + c. Closing the merged stream closes every flight, which
-aborts whatever is still running on the workers.
+Prompt p flies as <request id>/p<p>, and its choice c becomes choice p * n + c. Closing the merged
+stream closes every flight, which aborts whatever is still running on the workers.
 """
 import asyncio
 

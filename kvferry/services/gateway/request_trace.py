@@ -21,10 +21,12 @@ class RequestTrace:
         self.last_token_at = 0.0
         self.last_token_at_by_choice: dict[int, float] = {}  # inter-token latency is per choice
         self.num_prompt = self.num_out = 0
+        self.n = 1
         self.finished = False
 
-    def admitted(self, num_prompt: int) -> None:
-        self.num_prompt = num_prompt
+    def admitted(self, num_prompt: int, n: int = 1) -> None:
+        """Routed to workers (a request refused before this counts no prompt tokens)."""
+        self.num_prompt, self.n = num_prompt, n
         self.metrics.prompt_tokens.inc(num_prompt)
         if self.tracer.enabled:
             self.tracer.span("arrival", self.arrived_at, self.arrived_at, self.request_id, tracing.child_of(self.ctx),
@@ -38,7 +40,8 @@ class RequestTrace:
         m = self.metrics
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
-            m.queue.observe(event.queue_s)
+        if event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
+            m.queue.observe(event.queue_s)  # each prompt's first token: one prefill per prompt of a batch
             m.prefill.observe(event.prefill_s)
         previous = self.last_token_at_by_choice.get(event.choice)
         if previous is not None:
@@ -67,7 +70,7 @@ class RequestTrace:
         if error is None:
             for one in (reason or "abort").split(","):  # each choice counts, as vLLM counts its child requests
                 self.metrics.request_success.labels(one).inc()
-            if self.last_token_at:
+            if self.last_token_at and reason:  # not for a client that left
                 self.metrics.e2e.observe(now - self.arrived_at)
         else:
             self.metrics.request_errors.labels(str(status)).inc()
@@ -75,5 +78,6 @@ class RequestTrace:
         if self.tracer.enabled:
             attrs = {"path": self.path, "status": status, "prompt_tokens": self.num_prompt,
                      "completion_tokens": self.num_out, "finish_reason": reason or "", "error": error or ""}
-            self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)
+            # http first: a reader that sees `finish` in a file then sees the http span too.
             self.tracer.span("http", self.arrived_at, now, self.request_id, self.ctx, **attrs)
+            self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)

@@ -111,7 +111,7 @@ class PrefillWorker(Worker):
                 tracer = self.control.tracer
                 if tracer.enabled:
                     tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
-                                tracing.child_of(transfer.trace), bytes=transfer.keys.nbytes * 2,
+                                tracing.child_of(transfer.trace), bytes=transfer.keys.nbytes + transfer.values.nbytes,
                                 sends=transfer.num_sends, accepted=msg.accepted,
                                 decode=transfer.request.decode_worker_id)
             else:

@@ -33,6 +33,8 @@ def _load(trace_dir: str) -> TraceSet:
 
 
 def _request(traces: TraceSet, request_id: str) -> list[dict]:
+    if not request_id:
+        raise TraceError("give a request id (kvferry trace list shows them)")
     events = traces.for_request(request_id)
     if not events:
         known = [r.request_id for r in traces.requests()]
@@ -77,7 +79,7 @@ def describe(r: dict, sends: dict) -> tuple[str, str, str, str]:
     elif name in BATCH_SPANS:
         detail = f"step {attrs.get('step', '?')}, batch {attrs.get('batch_size', '?')}"
     elif name in ("finish", "http"):
-        detail = (f"{attrs.get('status', '')} {attrs.get('finish_reason') or attrs.get('error', '')} "
+        detail = (f"{attrs.get('status', '')} {attrs.get('finish_reason') or attrs.get('error') or ''} "
                   f"{attrs.get('prompt_tokens', '?')}+{attrs.get('completion_tokens', '?')} tokens")
     else:
         detail = ", ".join(f"{k}={v}" for k, v in attrs.items() if k != "rids")
@@ -99,8 +101,8 @@ def cmd_show(args) -> int:
         what, detail, size, latency = describe(r, sends)
         print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
     steps = [r for r in events if r.get("name") == "decode.step"]
-    if steps:
-        sizes = [r.get("attrs", {}).get("batch_size", 0) for r in steps]
+    sizes = [size for r in steps if isinstance(size := r.get("attrs", {}).get("batch_size"), int)]
+    if sizes:
         print(f"decode steps: {len(steps)}, batch size {min(sizes)}..{max(sizes)} (mean {sum(sizes) / len(sizes):.1f})")
     for proc, offset in traces.offsets.items():
         if offset:
@@ -113,7 +115,10 @@ def cmd_export(args) -> int:
 
     traces = _load(args.trace_dir)
     document = chrome_trace(traces)
-    write_json(document, args.chrome)
+    try:
+        write_json(document, args.chrome)
+    except OSError as exc:
+        raise TraceError(f"cannot write {args.chrome}: {exc.strerror}") from None
     num_flows = sum(1 for e in document["traceEvents"] if e["ph"] == "s")
     print(f"wrote {args.chrome}: {len(document['traceEvents'])} events, {len(traces.processes)} processes, "
           f"{num_flows} message flows (open it in https://ui.perfetto.dev)")
@@ -125,6 +130,9 @@ def cmd_plot(args) -> int:
 
     traces = _load(args.trace_dir)
     events = _request(traces, args.request_id)
-    plot_request(traces, args.request_id, events, args.output)
+    try:
+        plot_request(traces, args.request_id, events, args.output)
+    except (OSError, ValueError) as exc:  # an unwritable path, or a picture format matplotlib does not know
+        raise TraceError(f"cannot write {args.output}: {exc}") from None
     print(f"wrote {args.output}")
     return 0

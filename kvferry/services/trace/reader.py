@@ -8,6 +8,7 @@ fastest message each way), applied, and reported.
 """
 import glob
 import json
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,15 +34,19 @@ class TraceSet:
         return sorted({r["proc"] for r in self.records}, key=process_order)
 
     def for_request(self, request_id: str) -> list[dict]:
-        """The request's events in causal order: its own, and the batch steps it rode in."""
-        mine = [r for r in self.records if r.get("rid") == request_id or request_id in r.get("attrs", {}).get("rids", ())]
+        """The request's events in causal order: its own (with its prompts' flights, <id>/p<n>), and the batch
+        steps it rode in."""
+        if not request_id:
+            return []
+        mine = [r for r in self.records if request_of(r.get("rid", "")) == request_id
+                or any(request_of(x) == request_id for x in r.get("attrs", {}).get("rids", ()))]
         return sorted(mine, key=causal_key)
 
     def requests(self) -> list["RequestSummary"]:
         by_rid: dict[str, list[dict]] = defaultdict(list)
         for r in self.records:
             if r.get("rid"):
-                by_rid[r["rid"]].append(r)
+                by_rid[request_of(r["rid"])].append(r)
         rows = [RequestSummary.of(rid, events) for rid, events in by_rid.items()]
         return sorted(rows, key=lambda row: row.start)
 
@@ -73,10 +78,16 @@ class RequestSummary:
         http = next((e for e in events if e["ev"] == "span" and e.get("name") == "http"), None)
         attrs = http.get("attrs", {}) if http else {}
         trace_id = next((e["trace_id"] for e in events if e.get("trace_id")), "")
+        count = lambda v: v if isinstance(v, int) else None  # noqa: E731 - whatever a line holds, never a crash
+        finish = str(attrs.get("finish_reason") or attrs.get("error") or "")[:40] or ("" if http else "(no http span)")
         return cls(rid, trace_id, min(e["t"] for e in events), http["dur"] if http else None,
-                   attrs.get("prompt_tokens"), attrs.get("completion_tokens"),
-                   attrs.get("finish_reason") or attrs.get("error", "")[:40] or ("" if http else "(no http span)"),
+                   count(attrs.get("prompt_tokens")), count(attrs.get("completion_tokens")), finish,
                    sorted({e["proc"] for e in events}, key=process_order))
+
+
+def request_of(flight_id: str) -> str:
+    """A batch's prompts fly as <request id>/p<n>: they belong to the request."""
+    return flight_id.split("/", 1)[0]
 
 
 def process_order(proc: str):
@@ -95,11 +106,15 @@ def _valid(record) -> bool:
     if not isinstance(record, dict) or record.get("ev") not in EVENT_KINDS:
         return False
     attrs = record.get("attrs", {})
-    return (isinstance(record.get("ts"), (int, float)) and isinstance(record.get("proc"), str)
+    return (_finite(record.get("ts")) and isinstance(record.get("proc"), str)
             and all(isinstance(record.get(k, ""), str) for k in ("rid", "kind", "name", "span_id", "trace_id", "peer"))
             and all(isinstance(record.get(k, 0), (int, float)) for k in ("header_bytes", "payload_bytes"))
             and isinstance(attrs, dict) and isinstance(attrs.get("rids", []), list)
-            and (record["ev"] != "span" or isinstance(record.get("dur"), (int, float))))
+            and (record["ev"] != "span" or _finite(record.get("dur"))))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def load(trace_dir: str) -> TraceSet:
@@ -112,7 +127,12 @@ def load(trace_dir: str) -> TraceSet:
     records, notes = [], []
     for path in paths:
         num_bad = 0
-        with open(path, encoding="utf-8", errors="replace") as f:
+        try:
+            f = open(path, encoding="utf-8", errors="replace")
+        except OSError as exc:
+            notes.append(f"skipped {os.path.basename(path)}: {exc.strerror}")
+            continue
+        with f:
             for line in f:
                 if not line.strip():
                     continue
