@@ -103,3 +103,25 @@ def test_tracing_off_writes_nothing_and_imports_no_opentelemetry(tmp_path):
             "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported opentelemetry'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_with_tracing_off_a_channel_never_calls_the_tracer():
+    class Off:
+        enabled = False
+        exporter = None
+
+        def message(self, *args, **kwargs):
+            raise AssertionError("a disabled tracer was called")
+
+        span = message
+
+    ctx_ = zmq.Context()
+    a, b = ctx_.socket(zmq.PAIR), ctx_.socket(zmq.PAIR)
+    a.bind("inproc://off")
+    b.connect("inproc://off")
+    out, into = Channel(a, "a", tracer=Off()), Channel(b, "b", tracer=Off())
+    sent = out.send(p.Abort(), "r1", tracing.child_of(None))
+    assert into.recv()[1].trace == sent  # the context still travels: only the recording is off
+    for sock in (a, b):
+        sock.close(linger=0)
+    ctx_.term()

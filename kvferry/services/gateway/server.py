@@ -17,7 +17,7 @@ from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
-from kvferry.common.transport import Channel
+from kvferry.common.transport import Channel, peer_label
 from kvferry.services.gateway.registry import Registry
 from kvferry.services.worker import UNKNOWN_WORKER, sampling_to_wire
 
@@ -94,7 +94,7 @@ class GatewayCore:
             await self.control.socket.send_multipart(parts)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone
-            log.warning("send to %r failed: %s", identity, exc)
+            log.warning("send to %s failed: %s", peer_label(identity), exc)
             return False
 
     async def _handle(self, peer: bytes, env: p.Envelope) -> None:
