@@ -183,6 +183,7 @@ class Tokens:
 @dataclass
 class Abort:
     KIND: typing.ClassVar[Kind] = Kind.ABORT
+    choice: int = -1  # -1: the whole request; else only that choice (it ended early: a stop string)
 
 
 @dataclass

@@ -279,3 +279,34 @@ def test_a_batch_of_prompts_gets_its_choices_in_order(client, model):
     assert streamed == {0: alone[0], 1: alone[1]}
     ids = client.completions.create(model=model, prompt=[[5, 6, 7], [8, 9]], max_tokens=2, temperature=0)
     assert [c.index for c in ids.choices] == [0, 1] and ids.usage.prompt_tokens == 5
+
+
+def test_a_choice_ended_by_a_stop_string_leaves_the_decode_batch_at_once(stack, client, model):
+    import threading
+
+    kwargs = dict(model=model, prompt="Once upon a time", temperature=1.0, seed=21, n=2, max_tokens=100,
+                  extra_body={"ignore_eos": True})
+    full = {c.index: c.text for c in client.completions.create(**kwargs).choices}
+    stop = next((full[0][:k] for k in range(2, 12) if full[0][:k].strip() and full[0][:k] not in full[1]), None)
+    assert stop, full  # a stop string choice 0 meets at once and choice 1 never does
+    samples, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            samples.append((time.monotonic(), stack.workers()["decode-a"]["running"]))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ended = {}
+    try:
+        for chunk in client.completions.create(**kwargs, stop=[stop], stream=True):
+            for c in chunk.choices:
+                if c.finish_reason:
+                    ended[c.index] = (c.finish_reason, time.monotonic())
+    finally:
+        done.set()
+        watcher.join()
+    assert ended[0][0] == "stop" and ended[1][0] == "length"
+    alone = [running for t, running in samples if ended[0][1] + 1.0 < t < ended[1][1] - 0.3]
+    assert alone and min(alone) == 1, (alone, ended)  # choice 1 decodes on its own: choice 0 left the batch

@@ -45,6 +45,7 @@ class DecodeWorker(Worker):
         # A request's choices run as sequences of their own: engine id -> (request id, choice), and back.
         self.choice_of: dict[str, tuple[str, int]] = {}
         self.engine_ids: dict[str, list[str]] = {}
+        self.cancelled_choices: dict[str, set[int]] = {}  # ended before their KV arrived
         self.transfer_s: dict[str, tuple[float, int]] = {}  # (seconds, bytes), told with the first Tokens
         self.num_steps = 0
         # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
@@ -64,12 +65,32 @@ class DecodeWorker(Worker):
         msg, rid = env.message, env.request_id
         if isinstance(msg, p.KVTransfer):
             self.receive_kv(peer, env)
+        elif isinstance(msg, p.Abort) and msg.choice >= 0:
+            self.abort_choice(rid, msg.choice)
         elif isinstance(msg, p.Abort):
             for engine_id in self.engine_ids.get(rid, [rid]):
                 self.engine.abort(engine_id)
             self.bury(rid)
 
+    def abort_choice(self, rid: str, choice: int) -> None:
+        """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
+        it is left out when it does."""
+        if rid in self.tombstones:
+            return
+        if rid not in self.engine_ids:
+            self.cancelled_choices.setdefault(rid, set()).add(choice)
+            return
+        engine_id = next((e for e in self.engine_ids[rid] if self.choice_of.get(e) == (rid, choice)), None)
+        if engine_id is None:
+            return  # finished already
+        self.engine.abort(engine_id)
+        self.choice_of.pop(engine_id, None)
+        self.engine_ids[rid] = [e for e in self.engine_ids[rid] if e != engine_id]
+        if not self.engine_ids[rid]:
+            self.bury(rid)
+
     def bury(self, rid: str) -> None:
+        self.cancelled_choices.pop(rid, None)
         for engine_id in self.engine_ids.pop(rid, []):
             self.choice_of.pop(engine_id, None)
         self.traces.pop(rid, None)
@@ -90,11 +111,18 @@ class DecodeWorker(Worker):
                     msg.choices) or not all(0 <= c < MAX_CHOICES for c in msg.choices):
                 raise InvalidRequest("a KV transfer needs one first token per choice, with distinct choice numbers")
             params = sampling_from_wire(msg.sampling)
+            cancelled = self.cancelled_choices.get(rid, set())
+            wanted = [(c, t) for c, t in zip(msg.choices, msg.output_token_ids) if c not in cancelled]
+            if not wanted:  # every choice ended before its KV came
+                self.bury(rid)
+                self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+                return
+            choices, first_token_ids = [c for c, _ in wanted], [t for _, t in wanted]
             keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
             values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
-            engine_ids = [rid] if msg.choices == [0] else [f"{rid}#{c}" for c in msg.choices]
-            placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, msg.output_token_ids,
-                                               [for_choice(params, c) for c in msg.choices], keys, values)
+            engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
+            placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids,
+                                               [for_choice(params, c) for c in choices], keys, values)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.bury(rid)
             self.kv_in.send(p.KVAck(False, f"refused: {exc}", retry=False), rid, env.trace, to=peer)
@@ -106,7 +134,8 @@ class DecodeWorker(Worker):
             return
         self.traces[rid] = env.trace
         self.engine_ids[rid] = engine_ids
-        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, msg.choices)})
+        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
+        self.cancelled_choices.pop(rid, None)
         placed_at = time.time()
         # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
         hop_s = placed_at - msg.sent_at if msg.sent_at else time.perf_counter() - started

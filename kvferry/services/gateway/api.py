@@ -141,6 +141,7 @@ class Api:
             return error_response(error, headers)
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
+        choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
         if generation.stream:
             return StreamingResponse(self._stream(events, first, choices, shape, trace, generation),
                                      media_type="text/event-stream", headers=headers)
@@ -192,7 +193,7 @@ class Api:
             raise ApiError(400, f"token id {bad} is outside the vocabulary", param)
         return ids
 
-    def _apply(self, event, choices: Choices, trace: RequestTrace):
+    async def _apply(self, event, choices: Choices, trace: RequestTrace):
         """One event into its choice; None when the choice had already ended (a stop string) and it is dropped."""
         if choices.states[event.choice].reason is not None:
             return None
@@ -201,6 +202,8 @@ class Api:
         started = time.time()
         delta = choices.apply(event)
         trace.detokenized(started, len(event.token_ids))
+        if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
+            await self.core.abort_choice(*choices.flight_of(event.choice))
         return delta
 
     async def _whole(self, events, first, choices: Choices, shape, trace, generation: Generation, headers):
@@ -211,7 +214,7 @@ class Api:
                     trace.finish(event.error_code, error=event.error)
                     return error_response(ApiError(event.error_code, event.error, kind="server_error"), headers)
                 kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
-                self._apply(event, choices, trace)
+                await self._apply(event, choices, trace)
                 if choices.done:
                     break
                 event = await events.__anext__()
@@ -237,7 +240,7 @@ class Api:
                     trace.finish(event.error_code, error=event.error)
                     break
                 kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
-                delta = self._apply(event, choices, trace)
+                delta = await self._apply(event, choices, trace)
                 if delta is not None:
                     # One chunk per token event, even when the text is held back: clients time tokens by chunks.
                     chunk = shape.chunk([shape.delta_choice(event.choice, delta.text, delta.reason, delta.logprobs)])

@@ -17,7 +17,7 @@ class Delta:
     text: str
     reason: str | None
     logprobs: dict | None
-
+    stopped: bool = False  # by a stop string here, while the workers would go on
 
 @dataclass
 class ChoiceState:
@@ -42,6 +42,12 @@ class Choices:
                                    builder(token_text) if g.logprobs is not None else None)
                        for p, g in enumerate(generations) for c in range(g.n)]
         self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
+        self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
+
+    def flight_of(self, index: int) -> tuple[str, int]:
+        """Choice index -> (its prompt's flight id, the choice's number within that flight)."""
+        n = self.generation.n
+        return self.flight_ids[index // n], index % n
 
     @property
     def done(self) -> bool:
@@ -55,7 +61,7 @@ class Choices:
         """One event's delta for its choice (event.choice)."""
         state = self.states[event.choice]
         g = state.generation
-        text, parts = "", []
+        text, parts, stopped = "", [], False
         if event.prompt_logprobs:
             self.prompt_logprobs[id(g)] = event.prompt_logprobs
         if g.echo and not state.started:
@@ -75,13 +81,14 @@ class Choices:
             if reason:
                 text += state.text.flush()
                 state.reason = reason
+                stopped = state.text.stopped and event.finish_reason is None
             if state.logprobs is not None and event.logprobs:
                 parts.append(state.logprobs.part(event.logprobs, token_ids))
         logprobs = state.logprobs.join(parts) if parts else None
         state.pieces.append(text)
         if logprobs:
             state.logprob_parts.append(logprobs)
-        return Delta(text, state.reason, logprobs)
+        return Delta(text, state.reason, logprobs, stopped)
 
     def whole(self, shape) -> list[dict]:
         return [shape.choice(s.index, "".join(s.pieces), s.reason,

@@ -185,6 +185,12 @@ class GatewayCore:
         for identity in {flight.prefill_identity, flight.decode_identity}:
             await self._send(p.Abort(), identity, rid, flight.trace)
 
+    async def abort_choice(self, rid: str, choice: int) -> None:
+        """One choice of a request still running ended at the gateway (a stop string): free it on decode."""
+        flight = self.flights.get(rid)
+        if flight is not None:
+            await self._send(p.Abort(choice), flight.decode_identity, rid, flight.trace)
+
     def missing(self) -> str:
         lacking = [role.name.lower() for role in p.Role if not self.registry.live(role)]
         return "no live " + " or ".join(lacking) + " worker" if lacking else ""

@@ -116,7 +116,7 @@ class PrefillWorker(Worker):
                                 decode=transfer.request.decode_worker_id)
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
-        elif isinstance(msg, p.Abort):
+        elif isinstance(msg, p.Abort) and msg.choice < 0:  # one choice ends on the decode worker
             self.engine.abort(rid)
             self.requests.pop(rid, None)
             transfer = self.transfers.pop(rid, None)
