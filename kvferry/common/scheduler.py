@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.errors import ConfigError
+from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -73,18 +74,20 @@ class Scheduler:
         self._next_arrival += 1
         self.waiting.append(seq)
 
-    def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
-        """Room for num_choices sequences of num_tokens tokens that share their prompt's full blocks."""
+    def _prefilled_blocks(self, num_tokens: int, num_choices: int) -> int:
+        """Blocks for num_choices sequences of num_tokens tokens sharing their prompt's full blocks: those once,
+        the rest (the partly filled block, and room for the first token) once per choice."""
         num_shared = (num_tokens - 1) // self.block_manager.block_size
-        num_own = self.block_manager.num_blocks_for(num_tokens) - num_shared
+        return num_shared + num_choices * (self.block_manager.num_blocks_for(num_tokens) - num_shared)
+
+    def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
         return (len(self.running) + num_choices <= self.max_num_seqs
-                and self.block_manager.can_allocate(num_shared + num_choices * num_own))
+                and self.block_manager.can_allocate(self._prefilled_blocks(num_tokens, num_choices)))
 
     def could_ever_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
         """Whether an empty worker could take them: if not, waiting for room is pointless."""
-        num_shared = (num_tokens - 1) // self.block_manager.block_size
-        num_own = self.block_manager.num_blocks_for(num_tokens) - num_shared
-        return num_choices <= self.max_num_seqs and num_shared + num_choices * num_own <= self.block_manager.num_blocks
+        return (num_choices <= self.max_num_seqs
+                and self._prefilled_blocks(num_tokens, num_choices) <= self.block_manager.num_blocks)
 
     def admit_prefilled(self, seq: Sequence, shared_blocks: list[int] = ()) -> None:
         """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
@@ -183,18 +186,19 @@ class Scheduler:
             if token_id is None:
                 continue
             seq.output_token_ids.append(token_id)
-            reason = self._finish_reason(seq, token_id)
+            reason = self.finish_reason(seq.params, token_id, len(seq.output_token_ids), seq.num_tokens)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
 
-    def _finish_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
-        params = seq.params
+    def finish_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int,
+                      num_tokens: int) -> FinishReason | None:
+        """Whether a sequence ends with token_id, its num_output_tokens-th output (num_tokens in all)."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return FinishReason.STOP
-        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
 

@@ -91,13 +91,20 @@ class ModelRunner:
         self.k_cache[:, dst] = self.k_cache[:, src]
         self.v_cache[:, dst] = self.v_cache[:, src]
 
-    def _generator_for(self, seq) -> torch.Generator | None:
-        if seq.params.greedy:
+    def _new_generator(self, params) -> torch.Generator | None:
+        """None for greedy, the shared generator without a seed, else a fresh one from the seed."""
+        if params.greedy:
             return None
-        if seq.params.seed is None:
+        if params.seed is None:
             return self.shared_generator
+        return torch.Generator(device=self.device).manual_seed(params.seed)
+
+    def _generator_for(self, seq) -> torch.Generator | None:
+        """A seeded sequence keeps its generator from step to step."""
+        if seq.params.greedy or seq.params.seed is None:
+            return self._new_generator(seq.params)
         if seq.request_id not in self.seq_generators:
-            self.seq_generators[seq.request_id] = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self.seq_generators[seq.request_id] = self._new_generator(seq.params)
         return self.seq_generators[seq.request_id]
 
     def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
@@ -163,11 +170,8 @@ class ModelRunner:
         out = []
         for params in choice_params:
             choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
-            generator = None
-            if not params.greedy:
-                generator = (self.shared_generator if params.seed is None
-                             else torch.Generator(device=self.device).manual_seed(params.seed))
-            [token_id] = sample(process_logits(logits, [choice], self.eos_token_ids), [params], [generator])
+            [token_id] = sample(process_logits(logits, [choice], self.eos_token_ids), [params],
+                                [self._new_generator(params)])
             found = token_logprobs(logits, [token_id], [params.logprobs])[0] if params.logprobs is not None else None
             out.append((token_id, found))
         return out

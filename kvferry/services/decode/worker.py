@@ -84,8 +84,12 @@ class DecodeWorker(Worker):
         if engine_id is None:
             return  # finished already
         self.engine.abort(engine_id)
+        self.drop_choice(rid, engine_id)
+
+    def drop_choice(self, rid: str, engine_id: str) -> None:
+        """A choice's sequence ended here (finished or aborted); the request is buried with its last choice."""
         self.choice_of.pop(engine_id, None)
-        self.engine_ids[rid] = [e for e in self.engine_ids[rid] if e != engine_id]
+        self.engine_ids[rid] = [e for e in self.engine_ids.get(rid, []) if e != engine_id]
         if not self.engine_ids[rid]:
             self.bury(rid)
 
@@ -161,12 +165,7 @@ class DecodeWorker(Worker):
                               choice)
             self.control.send(tokens, rid, self.traces.get(rid))
             if out.finished:
-                self.choice_of.pop(out.request_id, None)
-                remaining = [e for e in self.engine_ids.get(rid, []) if e != out.request_id]
-                if remaining:
-                    self.engine_ids[rid] = remaining
-                else:
-                    self.bury(rid)
+                self.drop_choice(rid, out.request_id)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""

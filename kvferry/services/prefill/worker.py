@@ -12,7 +12,7 @@ from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import for_choice
-from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.sequence import Sequence
 from kvferry.common.transport import Channel
 from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
 
@@ -158,7 +158,9 @@ class PrefillWorker(Worker):
         prompt_logprobs = logprobs_to_wire(self.engine.runner.prompt_logprobs.get(seq.request_id))
         continuing = []
         for choice, (token, token_logprobs) in enumerate(firsts):
-            reason = self.first_token_finish(token, params, seq.num_tokens)
+            # Judged with the request's own parameters: the engine ran the prompt for its first token alone.
+            ended = self.engine.scheduler.finish_reason(params, token, 1, seq.num_tokens)
+            reason = -1 if ended is None else int(ended)
             first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
                                  prefill_s=done_at - arrival.started_at,
                                  logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
@@ -179,14 +181,6 @@ class PrefillWorker(Worker):
         self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, gathered - started,
                                                   [firsts[c][0] for c in continuing], continuing)
         self.engine.forget(seq.request_id)
-
-    def first_token_finish(self, token: int, params, num_tokens: int) -> int:
-        """A first token's FinishReason, or -1 when its choice goes on to decode."""
-        if token in params.stop_token_ids or (not params.ignore_eos and token in self.engine.scheduler.eos_token_ids):
-            return int(FinishReason.STOP)
-        if params.max_tokens == 1 or num_tokens >= self.engine.max_model_len:
-            return int(FinishReason.LENGTH)
-        return -1
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
