@@ -62,14 +62,14 @@ def cmd_list(args) -> int:
     return 0
 
 
-def describe(r: dict, sends: dict) -> tuple[str, str, str, str]:
+def describe(r: dict, traces: TraceSet) -> tuple[str, str, str, str]:
     """(what, peer or detail, bytes, latency or duration) of one event, for `show`."""
     if r["ev"] in ("send", "recv"):
         size = r.get("header_bytes", 0) + r.get("payload_bytes", 0)
         arrow = "->" if r["ev"] == "send" else "<-"
         latency = ""
         if r["ev"] == "recv":
-            send = sends.get((r.get("span_id"), r.get("kind")))
+            send = traces.send_of(r)
             latency = f"hop {(r['t'] - send['t']) * 1000:.2f} ms" if send else "hop ? (send not traced)"
         return f"{r['ev']} {r.get('kind', '?')}", f"{arrow} {r.get('peer', '?')}", str(size), latency
     attrs = r.get("attrs", {})
@@ -91,14 +91,13 @@ def describe(r: dict, sends: dict) -> tuple[str, str, str, str]:
 def cmd_show(args) -> int:
     traces = _load(args.trace_dir)
     events = _request(traces, args.request_id)
-    sends = {(r.get("span_id"), r.get("kind")): r for r in traces.records if r["ev"] == "send"}
     t0 = events[0]["t"]
     trace_id = next((e["trace_id"] for e in events if e.get("trace_id")), "?")
     procs = sorted({e["proc"] for e in events}, key=process_order)
     print(f"request {args.request_id}  trace {trace_id}  {len(events)} events in {', '.join(procs)}")
     print(f"{'t ms':>10}  {'process':<18} {'event':<22} {'peer / detail':<48} {'bytes':>9}  latency")
     for r in events:
-        what, detail, size, latency = describe(r, sends)
+        what, detail, size, latency = describe(r, traces)
         print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
     steps = [r for r in events if r.get("name") == "decode.step"]
     sizes = [size for r in steps if isinstance(size := r.get("attrs", {}).get("batch_size"), int)]

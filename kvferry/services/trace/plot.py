@@ -31,9 +31,8 @@ def plot_request(traces: TraceSet, request_id: str, events: list[dict], output: 
         ax.broken_barh([(ms(e["t"]), max(e["dur"] * 1000, 0.05))], (y, height), facecolors=COLORS.get(name, "#bbbbbb"),
                        edgecolor="none", label=name if name not in labelled_spans else None)
         labelled_spans.add(name)
-    sends = {(r.get("span_id"), r.get("kind")): r for r in events if r["ev"] == "send"}
     for r in events:
-        send = sends.get((r.get("span_id"), r.get("kind"))) if r["ev"] == "recv" else None
+        send = traces.send_of(r) if r["ev"] == "recv" else None
         if send is None or send["proc"] not in lane:
             continue
         kind = r.get("kind", "?")

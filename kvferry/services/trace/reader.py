@@ -28,6 +28,7 @@ class TraceSet:
     records: list[dict]                                  # every line, each with "t": its time on the reference clock
     offsets: dict[str, float] = field(default_factory=dict)  # seconds added to a process's clock
     notes: list[str] = field(default_factory=list)       # skewed clocks, unreadable lines
+    _sends: dict | None = field(default=None, repr=False)  # (span id, kind) -> send line, built on first use
 
     @property
     def processes(self) -> list[str]:
@@ -50,13 +51,19 @@ class TraceSet:
         rows = [RequestSummary.of(rid, events) for rid, events in by_rid.items()]
         return sorted(rows, key=lambda row: row.start)
 
+    def send_of(self, recv: dict) -> dict | None:
+        """The send line of a received message (same span id and kind), when it was traced."""
+        if self._sends is None:
+            self._sends = {(r.get("span_id"), r.get("kind")): r for r in self.records
+                           if r["ev"] == "send" and r.get("span_id")}
+        return self._sends.get((recv.get("span_id"), recv.get("kind")))
+
     def message_pairs(self) -> list[tuple[dict, dict]]:
         """(send, receive) of every message whose both ends were recorded."""
-        sends = {(r.get("span_id"), r.get("kind")): r for r in self.records if r["ev"] == "send" and r.get("span_id")}
         pairs = []
         for r in self.records:
             if r["ev"] == "recv":
-                send = sends.get((r.get("span_id"), r.get("kind")))
+                send = self.send_of(r)
                 if send is not None and send["proc"] != r["proc"]:
                     pairs.append((send, r))
         return pairs
