@@ -75,7 +75,8 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
     env, limits = os.environ.get, Limits()
     g = parser.add_argument_group("API (each also read from KVFERRY_<NAME>)")
     g.add_argument("--api-key", default=env("KVFERRY_API_KEY") or None,
-                   help="require 'Authorization: Bearer KEY' on /v1 and the tokenizer routes")
+                   help="require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version, "
+                        "/openapi.json")
     g.add_argument("--max-body-size", type=parse_size, default=env("KVFERRY_MAX_BODY_SIZE", str(limits.max_body_bytes)),
                    help="larger request bodies get 413")
     g.add_argument("--max-n", type=int, default=env("KVFERRY_MAX_N", str(limits.max_n)))

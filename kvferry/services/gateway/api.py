@@ -224,7 +224,7 @@ class Api:
                 trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
         whole = shape.whole(choices.whole(shape), usage(trace.num_prompt, choices.num_out))
         whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-        trace.finish(200, ",".join(s.reason for s in choices.states))
+        trace.finish(200, choices.reasons)
         return JSONResponse(whole, headers=headers)
 
     async def _stream(self, events, first, choices: Choices, shape, trace, generation: Generation):
@@ -250,7 +250,7 @@ class Api:
                 if choices.done:
                     if generation.include_usage:
                         yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))
-                    trace.finish(200, ",".join(s.reason for s in choices.states))
+                    trace.finish(200, choices.reasons)
                     break
                 event = await events.__anext__()
             yield b"data: [DONE]\n\n"

@@ -54,6 +54,11 @@ class Choices:
         return all(s.reason is not None for s in self.states)
 
     @property
+    def reasons(self) -> str:
+        """Each choice's finish reason, in order, comma-joined (as the request's span and metrics take them)."""
+        return ",".join(s.reason or "abort" for s in self.states)
+
+    @property
     def num_out(self) -> int:
         return sum(s.num_out for s in self.states)
 
