@@ -1,4 +1,5 @@
 """Real processes for end-to-end tests: a gateway and workers on free 127.0.0.1 ports, always cleaned up."""
+import contextlib
 import json
 import os
 import signal
@@ -45,6 +46,14 @@ class Stack:
 
     def start_worker(self, name: str, role: str, *extra: str):
         return self.start(name, role, "--gateway", self.control, "--worker-id", name, *extra)
+
+    def start_pair(self, prefill: str = "prefill-a", decode: str = "decode-a") -> "Stack":
+        """The gateway and one worker of each role, healthy."""
+        self.start_gateway()
+        self.start_worker(prefill, "prefill")
+        self.start_worker(decode, "decode")
+        self.wait_for(lambda: self.get("/health")[0] == 200, 180, "healthy stack")
+        return self
 
     def stop(self, name: str, sig=signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
@@ -121,3 +130,13 @@ class Stack:
 
     def wait_workers(self, names: set[str], timeout: float = 180) -> None:
         self.wait_for(lambda: names <= set(self.workers()), timeout, f"workers {sorted(names)}")
+
+
+@contextlib.contextmanager
+def running_pair(log_dir: Path, **kwargs):
+    """A Stack with the gateway and one worker of each role (prefill-a, decode-a), always cleaned up."""
+    stack = Stack(log_dir, **kwargs)
+    try:
+        yield stack.start_pair()
+    finally:
+        stack.close()

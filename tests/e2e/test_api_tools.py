@@ -8,7 +8,7 @@ import pytest
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.sampling import SamplingParams
-from tests.e2e.stack import Stack
+from tests.e2e.stack import running_pair
 
 pytestmark = pytest.mark.slow
 TASK_DIR = Path(__file__).parent / "lm_eval"
@@ -18,16 +18,9 @@ MIN_CASES = 300
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # Tight limits keep the fuzzer's generations short on the CPU; they are in the OpenAPI description too.
-    s = Stack(tmp_path_factory.mktemp("tools"), extra_env={
-        "KVFERRY_MAX_N": "2", "KVFERRY_MAX_TOKENS_LIMIT": "2", "KVFERRY_MAX_BODY_SIZE": "4KiB"})
-    try:
-        s.start_gateway()
-        s.start_worker("prefill-a", "prefill")
-        s.start_worker("decode-a", "decode")
-        s.wait_for(lambda: s.get("/health")[0] == 200, 180, "healthy stack")
+    with running_pair(tmp_path_factory.mktemp("tools"), extra_env={
+            "KVFERRY_MAX_N": "2", "KVFERRY_MAX_TOKENS_LIMIT": "2", "KVFERRY_MAX_BODY_SIZE": "4KiB"}) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_schemathesis_finds_no_server_error(stack):

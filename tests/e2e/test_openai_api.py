@@ -9,7 +9,7 @@ import pytest
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.sampling import SamplingParams
-from tests.e2e.stack import Stack
+from tests.e2e.stack import running_pair
 
 pytestmark = pytest.mark.slow
 KEY = "sk-kvferry-test"
@@ -18,17 +18,10 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = Stack(tmp_path_factory.mktemp("openai"), extra_env={
-        "KVFERRY_API_KEY": KEY, "KVFERRY_MAX_N": "4", "KVFERRY_MAX_TOKENS_LIMIT": "256",
-        "KVFERRY_MAX_BODY_SIZE": "64KiB", "KVFERRY_MAX_STOP": "4"})
-    try:
-        s.start_gateway()
-        s.start_worker("prefill-a", "prefill")
-        s.start_worker("decode-a", "decode")
-        s.wait_for(lambda: s.get("/health")[0] == 200, 180, "healthy stack")
+    with running_pair(tmp_path_factory.mktemp("openai"), extra_env={
+            "KVFERRY_API_KEY": KEY, "KVFERRY_MAX_N": "4", "KVFERRY_MAX_TOKENS_LIMIT": "256",
+            "KVFERRY_MAX_BODY_SIZE": "64KiB", "KVFERRY_MAX_STOP": "4"}) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -239,11 +232,7 @@ def test_openapi_describes_every_route(stack):
 
 
 def test_an_error_after_streaming_started_is_an_sse_event_then_done(make_stack):
-    s = make_stack()
-    s.start_gateway()
-    s.start_worker("prefill-b", "prefill")
-    s.start_worker("decode-b", "decode")
-    s.wait_for(lambda: s.get("/health")[0] == 200, 180, "healthy stack")
+    s = make_stack().start_pair("prefill-b", "decode-b")
     conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
     conn.request("POST", "/v1/completions", body=json.dumps(
         {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}),

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvferry.services.trace.reader import load
-from tests.e2e.stack import Stack
+from tests.e2e.stack import running_pair
 
 pytestmark = pytest.mark.slow
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
@@ -25,12 +25,7 @@ def kvferry(*args: str) -> subprocess.CompletedProcess:
 def traced(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced")
     trace_dir = folder / "traces"
-    s = Stack(folder, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir), "KVFERRY_LOG_FORMAT": "json"})
-    try:
-        s.start_gateway()
-        s.start_worker("prefill-a", "prefill")
-        s.start_worker("decode-a", "decode")
-        s.wait_workers({"prefill-a", "decode-a"})
+    with running_pair(folder, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir), "KVFERRY_LOG_FORMAT": "json"}) as s:
         # Token-id prompts of known lengths and exact output lengths: the metrics must match them exactly.
         asks = [({"prompt": list(range(100, 100 + 7 * (i + 1))), "max_tokens": 4 + 3 * i, "ignore_eos": True,
                   "temperature": 0}, {}) for i in range(5)]
@@ -47,8 +42,6 @@ def traced(tmp_path_factory):
 
         s.wait_for(all_finished, timeout=30, what="every request's finish in the trace files")
         yield s, trace_dir, asks, replies
-    finally:
-        s.close()
 
 
 def test_trace_show_lists_every_hop_in_causal_order(traced):
