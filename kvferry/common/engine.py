@@ -109,19 +109,23 @@ class LLMEngine:
         return self.tokenizer.encode(prompt)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, chat: bool = False) -> str:
+                    request_id: str | None = None, chat: bool = False, resume_token_ids: list[int] = ()) -> str:
+        """resume_token_ids: outputs generated elsewhere before (a request moved off a failed worker). They are
+        computed with the prompt, and count as outputs: for max_tokens, penalties and the finish rules."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
-        self.validate_prompt(token_ids)
+        self.validate_prompt(token_ids + list(resume_token_ids))
         self.validate_params(params)
-        return self._queue(token_ids, params, request_id)
+        return self._queue(token_ids, params, request_id, resume_token_ids)
 
-    def _queue(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def _queue(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               resume_token_ids: list[int] = ()) -> str:
         """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, token_ids, params)
+        # Outputs with nothing computed: the scheduler runs it like a preempted sequence, all tokens as one prompt.
+        seq = Sequence(request_id, token_ids, params, output_token_ids=list(resume_token_ids))
         self._live[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -144,20 +148,23 @@ class LLMEngine:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def add_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                      params: list[SamplingParams], keys, values) -> bool:
+                      params: list[SamplingParams], keys, values, resume_token_ids: list[int] = ()) -> bool:
         """Admit sequences (one per choice) whose prompt KV was computed elsewhere; False when there is no room for
         them now. The choices share the prompt's full blocks (ref counts); each gets its own copy of a partly
-        filled last block, since each appends its own tokens there."""
+        filled last block, since each appends its own tokens there. resume_token_ids: outputs from before a
+        move, whose KV came with the prompt's (one choice only)."""
+        if resume_token_ids and len(request_ids) != 1:
+            raise InvalidRequest("a resumed request continues exactly one choice")
         if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
             raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
-        self.validate_prompt(prompt_token_ids)
+        self.validate_prompt(list(prompt_token_ids) + list(resume_token_ids))
         for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
             self.validate_params(choice_params)
             if request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
             if not 0 <= first_token_id < self.vocab_size:
                 raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids)
+        num_prompt = len(prompt_token_ids) + len(resume_token_ids)  # tokens whose KV came
         layout = self.runner.layout
         expected = (layout.num_layers, self.block_manager.num_blocks_for(num_prompt), layout.block_size,
                     layout.num_kv_heads, layout.head_dim)
@@ -173,8 +180,8 @@ class LLMEngine:
         num_full = num_prompt // layout.block_size
         first = None
         for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
-            seq = Sequence(request_id, list(prompt_token_ids), choice_params, output_token_ids=[first_token_id],
-                           num_computed_tokens=num_prompt)
+            seq = Sequence(request_id, list(prompt_token_ids), choice_params,
+                           output_token_ids=[*resume_token_ids, first_token_id], num_computed_tokens=num_prompt)
             if first is None:
                 self.scheduler.admit_prefilled(seq)
                 self.runner.write_blocks(seq.block_table[:keys.shape[1]], keys, values)

@@ -15,7 +15,7 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 3  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n
+PROTOCOL_VERSION = 4  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -35,6 +35,7 @@ class Kind(enum.IntEnum):
     TOKENS = 8
     ABORT = 9
     REQUEST_FAILED = 10
+    DEREGISTER = 11
 
 
 class Role(enum.IntEnum):
@@ -119,6 +120,16 @@ class Heartbeat:
     KIND: typing.ClassVar[Kind] = Kind.HEARTBEAT
     worker_id: str
     stats: WorkerStats
+    healthy: bool = True  # False: the process is alive but its step loop has not come round in time
+
+
+@dataclass
+class Deregister:
+    """A worker that is shutting down: route nothing new to it; with final, it is gone and what it still
+    held must be moved elsewhere."""
+    KIND: typing.ClassVar[Kind] = Kind.DEREGISTER
+    worker_id: str
+    final: bool = False
 
 
 @dataclass
@@ -130,6 +141,11 @@ class PrefillRequest:
     decode_address: str
     deadline_s: float  # wall-clock time after which the request is given up
     n: int = 1         # choices: the prompt is prefilled once, each choice samples its own first token
+    # A request moved off a failed worker: its attempt number, and the tokens one choice had generated,
+    # which are prefilled with the prompt so that generation continues where it stopped.
+    attempt: int = 0
+    resume_token_ids: list[int] = field(default_factory=list)
+    choice: int = 0    # the resumed choice (a resume carries exactly one)
 
 
 @dataclass
@@ -142,6 +158,8 @@ class FirstToken:
     logprobs: list[Logprob] = field(default_factory=list)  # the token's, when asked for
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # when asked for (echo); entry 0 is None
     choice: int = 0
+    attempt: int = 0
+    start: int = 0  # the token's index in its choice's output (more than 0 on a resume)
 
 
 @dataclass
@@ -159,6 +177,8 @@ class KVTransfer:
     deadline_s: float
     gather_s: float = 0.0   # time the prefill worker spent copying the blocks out
     sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
+    attempt: int = 0
+    resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV
 
 
 @dataclass
@@ -167,6 +187,7 @@ class KVAck:
     accepted: bool
     reason: str = ""
     retry: bool = True  # a refusal that may pass later (no room) rather than never (bad request)
+    attempt: int = 0
 
 
 @dataclass
@@ -178,12 +199,15 @@ class Tokens:
     kv_transfer_bytes: int = 0
     logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked for
     choice: int = 0
+    attempt: int = 0
+    start: int = 0  # the first token's index in its choice's output: the gateway drops repeats, spots gaps
 
 
 @dataclass
 class Abort:
     KIND: typing.ClassVar[Kind] = Kind.ABORT
     choice: int = -1  # -1: the whole request; else only that choice (it ended early: a stop string)
+    attempt: int = 0
 
 
 @dataclass
@@ -191,11 +215,13 @@ class RequestFailed:
     KIND: typing.ClassVar[Kind] = Kind.REQUEST_FAILED
     message: str
     code: int = 500
+    attempt: int = 0
+    retry: bool = False  # the worker gave up on something another worker may do (a transfer nobody took)
 
 
 MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
                              (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
-                              Tokens, Abort, RequestFailed)}
+                              Tokens, Abort, RequestFailed, Deregister)}
 FRAMED = {Kind.KV_TRANSFER: 2}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

@@ -6,15 +6,23 @@ place, and received with copy=False, so the receiver can view them without a cop
 
 Each message sent gets its own span id, a child of the context that caused it, and is
 recorded (with the receive on the other side) by the process's tracer when tracing is on.
+That span id is also the message's id: a receiver drops a message whose id it has just seen
+(a duplicate), so resending is always safe.
+
+KVFERRY_FAULTS (common/faults.py) makes send drop, duplicate and delay messages, for tests.
 """
+import asyncio
 import logging
+import time
+from collections import OrderedDict
 
 import zmq
 
-from kvferry.common import protocol, tracing
+from kvferry.common import faults, protocol, tracing
 from kvferry.common.protocol import Envelope, ProtocolError, TraceContext
 
 log = logging.getLogger("kvferry.transport")
+MAX_SEEN_IDS = 8192  # covers any duplicate's delay: copies leave back to back, resends carry new ids
 
 
 def peer_label(identity: bytes) -> str:
@@ -43,6 +51,10 @@ class Channel:
         self.is_router = socket.type == zmq.ROUTER
         self.tracer = tracer or tracing.tracer()
         self.num_protocol_errors = 0
+        self.num_duplicates = 0
+        self._seen_ids: OrderedDict[str, None] = OrderedDict()  # the latest message ids received, oldest first
+        spec = faults.from_env()
+        self.faults = faults.MessageFaults(spec, name) if spec and spec.touches_messages else None
 
     def pack(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
              to: bytes | None = None) -> tuple[list, TraceContext]:
@@ -61,9 +73,35 @@ class Channel:
     def send(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
              to: bytes | None = None) -> TraceContext:
         parts, ctx = self.pack(message, request_id, parent, frames, to)
-        # Frames after the header go zero-copy; the header is small and copied.
-        self.socket.send_multipart(parts, copy=False)
+        copies = 1
+        if self.faults:
+            copies, wait_s = self.faults.plan()
+            time.sleep(wait_s)
+        for _ in range(copies):
+            # Frames after the header go zero-copy; the header is small and copied.
+            self.socket.send_multipart(parts, copy=False)
         return ctx
+
+    async def send_async(self, parts: list) -> None:
+        """Send what pack made on an asyncio socket, with the same faults as send."""
+        copies = 1
+        if self.faults:
+            copies, wait_s = self.faults.plan()
+            await asyncio.sleep(wait_s)
+        for _ in range(copies):
+            await self.socket.send_multipart(parts, copy=False)
+
+    def is_duplicate(self, message_id: str) -> bool:
+        """Remember message_id; True when it was seen among the latest MAX_SEEN_IDS."""
+        if not message_id:
+            return False
+        if message_id in self._seen_ids:
+            self.num_duplicates += 1
+            return True
+        self._seen_ids[message_id] = None
+        if len(self._seen_ids) > MAX_SEEN_IDS:
+            self._seen_ids.popitem(last=False)
+        return False
 
     def unpack(self, parts: list) -> tuple[bytes | None, Envelope] | None:
         """(peer identity or None, envelope); None for a message that broke the protocol, which is counted
@@ -76,6 +114,9 @@ class Channel:
         except ProtocolError as exc:
             self.num_protocol_errors += 1
             log.warning("%s: protocol error from %s: %s", self.name, peer_label(peer) if peer else self.peer_name, exc)
+            return None
+        if self.is_duplicate(env.trace.span_id):
+            log.debug("%s: dropped a duplicate %s", self.name, type(env.message).__name__)
             return None
         if self.tracer.enabled:
             self.tracer.message("recv", type(env.message).__name__, peer_label(peer) if peer else self.peer_name,

@@ -88,6 +88,24 @@ def add_api_args(parser: argparse.ArgumentParser) -> None:
                    help="the most prompts one completions request may carry")
 
 
+def add_reliability_args(parser: argparse.ArgumentParser) -> None:
+    from kvferry.services.gateway.server import Deadlines
+
+    env, d = os.environ.get, Deadlines()
+    g = parser.add_argument_group("deadlines and overload (each also read from KVFERRY_<NAME>)")
+    g.add_argument("--max-waiting", type=int, default=env("KVFERRY_MAX_WAITING", "256"),
+                   help="requests waiting for their first token; past this, new ones get 429 (0: no bound)")
+    g.add_argument("--drain-timeout", type=float, default=env("KVFERRY_DRAIN_TIMEOUT", "30"),
+                   help="on SIGTERM, stop admitting and finish the requests in flight for at most this long")
+    g.add_argument("--first-token-timeout", type=float, default=env("KVFERRY_FIRST_TOKEN_TIMEOUT", str(d.first_token_s)),
+                   help="a request without its first token this long moves to other workers")
+    g.add_argument("--step-timeout", type=float, default=env("KVFERRY_STEP_TIMEOUT", str(d.step_s)),
+                   help="a decoding request without new tokens this long moves to other workers")
+    g.add_argument("--request-timeout", type=float, default=env("KVFERRY_REQUEST_TIMEOUT", str(d.request_s)))
+    g.add_argument("--max-moves", type=int, default=env("KVFERRY_MAX_MOVES", str(d.max_moves)),
+                   help="how often a request may move off a failed worker before it fails")
+
+
 def _run_worker(args, cls, **kwargs) -> int:
     import signal
     import uuid
@@ -96,8 +114,16 @@ def _run_worker(args, cls, **kwargs) -> int:
 
     worker_id = args.worker_id or f"{cls.role.name.lower()}-{uuid.uuid4().hex[:8]}"
     observe(args, cls.role.name.lower(), worker_id)  # before the worker: its channels take the tracer
-    signal.signal(signal.SIGTERM, _interrupt)  # stop like Ctrl-C: close sockets, end the heartbeat thread
-    worker = cls(EngineConfig.from_args(args), args.gateway, worker_id, **kwargs)
+    signal.signal(signal.SIGTERM, _interrupt)  # until it serves: stop like Ctrl-C
+    worker = cls(EngineConfig.from_args(args), args.gateway, worker_id, stall_timeout_s=args.stall_timeout,
+                 drain_timeout_s=args.drain_timeout, **kwargs)
+
+    def drain(*_):  # the first SIGTERM drains; a second one stops at once
+        if worker.stop_requested:
+            raise KeyboardInterrupt
+        worker.stop_requested = True
+
+    signal.signal(signal.SIGTERM, drain)
     try:
         worker.serve_forever()
     except KeyboardInterrupt:
@@ -148,10 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=env("KVFERRY_MODEL"))
     p.add_argument("--host", default=env("KVFERRY_HOST", "127.0.0.1"))
     p.add_argument("--port", type=int, default=env("KVFERRY_PORT", "8000"))
-    p.add_argument("--control", default=env("KVFERRY_CONTROL", "tcp://*:5557"), help="where workers register")
+    p.add_argument("--control", default=env("KVFERRY_CONTROL", "tcp://127.0.0.1:5557"),
+                   help="where workers register (binding beyond 127.0.0.1 lets any host on the network talk to it)")
     p.add_argument("--block-size", type=int, default=env("KVFERRY_BLOCK_SIZE", "16"))
     p.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
     p.add_argument("--heartbeat-interval", type=float, default=env("KVFERRY_HEARTBEAT_INTERVAL", "1.0"))
+    add_reliability_args(p)
     add_api_args(p)
     add_observability_args(p)
     p.set_defaults(func=cmd_gateway)
@@ -161,6 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--gateway", default=env("KVFERRY_GATEWAY", "tcp://127.0.0.1:5557"),
                        help="the gateway's control address")
         p.add_argument("--worker-id", default=env("KVFERRY_WORKER_ID"))
+        p.add_argument("--stall-timeout", type=float, default=env("KVFERRY_STALL_TIMEOUT", "30"),
+                       help="report unhealthy (the gateway moves the requests) when the step loop is stuck this long")
+        p.add_argument("--drain-timeout", type=float, default=env("KVFERRY_DRAIN_TIMEOUT", "30"),
+                       help="on SIGTERM, finish what this worker holds for at most this long, then hand it back")
         if role == "decode":
             p.add_argument("--kv-bind", default=env("KVFERRY_KV_BIND", "tcp://127.0.0.1:0"),
                            help="where prefill workers send KV (port 0: any free port)")

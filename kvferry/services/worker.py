@@ -4,7 +4,13 @@ A worker is told only the gateway's control address. It connects a DEALER socket
 registers (role, id, model, dtype, block size, KV capacity, and for a decode worker the
 address its KV ingress listens on) and then heartbeats its live stats. Its loop polls its
 sockets, handles messages, and runs one engine step whenever there is work.
+
+Heartbeats come from their own thread, so a long step does not look like death; but a loop that
+has not come round for `stall_timeout_s` is reported unhealthy, and the gateway moves its requests.
+On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it), finishes what it
+holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
 """
+import itertools
 import logging
 import os
 import socket
@@ -14,6 +20,7 @@ import uuid
 
 import zmq
 
+from kvferry.common import faults
 from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
@@ -23,7 +30,7 @@ from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
 
 log = logging.getLogger("kvferry.worker")
-REGISTER_TIMEOUT_S = 30.0
+REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; the last repeats
 UNKNOWN_WORKER = "unknown worker: register again"
 
 
@@ -68,7 +75,7 @@ class Worker:
     num_prompts_prefilled = 0
 
     def __init__(self, config: EngineConfig, gateway: str, worker_id: str | None = None,
-                 keep_finished_blocks: bool = False):
+                 keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0):
         self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.gateway_address = gateway
@@ -84,34 +91,48 @@ class Worker:
         self.running = True
         self.must_register = False
         self.latest_stats: p.WorkerStats | None = None
+        self.stall_timeout_s, self.drain_timeout_s = stall_timeout_s, drain_timeout_s
+        self.loop_at = time.monotonic()  # the step loop's latest turn, read by the heartbeat thread
+        self.stop_requested = False      # set by SIGTERM: drain, then exit
+        self.fault_spec = faults.from_env()
+        self.num_loop_steps = 0
 
     # -- registry ------------------------------------------------------------------------------------------
     def kv_address(self) -> str:
         return ""
 
     def register(self) -> None:
+        """Register, again and again with backoff until the gateway answers (it may start later, or a message may
+        be lost); a refusal is final."""
         engine = self.engine
-        self.control.send(p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
-                                     dtype=str(engine.dtype).removeprefix("torch."),
-                                     block_size=engine.config.block_size, num_blocks=engine.block_manager.num_blocks,
-                                     max_model_len=engine.max_model_len, kv_address=self.kv_address()))
-        deadline = time.monotonic() + REGISTER_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if not self.control.socket.poll(timeout=200):
-                continue
-            received = self.control.recv()
-            if received is None:
-                continue
-            if not isinstance(received[1].message, p.RegisterReply):
-                self.handle(self.control, *received)  # re-registering: what arrives meanwhile still counts
-                continue
-            reply = received[1].message
-            if not reply.accepted:
-                raise KvferryError(f"the gateway refused {self.worker_id}: {reply.reason}")
-            self.heartbeat_interval_s = reply.heartbeat_interval_s
-            log.info("%s registered with %s", self.worker_id, self.gateway_address)
-            return
-        raise KvferryError(f"no reply from the gateway at {self.gateway_address} within {REGISTER_TIMEOUT_S:.0f} s")
+        message = p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
+                             dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.config.block_size,
+                             num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+                             kv_address=self.kv_address())
+        for attempt in itertools.count(1):
+            self.control.send(message)
+            wait_s = REGISTER_RETRY_S[min(attempt, len(REGISTER_RETRY_S)) - 1]
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.loop_at = time.monotonic()  # waiting on the gateway is not a stuck step loop
+                if not self.control.socket.poll(timeout=100):
+                    continue
+                received = self.control.recv()
+                if received is None:
+                    continue
+                if not isinstance(received[1].message, p.RegisterReply):
+                    self.handle(self.control, *received)  # re-registering: what arrives meanwhile still counts
+                    continue
+                reply = received[1].message
+                if not reply.accepted:
+                    if reply.reason == UNKNOWN_WORKER:
+                        continue  # an answer to a heartbeat sent before this registration
+                    raise KvferryError(f"the gateway refused {self.worker_id}: {reply.reason}")
+                self.heartbeat_interval_s = reply.heartbeat_interval_s
+                log.info("%s registered with %s", self.worker_id, self.gateway_address)
+                return
+            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again", self.worker_id,
+                        self.gateway_address, attempt)
 
     def stats(self) -> p.WorkerStats:
         sch = self.engine.scheduler
@@ -135,7 +156,11 @@ class Worker:
         channel = Channel(sock, f"{self.worker_id}/heartbeat", peer_name="gateway")
         try:
             while self.running:
-                channel.send(p.Heartbeat(self.worker_id, self.latest_stats))
+                healthy = time.monotonic() - self.loop_at < self.stall_timeout_s
+                if not healthy:
+                    log.error("%s: the step loop has not come round for %.0f s: reporting unhealthy", self.worker_id,
+                              time.monotonic() - self.loop_at)
+                channel.send(p.Heartbeat(self.worker_id, self.latest_stats, healthy))
                 if sock.poll(timeout=int(self.heartbeat_interval_s * 1000)):
                     received = channel.recv()
                     # The gateway dropped us (say, after a network partition): register again.
@@ -156,23 +181,48 @@ class Worker:
         self.latest_stats, stats_due = self.stats(), 0.0
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
+        drain_until = None
         try:
             while self.running:
+                self.loop_at = time.monotonic()
                 timeout = 0 if self.has_work() else self.idle_wait_ms()
                 for sock, _ in self.poller.poll(timeout):
                     self.drain(sock)
                 if self.has_work():
                     self.step()
-                if self.must_register:
+                    self.maybe_stall()
+                if self.must_register and not self.stop_requested:
                     self.must_register = False
                     self.register()
                 now = time.monotonic()
                 if now >= stats_due:  # the heartbeat thread only needs a fresh snapshot each half interval
                     self.latest_stats, stats_due = self.stats(), now + self.heartbeat_interval_s / 2
+                if self.stop_requested and drain_until is None:
+                    log.info("%s: draining (at most %.0f s)", self.worker_id, self.drain_timeout_s)
+                    self.control.send(p.Deregister(self.worker_id))
+                    drain_until = now + self.drain_timeout_s
+                if drain_until is not None and (not self.holds_requests() or now >= drain_until):
+                    if self.holds_requests():
+                        log.warning("%s: drain timed out; the gateway moves what is left", self.worker_id)
+                    break
         finally:
             self.running = False
+            if drain_until is not None:
+                self.control.send(p.Deregister(self.worker_id, final=True))
             heartbeats.join(timeout=5)
             self.close()
+
+    def holds_requests(self) -> bool:
+        """Whether something here would be lost if the process ended now."""
+        return self.engine.has_unfinished()
+
+    def maybe_stall(self) -> None:
+        """KVFERRY_FAULTS stall_after_steps/stall_s: a stuck engine, in tests."""
+        self.num_loop_steps += 1
+        spec = self.fault_spec
+        if spec and spec.stall_s and self.num_loop_steps == spec.stall_after_steps:
+            log.warning("%s: KVFERRY_FAULTS: stalling the step loop for %.1f s", self.worker_id, spec.stall_s)
+            time.sleep(spec.stall_s)
 
     def drain(self, sock) -> None:
         """Handle every message waiting on sock."""

@@ -9,9 +9,11 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
+from kvferry.common.bind_check import warn_if_exposed
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
+from kvferry.services.prefill.worker import attempt_key
 from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger("kvferry.decode")
@@ -29,11 +31,12 @@ def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:
 class DecodeWorker(Worker):
     role = p.Role.DECODE
 
-    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://*:0"):
-        super().__init__(config, gateway, worker_id)
+    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0", **kwargs):
+        super().__init__(config, gateway, worker_id, **kwargs)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.bind(kv_bind)
+        warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
         if host.endswith("0.0.0.0") or host.endswith("*"):
@@ -41,8 +44,10 @@ class DecodeWorker(Worker):
         self.advertised_kv = f"{host}:{port}"
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
+        # Keyed by attempt (attempt_key): a request moved off a failed decode worker can come back here.
         self.traces: dict[str, p.TraceContext] = {}
-        # A request's choices run as sequences of their own: engine id -> (request id, choice), and back.
+        self.origin: dict[str, tuple[str, int]] = {}  # attempt key -> (request id, attempt), for its messages
+        # A request's choices run as sequences of their own: engine id -> (attempt key, choice), and back.
         self.choice_of: dict[str, tuple[str, int]] = {}
         self.engine_ids: dict[str, list[str]] = {}
         self.cancelled_choices: dict[str, set[int]] = {}  # ended before their KV arrived
@@ -62,15 +67,17 @@ class DecodeWorker(Worker):
         return self.control.num_protocol_errors + self.kv_in.num_protocol_errors
 
     def handle(self, channel, peer, env: p.Envelope) -> None:
-        msg, rid = env.message, env.request_id
+        msg = env.message
         if isinstance(msg, p.KVTransfer):
             self.receive_kv(peer, env)
-        elif isinstance(msg, p.Abort) and msg.choice >= 0:
-            self.abort_choice(rid, msg.choice)
         elif isinstance(msg, p.Abort):
-            for engine_id in self.engine_ids.get(rid, [rid]):
+            key = attempt_key(env.request_id, msg.attempt)
+            if msg.choice >= 0:
+                self.abort_choice(key, msg.choice)
+                return
+            for engine_id in self.engine_ids.get(key, [key]):
                 self.engine.abort(engine_id)
-            self.bury(rid)
+            self.bury(key)
 
     def abort_choice(self, rid: str, choice: int) -> None:
         """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
@@ -98,6 +105,7 @@ class DecodeWorker(Worker):
         for engine_id in self.engine_ids.pop(rid, []):
             self.choice_of.pop(engine_id, None)
         self.traces.pop(rid, None)
+        self.origin.pop(rid, None)
         self.transfer_s.pop(rid, None)
         now = time.monotonic()
         self.tombstones[rid] = now + TOMBSTONE_S
@@ -105,9 +113,14 @@ class DecodeWorker(Worker):
             self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
 
     def receive_kv(self, peer: bytes, env: p.Envelope) -> None:
-        msg, rid = env.message, env.request_id
+        msg = env.message
+        rid = attempt_key(env.request_id, msg.attempt)  # this worker's key for the attempt
+
+        def ack(accepted: bool, reason: str = "", retry: bool = True) -> None:
+            self.kv_in.send(p.KVAck(accepted, reason, retry, msg.attempt), env.request_id, env.trace, to=peer)
+
         if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
-            self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+            ack(True)
             return
         received_at, started = time.time(), time.perf_counter()
         try:
@@ -119,24 +132,27 @@ class DecodeWorker(Worker):
             wanted = [(c, t) for c, t in zip(msg.choices, msg.output_token_ids) if c not in cancelled]
             if not wanted:  # every choice ended before its KV came
                 self.bury(rid)
-                self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+                ack(True)
                 return
             choices, first_token_ids = [c for c, _ in wanted], [t for _, t in wanted]
             keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
             values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
             engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
             placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids,
-                                               [for_choice(params, c) for c in choices], keys, values)
+                                               [for_choice(params, c) for c in choices], keys, values,
+                                               msg.resume_token_ids)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.bury(rid)
-            self.kv_in.send(p.KVAck(False, f"refused: {exc}", retry=False), rid, env.trace, to=peer)
+            ack(False, f"refused: {exc}", retry=False)
             code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code), rid, env.trace)
+            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
+                              env.request_id, env.trace)
             return
         if not placed:
-            self.kv_in.send(p.KVAck(False, "no free blocks"), rid, env.trace, to=peer)
+            ack(False, "no free blocks")
             return
         self.traces[rid] = env.trace
+        self.origin[rid] = (env.request_id, msg.attempt)
         self.engine_ids[rid] = engine_ids
         self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
         self.cancelled_choices.pop(rid, None)
@@ -146,9 +162,10 @@ class DecodeWorker(Worker):
         num_bytes = keys.nbytes + values.nbytes
         self.transfer_s[rid] = (msg.gather_s + max(0.0, hop_s), num_bytes)
         if self.kv_in.tracer.enabled:
-            self.kv_in.tracer.span("kv.transfer_in", received_at, placed_at, rid, tracing.child_of(env.trace),
-                                   bytes=num_bytes, num_blocks=msg.shape[1], prefill=msg.prefill_worker_id)
-        self.kv_in.send(p.KVAck(True), rid, env.trace, to=peer)
+            self.kv_in.tracer.span("kv.transfer_in", received_at, placed_at, env.request_id,
+                                   tracing.child_of(env.trace), bytes=num_bytes, num_blocks=msg.shape[1],
+                                   prefill=msg.prefill_worker_id, attempt=msg.attempt)
+        ack(True)
 
     def step(self) -> None:
         started = time.time()
@@ -158,18 +175,21 @@ class DecodeWorker(Worker):
             if self.control.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         for out in outputs:
-            rid, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
+            key, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
+            rid, attempt = self.origin.get(key, (key, 0))
             reason = int(out.finish_reason) if out.finished else -1
-            transfer_s, transfer_bytes = self.transfer_s.pop(rid, (0.0, 0))
+            transfer_s, transfer_bytes = self.transfer_s.pop(key, (0.0, 0))
+            start = len(out.output_token_ids) - len(out.new_token_ids)
             tokens = p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes, logprobs_to_wire(out.new_logprobs),
-                              choice)
-            self.control.send(tokens, rid, self.traces.get(rid))
+                              choice, attempt, start)
+            self.control.send(tokens, rid, self.traces.get(key))
             if out.finished:
-                self.drop_choice(rid, out.request_id)
+                self.drop_choice(key, out.request_id)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
-        rids = dict.fromkeys(self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
+        keys = (self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
+        rids = dict.fromkeys(self.origin.get(k, (k,))[0] for k in keys)
         self.control.tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
                                  step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
                                  num_preempted=len(plan.preempted), rids=list(rids))

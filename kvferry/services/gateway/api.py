@@ -88,6 +88,8 @@ class Api:
         return JSONResponse({"version": VERSION})
 
     async def health(self, request: Request) -> JSONResponse:
+        if self.core.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         missing = self.core.missing()
         if missing:
             return JSONResponse({"status": "unavailable", "reason": missing}, status_code=503)
@@ -118,6 +120,16 @@ class Api:
         ctx = self._trace_context(request.headers.get("traceparent"))
         headers = {"x-request-id": rid, "traceparent": tracing.format_traceparent(ctx)}
         trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at)
+        if self.core.draining:
+            error = ApiError(503, "the server is shutting down", kind="service_unavailable")
+            trace.finish(503, error=error.message)
+            return error_response(error, headers)
+        if self.core.admission_full():
+            # Refused at once, not queued until it times out: the client backs off and comes back.
+            error = ApiError(429, f"too many requests waiting ({self.core.max_waiting}); retry shortly",
+                             kind="rate_limit_error")
+            trace.finish(429, error=error.message)
+            return error_response(error, {**headers, "retry-after": "1"})
         try:
             body = await self.json_body(request)
             prompts = self.prompts(body, chat)

@@ -5,7 +5,7 @@ stream closes every flight, which aborts whatever is still running on the worker
 """
 import asyncio
 
-from kvferry.services.gateway.server import Event
+from kvferry.services.gateway.flight import Event
 
 
 async def start(streams: list) -> list:

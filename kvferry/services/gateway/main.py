@@ -1,14 +1,50 @@
-"""`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process."""
+"""`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process.
+
+On SIGTERM it drains: new requests and /health get 503 (a load balancer stops sending), the requests
+in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctrl-C, stops at once.
+"""
+import asyncio
 import logging
+import signal
+
+import uvicorn
 
 from kvferry.common.model.loader import max_model_len_of, resolve_model, served_model_name
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.request_parsing import Limits
-from kvferry.services.gateway.server import GatewayCore
+from kvferry.services.gateway.server import Deadlines, GatewayCore
+
+log = logging.getLogger("kvferry.gateway")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, core: GatewayCore, drain_timeout_s: float):
+        super().__init__(config)
+        self.core, self.drain_timeout_s = core, drain_timeout_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGTERM and not self.core.draining and self.loop is not None:
+            self.core.draining = True
+            self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
+            return
+        super().handle_exit(sig, frame)
+
+    async def drain(self) -> None:
+        log.info("draining: %d requests in flight, at most %.0f s", len(self.core.flights), self.drain_timeout_s)
+        give_up_at = self.loop.time() + self.drain_timeout_s
+        while self.core.flights and self.loop.time() < give_up_at:
+            await asyncio.sleep(0.1)
+        if self.core.flights:
+            log.warning("drain timed out with %d requests in flight", len(self.core.flights))
+        self.should_exit = True
 
 
 def run_gateway(args) -> None:
-    import uvicorn
     from transformers import AutoConfig, AutoTokenizer
 
     from kvferry.services.cli import observe
@@ -18,11 +54,14 @@ def run_gateway(args) -> None:
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     name = served_model_name(args.model)
-    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval)
+    deadlines = Deadlines(first_token_s=args.first_token_timeout, step_s=args.step_timeout,
+                          request_s=args.request_timeout, max_moves=args.max_moves)
+    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval, deadlines, args.max_waiting)
     limits = Limits(max_body_bytes=args.max_body_size, max_n=args.max_n, max_tokens=args.max_tokens_limit,
                     max_stop=args.max_stop, max_prompts=args.max_prompts)
     api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)
-    logging.getLogger("kvferry.gateway").info("serving %s on http://%s:%d, workers register at %s", name, args.host,
-                                              args.port, core.control_endpoint)
+    log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
-    uvicorn.run(api.app(), host=args.host, port=args.port, log_level="warning", log_config=None)
+    config = uvicorn.Config(api.app(), host=args.host, port=args.port, log_level="warning", log_config=None,
+                            timeout_graceful_shutdown=5)
+    DrainingServer(config, core, args.drain_timeout).run()

@@ -26,6 +26,7 @@ class WorkerInfo:
     # Prompt tokens routed here since the last heartbeat: keeps a burst from all landing on one worker.
     pending_prompt_tokens: int = 0
     num_served: int = 0
+    draining: bool = False  # shutting down: finishes what it has, gets nothing new
 
     def as_json(self) -> dict:
         s = self.stats
@@ -35,7 +36,7 @@ class WorkerInfo:
                 "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
                 "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
                 "prompts_prefilled": s.num_prompts_prefilled,
-                "requests_served": self.num_served, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
+                "requests_served": self.num_served, "draining": self.draining, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
 
 
 @dataclass
@@ -83,15 +84,18 @@ class Registry:
     def live(self, role: p.Role) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]
 
+    def routable(self, role: p.Role) -> list[WorkerInfo]:
+        return [w for w in self.live(role) if not w.draining]
+
     def pick_prefill(self) -> WorkerInfo | None:
         """The prefill worker with the least queued prompt tokens."""
-        candidates = self.live(p.Role.PREFILL)
+        candidates = self.routable(p.Role.PREFILL)
         return min(candidates, key=lambda w: (w.stats.queued_prompt_tokens + w.pending_prompt_tokens, w.num_served),
                    default=None)
 
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV blocks, then the fewest running sequences."""
-        candidates = self.live(p.Role.DECODE)
+        candidates = self.routable(p.Role.DECODE)
         return min(candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served),
                    default=None)
 

@@ -3,27 +3,32 @@
 The gateway never runs the model. It owns the tokenizer, routes a request to one prefill and
 one decode worker, and turns their messages (first token, token batches, failures) into a
 stream of events for the HTTP layer.
+
+Every wait is bounded. A request whose worker dies, stalls, loses a message or gives up moves to
+other workers (a new attempt that prefills the prompt plus the tokens already delivered, so the
+stream continues where it stopped), at most `max_moves` times; then it fails with a clear error.
 """
 import asyncio
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 import zmq.asyncio
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
+from kvferry.common.bind_check import warn_if_exposed
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, peer_label
-from kvferry.services.gateway.registry import Registry
+from kvferry.services.gateway.flight import Event, Flight, Lost
+from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, WorkerInfo
 from kvferry.services.worker import UNKNOWN_WORKER, sampling_to_wire
 
 log = logging.getLogger("kvferry.gateway")
-REQUEST_TIMEOUT_S = 600.0  # the longest a request may take end to end
-EVENT_TIMEOUT_S = 120.0    # the longest the gateway waits for a request's next message
+__all__ = ["Event", "GatewayCore", "NoWorkers", "Deadlines"]
 
 
 class NoWorkers(Exception):
@@ -31,42 +36,35 @@ class NoWorkers(Exception):
 
 
 @dataclass
-class Event:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: FinishReason | None = None
-    error: str | None = None
-    error_code: int = 500
-    queue_s: float = 0.0          # on the first token: time queued and computing on the prefill worker
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0    # on the first decode tokens: the KV hop
-    kv_transfer_bytes: int = 0
-    choice: int = 0
-    logprobs: list = field(default_factory=list)         # p.Logprob per token, when asked for
-    prompt_logprobs: list = field(default_factory=list)  # with the first token, when asked for (echo)
-
-
-@dataclass
-class Flight:
-    """A request on its way: where it went and where its events arrive."""
-    prefill_identity: bytes
-    decode_identity: bytes
-    trace: p.TraceContext
-    n: int = 1
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+class Deadlines:
+    """How long a request may wait for each thing, and how often it may move. Defaults suit a CPU."""
+    first_token_s: float = 120.0  # routed -> first token: queueing plus prefill
+    step_s: float = 30.0          # between a decoding request's token messages
+    gap_s: float = 2.0            # tokens held back for a message that has not come
+    no_workers_s: float = 10.0    # a request that must move waits this long for a live worker
+    request_s: float = 600.0      # end to end
+    max_moves: int = 3            # moves to other workers before the request fails
 
 
 class GatewayCore:
-    def __init__(self, control_address: str, model_name: str, block_size: int, heartbeat_interval_s: float = 1.0):
+    def __init__(self, control_address: str, model_name: str, block_size: int, heartbeat_interval_s: float = 1.0,
+                 deadlines: Deadlines | None = None, max_waiting: int = 0):
         self.ctx = zmq.asyncio.Context.instance()
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
         sock.bind(control_address)
+        warn_if_exposed(control_address, "the gateway's control socket")
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
-        self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and unpack
+        self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
+        self.deadlines = deadlines or Deadlines()
+        self.max_waiting = max_waiting  # requests routed but without a first token; 0: unbounded
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
+        self.draining = False
+        self.num_moves = 0
+        self._told_to_abort: dict[tuple[str, int], float] = {}  # (request id, attempt) -> when
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._expire_loop())]
@@ -75,6 +73,12 @@ class GatewayCore:
         for task in self.tasks:
             task.cancel()
         self.control.close()
+
+    def num_waiting(self) -> int:
+        return sum(not f.got_first_token for f in self.flights.values())
+
+    def admission_full(self) -> bool:
+        return bool(self.max_waiting) and self.num_waiting() >= self.max_waiting
 
     # -- control messages -------------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
@@ -91,7 +95,7 @@ class GatewayCore:
     async def _send(self, message, identity: bytes, request_id: str = "", parent=None) -> bool:
         parts, _ = self.control.pack(message, request_id, parent, to=identity)
         try:
-            await self.control.socket.send_multipart(parts)
+            await self.control.send_async(parts)
             return True
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the worker is gone
             log.warning("send to %s failed: %s", peer_label(identity), exc)
@@ -108,89 +112,166 @@ class GatewayCore:
             await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s), peer,
                              parent=env.trace)
         elif isinstance(msg, p.Heartbeat):
+            if not msg.healthy and msg.worker_id in self.registry.workers:
+                self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
                 await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s), peer,
                                  parent=env.trace)
+        elif isinstance(msg, p.Deregister):
+            worker = self.registry.workers.get(msg.worker_id)
+            if worker is not None and worker.identity == peer:
+                if msg.final:
+                    self._lose_worker(self.registry.workers.pop(msg.worker_id), "it shut down")
+                else:
+                    worker.draining = True
+                    log.info("worker %s is draining: nothing new goes to it", msg.worker_id)
         elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
             flight = self.flights.get(rid)
-            if flight is None:
-                return  # finished or aborted already
-            if isinstance(msg, p.RequestFailed):
-                flight.queue.put_nowait(Event(error=msg.message, error_code=msg.code))
+            if flight is None or msg.attempt != flight.attempt:
+                await self._abort_unknown(peer, rid, msg.attempt, env.trace)
                 return
-            ids = [msg.token_id] if isinstance(msg, p.FirstToken) else msg.token_ids
-            if msg.finish_reason >= len(FinishReason):
-                flight.queue.put_nowait(Event(error=f"a worker sent finish reason {msg.finish_reason}"))
-                return
-            reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
-            if isinstance(msg, p.FirstToken):
-                event = Event(ids, reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s, choice=msg.choice,
-                              logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs)
-            else:
-                event = Event(ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes,
-                              choice=msg.choice, logprobs=msg.logprobs)
-            if not 0 <= event.choice < flight.n:
-                event = Event(error=f"a worker sent choice {event.choice} of a request with {flight.n}")
-            flight.queue.put_nowait(event)
+            flight.queue.put_nowait(self._event(msg, flight))
+
+    @staticmethod
+    def _event(msg, flight: Flight) -> Event:
+        if isinstance(msg, p.RequestFailed):
+            return Event(error=msg.message, error_code=msg.code, retry=msg.retry, attempt=msg.attempt)
+        if msg.finish_reason >= len(FinishReason) or not 0 <= msg.choice < flight.n or msg.start < 0:
+            return Event(error=f"a worker sent finish reason {msg.finish_reason}, choice {msg.choice} and start "
+                               f"{msg.start} for a request with {flight.n} choices", attempt=msg.attempt)
+        reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
+        if isinstance(msg, p.FirstToken):
+            return Event([msg.token_id], reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s, choice=msg.choice,
+                         logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, start=msg.start,
+                         attempt=msg.attempt)
+        return Event(msg.token_ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes,
+                     choice=msg.choice, logprobs=msg.logprobs, start=msg.start, attempt=msg.attempt, from_decode=True)
+
+    async def _abort_unknown(self, peer: bytes, rid: str, attempt: int, trace) -> None:
+        """A worker works on something this gateway no longer wants (its Abort was lost, or the request moved):
+        tell it again, at most once a second, so that it frees the blocks."""
+        now = time.monotonic()
+        if now - self._told_to_abort.get((rid, attempt), 0.0) < 1.0:
+            return
+        self._told_to_abort[(rid, attempt)] = now
+        if len(self._told_to_abort) > 4096:
+            self._told_to_abort = {k: t for k, t in self._told_to_abort.items() if now - t < 60}
+        await self._send(p.Abort(attempt=attempt), peer, rid, trace)
+
+    def _lose_worker(self, worker: WorkerInfo, why: str) -> None:
+        log.warning("worker %s dropped: %s", worker.worker_id, why)
+        for flight in self.flights.values():
+            if flight.involves(worker.identity):
+                flight.queue.put_nowait(Lost(f"worker {worker.worker_id} is gone ({why})", flight.attempt))
 
     async def _expire_loop(self) -> None:
+        # Checked five times an interval: a silent worker is dropped soon after its third missed heartbeat.
         while True:
-            await asyncio.sleep(self.registry.heartbeat_interval_s)
+            await asyncio.sleep(self.registry.heartbeat_interval_s / 5)
             for worker in self.registry.expire(time.time()):
-                log.warning("worker %s dropped: no heartbeat for %d intervals", worker.worker_id, 3)
-                # Its requests fail now rather than after a long silence (moving them is issue 6's work).
-                for flight in self.flights.values():
-                    if worker.identity in (flight.prefill_identity, flight.decode_identity):
-                        flight.queue.put_nowait(Event(error=f"worker {worker.worker_id} stopped responding",
-                                                      error_code=503))
+                self._lose_worker(worker, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        trace: p.TraceContext | None = None, n: int = 1):
-        """Route one request and yield its Events until it finishes. Raises NoWorkers when it cannot be routed.
-        trace: the request's own span (the HTTP request's); the messages it causes are its children."""
-        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
-        if prefill is None or decode is None:
-            raise NoWorkers(self.missing())
+        """Route one request and yield its Events, in order and each token once, until it finishes or fails.
+        Raises NoWorkers when it cannot be routed at all. trace: the request's own span (the HTTP request's);
+        the messages it causes are its children."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
-        trace = trace or tracing.child_of(None)
-        self.registry.assign(prefill, decode, len(prompt_token_ids), -(-len(prompt_token_ids) // decode.block_size))
-        flight = self.flights[rid] = Flight(prefill.identity, decode.identity, trace, n)
-        deadline = time.time() + REQUEST_TIMEOUT_S
-        request = p.PrefillRequest(prompt_token_ids, sampling_to_wire(params), decode.worker_id, decode.kv_address,
-                                   deadline, n)
-        completed = False  # every choice ended by a finish reason: nothing left on the workers
-        num_finished = 0
+        flight = self.flights[rid] = Flight(rid, prompt_token_ids, params, trace or tracing.child_of(None), n)
+        if not await self._dispatch(flight):
+            del self.flights[rid]
+            raise NoWorkers(self.missing() or "the chosen workers are gone")
+        deadline = time.monotonic() + self.deadlines.request_s
         try:
-            if not await self._send(request, prefill.identity, rid, trace):
-                raise NoWorkers("the chosen prefill worker is gone")
             while True:
-                try:
-                    event = await asyncio.wait_for(flight.queue.get(), EVENT_TIMEOUT_S)
-                except asyncio.TimeoutError:
-                    event = Event(error=f"no word from the workers for {EVENT_TIMEOUT_S:.0f} s", error_code=504)
-                num_finished += event.error is None and event.finish_reason is not None
-                completed = num_finished == n
-                yield event
-                if completed or event.error is not None:
+                item = await self._next(flight, deadline)
+                if item.attempt != flight.attempt:
+                    continue  # about an attempt already left behind
+                if isinstance(item, Lost) or item.retry:
+                    failure = await self._move(flight, item.reason if isinstance(item, Lost) else item.error)
+                    if failure is None:
+                        continue
+                    item = failure
+                if item.error is not None:
+                    yield item
+                    return
+                for event in flight.accept(item):
+                    yield event
+                if flight.done:
                     return
         finally:
             self.flights.pop(rid, None)
-            if not completed:  # an error, a timeout, a stop string or a client gone: free it everywhere
+            if not flight.done:  # an error, a timeout, a stop string or a client gone: free it everywhere
                 # Shielded: a disconnect cancels this task, and the Abort must still go out.
-                await asyncio.shield(self.abort(rid, flight))
+                await asyncio.shield(self.abort(flight))
 
-    async def abort(self, rid: str, flight: Flight) -> None:
+    async def _next(self, flight: Flight, deadline: float):
+        """The flight's next message, or Lost when the wait for it runs past its bound."""
+        d, now = self.deadlines, time.monotonic()
+        if now >= deadline:
+            return Event(error=f"the request took longer than {d.request_s:.0f} s", error_code=504,
+                         attempt=flight.attempt)
+        limit, what = (d.step_s, "a decode step") if flight.got_first_token else (d.first_token_s, "the first token")
+        waits = [(flight.last_progress + limit - now, f"no word for {limit:.0f} s waiting for {what}"),
+                 (deadline - now, "")]
+        if flight.early:
+            waits.append((flight.early_since + d.gap_s - now, f"a message was lost (tokens waited {d.gap_s:.0f} s)"))
+        timeout, reason = min(waits)
+        try:
+            return await asyncio.wait_for(flight.queue.get(), max(0.0, timeout))
+        except asyncio.TimeoutError:
+            return Lost(reason, flight.attempt) if reason else Event(
+                error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt)
+
+    async def _dispatch(self, flight: Flight) -> bool:
+        """Route the flight's current attempt to a prefill and a decode worker; False if none are live or the
+        send failed."""
+        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
+        if prefill is None or decode is None:
+            return False
+        resume = flight.resume_token_ids() if flight.attempt else []
+        params = sampling_to_wire(flight.params)
+        if flight.attempt:
+            params.prompt_logprobs = None  # given with the first attempt's first token
+        num_tokens = len(flight.prompt_token_ids) + len(resume)
+        self.registry.assign(prefill, decode, num_tokens, -(-num_tokens // decode.block_size))
+        flight.prefill_identity, flight.decode_identity = prefill.identity, decode.identity
+        request = p.PrefillRequest(flight.prompt_token_ids, params, decode.worker_id, decode.kv_address,
+                                   time.time() + self.deadlines.request_s, flight.n, flight.attempt, resume)
+        return await self._send(request, prefill.identity, flight.request_id, flight.trace)
+
+    async def _move(self, flight: Flight, reason: str) -> Event | None:
+        """Move the flight to other workers after a failure; an error Event when it cannot move."""
+        if not flight.can_resume():
+            return Event(error=f"{reason}; a request with n > 1 cannot move once tokens were sent", error_code=503)
+        if flight.num_moves >= self.deadlines.max_moves:
+            return Event(error=f"{reason}; gave up after moving the request {flight.num_moves} times", error_code=503)
+        await self.abort(flight)  # the old attempt, wherever it still runs
+        flight.next_attempt()
+        self.num_moves += 1
+        log.warning("moving request %s (attempt %d, %d tokens delivered): %s", flight.request_id, flight.attempt,
+                    sum(map(len, flight.outputs)), reason, extra={"request_id": flight.request_id})
+        give_up_at = time.monotonic() + self.deadlines.no_workers_s
+        while not await self._dispatch(flight):
+            if time.monotonic() >= give_up_at:
+                return Event(error=f"{reason}; no live workers to move the request to within "
+                                   f"{self.deadlines.no_workers_s:.0f} s ({self.missing() or 'sends failed'})",
+                             error_code=503)
+            await asyncio.sleep(0.1)
+        return None
+
+    async def abort(self, flight: Flight) -> None:
         for identity in {flight.prefill_identity, flight.decode_identity}:
-            await self._send(p.Abort(), identity, rid, flight.trace)
+            await self._send(p.Abort(attempt=flight.attempt), identity, flight.request_id, flight.trace)
 
     async def abort_choice(self, rid: str, choice: int) -> None:
         """One choice of a request still running ended at the gateway (a stop string): free it on decode."""
         flight = self.flights.get(rid)
         if flight is not None:
-            await self._send(p.Abort(choice), flight.decode_identity, rid, flight.trace)
+            await self._send(p.Abort(choice, flight.attempt), flight.decode_identity, rid, flight.trace)
 
     def missing(self) -> str:
-        lacking = [role.name.lower() for role in p.Role if not self.registry.live(role)]
+        lacking = [role.name.lower() for role in p.Role if not self.registry.routable(role)]
         return "no live " + " or ".join(lacking) + " worker" if lacking else ""

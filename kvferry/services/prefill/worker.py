@@ -19,11 +19,18 @@ from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
 log = logging.getLogger("kvferry.prefill")
 RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
 MAX_CHOICES = 128         # n per request: a bound on what one message can make this worker do
-ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again (until the request's deadline)
+ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again
+GIVE_UP_TRANSFER_S = 60.0  # a transfer no decode worker took by then is dropped; the gateway moves the request
+
+
+def attempt_key(request_id: str, attempt: int) -> str:
+    """A worker's own id for one attempt at a request: a moved request can come back to the same worker."""
+    return request_id if attempt == 0 else f"{request_id}~{attempt}"
 
 
 @dataclasses.dataclass
 class Transfer:
+    request_id: str
     seq: Sequence
     request: p.PrefillRequest
     trace: p.TraceContext
@@ -36,10 +43,12 @@ class Transfer:
     retry_at: float = 0.0
     first_sent_at: float = 0.0  # wall clock, for the transfer's span
     num_sends: int = 0
+    ready_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 @dataclasses.dataclass
 class Arrival:
+    request_id: str
     request: p.PrefillRequest
     trace: p.TraceContext
     arrived_at: float          # wall clock
@@ -49,8 +58,8 @@ class Arrival:
 class PrefillWorker(Worker):
     role = p.Role.PREFILL
 
-    def __init__(self, config, gateway, worker_id=None):
-        super().__init__(config, gateway, worker_id, keep_finished_blocks=True)
+    def __init__(self, config, gateway, worker_id=None, **kwargs):
+        super().__init__(config, gateway, worker_id, keep_finished_blocks=True, **kwargs)
         self.requests: dict[str, Arrival] = {}
         self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
@@ -60,6 +69,9 @@ class PrefillWorker(Worker):
         """Monotonic time at which some transfer needs sending again (inf: none)."""
         return min((t.retry_at if not t.sent_at else t.sent_at + ACK_TIMEOUT_S for t in self.transfers.values()),
                    default=float("inf"))
+
+    def holds_requests(self) -> bool:
+        return bool(self.engine.has_unfinished() or self.requests or self.transfers)
 
     def has_work(self) -> bool:
         return self.engine.has_unfinished() or self.next_transfer_due() <= time.monotonic()
@@ -90,24 +102,32 @@ class PrefillWorker(Worker):
 
     def handle(self, channel, peer, env: p.Envelope) -> None:
         msg, rid = env.message, env.request_id
+        key = attempt_key(rid, getattr(msg, "attempt", 0))
         if isinstance(msg, p.PrefillRequest):
+            if key in self.requests or key in self.transfers:
+                return  # a copy: it is being served already
             try:
                 if not 1 <= msg.n <= MAX_CHOICES:
                     raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
+                if msg.resume_token_ids and (msg.n != 1 or msg.choice < 0):
+                    raise InvalidRequest("a resumed request continues exactly one choice")
                 params = sampling_from_wire(msg.sampling)
-                # The prefill worker samples only the first token; the decode worker does the rest.
-                first_only = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-                self.engine.add_request(msg.prompt_token_ids, first_only, request_id=rid)
+                # The prefill worker samples only the next token; the decode worker does the rest.
+                num_done = len(msg.resume_token_ids)
+                next_only = dataclasses.replace(params, max_tokens=num_done + 1,
+                                                min_tokens=min(params.min_tokens, num_done + 1))
+                self.engine.add_request(msg.prompt_token_ids, next_only, request_id=key,
+                                        resume_token_ids=msg.resume_token_ids)
             except InvalidRequest as exc:
-                self.control.send(p.RequestFailed(str(exc), 400), rid, env.trace)
+                self.control.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
                 return
-            self.requests[rid] = Arrival(msg, env.trace, time.time())
+            self.requests[key] = Arrival(rid, msg, env.trace, time.time())
         elif isinstance(msg, p.KVAck):
-            transfer = self.transfers.get(rid)
+            transfer = self.transfers.get(key)
             if transfer is None:
                 return  # a duplicate, or a request given up meanwhile
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
-                self.engine.scheduler.release(self.transfers.pop(rid).seq)
+                self.engine.scheduler.release(self.transfers.pop(key).seq)
                 tracer = self.control.tracer
                 if tracer.enabled:
                     tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
@@ -117,9 +137,9 @@ class PrefillWorker(Worker):
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
         elif isinstance(msg, p.Abort) and msg.choice < 0:  # one choice ends on the decode worker
-            self.engine.abort(rid)
-            self.requests.pop(rid, None)
-            transfer = self.transfers.pop(rid, None)
+            self.engine.abort(key)
+            self.requests.pop(key, None)
+            transfer = self.transfers.pop(key, None)
             if transfer is not None:
                 self.engine.scheduler.release(transfer.seq)
 
@@ -143,59 +163,68 @@ class PrefillWorker(Worker):
         self.send_due_transfers()
 
     def prompt_done(self, seq: Sequence, logprobs) -> None:
-        arrival = self.requests.pop(seq.request_id)
+        key = seq.request_id
+        arrival = self.requests.pop(key)
         request, trace, done_at = arrival.request, arrival.trace, time.time()
+        rid, num_done = arrival.request_id, len(request.resume_token_ids)
         tracer = self.control.tracer
         if tracer.enabled:
-            tracer.span("queue", arrival.arrived_at, arrival.started_at, seq.request_id, tracing.child_of(trace))
-            tracer.span("prefill", arrival.started_at, done_at, seq.request_id, tracing.child_of(trace),
-                        num_prompt_tokens=len(seq.prompt_token_ids))
+            tracer.span("queue", arrival.arrived_at, arrival.started_at, rid, tracing.child_of(trace))
+            tracer.span("prefill", arrival.started_at, done_at, rid, tracing.child_of(trace),
+                        num_prompt_tokens=len(seq.prompt_token_ids), num_resumed_tokens=num_done,
+                        attempt=request.attempt)
         self.num_prompts_prefilled += 1
         params = sampling_from_wire(request.sampling)
         # Choice 0 was sampled with the prompt; the others draw from the same logits, each with its own seed.
         extra = [dataclasses.replace(for_choice(seq.params, i), logprobs=params.logprobs) for i in range(1, request.n)]
         firsts = [(seq.output_token_ids[-1], logprobs), *self.engine.runner.sample_choices(seq, extra)]
-        prompt_logprobs = logprobs_to_wire(self.engine.runner.prompt_logprobs.get(seq.request_id))
+        prompt_logprobs = logprobs_to_wire(self.engine.runner.prompt_logprobs.get(key))
         continuing = []
-        for choice, (token, token_logprobs) in enumerate(firsts):
-            # Judged with the request's own parameters: the engine ran the prompt for its first token alone.
-            ended = self.engine.scheduler.finish_reason(params, token, 1, seq.num_tokens)
+        for i, (token, token_logprobs) in enumerate(firsts):
+            choice = request.choice if request.resume_token_ids else i
+            # Judged with the request's own parameters: the engine ran the prompt for its next token alone.
+            ended = self.engine.scheduler.finish_reason(params, token, num_done + 1, seq.num_tokens)
             reason = -1 if ended is None else int(ended)
             first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
                                  prefill_s=done_at - arrival.started_at,
                                  logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
-                                 prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice)
-            self.control.send(first, seq.request_id, trace)  # TTFT never waits on the transfer
+                                 prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice,
+                                 attempt=request.attempt, start=num_done)
+            self.control.send(first, rid, trace)  # TTFT never waits on the transfer
             if reason < 0:
-                continuing.append(choice)
+                continuing.append((choice, token))
         if not continuing:
             self.engine.scheduler.release(seq)
-            self.engine.forget(seq.request_id)
+            self.engine.forget(key)
             return
         started = time.time()
         keys, values = self.engine.runner.read_blocks(seq.block_table)
         gathered = time.time()
         if tracer.enabled:
-            tracer.span("kv.gather", started, gathered, seq.request_id, tracing.child_of(trace),
-                        num_blocks=len(seq.block_table))
-        self.transfers[seq.request_id] = Transfer(seq, request, trace, keys, values, gathered - started,
-                                                  [firsts[c][0] for c in continuing], continuing)
-        self.engine.forget(seq.request_id)
+            tracer.span("kv.gather", started, gathered, rid, tracing.child_of(trace), num_blocks=len(seq.block_table))
+        self.transfers[key] = Transfer(rid, seq, request, trace, keys, values, gathered - started,
+                                       [t for _, t in continuing], [c for c, _ in continuing])
+        self.engine.forget(key)
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
-        for rid, t in list(self.transfers.items()):
+        for key, t in list(self.transfers.items()):
             if now < (t.sent_at + ACK_TIMEOUT_S if t.sent_at else t.retry_at):
                 continue  # in flight and not yet overdue, or waiting for its retry time
-            if time.time() > t.request.deadline_s:
-                self.control.send(p.RequestFailed("no decode worker took the KV in time", 503), rid, t.trace)
-                self.engine.scheduler.release(self.transfers.pop(rid).seq)
+            rid, attempt = t.request_id, t.request.attempt
+            if now > t.ready_at + GIVE_UP_TRANSFER_S or time.time() > t.request.deadline_s:
+                self.control.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
+                                                  f"in {GIVE_UP_TRANSFER_S:.0f} s", 503, attempt, retry=True),
+                                  rid, t.trace)
+                self.engine.scheduler.release(self.transfers.pop(key).seq)
                 continue
-            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.seq.prompt_token_ids,
+            resumed = t.request.resume_token_ids
+            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
                                output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
-                               num_computed_tokens=len(t.seq.prompt_token_ids),
+                               num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
                                dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
-                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time())
+                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
+                               attempt=attempt, resume_token_ids=resumed)
             # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
             frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
             channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)

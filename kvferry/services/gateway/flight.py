@@ -1,0 +1,126 @@
+"""One request on its way through the workers, as the gateway keeps it: pure state, no sockets.
+
+Workers' messages can arrive twice, late, out of order (a decode worker's tokens may overtake the
+prefill worker's first token) or never. Each token message says where its tokens start in their
+choice's output, so the flight delivers every token exactly once and in order, holds back what
+comes early, and notices a gap. When a worker fails, the flight knows what was delivered, which
+is what a new attempt resumes from.
+"""
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from kvferry.common import protocol as p
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.sequence import FinishReason
+
+
+@dataclass
+class Event:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    error_code: int = 500
+    queue_s: float = 0.0          # on the first token: time queued and computing on the prefill worker
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0    # on the first decode tokens: the KV hop
+    kv_transfer_bytes: int = 0
+    choice: int = 0
+    logprobs: list = field(default_factory=list)         # p.Logprob per token, when asked for
+    prompt_logprobs: list = field(default_factory=list)  # with the first token, when asked for (echo)
+    # Where the tokens start in their choice's output, and which attempt sent them.
+    start: int = 0
+    attempt: int = 0
+    from_decode: bool = False
+    retry: bool = False  # an error that another attempt may get past
+
+
+@dataclass
+class Lost:
+    """Something went wrong on the workers' side; the request moves to other workers, or fails."""
+    reason: str
+    attempt: int
+
+
+@dataclass
+class Flight:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    trace: p.TraceContext
+    n: int = 1
+    attempt: int = 0
+    prefill_identity: bytes = b""
+    decode_identity: bytes = b""
+    outputs: list[list[int]] = field(default_factory=list)   # delivered tokens, per choice
+    finished: list[bool] = field(default_factory=list)
+    early: dict[tuple[int, int], Event] = field(default_factory=dict)  # (choice, start) -> held back
+    early_since: float = 0.0     # monotonic time the oldest held-back event arrived
+    got_first_token: bool = False  # in this attempt
+    decode_started: bool = False   # this attempt's KV landed: tokens came from the decode worker
+    last_progress: float = field(default_factory=time.monotonic)
+    num_moves: int = 0
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def __post_init__(self):
+        self.outputs = [[] for _ in range(self.n)]
+        self.finished = [False] * self.n
+
+    @property
+    def done(self) -> bool:
+        return all(self.finished)
+
+    def involves(self, identity: bytes) -> bool:
+        """Whether this attempt still depends on the worker: the decode worker until the end, the prefill worker
+        until its KV has landed."""
+        return identity == self.decode_identity or (identity == self.prefill_identity and not self.decode_started)
+
+    def accept(self, event: Event) -> list[Event]:
+        """A worker's tokens for this attempt -> the events to deliver now, in order, each token once."""
+        now = time.monotonic()
+        self.last_progress = now
+        self.got_first_token = True
+        self.decode_started |= event.from_decode
+        c = event.choice
+        if self.finished[c]:
+            return []
+        if event.start > len(self.outputs[c]):
+            self.early_since = self.early_since or now
+            self.early[(c, event.start)] = event
+            return []
+        ready = []
+        while event is not None:
+            skip = len(self.outputs[c]) - event.start
+            if skip < len(event.token_ids):  # else every token came already: a repeat
+                event.token_ids, event.logprobs = event.token_ids[skip:], event.logprobs[skip:]
+                event.start += skip
+                self.outputs[c].extend(event.token_ids)
+                self.finished[c] = event.finish_reason is not None
+                ready.append(event)
+            if self.finished[c]:
+                break
+            event = self.early.pop((c, len(self.outputs[c])), None)
+        self.early = {k: e for k, e in self.early.items() if not (k[0] == c and self.finished[c])}
+        self.early_since = self.early_since if self.early else 0.0
+        return ready
+
+    def gap_age(self, now: float) -> float:
+        """How long tokens have waited for a message that has not come (0: none waiting)."""
+        return now - self.early_since if self.early else 0.0
+
+    def can_resume(self) -> bool:
+        """A single choice continues from its delivered tokens; several choices restart only if none has
+        delivered anything (each would need its own prefill)."""
+        return self.n == 1 or not any(self.outputs)
+
+    def next_attempt(self) -> None:
+        """Start a new attempt: forget what is held back; the request continues from what was delivered."""
+        self.attempt += 1
+        self.num_moves += 1
+        self.early.clear()
+        self.early_since = 0.0
+        self.got_first_token = self.decode_started = False
+        self.last_progress = time.monotonic()
+
+    def resume_token_ids(self) -> list[int]:
+        return list(self.outputs[0]) if self.n == 1 else []
