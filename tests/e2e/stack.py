@@ -34,18 +34,18 @@ class Stack:
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env=self.env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env={**self.env, **(env or {})},
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
 
     def start_gateway(self):
         return self.start("gateway", "gateway", "--port", str(self.port), "--control", self.control)
 
-    def start_worker(self, name: str, role: str, *extra: str):
-        return self.start(name, role, "--gateway", self.control, "--worker-id", name, *extra)
+    def start_worker(self, name: str, role: str, *extra: str, env: dict | None = None):
+        return self.start(name, role, "--gateway", self.control, "--worker-id", name, *extra, env=env)
 
     def start_pair(self, prefill: str = "prefill-a", decode: str = "decode-a") -> "Stack":
         """The gateway and one worker of each role, healthy."""
@@ -55,11 +55,13 @@ class Stack:
         self.wait_for(lambda: self.get("/health")[0] == 200, 180, "healthy stack")
         return self
 
-    def stop(self, name: str, sig=signal.SIGKILL) -> None:
+    def stop(self, name: str, sig=signal.SIGKILL, timeout: float = 30) -> int:
+        """Signal the process and wait for it; returns its exit code."""
         proc = self.procs.pop(name)
         if proc.poll() is None:
             os.killpg(proc.pid, sig)
-            proc.wait(timeout=30)
+            proc.wait(timeout=timeout)
+        return proc.returncode
 
     def close(self) -> None:
         for name in list(self.procs):

@@ -96,9 +96,14 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def workers(self, request: Request) -> JSONResponse:
-        return JSONResponse({"workers": [w.as_json() for w in self.core.registry.workers.values()],
-                             "gateway": {"protocol_errors": self.core.control.num_protocol_errors,
-                                         "requests_in_flight": len(self.core.flights)}})
+        core = self.core
+        on = lambda w: sum(w.identity in (f.prefill_identity, f.decode_identity) for f in core.flights.values())
+        return JSONResponse({"workers": [{**w.as_json(), "requests_in_flight": on(w)}
+                                         for w in core.registry.workers.values()],
+                             "gateway": {"protocol_errors": core.control.num_protocol_errors,
+                                         "duplicates_dropped": core.control.num_duplicates,
+                                         "requests_in_flight": len(core.flights), "requests_waiting": core.num_waiting(),
+                                         "moves": core.num_moves, "draining": core.draining}})
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")

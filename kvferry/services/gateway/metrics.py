@@ -49,8 +49,15 @@ class WorkerFigures:
             live.add_metric([role.name.lower()], sum(1 for w in workers if w.role == role))
         in_flight = GaugeMetricFamily("kvferry:gateway_requests_in_flight", "Requests the gateway is serving.")
         in_flight.add_metric([], len(self.core.flights))
+        waiting = GaugeMetricFamily("kvferry:gateway_requests_waiting",
+                                    "Requests routed but without their first token (bounded by --max-waiting).")
+        waiting.add_metric([], self.core.num_waiting())
+        moves = CounterMetricFamily("kvferry:request_moves", "Requests moved to other workers after a failure.")
+        moves.add_metric([], self.core.num_moves)
+        duplicates = CounterMetricFamily("kvferry:duplicate_messages", "Repeated messages the gateway dropped.")
+        duplicates.add_metric([], self.core.control.num_duplicates)
         yield from gauges.values()
-        yield from (preemptions, errors, live, in_flight)
+        yield from (preemptions, errors, live, in_flight, waiting, moves, duplicates)
 
 
 class GatewayMetrics:

@@ -1,0 +1,236 @@
+"""Failures on purpose: workers killed mid-request, stuck, shut down; messages dropped, repeated and delayed;
+overload; garbage on the sockets. Real processes, real sockets, real HTTP. The worker under test is started and
+killed by the test itself (not by honcho, which stops everything when one child exits)."""
+import concurrent.futures
+import os
+import random
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from kvferry.common import protocol as p
+from tests.e2e.stack import Stack
+
+pytestmark = pytest.mark.slow
+PROMPTS = [f"Story {i}: once upon a time, in a land of {thing}," for i, thing in enumerate(
+    ["rivers", "mountains", "clocks", "glass", "salt", "paper", "owls", "bells", "ice", "sand", "wool", "ink",
+     "lamps", "moss", "iron", "silk"])]
+BODY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
+FAST_FAILOVER = {"KVFERRY_STEP_TIMEOUT": "10", "KVFERRY_FIRST_TOKEN_TIMEOUT": "30"}
+# The gateway routes to the decode worker with the most free blocks: one with a smaller cache gets nothing
+# while a bigger one is live, so the test knows where every stream is until it kills the bigger one.
+SMALL_CACHE = {"KVFERRY_KV_CACHE_MEMORY": "128MiB"}
+
+
+def completion(stack: Stack, prompt: str, **extra) -> str:
+    status, reply = stack.post("/v1/completions", {**BODY, "prompt": prompt, **extra}, timeout=180)
+    assert status == 200, reply
+    return reply["choices"][0]["text"]
+
+
+def streamed(stack: Stack, prompt: str, **extra) -> str:
+    events = stack.stream("/v1/completions", {**BODY, "prompt": prompt, **extra}, timeout=180)
+    assert events[-1] == "[DONE]", events[-3:]
+    errors = [e for e in events[:-1] if "error" in e]
+    assert not errors, errors
+    return "".join(c["text"] for e in events[:-1] for c in e["choices"])
+
+
+def in_flight_on(stack: Stack, name: str) -> int:
+    return stack.workers().get(name, {}).get("requests_in_flight", 0)
+
+
+def wait_blocks_free(stack: Stack, timeout: float = 30) -> None:
+    """Every live worker's heartbeat says all its blocks are free: nothing leaked."""
+    def all_free():
+        workers = stack.workers()
+        return workers and all(w["free_blocks"] == w["num_blocks"] for w in workers.values())
+    stack.wait_for(all_free, timeout, f"every block free: {stack.workers()}")
+
+
+def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
+    """Five rounds, each SIGKILLs the decode worker holding 8 streams at a different moment; every stream
+    completes with the text it has without a failure, and nothing leaks."""
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair(decode="decode-0")
+    stack.start_worker("survivor", "decode", env=SMALL_CACHE)
+    stack.wait_workers({"survivor"})
+    prompts, moves = PROMPTS[:8], 0
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reference = list(pool.map(lambda prompt: completion(stack, prompt, max_tokens=64), prompts))
+        for round, delay in enumerate([0.0, 0.3, 0.6, 0.9, 1.2]):  # from mid-transfer to late in the streams
+            victim = f"decode-{round}"
+            streams = [pool.submit(streamed, stack, prompt, max_tokens=64) for prompt in prompts]
+            stack.wait_for(lambda: in_flight_on(stack, victim) == 8, 30, f"8 streams on {victim}")
+            time.sleep(delay)
+            stack.stop(victim)  # SIGKILL
+            assert [s.result(timeout=240) for s in streams] == reference, f"round {round}"
+            moved, moves = stack.get("/v1/workers")[1]["gateway"]["moves"] - moves, moves
+            moves += moved
+            assert moved >= 1, f"round {round}: the streams ended before the kill; nothing was tested"
+            stack.start_worker(f"decode-{round + 1}", "decode")
+            stack.wait_workers({f"decode-{round + 1}"})
+    wait_blocks_free(stack)
+
+
+def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack):
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair()
+    stack.start_worker("prefill-b", "prefill")
+    stack.wait_workers({"prefill-b"})
+    long_prompts = [prompt * 12 for prompt in PROMPTS]  # about 200 tokens each: a queue builds up
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        reference = list(pool.map(lambda prompt: completion(stack, prompt, max_tokens=8), long_prompts))
+        calls = [pool.submit(completion, stack, prompt, max_tokens=8) for prompt in long_prompts]
+        stack.wait_for(lambda: in_flight_on(stack, "prefill-a") >= 4, 30, "requests queued on prefill-a")
+        stack.stop("prefill-a")
+        assert [c.result(timeout=240) for c in calls] == reference
+    status, info = stack.get("/v1/workers")
+    assert info["gateway"]["moves"] >= 1 and "prefill-a" not in stack.workers()
+    wait_blocks_free(stack)
+
+
+@pytest.fixture(scope="module")
+def chaos_reference():
+    from kvferry.common.config import EngineConfig
+    from kvferry.common.engine import LLMEngine
+    from kvferry.common.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 2**20))
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    return {prompt: out.text for prompt, out in zip(PROMPTS, outs)}
+
+
+def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, chaos_reference):
+    """200 requests while every process drops, repeats and delays its messages."""
+    faults = {"KVFERRY_FAULTS": "drop=0.02,dup=0.02,delay_ms=5,seed=7", "KVFERRY_STEP_TIMEOUT": "4",
+              "KVFERRY_FIRST_TOKEN_TIMEOUT": "15", "KVFERRY_REQUEST_TIMEOUT": "90", "KVFERRY_MAX_MOVES": "5"}
+    stack = make_stack(extra_env=faults).start_pair()
+    stack.start_worker("decode-b", "decode")
+    stack.wait_workers({"decode-b"})
+    rng = random.Random(1)
+    prompts = [rng.choice(PROMPTS) for _ in range(200)]
+
+    def ask(prompt):
+        started = time.monotonic()
+        status, reply = stack.post("/v1/completions", {**BODY, "max_tokens": 12, "prompt": prompt}, timeout=150)
+        return prompt, status, reply, time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        results = list(pool.map(ask, prompts))
+    completed = [r for r in results if r[1] == 200]
+    failed = [r for r in results if r[1] != 200]
+    wrong = [(prompt, reply["choices"][0]["text"]) for prompt, _, reply, _ in completed
+             if reply["choices"][0]["text"] != chaos_reference[prompt]]
+    assert not wrong, wrong[:3]
+    for _, status, reply, _ in failed:  # a clear error: a server status with a message saying what happened
+        assert status in (503, 504) and reply["error"]["message"], reply
+    assert max(r[3] for r in results) < 100, "a request outlived its deadline"
+    assert len(completed) >= 180, [r[2] for r in failed][:5]
+    wait_blocks_free(stack, 60)
+    status, info = stack.get("/v1/workers")
+    print(f"\nchaos: {len(completed)} completed, {len(failed)} failed "
+          f"({sorted({r[2]['error']['message'][:60] for r in failed})}), gateway {info['gateway']}")
+
+
+def test_a_stuck_step_loop_is_reported_and_its_requests_move(make_stack):
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair(decode="decode-stuck")
+    stack.start_worker("decode-b", "decode", env=SMALL_CACHE)
+    stack.wait_workers({"decode-b"})
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        reference = list(pool.map(lambda prompt: completion(stack, prompt), PROMPTS[:8]))
+    stack.stop("decode-stuck")
+    # Its loop sleeps 60 s at its 10th step: alive, heartbeating from its own thread, but stuck.
+    stack.start_worker("decode-stuck", "decode", "--stall-timeout", "2",
+                       env={"KVFERRY_FAULTS": "stall_after_steps=10,stall_s=60"})
+    stack.wait_workers({"decode-stuck"})
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+        streams = [pool.submit(streamed, stack, prompt) for prompt in PROMPTS[:8]]
+        assert [s.result(timeout=120) for s in streams] == reference
+    assert "stuck" in stack.log("gateway") and "decode-stuck" not in stack.workers()
+    assert stack.procs["decode-stuck"].poll() is None, "the stuck worker is alive: only its loop stopped"
+
+
+def test_sigterm_drains_the_gateway(make_stack):
+    stack = make_stack().start_pair()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        streams = [pool.submit(streamed, stack, prompt) for prompt in PROMPTS[:4]]
+        stack.wait_for(lambda: stack.get("/v1/workers")[1]["gateway"]["requests_in_flight"] == 4, 30, "4 in flight")
+        os.killpg(stack.procs["gateway"].pid, signal.SIGTERM)
+        stack.wait_for(lambda: stack.get("/health")[0] == 503, 10, "health 503 while draining")
+        status, reply = stack.post("/v1/completions", {**BODY, "prompt": "late"})
+        assert status == 503 and "shutting down" in reply["error"]["message"]
+        texts = [s.result(timeout=120) for s in streams]
+    assert all(texts) and stack.stop("gateway", sig=0, timeout=30) == 0
+
+
+def test_sigterm_drains_a_worker_without_losing_its_requests(make_stack):
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair()
+    stack.start_worker("decode-b", "decode", env=SMALL_CACHE)
+    stack.wait_workers({"decode-b"})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        reference = list(pool.map(lambda prompt: completion(stack, prompt), PROMPTS[:8]))
+        streams = [pool.submit(streamed, stack, prompt) for prompt in PROMPTS[:8]]
+        stack.wait_for(lambda: in_flight_on(stack, "decode-a") == 8, 30, "8 streams on decode-a")
+        assert stack.stop("decode-a", sig=signal.SIGTERM, timeout=60) == 0
+        assert [s.result(timeout=120) for s in streams] == reference
+    assert "decode-a" not in stack.workers() and "draining" in stack.log("decode-a")
+
+
+def test_past_max_waiting_requests_get_429_and_the_accepted_ones_complete(make_stack):
+    stack = make_stack(extra_env={"KVFERRY_MAX_WAITING": "3"}).start_pair()
+    reference = completion(stack, PROMPTS[0], max_tokens=16)
+
+    def ask(_):
+        status, headers, reply = stack.exchange("/v1/completions", {**BODY, "prompt": PROMPTS[0], "max_tokens": 16})
+        return status, headers, reply
+
+    with concurrent.futures.ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(ask, range(24)))
+    refused = [r for r in results if r[0] == 429]
+    accepted = [r for r in results if r[0] == 200]
+    assert refused and accepted and len(refused) + len(accepted) == 24
+    assert all(r[1].get("retry-after") == "1" and r[2]["error"]["type"] == "rate_limit_error" for r in refused)
+    assert all(r[2]["choices"][0]["text"] == reference for r in accepted)
+
+
+def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
+    stack = make_stack().start_pair()
+    reference = completion(stack, PROMPTS[0], max_tokens=8)
+    kv_address = stack.workers()["decode-a"]["kv_address"]
+    rng = random.Random(5)
+    valid = p.encode(p.Tokens([1], start=0), "x")[0]
+    ctx = zmq.Context.instance()
+    sent = 0
+    for address in (stack.control, kv_address):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(address)
+        for i in range(5000):
+            kind = i % 5
+            if kind == 0:  # random bytes
+                frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 3))]
+            elif kind == 1:  # truncated
+                frames = [valid[:rng.randint(0, len(valid) - 1)]]
+            elif kind == 2:  # wrong version
+                frames = [msgpack.packb([int(p.Kind.TOKENS), 99, "x", {}, {"token_ids": [1]}])]
+            elif kind == 3:  # a KV transfer whose frames do not match its header
+                frames = [p.encode(p.KVTransfer("p", [1], [2], [0], p.Sampling(1, 0.0, 1.0, 0, None, False, []), 1,
+                                                "float32", [1, 1, 16, 1, 64], 1e12), "x", frames=[b"", b""])[0],
+                          b"\0" * 10, b"\0" * 10]
+            elif i % 1000 == 4:  # an oversized header (a few: each is a megabyte)
+                frames = [b"\x95" + b"\0" * (p.MAX_HEADER_BYTES + 1)]
+            else:  # an unknown kind
+                frames = [msgpack.packb([77, p.PROTOCOL_VERSION, "x", {}, {}])]
+            sock.send_multipart(frames)
+            sent += 1
+        sock.close()
+    assert sent == 10_000
+
+    def counted():
+        workers, gateway = stack.workers(), stack.get("/v1/workers")[1]["gateway"]
+        return gateway["protocol_errors"] >= 5000 and workers["decode-a"]["protocol_errors"] >= 5000
+    stack.wait_for(counted, 60, "protocol errors counted")
+    assert completion(stack, PROMPTS[0], max_tokens=8) == reference
+    assert all(proc.poll() is None for proc in stack.procs.values())
