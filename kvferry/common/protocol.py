@@ -113,6 +113,7 @@ class RegisterReply:
     accepted: bool
     reason: str = ""
     heartbeat_interval_s: float = 1.0
+    gateway_id: str = ""  # the gateway's name for itself: replies about its requests go back to it
 
 
 @dataclass
@@ -179,6 +180,7 @@ class KVTransfer:
     sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
     attempt: int = 0
     resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV
+    gateway_id: str = ""  # the gateway the request came from: the decode worker streams the tokens there
 
 
 @dataclass

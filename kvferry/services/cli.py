@@ -187,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     for role, func in (("prefill", cmd_prefill), ("decode", cmd_decode)):
         p = sub.add_parser(role, help=f"one {role} worker")
         p.add_argument("--gateway", default=env("KVFERRY_GATEWAY", "tcp://127.0.0.1:5557"),
-                       help="the gateway's control address")
+                       help="the gateway's control address; several, comma-separated, to serve gateways that share "
+                            "this worker")
         p.add_argument("--worker-id", default=env("KVFERRY_WORKER_ID"))
         p.add_argument("--stall-timeout", type=float, default=env("KVFERRY_STALL_TIMEOUT", "30"),
                        help="report unhealthy (the gateway moves the requests) when the step loop is stuck this long")

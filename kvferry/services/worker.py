@@ -5,12 +5,14 @@ registers (role, id, model, dtype, block size, KV capacity, and for a decode wor
 address its KV ingress listens on) and then heartbeats its live stats. Its loop polls its
 sockets, handles messages, and runs one engine step whenever there is work.
 
+A worker may be given several gateways (comma-separated): it registers with each and serves all of
+them, replying to whichever sent the request (services/gateway_link.py).
+
 Heartbeats come from their own thread, so a long step does not look like death; but a loop that
 has not come round for `stall_timeout_s` is reported unhealthy, and the gateway moves its requests.
 On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it), finishes what it
 holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
 """
-import itertools
 import logging
 import os
 import socket
@@ -20,7 +22,7 @@ import uuid
 
 import zmq
 
-from kvferry.common import faults
+from kvferry.common import faults, tracing
 from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
@@ -28,9 +30,9 @@ from kvferry.common.errors import InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
+from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
-REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; the last repeats
 UNKNOWN_WORKER = "unknown worker: register again"
 
 
@@ -74,22 +76,20 @@ class Worker:
     role: p.Role
     num_prompts_prefilled = 0
 
-    def __init__(self, config: EngineConfig, gateway: str, worker_id: str | None = None,
+    def __init__(self, config: EngineConfig, gateway: str | list[str], worker_id: str | None = None,
                  keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0):
         self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
-        self.gateway_address = gateway
         self.ctx = zmq.Context.instance()
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(gateway)
-        self.control = Channel(sock, f"{self.worker_id}/control", peer_name="gateway")
+        self.links = [GatewayLink(self.ctx, address, self.worker_id) for address in parse_gateways(gateway)]
+        if not self.links:
+            raise KvferryError("a worker needs at least one gateway address (--gateway)")
         self.poller = zmq.Poller()
-        self.poller.register(sock, zmq.POLLIN)
+        for link in self.links:
+            self.poller.register(link.channel.socket, zmq.POLLIN)
+        self.tracer = tracing.tracer()
         self.heartbeat_interval_s = 1.0
         self.running = True
-        self.must_register = False
         self.latest_stats: p.WorkerStats | None = None
         self.stall_timeout_s, self.drain_timeout_s = stall_timeout_s, drain_timeout_s
         self.loop_at = time.monotonic()  # the step loop's latest turn, read by the heartbeat thread
@@ -97,42 +97,34 @@ class Worker:
         self.fault_spec = faults.from_env()
         self.num_loop_steps = 0
 
-    # -- registry ------------------------------------------------------------------------------------------
+    # -- gateways ------------------------------------------------------------------------------------------
     def kv_address(self) -> str:
         return ""
 
-    def register(self) -> None:
-        """Register, again and again with backoff until the gateway answers (it may start later, or a message may
-        be lost); a refusal is final."""
+    def register_message(self) -> p.Register:
         engine = self.engine
-        message = p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
-                             dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.config.block_size,
-                             num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
-                             kv_address=self.kv_address())
-        for attempt in itertools.count(1):
-            self.control.send(message)
-            wait_s = REGISTER_RETRY_S[min(attempt, len(REGISTER_RETRY_S)) - 1]
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline:
-                self.loop_at = time.monotonic()  # waiting on the gateway is not a stuck step loop
-                if not self.control.socket.poll(timeout=100):
-                    continue
-                received = self.control.recv()
-                if received is None:
-                    continue
-                if not isinstance(received[1].message, p.RegisterReply):
-                    self.handle(self.control, *received)  # re-registering: what arrives meanwhile still counts
-                    continue
-                reply = received[1].message
-                if not reply.accepted:
-                    if reply.reason == UNKNOWN_WORKER:
-                        continue  # an answer to a heartbeat sent before this registration
-                    raise KvferryError(f"the gateway refused {self.worker_id}: {reply.reason}")
-                self.heartbeat_interval_s = reply.heartbeat_interval_s
-                log.info("%s registered with %s", self.worker_id, self.gateway_address)
-                return
-            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again", self.worker_id,
-                        self.gateway_address, attempt)
+        return p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
+                          dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.config.block_size,
+                          num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
+                          kv_address=self.kv_address())
+
+    def link_of(self, channel: Channel) -> GatewayLink | None:
+        return next((link for link in self.links if link.channel is channel), None)
+
+    def link_named(self, gateway_id: str) -> GatewayLink | None:
+        """The link to the gateway of that name; with one gateway, that one (a peer may not name it)."""
+        if len(self.links) == 1:
+            return self.links[0]
+        return next((link for link in self.links if link.registered and link.gateway_id == gateway_id), None)
+
+    def on_register_reply(self, link: GatewayLink, reply: p.RegisterReply) -> None:
+        if reply.accepted:
+            link.accepted(reply)
+            self.heartbeat_interval_s = reply.heartbeat_interval_s  # gateways sharing workers set the same
+        elif reply.reason == UNKNOWN_WORKER:
+            link.must_register()  # it forgot us (a restart, or a silence it took for death)
+        else:
+            raise KvferryError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
 
     def stats(self) -> p.WorkerStats:
         sch = self.engine.scheduler
@@ -145,29 +137,38 @@ class Worker:
             num_prompts_prefilled=self.num_prompts_prefilled)
 
     def num_protocol_errors(self) -> int:
-        return self.control.num_protocol_errors
+        return sum(link.channel.num_protocol_errors for link in self.links)
 
     def _heartbeat_loop(self) -> None:
-        """Own thread, own socket: a long step (a big prefill on one core) must not look like a dead worker.
+        """Own thread, own sockets: a long step (a big prefill on one core) must not look like a dead worker.
         The main loop publishes its stats after every step; this thread only reads that snapshot."""
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.gateway_address)
-        channel = Channel(sock, f"{self.worker_id}/heartbeat", peer_name="gateway")
+        channels = {link: Channel(link.heartbeat_socket(self.ctx), f"{self.worker_id}/heartbeat", peer_name="gateway")
+                    for link in self.links}
+        link_of = {channel.socket: link for link, channel in channels.items()}
+        poller = zmq.Poller()
+        for channel in channels.values():
+            poller.register(channel.socket, zmq.POLLIN)
         try:
             while self.running:
                 healthy = time.monotonic() - self.loop_at < self.stall_timeout_s
                 if not healthy:
                     log.error("%s: the step loop has not come round for %.0f s: reporting unhealthy", self.worker_id,
                               time.monotonic() - self.loop_at)
-                channel.send(p.Heartbeat(self.worker_id, self.latest_stats, healthy))
-                if sock.poll(timeout=int(self.heartbeat_interval_s * 1000)):
-                    received = channel.recv()
-                    # The gateway dropped us (say, after a network partition): register again.
-                    if received and isinstance(received[1].message, p.RegisterReply) and not received[1].message.accepted:
-                        self.must_register = True
+                for link, channel in channels.items():
+                    if link.registered:
+                        channel.send(p.Heartbeat(self.worker_id, self.latest_stats, healthy))
+                due = time.monotonic() + self.heartbeat_interval_s
+                while (left := due - time.monotonic()) > 0:
+                    for sock, _ in poller.poll(int(left * 1000) + 1):
+                        link = link_of[sock]
+                        received = channels[link].recv()
+                        # The gateway dropped us (say, after a network partition): register again.
+                        if received and isinstance(received[1].message, p.RegisterReply) \
+                                and received[1].message.reason == UNKNOWN_WORKER:
+                            link.must_register()
         finally:
-            channel.close()
+            for channel in channels.values():
+                channel.close()
 
     # -- loop ----------------------------------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -177,29 +178,29 @@ class Worker:
         return int(self.heartbeat_interval_s * 1000 / 2)
 
     def serve_forever(self) -> None:
-        self.register()
+        register = self.register_message()
         self.latest_stats, stats_due = self.stats(), 0.0
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         heartbeats.start()
         drain_until = None
         try:
             while self.running:
-                self.loop_at = time.monotonic()
+                now = self.loop_at = time.monotonic()
+                if not self.stop_requested:
+                    for link in self.links:
+                        link.register_if_due(register, now)
                 timeout = 0 if self.has_work() else self.idle_wait_ms()
                 for sock, _ in self.poller.poll(timeout):
                     self.drain(sock)
                 if self.has_work():
                     self.step()
                     self.maybe_stall()
-                if self.must_register and not self.stop_requested:
-                    self.must_register = False
-                    self.register()
                 now = time.monotonic()
                 if now >= stats_due:  # the heartbeat thread only needs a fresh snapshot each half interval
                     self.latest_stats, stats_due = self.stats(), now + self.heartbeat_interval_s / 2
                 if self.stop_requested and drain_until is None:
                     log.info("%s: draining (at most %.0f s)", self.worker_id, self.drain_timeout_s)
-                    self.control.send(p.Deregister(self.worker_id))
+                    self.tell_gateways(p.Deregister(self.worker_id))
                     drain_until = now + self.drain_timeout_s
                 if drain_until is not None and (not self.holds_requests() or now >= drain_until):
                     if self.holds_requests():
@@ -208,9 +209,14 @@ class Worker:
         finally:
             self.running = False
             if drain_until is not None:
-                self.control.send(p.Deregister(self.worker_id, final=True))
+                self.tell_gateways(p.Deregister(self.worker_id, final=True))
             heartbeats.join(timeout=5)
             self.close()
+
+    def tell_gateways(self, message) -> None:
+        for link in self.links:
+            if link.registered:
+                link.channel.send(message)
 
     def holds_requests(self) -> bool:
         """Whether something here would be lost if the process ended now."""
@@ -231,14 +237,22 @@ class Worker:
             received = channel.recv()
             if received is None:
                 continue
+            peer, env = received
             try:
-                self.handle(channel, *received)
+                if isinstance(env.message, p.RegisterReply):
+                    link = self.link_of(channel)
+                    if link is not None:
+                        self.on_register_reply(link, env.message)
+                    continue
+                self.handle(channel, peer, env)
+            except KvferryError:
+                raise
             except Exception:  # one bad message must not take the worker down
-                log.exception("%s: while handling %s", self.worker_id, type(received[1].message).__name__,
-                              extra={"request_id": received[1].request_id})
+                log.exception("%s: while handling %s", self.worker_id, type(env.message).__name__,
+                              extra={"request_id": env.request_id})
 
     def channel_for(self, sock) -> Channel:
-        return self.control
+        return next(link.channel for link in self.links if link.channel.socket is sock)
 
     def handle(self, channel: Channel, peer, env: p.Envelope) -> None:
         raise NotImplementedError
@@ -247,4 +261,5 @@ class Worker:
         raise NotImplementedError
 
     def close(self) -> None:
-        self.control.close()
+        for link in self.links:
+            link.close()

@@ -236,3 +236,22 @@ def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
     stack.wait_for(counted, 60, "protocol errors counted")
     assert completion(stack, PROMPTS[0], max_tokens=8) == reference
     assert all(proc.poll() is None for proc in stack.procs.values())
+
+
+def test_two_gateways_share_one_pool_of_workers(make_stack):
+    first, second = make_stack(), make_stack()
+    first.start_gateway()
+    second.start_gateway()
+    both = f"{first.control},{second.control}"
+    first.start_worker("prefill-a", "prefill", "--gateway", both)
+    first.start_worker("decode-a", "decode", "--gateway", both)
+    for stack in (first, second):
+        stack.wait_workers({"prefill-a", "decode-a"})
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        one = pool.map(lambda prompt: completion(first, prompt, max_tokens=12), PROMPTS[:4])
+        two = pool.map(lambda prompt: streamed(second, prompt, max_tokens=12), PROMPTS[:4])
+        texts = list(one)
+        assert list(two) == texts
+    first.stop("gateway")  # the workers go on serving the other one
+    assert [completion(second, prompt, max_tokens=12) for prompt in PROMPTS[:4]] == texts
+    assert all(proc.poll() is None for proc in first.procs.values())

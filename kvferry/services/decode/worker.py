@@ -13,6 +13,7 @@ from kvferry.common.bind_check import warn_if_exposed
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
+from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.prefill.worker import attempt_key
 from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, sampling_from_wire
 
@@ -47,6 +48,7 @@ class DecodeWorker(Worker):
         # Keyed by attempt (attempt_key): a request moved off a failed decode worker can come back here.
         self.traces: dict[str, p.TraceContext] = {}
         self.origin: dict[str, tuple[str, int]] = {}  # attempt key -> (request id, attempt), for its messages
+        self.link_for: dict[str, GatewayLink] = {}    # attempt key -> the gateway its tokens go to
         # A request's choices run as sequences of their own: engine id -> (attempt key, choice), and back.
         self.choice_of: dict[str, tuple[str, int]] = {}
         self.engine_ids: dict[str, list[str]] = {}
@@ -61,10 +63,10 @@ class DecodeWorker(Worker):
         return self.advertised_kv
 
     def channel_for(self, sock) -> Channel:
-        return self.kv_in if sock is self.kv_in.socket else self.control
+        return self.kv_in if sock is self.kv_in.socket else super().channel_for(sock)
 
     def num_protocol_errors(self) -> int:
-        return self.control.num_protocol_errors + self.kv_in.num_protocol_errors
+        return super().num_protocol_errors() + self.kv_in.num_protocol_errors
 
     def handle(self, channel, peer, env: p.Envelope) -> None:
         msg = env.message
@@ -106,6 +108,7 @@ class DecodeWorker(Worker):
             self.choice_of.pop(engine_id, None)
         self.traces.pop(rid, None)
         self.origin.pop(rid, None)
+        self.link_for.pop(rid, None)
         self.transfer_s.pop(rid, None)
         now = time.monotonic()
         self.tombstones[rid] = now + TOMBSTONE_S
@@ -121,6 +124,10 @@ class DecodeWorker(Worker):
 
         if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
             ack(True)
+            return
+        link = self.link_named(msg.gateway_id)
+        if link is None:  # a gateway this worker does not serve: nobody would read the tokens
+            ack(False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", retry=False)
             return
         received_at, started = time.time(), time.perf_counter()
         try:
@@ -145,7 +152,7 @@ class DecodeWorker(Worker):
             self.bury(rid)
             ack(False, f"refused: {exc}", retry=False)
             code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-            self.control.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
+            link.channel.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
                               env.request_id, env.trace)
             return
         if not placed:
@@ -153,6 +160,7 @@ class DecodeWorker(Worker):
             return
         self.traces[rid] = env.trace
         self.origin[rid] = (env.request_id, msg.attempt)
+        self.link_for[rid] = link
         self.engine_ids[rid] = engine_ids
         self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
         self.cancelled_choices.pop(rid, None)
@@ -161,8 +169,8 @@ class DecodeWorker(Worker):
         hop_s = placed_at - msg.sent_at if msg.sent_at else time.perf_counter() - started
         num_bytes = keys.nbytes + values.nbytes
         self.transfer_s[rid] = (msg.gather_s + max(0.0, hop_s), num_bytes)
-        if self.kv_in.tracer.enabled:
-            self.kv_in.tracer.span("kv.transfer_in", received_at, placed_at, env.request_id,
+        if self.tracer.enabled:
+            self.tracer.span("kv.transfer_in", received_at, placed_at, env.request_id,
                                    tracing.child_of(env.trace), bytes=num_bytes, num_blocks=msg.shape[1],
                                    prefill=msg.prefill_worker_id, attempt=msg.attempt)
         ack(True)
@@ -172,7 +180,7 @@ class DecodeWorker(Worker):
         outputs = self.engine.step()
         if self.engine.last_plan.chunks:
             self.num_steps += 1
-            if self.control.tracer.enabled:
+            if self.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         for out in outputs:
             key, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
@@ -182,7 +190,9 @@ class DecodeWorker(Worker):
             start = len(out.output_token_ids) - len(out.new_token_ids)
             tokens = p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes, logprobs_to_wire(out.new_logprobs),
                               choice, attempt, start)
-            self.control.send(tokens, rid, self.traces.get(key))
+            link = self.link_for.get(key)
+            if link is not None:
+                link.channel.send(tokens, rid, self.traces.get(key))
             if out.finished:
                 self.drop_choice(key, out.request_id)
 
@@ -190,7 +200,7 @@ class DecodeWorker(Worker):
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
         keys = (self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
         rids = dict.fromkeys(self.origin.get(k, (k,))[0] for k in keys)
-        self.control.tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
+        self.tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
                                  step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
                                  num_preempted=len(plan.preempted), rids=list(rids))
 

@@ -62,6 +62,7 @@ class GatewayCore:
         self.max_waiting = max_waiting  # requests routed but without a first token; 0: unbounded
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
         self.draining = False
         self.num_moves = 0
         self._told_to_abort: dict[tuple[str, int], float] = {}  # (request id, attempt) -> when
@@ -109,15 +110,15 @@ class GatewayCore:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
                 log.info("worker %s joined as %s", msg.worker_id, p.Role(msg.role).name.lower())
-            await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s), peer,
-                             parent=env.trace)
+            await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s,
+                                             self.gateway_id), peer, parent=env.trace)
         elif isinstance(msg, p.Heartbeat):
             if not msg.healthy and msg.worker_id in self.registry.workers:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
-                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s), peer,
-                                 parent=env.trace)
+                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s,
+                                                 self.gateway_id), peer, parent=env.trace)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
             if worker is not None and worker.identity == peer:

@@ -14,6 +14,7 @@ from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import Sequence
 from kvferry.common.transport import Channel
+from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger("kvferry.prefill")
@@ -31,6 +32,7 @@ def attempt_key(request_id: str, attempt: int) -> str:
 @dataclasses.dataclass
 class Transfer:
     request_id: str
+    link: GatewayLink  # the gateway the request came from
     seq: Sequence
     request: p.PrefillRequest
     trace: p.TraceContext
@@ -49,6 +51,7 @@ class Transfer:
 @dataclasses.dataclass
 class Arrival:
     request_id: str
+    link: GatewayLink
     request: p.PrefillRequest
     trace: p.TraceContext
     arrived_at: float          # wall clock
@@ -82,13 +85,13 @@ class PrefillWorker(Worker):
         return max(1, int(min(until_due, self.heartbeat_interval_s / 2) * 1000))
 
     def num_protocol_errors(self) -> int:
-        return self.control.num_protocol_errors + sum(c.num_protocol_errors for c in self.decode_channels.values())
+        return super().num_protocol_errors() + sum(c.num_protocol_errors for c in self.decode_channels.values())
 
     def channel_for(self, sock) -> Channel:
         for channel in self.decode_channels.values():
             if channel.socket is sock:
                 return channel
-        return self.control
+        return super().channel_for(sock)
 
     def decode_channel(self, address: str, peer: str) -> Channel:
         if address not in self.decode_channels:
@@ -104,8 +107,9 @@ class PrefillWorker(Worker):
         msg, rid = env.message, env.request_id
         key = attempt_key(rid, getattr(msg, "attempt", 0))
         if isinstance(msg, p.PrefillRequest):
-            if key in self.requests or key in self.transfers:
-                return  # a copy: it is being served already
+            link = self.link_of(channel)
+            if link is None or key in self.requests or key in self.transfers:
+                return  # not from a gateway, or a copy of one being served already
             try:
                 if not 1 <= msg.n <= MAX_CHOICES:
                     raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
@@ -119,18 +123,17 @@ class PrefillWorker(Worker):
                 self.engine.add_request(msg.prompt_token_ids, next_only, request_id=key,
                                         resume_token_ids=msg.resume_token_ids)
             except InvalidRequest as exc:
-                self.control.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
+                link.channel.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
                 return
-            self.requests[key] = Arrival(rid, msg, env.trace, time.time())
+            self.requests[key] = Arrival(rid, link, msg, env.trace, time.time())
         elif isinstance(msg, p.KVAck):
             transfer = self.transfers.get(key)
             if transfer is None:
                 return  # a duplicate, or a request given up meanwhile
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
-                tracer = self.control.tracer
-                if tracer.enabled:
-                    tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
+                if self.tracer.enabled:
+                    self.tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
                                 tracing.child_of(transfer.trace), bytes=transfer.keys.nbytes + transfer.values.nbytes,
                                 sends=transfer.num_sends, accepted=msg.accepted,
                                 decode=transfer.request.decode_worker_id)
@@ -154,8 +157,8 @@ class PrefillWorker(Worker):
                         arrival.started_at = started
                 sampled = self.engine.runner.execute(plan)
                 logprobs = {id(c.seq): lp for c, lp in zip(plan.chunks, self.engine.runner.last_logprobs)}
-                if self.control.tracer.enabled:
-                    self.control.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
+                if self.tracer.enabled:
+                    self.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
                                              num_tokens=plan.num_tokens,
                                              rids=[c.seq.request_id for c in plan.chunks])
                 for seq in self.engine.scheduler.update(plan, sampled):
@@ -167,7 +170,7 @@ class PrefillWorker(Worker):
         arrival = self.requests.pop(key)
         request, trace, done_at = arrival.request, arrival.trace, time.time()
         rid, num_done = arrival.request_id, len(request.resume_token_ids)
-        tracer = self.control.tracer
+        tracer = self.tracer
         if tracer.enabled:
             tracer.span("queue", arrival.arrived_at, arrival.started_at, rid, tracing.child_of(trace))
             tracer.span("prefill", arrival.started_at, done_at, rid, tracing.child_of(trace),
@@ -190,7 +193,7 @@ class PrefillWorker(Worker):
                                  logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
                                  prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice,
                                  attempt=request.attempt, start=num_done)
-            self.control.send(first, rid, trace)  # TTFT never waits on the transfer
+            arrival.link.channel.send(first, rid, trace)  # TTFT never waits on the transfer
             if reason < 0:
                 continuing.append((choice, token))
         if not continuing:
@@ -202,7 +205,7 @@ class PrefillWorker(Worker):
         gathered = time.time()
         if tracer.enabled:
             tracer.span("kv.gather", started, gathered, rid, tracing.child_of(trace), num_blocks=len(seq.block_table))
-        self.transfers[key] = Transfer(rid, seq, request, trace, keys, values, gathered - started,
+        self.transfers[key] = Transfer(rid, arrival.link, seq, request, trace, keys, values, gathered - started,
                                        [t for _, t in continuing], [c for c, _ in continuing])
         self.engine.forget(key)
 
@@ -213,7 +216,7 @@ class PrefillWorker(Worker):
                 continue  # in flight and not yet overdue, or waiting for its retry time
             rid, attempt = t.request_id, t.request.attempt
             if now > t.ready_at + GIVE_UP_TRANSFER_S or time.time() > t.request.deadline_s:
-                self.control.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
+                t.link.channel.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
                                                   f"in {GIVE_UP_TRANSFER_S:.0f} s", 503, attempt, retry=True),
                                   rid, t.trace)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
@@ -224,7 +227,7 @@ class PrefillWorker(Worker):
                                num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
                                dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
                                deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
-                               attempt=attempt, resume_token_ids=resumed)
+                               attempt=attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id)
             # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
             frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
             channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)

@@ -1,0 +1,64 @@
+"""A worker's connection to one gateway: its control socket, and whether (and when next) it must register.
+
+A worker serves every gateway it is given, so that gateways behind one load balancer share one pool of
+workers. Each gateway names itself in its RegisterReply; a request's replies go back over the link of
+the gateway that sent it, and a KV transfer carries that name so the decode worker can do the same.
+"""
+import logging
+
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.transport import Channel
+
+log = logging.getLogger("kvferry.worker")
+REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; the last repeats
+
+
+class GatewayLink:
+    def __init__(self, ctx: zmq.Context, address: str, worker_id: str):
+        self.address = address
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, worker_id.encode())
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        self.channel = Channel(sock, f"{worker_id}/control", peer_name="gateway")
+        self.gateway_id = ""          # the gateway's name for itself, once it has accepted us
+        self.registered = False
+        self.num_attempts = 0
+        self.next_attempt_at = 0.0    # monotonic
+
+    def must_register(self) -> None:
+        """The gateway forgot us (it restarted, or dropped us after a silence): register again, at once."""
+        self.registered, self.num_attempts, self.next_attempt_at = False, 0, 0.0
+
+    def register_if_due(self, message: p.Register, now: float) -> None:
+        if self.registered or now < self.next_attempt_at:
+            return
+        if self.num_attempts:
+            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again", message.worker_id,
+                        self.address, self.num_attempts)
+        self.channel.send(message)
+        self.num_attempts += 1
+        self.next_attempt_at = now + REGISTER_RETRY_S[min(self.num_attempts, len(REGISTER_RETRY_S)) - 1]
+
+    def accepted(self, reply: p.RegisterReply) -> None:
+        self.registered, self.gateway_id = True, reply.gateway_id
+        log.info("%s registered with the gateway at %s", self.channel.name.split("/")[0], self.address)
+
+    def heartbeat_socket(self, ctx: zmq.Context) -> zmq.Socket:
+        """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe)."""
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.address)
+        return sock
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def parse_gateways(text: str | list[str]) -> list[str]:
+    """--gateway a,b or a list: each gateway's control address, in order, without repeats."""
+    items = text.split(",") if isinstance(text, str) else text
+    return list(dict.fromkeys(item.strip() for item in items if item.strip()))
+
