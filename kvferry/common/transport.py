@@ -52,6 +52,7 @@ class Channel:
         self.tracer = tracer or tracing.tracer()
         self.num_protocol_errors = 0
         self.num_duplicates = 0
+        self.num_unsent = 0
         self._seen_ids: OrderedDict[str, None] = OrderedDict()  # the latest message ids received, oldest first
         spec = faults.from_env()
         self.faults = faults.MessageFaults(spec, name) if spec and spec.touches_messages else None
@@ -78,8 +79,14 @@ class Channel:
             copies, wait_s = self.faults.plan()
             time.sleep(wait_s)
         for _ in range(copies):
-            # Frames after the header go zero-copy; the header is small and copied.
-            self.socket.send_multipart(parts, copy=False)
+            try:
+                # Frames after the header go zero-copy; the header is small and copied. Never blocking: a peer that
+                # is gone or not yet connected (a failed CURVE handshake) must not stop the loop; a message that
+                # cannot leave is lost like one dropped on the way, and the deadlines above deal with it.
+                self.socket.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self.num_unsent += 1
+                log.debug("%s: %s not sent: no peer ready", self.name, type(message).__name__)
         return ctx
 
     async def send_async(self, parts: list) -> None:

@@ -68,6 +68,19 @@ def add_observability_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--log-format", default=env("KVFERRY_LOG_FORMAT", "text"), choices=FORMATS)
 
 
+def add_security_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--curve-keys", default=os.environ.get("KVFERRY_CURVE_KEYS") or None, metavar="DIR",
+                        help="encrypt and authenticate every ZeroMQ socket with the keys in DIR (kvferry keys DIR)")
+
+
+def cmd_keys(args) -> int:
+    from kvferry.common.curve import generate
+
+    for path in generate(args.folder):
+        print(path)
+    return 0
+
+
 def add_api_args(parser: argparse.ArgumentParser) -> None:
     from kvferry.common.config import parse_size
     from kvferry.services.gateway.request_parsing import Limits
@@ -115,8 +128,10 @@ def _run_worker(args, cls, **kwargs) -> int:
     worker_id = args.worker_id or f"{cls.role.name.lower()}-{uuid.uuid4().hex[:8]}"
     observe(args, cls.role.name.lower(), worker_id)  # before the worker: its channels take the tracer
     signal.signal(signal.SIGTERM, _interrupt)  # until it serves: stop like Ctrl-C
+    from kvferry.common.curve import CurveKeys
+
     worker = cls(EngineConfig.from_args(args), args.gateway, worker_id, stall_timeout_s=args.stall_timeout,
-                 drain_timeout_s=args.drain_timeout, **kwargs)
+                 drain_timeout_s=args.drain_timeout, curve=CurveKeys.load(args.curve_keys), **kwargs)
 
     def drain(*_):  # the first SIGTERM drains; a second one stops at once
         if worker.stop_requested:
@@ -180,6 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=env("KVFERRY_MAX_MODEL_LEN"))
     p.add_argument("--heartbeat-interval", type=float, default=env("KVFERRY_HEARTBEAT_INTERVAL", "1.0"))
     add_reliability_args(p)
+    add_security_args(p)
     add_api_args(p)
     add_observability_args(p)
     p.set_defaults(func=cmd_gateway)
@@ -198,8 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--kv-bind", default=env("KVFERRY_KV_BIND", "tcp://127.0.0.1:0"),
                            help="where prefill workers send KV (port 0: any free port)")
         EngineConfig.add_args(p)
+        add_security_args(p)
         add_observability_args(p)
         p.set_defaults(func=func)
+
+    p = sub.add_parser("keys", help="write CURVE key pairs into a folder, for --curve-keys")
+    p.add_argument("folder")
+    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
     p.add_argument("--host", default=env("KVFERRY_HOST", "127.0.0.1"))
@@ -210,6 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
     p.add_argument("--prefill-threads", type=int, default=env("KVFERRY_PREFILL_THREADS", "1"))
     p.add_argument("--decode-threads", type=int, default=env("KVFERRY_DECODE_THREADS", "2"))
+    add_reliability_args(p)
+    add_security_args(p)
     add_api_args(p)
     add_observability_args(p)
     p.set_defaults(func=cmd_serve)
@@ -223,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command in ("generate", "bench", "prepare"):  # services set up their own logs (observe)
+    if args.command in ("generate", "bench", "prepare", "keys"):  # services set up their own logs (observe)
         from kvferry.common.logs import setup_logging
 
         setup_logging("text", args.command)

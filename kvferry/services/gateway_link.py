@@ -9,6 +9,7 @@ import logging
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common.curve import CurveKeys
 from kvferry.common.transport import Channel
 
 log = logging.getLogger("kvferry.worker")
@@ -16,11 +17,13 @@ REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; 
 
 
 class GatewayLink:
-    def __init__(self, ctx: zmq.Context, address: str, worker_id: str):
-        self.address = address
+    def __init__(self, ctx: zmq.Context, address: str, worker_id: str, curve: CurveKeys | None = None):
+        self.address, self.curve = address, curve
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        if curve:
+            curve.connect(sock)
         sock.connect(address)
         self.channel = Channel(sock, f"{worker_id}/control", peer_name="gateway")
         self.gateway_id = ""          # the gateway's name for itself, once it has accepted us
@@ -50,6 +53,8 @@ class GatewayLink:
         """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe)."""
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve:
+            self.curve.connect(sock)
         sock.connect(self.address)
         return sock
 

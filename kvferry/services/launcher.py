@@ -76,10 +76,12 @@ def serve(args) -> int:
         env["KVFERRY_MODEL"] = args.model
     # The children read these from the environment, like every other setting.
     for name in ("trace_dir", "otlp_endpoint", "log_format", "api_key", "max_body_size", "max_n", "max_tokens_limit",
-                 "max_stop", "max_prompts"):
+                 "max_stop", "max_prompts", "max_waiting", "drain_timeout", "first_token_timeout", "step_timeout",
+                 "request_timeout", "max_moves", "curve_keys"):
         value = getattr(args, name)
         if value:
-            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if name == "trace_dir" else str(value)
+            folder = name in ("trace_dir", "curve_keys")
+            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if folder else str(value)
     procs = []
     try:
         procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)

@@ -25,6 +25,7 @@ import zmq
 from kvferry.common import faults, tracing
 from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
+from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
@@ -77,11 +78,13 @@ class Worker:
     num_prompts_prefilled = 0
 
     def __init__(self, config: EngineConfig, gateway: str | list[str], worker_id: str | None = None,
-                 keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0):
+                 keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0,
+                 curve: CurveKeys | None = None):
         self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.Context.instance()
-        self.links = [GatewayLink(self.ctx, address, self.worker_id) for address in parse_gateways(gateway)]
+        self.curve = curve
+        self.links = [GatewayLink(self.ctx, address, self.worker_id, curve) for address in parse_gateways(gateway)]
         if not self.links:
             raise KvferryError("a worker needs at least one gateway address (--gateway)")
         self.poller = zmq.Poller()

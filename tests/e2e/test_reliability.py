@@ -255,3 +255,34 @@ def test_two_gateways_share_one_pool_of_workers(make_stack):
     first.stop("gateway")  # the workers go on serving the other one
     assert [completion(second, prompt, max_tokens=12) for prompt in PROMPTS[:4]] == texts
     assert all(proc.poll() is None for proc in first.procs.values())
+
+
+def test_with_curve_only_peers_holding_the_keys_get_in(make_stack, tmp_path):
+    import subprocess
+    import sys
+
+    keys, other = tmp_path / "keys", tmp_path / "other-keys"
+    for folder in (keys, other):
+        subprocess.run([sys.executable, "-m", "kvferry.services.cli", "keys", str(folder)], check=True,
+                       capture_output=True)
+    stack = make_stack(extra_env={"KVFERRY_CURVE_KEYS": str(keys)}).start_pair()
+    reference = completion(stack, PROMPTS[0], max_tokens=8)
+    stack.start_worker("no-keys", "decode", env={"KVFERRY_CURVE_KEYS": ""})
+    stack.start_worker("wrong-keys", "decode", env={"KVFERRY_CURVE_KEYS": str(other)})
+    # Raw injection without the keys: a valid registration, on the control socket and on the KV socket.
+    ctx = zmq.Context.instance()
+    for address in (stack.control, stack.workers()["decode-a"]["kv_address"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        sock.send_multipart(p.encode(p.Register(int(p.Role.DECODE), "intruder", "m", "float32", 16, 8, 64, "tcp://x:1")))
+        sock.send_multipart([b"garbage"])
+        assert not sock.poll(2000), "a peer without the keys got an answer"
+        sock.close()
+    stack.wait_for(lambda: "attempt 3" in stack.log("no-keys") and "attempt 3" in stack.log("wrong-keys"), 60,
+                   "the keyless workers to retry")
+    workers = stack.workers()
+    assert set(workers) == {"prefill-a", "decode-a"}
+    status, info = stack.get("/v1/workers")
+    assert info["gateway"]["protocol_errors"] == 0 and workers["decode-a"]["protocol_errors"] == 0, "nothing got in"
+    assert completion(stack, PROMPTS[0], max_tokens=8) == reference

@@ -34,10 +34,13 @@ class DecodeWorker(Worker):
 
     def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0", **kwargs):
         super().__init__(config, gateway, worker_id, **kwargs)
+        self.auth = self.curve.authenticator(self.ctx) if self.curve else None
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self.curve:
+            self.curve.serve(sock)
         sock.bind(kv_bind)
-        warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress")
+        warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
         if host.endswith("0.0.0.0") or host.endswith("*"):
@@ -207,3 +210,5 @@ class DecodeWorker(Worker):
     def close(self) -> None:
         self.kv_in.close()
         super().close()
+        if self.auth:
+            self.auth.stop()

@@ -9,6 +9,7 @@ import signal
 
 import uvicorn
 
+from kvferry.common.curve import CurveKeys
 from kvferry.common.model.loader import max_model_len_of, resolve_model, served_model_name
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.request_parsing import Limits
@@ -56,7 +57,8 @@ def run_gateway(args) -> None:
     name = served_model_name(args.model)
     deadlines = Deadlines(first_token_s=args.first_token_timeout, step_s=args.step_timeout,
                           request_s=args.request_timeout, max_moves=args.max_moves)
-    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval, deadlines, args.max_waiting)
+    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval, deadlines, args.max_waiting,
+                       CurveKeys.load(args.curve_keys))
     limits = Limits(max_body_bytes=args.max_body_size, max_n=args.max_n, max_tokens=args.max_tokens_limit,
                     max_stop=args.max_stop, max_prompts=args.max_prompts)
     api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)

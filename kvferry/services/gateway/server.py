@@ -20,6 +20,7 @@ import zmq.asyncio
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.bind_check import warn_if_exposed
+from kvferry.common.curve import CurveKeys
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, peer_label
@@ -48,13 +49,16 @@ class Deadlines:
 
 class GatewayCore:
     def __init__(self, control_address: str, model_name: str, block_size: int, heartbeat_interval_s: float = 1.0,
-                 deadlines: Deadlines | None = None, max_waiting: int = 0):
+                 deadlines: Deadlines | None = None, max_waiting: int = 0, curve: CurveKeys | None = None):
         self.ctx = zmq.asyncio.Context.instance()
+        self.auth = curve.authenticator(self.ctx) if curve else None
         sock = self.ctx.socket(zmq.ROUTER)
+        if curve:
+            curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
         sock.bind(control_address)
-        warn_if_exposed(control_address, "the gateway's control socket")
+        warn_if_exposed(control_address, "the gateway's control socket", curve=curve is not None)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
@@ -74,6 +78,8 @@ class GatewayCore:
         for task in self.tasks:
             task.cancel()
         self.control.close()
+        if self.auth:
+            self.auth.stop()
 
     def num_waiting(self) -> int:
         return sum(not f.got_first_token for f in self.flights.values())

@@ -98,6 +98,8 @@ class PrefillWorker(Worker):
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+            if self.curve:
+                self.curve.connect(sock)
             sock.connect(address)
             self.poller.register(sock, zmq.POLLIN)
             self.decode_channels[address] = Channel(sock, f"{self.worker_id}->{address}", peer_name=peer)
