@@ -1,6 +1,8 @@
 """`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +32,20 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> b
     return False
 
 
+def wait_registered(url: str, num_workers: int, api_key: str | None, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url + "/v1/workers", headers=headers), timeout=2) as r:
+                if len(json.loads(r.read())["workers"]) >= num_workers:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
 def stop_all(procs: list[subprocess.Popen]) -> None:
     for p in procs:
         if p.poll() is None:
@@ -47,16 +63,27 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def start_services(host: str, port: int, control_port: int, prefill_threads: int, decode_threads: int,
-                   env: dict) -> list[subprocess.Popen]:
-    """The gateway and one worker of each role; returns once they are healthy (stopped again if they fail)."""
+                   env: dict, num_prefill: int = 1, num_decode: int = 1) -> list[subprocess.Popen]:
+    """The gateway and the workers; returns once they are healthy (stopped again if they fail)."""
     control = f"tcp://127.0.0.1:{control_port}"
     procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
     try:
-        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env),
-                  spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)]
+        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env)
+                  for _ in range(num_prefill)]
+        procs += [spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)
+                  for _ in range(num_decode)]
         if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
             raise KvferryError("the services did not become healthy")
+        if num_prefill + num_decode > 2 and not wait_registered(f"http://{host}:{port}", num_prefill + num_decode,
+                                                                 env.get("KVFERRY_API_KEY"), READY_TIMEOUT_S):
+            raise KvferryError("not every worker registered")
     except BaseException:
         stop_all(procs)
         raise

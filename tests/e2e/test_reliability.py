@@ -286,3 +286,25 @@ def test_with_curve_only_peers_holding_the_keys_get_in(make_stack, tmp_path):
     status, info = stack.get("/v1/workers")
     assert info["gateway"]["protocol_errors"] == 0 and workers["decode-a"]["protocol_errors"] == 0, "nothing got in"
     assert completion(stack, PROMPTS[0], max_tokens=8) == reference
+
+
+def test_a_decode_worker_frees_a_request_the_gateway_does_not_know(make_stack):
+    """KV for a request no gateway sent (as after a lost Abort): the decode worker takes it and streams tokens, the
+    gateway answers with an Abort, and the blocks come back long before the 2,000 tokens would have run out."""
+    stack = make_stack().start_pair()
+    decode = stack.workers()["decode-a"]
+    shape = [30, 2, 16, 3, 64]  # SmolLM2: layers, blocks for 20 tokens, block size, KV heads, head dim
+    frame = bytes(4 * 30 * 2 * 16 * 3 * 64)
+    transfer = p.KVTransfer("nobody", list(range(300, 320)), [400], [0],
+                            p.Sampling(2000, 0.0, 1.0, 0, None, True, []), 20, "float32", shape, time.time() + 600)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(decode["kv_address"])
+    sent_at = time.monotonic()
+    sock.send_multipart(p.encode(transfer, "cmpl-unknown", frames=[frame, frame]))
+    assert sock.poll(10_000), "no acknowledgement"
+    assert p.decode(sock.recv_multipart()).message.accepted
+    sock.close()
+    stack.wait_for(lambda: stack.workers()["decode-a"]["running"] == 1, 10, "the unknown request running")
+    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"], 20, "its blocks freed")
+    assert time.monotonic() - sent_at < 20

@@ -47,3 +47,17 @@ def test_silent_workers_expire_and_must_register_again():
     assert [w.worker_id for w in reg.expire(3.5)] == ["p0"]
     assert reg.pick_prefill() is None and reg.pick_decode().worker_id == "d0"
     assert not beat(reg, "p0", 4.0)  # unknown now: the gateway asks it to register again
+
+
+def test_a_draining_worker_gets_nothing_new_but_stays_live():
+    reg = Registry()
+    register(reg, "d0", p.Role.DECODE)
+    register(reg, "d1", p.Role.DECODE)
+    beat(reg, "d0", 0.5, free=500)
+    beat(reg, "d1", 0.5, free=100)
+    assert reg.pick_decode().worker_id == "d0"
+    reg.workers["d0"].draining = True
+    assert reg.pick_decode().worker_id == "d1"
+    assert {w.worker_id for w in reg.live(p.Role.DECODE)} == {"d0", "d1"}
+    reg.workers["d1"].draining = True
+    assert reg.pick_decode() is None and not reg.routable(p.Role.DECODE)

@@ -53,6 +53,11 @@ class ModelRunner:
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, kvh, d]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            # Touch every page now. The OS hands out calloc'd memory lazily, so the pool's resident size would
+            # creep up for as long as new blocks get their first use (it looks like a leak), and each first
+            # touch would cost a page fault inside a step.
+            self.k_cache.zero_(), self.v_cache.zero_()
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
         # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
         self.shared_generator = torch.Generator(device=device)

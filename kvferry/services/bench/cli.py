@@ -43,6 +43,74 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_tracing)
 
+    p = bench.add_parser("soak", help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
+                                      "workers: leaks, stuck requests and memory growth")
+    p.add_argument("--requests", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--cancel-share", type=float, default=0.2)
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_soak)
+
+    p = bench.add_parser("overload", help="Poisson arrivals at half and at twice the capacity: 429s, completions, TTFT")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals at each rate")
+    p.add_argument("--max-waiting", type=int, default=16, help="the gateway's admission bound for the run")
+    p.add_argument("--model", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_overload)
+
+
+def _own_stack(args, num_prefill: int, num_decode: int, threads: int, extra_env: dict | None = None):
+    """(url, procs) of a fresh stack on free ports, for benchmarks that need one of their own."""
+    import os
+
+    from kvferry.services.launcher import free_port, start_services
+
+    env = {**os.environ, **(extra_env or {})}
+    if args.model:
+        env["KVFERRY_MODEL"] = args.model
+    port = free_port()
+    procs = start_services("127.0.0.1", port, free_port(), threads, threads, env, num_prefill, num_decode)
+    return f"http://127.0.0.1:{port}", procs
+
+
+def cmd_bench_soak(args) -> int:
+    from kvferry.services.bench.soak import soak
+    from kvferry.services.launcher import stop_all
+
+    url, procs = _own_stack(args, 2, 2, 1)
+    names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
+    try:
+        report = soak(url, {n: p.pid for n, p in zip(names, procs)}, args.requests, args.concurrency,
+                      args.cancel_share)
+    finally:
+        stop_all(procs)
+    print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
+    return 0
+
+
+def cmd_bench_overload(args) -> int:
+    from kvferry.services.bench.overload import overload
+    from kvferry.services.launcher import stop_all
+
+    url, procs = _own_stack(args, 1, 1, 1, {"KVFERRY_MAX_WAITING": str(args.max_waiting)})
+    try:
+        report = overload(url, args.duration)
+    finally:
+        stop_all(procs)
+    report["max_waiting"] = args.max_waiting
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"capacity {report['capacity_per_s']} requests/s (32 sent at once); --max-waiting {args.max_waiting}")
+        for label in ("half", "double"):
+            r = report[label]
+            print(f"at {r['rate_per_s']}/s ({label}): sent {r['sent']}, completed {r['completed']}, 429 "
+                  f"{r['refused_429']} (answered in p99 {r['refusal_answered_p99_ms']} ms, Retry-After on all: "
+                  f"{r['retry_after_on_every_429']}), errors {r['errors']}; TTFT p50/p99/max {r['ttft_p50_s']}/"
+                  f"{r['ttft_p99_s']}/{r['ttft_max_s']} s")
+    return 0
+
 
 def cmd_bench_engine(args) -> int:
     import torch

@@ -8,20 +8,13 @@ import asyncio
 import json
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import urllib.request
 
 from kvferry.services.bench import workload
 from kvferry.services.bench.serve import replay
-from kvferry.services.launcher import start_services, stop_all
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvferry.services.launcher import free_port, start_services, stop_all
 
 
 def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
@@ -30,8 +23,8 @@ def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
         env["KVFERRY_TRACE_DIR"] = trace_dir
     if args.model:
         env["KVFERRY_MODEL"] = args.model
-    port = _free_port()
-    procs = start_services("127.0.0.1", port, _free_port(), args.prefill_threads, args.decode_threads, env)
+    port = free_port()
+    procs = start_services("127.0.0.1", port, free_port(), args.prefill_threads, args.decode_threads, env)
     try:
         url = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:

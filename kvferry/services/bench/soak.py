@@ -1,0 +1,113 @@
+"""`kvferry bench soak`: many requests, a fifth of them cancelled at random points, over 2 prefill and 2 decode
+workers. Afterwards nothing may be left: every worker's blocks free, no request in flight, and no process
+grown by more than 10% in memory since warm-up."""
+import asyncio
+import json
+import random
+import time
+import urllib.request
+
+WARM_UP = 200  # requests before the memory baseline is taken (a multiple of 100)
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def workers_state(url: str) -> dict:
+    with urllib.request.urlopen(url + "/v1/workers", timeout=10) as r:
+        return json.loads(r.read())
+
+
+async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, cancel: tuple | None) -> str:
+    """-> 'ok', 'cancelled' or an error. cancel: ('tokens', k) closes the stream after k tokens; ('time', s)
+    closes it s seconds after sending, wherever the request is (queued, prefilling, decoding)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def stream() -> str:
+        num_tokens = 0
+        async with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return f"http {response.status_code}"
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    return f"error {chunk['error'].get('message', '')[:80]}"
+                num_tokens += len(chunk["choices"])
+                if cancel and cancel[0] == "tokens" and num_tokens >= cancel[1]:
+                    return "cancelled"  # leaving the block closes the connection: the gateway must abort
+        return "ok" if num_tokens == max_tokens else f"short {num_tokens}/{max_tokens}"
+
+    if cancel and cancel[0] == "time":
+        try:
+            return await asyncio.wait_for(stream(), cancel[1])
+        except asyncio.TimeoutError:
+            return "cancelled"
+    return await stream()
+
+
+async def _drive(url: str, model: str, num_requests: int, concurrency: int, cancel_share: float, seed: int,
+                 on_hundred) -> list[str]:
+    import httpx
+
+    rng = random.Random(seed)
+    semaphore = asyncio.Semaphore(concurrency)
+    done = 0
+
+    async def one(i: int) -> str:
+        nonlocal done
+        prompt = [rng.randrange(256, 40000) for _ in range(rng.randint(16, 96))]
+        max_tokens = rng.randint(4, 24)
+        cancel = None
+        if rng.random() < cancel_share:
+            cancel = ("tokens", rng.randint(1, max_tokens - 1)) if rng.random() < 0.5 else ("time", rng.uniform(0, 0.6))
+        async with semaphore:
+            outcome = await _one(client, url, model, prompt, max_tokens, cancel)
+        done += 1
+        if done % 100 == 0:
+            on_hundred(done)
+        return outcome
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=concurrency * 2)) \
+            as client:
+        return await asyncio.gather(*(one(i) for i in range(num_requests)))
+
+
+def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: int = 16, cancel_share: float = 0.2,
+         seed: int = 0, settle_s: float = 30.0) -> dict:
+    """Drive the stack at url; pids: process name -> pid, for memory. Returns the report."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    trace: dict[str, list[float]] = {name: [] for name in pids}  # MiB after every 100 requests
+
+    def sample(done: int) -> None:
+        for name, pid in pids.items():
+            trace[name].append(round(rss_bytes(pid) / 2**20, 1))
+
+    started = time.monotonic()
+    outcomes = asyncio.run(_drive(url, model, num_requests, concurrency, cancel_share, seed, sample))
+    elapsed = time.monotonic() - started
+    deadline = time.monotonic() + settle_s  # heartbeats carry the final block counts
+    while True:
+        state = workers_state(url)
+        leaks = {w["id"]: w["num_blocks"] - w["free_blocks"] for w in state["workers"] if w["free_blocks"] != w["num_blocks"]}
+        stuck = state["gateway"]["requests_in_flight"]
+        if (not leaks and not stuck) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    final = {name: rss_bytes(pid) / 2**20 for name, pid in pids.items()}
+    warm = {name: trace[name][WARM_UP // 100 - 1] for name in pids if len(trace[name]) >= WARM_UP // 100}
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome] = counts.get(outcome, 0) + 1
+    return {"requests": num_requests, "elapsed_s": round(elapsed, 1), "outcomes": counts, "blocks_leaked": leaks,
+            "requests_stuck": stuck, "workers": len(state["workers"]), "moves": state["gateway"]["moves"],
+            "rss_mib_every_100": trace, "rss_mib_final": {name: round(v, 1) for name, v in final.items()},
+            "rss_growth": {name: round(final[name] / warm[name] - 1, 4) for name in warm}}
