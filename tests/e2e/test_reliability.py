@@ -91,6 +91,28 @@ def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(ma
     wait_blocks_free(stack)
 
 
+def test_with_no_prefill_worker_left_requests_fail_with_503_after_a_bounded_wait(make_stack):
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair()
+    long_prompts = [prompt * 12 for prompt in PROMPTS[:6]]
+
+    def ask(prompt):
+        started = time.monotonic()
+        status, reply = stack.post("/v1/completions", {**BODY, "prompt": prompt, "max_tokens": 8}, timeout=120)
+        return status, reply, time.monotonic() - started
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        calls = [pool.submit(ask, prompt) for prompt in long_prompts]
+        stack.wait_for(lambda: in_flight_on(stack, "prefill-a") >= 3, 30, "requests on prefill-a")
+        stack.stop("prefill-a")
+        results = [c.result(timeout=120) for c in calls]
+    failed = [r for r in results if r[0] != 200]
+    assert failed, "every request finished before the kill: nothing was tested"
+    for status, reply, took in failed:
+        assert status == 503 and "no live workers to move the request to within 10 s" in reply["error"]["message"]
+        assert took < 40
+    assert stack.post("/v1/completions", {**BODY, "prompt": "x"})[0] == 503  # none to route to: at once
+
+
 @pytest.fixture(scope="module")
 def chaos_reference():
     from kvferry.common.config import EngineConfig

@@ -177,7 +177,9 @@ def test_a_batch_of_prompts_is_one_request_in_the_traces(traced):
                                                             "ignore_eos": True})
     assert status == 200 and len(reply["choices"]) == 2
     rid = headers["x-request-id"]
-    s.wait_for(lambda: any(e.get("name") == "finish" for e in load(str(trace_dir)).for_request(rid)), 30, "finish")
+    # Each process flushes its file within a heartbeat or so: wait for the gateway's end and the decode steps.
+    names = lambda: {e.get("name") for e in load(str(trace_dir)).for_request(rid)}
+    s.wait_for(lambda: {"finish", "decode.step"} <= names(), 30, "finish and decode steps in the trace")
     events = load(str(trace_dir)).for_request(rid)
     assert {e["rid"] for e in events if e["ev"] == "send" and e["kind"] == "PrefillRequest"} == {f"{rid}/p0",
                                                                                                   f"{rid}/p1"}
