@@ -30,6 +30,7 @@ class EngineConfig:
     max_model_len: int | None = None
     num_threads: int | None = None  # torch CPU threads for this process
     seed: int | None = None
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of a prompt's longest cached prefix
 
     def __post_init__(self):
         from kvferry.common.errors import ConfigError
@@ -59,6 +60,9 @@ class EngineConfig:
         g.add_argument("--num-threads", type=int, default=env("KVFERRY_NUM_THREADS"))
         g.add_argument("--engine-seed", dest="seed", type=int, default=env("KVFERRY_SEED"),
                        help="seed of the shared generator used by requests without a seed")
+        g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       default=env("KVFERRY_NO_PREFIX_CACHING", "").lower() not in ("1", "true", "yes"),
+                       help="compute every prompt in full instead of reusing cached KV blocks of its prefix")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -79,7 +79,7 @@ class LLMEngine:
         self.max_model_len = max_model_len
         log.info("KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s)", num_blocks, config.block_size,
                  num_blocks * config.block_size, num_blocks * layout.bytes_per_block / 2**20, self.dtype, self.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
                                    keep_finished_blocks=keep_finished_blocks)

@@ -12,6 +12,7 @@ preempted: its blocks are freed and it is recomputed later as one longer prompt.
 import bisect
 from dataclasses import dataclass, field
 
+from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.errors import ConfigError
 from kvferry.common.sampling import SamplingParams
@@ -60,6 +61,8 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
+        self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (recomputes included)
+        self.num_cached_prompt_tokens = 0    # prompt tokens whose KV the prefix cache supplied
         self._next_arrival = 0
         # A prefill worker keeps a finished prompt's blocks until a decode worker holds their copy,
         # then hands them back with `release`. Aborted sequences always free at once.
@@ -101,6 +104,7 @@ class Scheduler:
         self._next_arrival += 1
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)  # the newest arrival: running stays sorted
+        self._register_full_blocks(seq)  # the caller writes their KV before anything can read it
 
     def release(self, seq: Sequence) -> None:
         """Free the blocks a finished sequence kept (keep_finished_blocks)."""
@@ -124,27 +128,69 @@ class Scheduler:
     def _schedule_prefill(self) -> StepPlan:
         plan = StepPlan(is_prefill=True)
         budget = self.max_num_batched_tokens
+        computing: set[bytes] = set()  # hashes of the blocks this step computes
         # Prompts already admitted but cut by an earlier step's budget continue first.
         for seq in self.running:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
                 n = min(seq.num_uncomputed_tokens, budget)
                 plan.chunks.append(ScheduledChunk(seq, n))
+                computing.update(self._hashes_computed(seq, n))
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            # A prompt's blocks are reserved whole on admission, so a chunked prompt never
-            # stalls half-way for lack of blocks.
-            num_new_blocks = self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)
-            if not self.block_manager.can_allocate(num_new_blocks):
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            hits = self._cached_prefix(seq)
+            if len(seq.block_hashes) > len(hits) and seq.block_hashes[len(hits)] in computing:
+                # Its next block is being computed in this step by another prompt: wait one step and reuse it
+                # rather than compute it twice.
+                i += 1
+                continue
+            # A prompt's blocks are reserved whole on admission, so a chunked prompt never stalls half-way.
+            bm = self.block_manager
+            num_new_blocks = bm.num_blocks_for(seq.num_tokens) - len(hits) + bm.num_free_among(hits)
+            if not bm.can_allocate(num_new_blocks):
                 break
-            self.waiting.pop(0)
-            self.block_manager.grow(seq.block_table, seq.num_tokens)
+            self.waiting.pop(i)
+            bm.take_cached(hits)
+            seq.block_table = list(hits)
+            seq.num_registered_blocks = len(hits)
+            seq.num_computed_tokens = seq.num_cached_tokens = len(hits) * bm.block_size
+            self.num_cached_prompt_tokens += seq.num_computed_tokens
+            bm.grow(seq.block_table, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             n = min(seq.num_uncomputed_tokens, budget)
             plan.chunks.append(ScheduledChunk(seq, n))
+            computing.update(self._hashes_computed(seq, n))
             budget -= n
+        self.num_computed_prompt_tokens += plan.num_tokens
         return plan
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks holding the start of a waiting sequence's tokens. The last token is always computed (its
+        logits give the next token), so the block holding it is never taken from the cache."""
+        bm = self.block_manager
+        if not bm.enable_caching or seq.params.prompt_logprobs is not None:  # those need every prompt position
+            return []
+        seq.block_hashes = block_hashes(seq.token_ids, bm.block_size, seq.block_hashes)
+        return bm.match_prefix(seq.block_hashes[:(seq.num_tokens - 1) // bm.block_size])
+
+    def _hashes_computed(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
+        """Hashes of the blocks that a chunk of num_new_tokens fills."""
+        size = self.block_manager.block_size
+        return seq.block_hashes[seq.num_computed_tokens // size:(seq.num_computed_tokens + num_new_tokens) // size]
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        """Offer the blocks whose KV is now complete to the prefix cache."""
+        bm = self.block_manager
+        num_full = seq.num_computed_tokens // bm.block_size
+        if not bm.enable_caching or num_full <= seq.num_registered_blocks:
+            return
+        if len(seq.block_hashes) < num_full:
+            seq.block_hashes = block_hashes(seq.token_ids[:num_full * bm.block_size], bm.block_size, seq.block_hashes)
+        for i in range(seq.num_registered_blocks, num_full):
+            bm.register(seq.block_table[i], seq.block_hashes[i])
+        seq.num_registered_blocks = num_full
 
     def _schedule_decode(self) -> StepPlan:
         plan = StepPlan(is_prefill=False)
@@ -166,7 +212,7 @@ class Scheduler:
         self.running.remove(seq)
         self.block_manager.free(seq.block_table)
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.num_registered_blocks = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -183,6 +229,7 @@ class Scheduler:
                 continue  # aborted while the step ran
             assert (token_id is not None) == chunk.samples
             seq.num_computed_tokens += chunk.num_new_tokens
+            self._register_full_blocks(seq)
             if token_id is None:
                 continue
             seq.output_token_ids.append(token_id)

@@ -31,6 +31,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, as far as known
+    num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
+    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache at admission
 
     @property
     def token_ids(self) -> list[int]:

@@ -15,34 +15,58 @@ from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 EOS = 0
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64):
-    return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens, max_model_len,
-                     eos_token_ids=(EOS,))
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, caching=True):
+    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, max_num_batched_tokens,
+                     max_model_len, eos_token_ids=(EOS,))
 
 
-def seq(name, prompt_len, max_tokens=4, ignore_eos=True):
-    return Sequence(name, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, temperature=0,
-                                                                         ignore_eos=ignore_eos))
+def seq(name, prompt_len, max_tokens=4, ignore_eos=True, first=1):
+    """Prompts are first, first + 1, ...: with the same first token, any two share a prefix."""
+    return Sequence(name, list(range(first, first + prompt_len)),
+                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos))
 
 
 class FakeRunner:
-    """Stands in for the model: checks what a real runner would need, and samples from a seeded rng."""
+    """Stands in for the model: checks what a real runner would need, and samples from a seeded rng.
+
+    Its "KV cache" maps a slot to the tokens up to and including the one whose KV it holds (what real KV
+    depends on). Every step checks that each sequence reads exactly its own tokens' KV, so a stale, evicted or
+    overwritten block served from the prefix cache fails here."""
 
     def __init__(self, scheduler, seed=0, eos_rate=0.0):
         self.scheduler = scheduler
         self.rng = random.Random(seed)
         self.eos_rate = eos_rate
+        self.kv: dict[int, tuple] = {}
+
+    def slot(self, s, position):
+        bs = self.scheduler.block_manager.block_size
+        return s.block_table[position // bs] * bs + position % bs
+
+    def place(self, s):
+        """A transfer's KV written into a prefilled sequence's blocks."""
+        tokens = s.token_ids
+        for position in range(s.num_computed_tokens):
+            self.kv[self.slot(s, position)] = tuple(tokens[:position + 1])
 
     def execute(self, plan):
         bs = self.scheduler.block_manager.block_size
         assert plan.num_tokens <= self.scheduler.max_num_batched_tokens
         for chunk in plan.chunks:
             s = chunk.seq
-            assert s.status == SequenceStatus.RUNNING
+            assert s.status == SequenceStatus.RUNNING and chunk.num_new_tokens >= 1
             # The blocks for every token computed in this step are there.
             assert len(s.block_table) * bs >= s.num_computed_tokens + chunk.num_new_tokens
             if not plan.is_prefill:
                 assert chunk.num_new_tokens == 1 and s.num_uncomputed_tokens == 1
+            tokens = s.token_ids
+            for position in range(s.num_computed_tokens):
+                assert self.kv.get(self.slot(s, position)) == tuple(tokens[:position + 1]), \
+                    f"{s.request_id} reads wrong KV at position {position}"
+        for chunk in plan.chunks:  # written after every read: a step's reads never see its own writes' mix-ups
+            s, tokens = chunk.seq, chunk.seq.token_ids
+            for position in range(s.num_computed_tokens, s.num_computed_tokens + chunk.num_new_tokens):
+                self.kv[self.slot(s, position)] = tuple(tokens[:position + 1])
         return [(EOS if self.rng.random() < self.eos_rate else self.rng.randrange(1, 100)) if c.samples else None
                 for c in plan.chunks]
 
@@ -90,7 +114,7 @@ def test_new_sequence_joins_at_next_step_and_finished_leaves_at_once():
 def test_token_budget_chunks_long_prompts():
     sch = make(max_num_batched_tokens=8)
     runner = FakeRunner(sch)
-    a, b = seq("a", 20), seq("b", 6)
+    a, b = seq("a", 20), seq("b", 6, first=100)
     sch.add(a)
     sch.add(b)
     sizes = []
@@ -115,7 +139,7 @@ def test_preempts_newest_by_recompute_when_blocks_run_out():
     # 4 blocks of 4 tokens: two sequences of 7 tokens fill them; growing past 8 needs a fifth.
     sch = make(num_blocks=4, block_size=4, max_model_len=16)
     runner = FakeRunner(sch)
-    old, new = seq("old", 7, max_tokens=6), seq("new", 7, max_tokens=6)
+    old, new = seq("old", 7, max_tokens=6), seq("new", 7, max_tokens=6, first=100)
     sch.add(old)
     sch.add(new)
     step(sch, runner)  # both prompts; each samples its 8th token
@@ -174,23 +198,27 @@ def test_scheduler_is_deterministic():
     assert run() == run()
 
 
+@pytest.mark.parametrize("caching", [True, False])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 24),
        max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 18), seed=st.integers(0, 2**16))
-def test_random_workloads_keep_block_accounting_and_finish(data, block_size, num_blocks, max_num_seqs, extra_budget,
-                                                           seed):
+def test_random_workloads_keep_block_accounting_and_finish(caching, data, block_size, num_blocks, max_num_seqs,
+                                                           extra_budget, seed):
+    """With caching, prompts share prefixes of every length (most start at token 1) in a small pool: the fake
+    runner's KV check catches any stale or evicted block served."""
     budget = max_num_seqs + extra_budget
     max_model_len = min(24, num_blocks * block_size)
-    sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len)
+    sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching=caching)
     runner = FakeRunner(sch, seed=seed, eos_rate=0.05)
     arrivals = data.draw(st.lists(st.tuples(st.integers(0, 30), st.integers(1, max_model_len - 1),
-                                            st.integers(1, 12), st.booleans()), min_size=1, max_size=12))
+                                            st.integers(1, 12), st.booleans(), st.sampled_from([1, 1, 2, 50])),
+                                  min_size=1, max_size=12))
     aborts = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4))
     seqs = []
     for t in range(400):
-        for i, (at, plen, max_tokens, ignore_eos) in enumerate(arrivals):
+        for i, (at, plen, max_tokens, ignore_eos, first) in enumerate(arrivals):
             if at == t:
-                s = seq(f"r{i}", plen, max_tokens, ignore_eos)
+                s = seq(f"r{i}", plen, max_tokens, ignore_eos, first)
                 seqs.append(s)
                 sch.add(s)
         for at, idx in aborts:
@@ -246,6 +274,7 @@ def test_decode_worker_admits_a_prefilled_sequence_into_the_next_step():
     arrived.num_computed_tokens = 6
     assert sch.can_admit_prefilled(arrived.num_tokens)
     sch.admit_prefilled(arrived)
+    runner.place(arrived)
     assert len(arrived.block_table) == 2
     plan, _ = step(sch, runner)
     assert not plan.is_prefill and [c.seq for c in plan.chunks] == [running, arrived]
@@ -266,17 +295,19 @@ def test_choices_share_their_prompts_full_blocks_on_admission():
     first = seq("r#0", 6, max_tokens=3)
     first.output_token_ids, first.num_computed_tokens = [42], 6
     sch.admit_prefilled(first)
+    runner = FakeRunner(sch)
+    runner.place(first)
     others = []
     for i in (1, 2):
         other = seq(f"r#{i}", 6, max_tokens=3)
         other.output_token_ids, other.num_computed_tokens = [43], 6
         bm.share(first.block_table[:1])
         sch.admit_prefilled(other, first.block_table[:1])
+        runner.place(other)
         others.append(other)
     assert all(o.block_table[0] == first.block_table[0] for o in others)
     assert len({first.block_table[1], *(o.block_table[1] for o in others)}) == 3
     assert bm.ref_counts[first.block_table[0]] == 3 and bm.num_free_blocks == 8 - 4
-    runner = FakeRunner(sch)
     while sch.has_unfinished:
         step(sch, runner)
         check_accounting(sch)
