@@ -15,7 +15,8 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 4  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain
+PROTOCOL_VERSION = 5  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
+#                        5: prefix caching (CacheUpdate, cache figures in WorkerStats)
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -36,6 +37,7 @@ class Kind(enum.IntEnum):
     ABORT = 9
     REQUEST_FAILED = 10
     DEREGISTER = 11
+    CACHE_UPDATE = 12
 
 
 class Role(enum.IntEnum):
@@ -91,6 +93,9 @@ class WorkerStats:
     num_preemptions: int = 0
     num_protocol_errors: int = 0
     num_prompts_prefilled: int = 0  # prefill workers: prompts computed (once per request, whatever its n)
+    num_prompt_tokens_computed: int = 0  # prompt tokens run through the model
+    num_prompt_tokens_cached: int = 0    # prompt tokens whose KV the prefix cache supplied instead
+    num_cached_blocks: int = 0           # blocks in the prefix cache, in use or free
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -131,6 +136,18 @@ class Deregister:
     KIND: typing.ClassVar[Kind] = Kind.DEREGISTER
     worker_id: str
     final: bool = False
+
+
+@dataclass
+class CacheUpdate:
+    """What a worker's prefix cache holds, for cache-aware routing: the block hashes stored and evicted since its
+    last update, or with full, every hash it holds (sent on registration and now and then, so a lost update
+    heals)."""
+    KIND: typing.ClassVar[Kind] = Kind.CACHE_UPDATE
+    worker_id: str
+    stored: list[bytes]
+    evicted: list[bytes] = field(default_factory=list)
+    full: bool = False
 
 
 @dataclass
@@ -223,7 +240,7 @@ class RequestFailed:
 
 MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
                              (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
-                              Tokens, Abort, RequestFailed, Deregister)}
+                              Tokens, Abort, RequestFailed, Deregister, CacheUpdate)}
 FRAMED = {Kind.KV_TRANSFER: 2}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -299,6 +316,10 @@ def _check(value, annotation, where: str):
     if annotation is int:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
+        return value
+    if annotation is bytes:
+        if type(value) is not bytes:
+            raise ProtocolError(f"{where}: expected bytes, got {type(value).__name__}")
         return value
     if annotation in (str, bool):
         if type(value) is not annotation:

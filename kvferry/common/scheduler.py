@@ -72,6 +72,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens still to compute: the waiting prompts' (less what the prefix cache holds for them now)
+        and the rest of the prompts cut by the token budget. The gateway balances prefill workers on it."""
+        size = self.block_manager.block_size
+        return (sum(s.num_uncomputed_tokens - len(self._cached_prefix(s)) * size for s in self.waiting)
+                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1))
+
     def add(self, seq: Sequence) -> None:
         seq.arrival = self._next_arrival
         self._next_arrival += 1

@@ -30,6 +30,7 @@ class GatewayLink:
         self.registered = False
         self.num_attempts = 0
         self.next_attempt_at = 0.0    # monotonic
+        self.cache_sync_at = 0.0      # monotonic time of the next full CacheUpdate (0: at once)
 
     def must_register(self) -> None:
         """The gateway forgot us (it restarted, or dropped us after a silence): register again, at once."""
@@ -47,6 +48,7 @@ class GatewayLink:
 
     def accepted(self, reply: p.RegisterReply) -> None:
         self.registered, self.gateway_id = True, reply.gateway_id
+        self.cache_sync_at = 0.0  # a gateway that (re)admits us knows nothing of our cache yet
         log.info("%s registered with the gateway at %s", self.channel.name.split("/")[0], self.address)
 
     def heartbeat_socket(self, ctx: zmq.Context) -> zmq.Socket:

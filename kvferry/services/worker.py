@@ -35,6 +35,7 @@ from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
 UNKNOWN_WORKER = "unknown worker: register again"
+CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
 
 
 def sampling_to_wire(params: SamplingParams) -> p.Sampling:
@@ -134,10 +135,28 @@ class Worker:
         return p.WorkerStats(
             num_free_blocks=self.engine.block_manager.num_free_blocks, num_total_blocks=self.engine.block_manager.num_blocks,
             num_running=len(sch.running), num_waiting=len(sch.waiting),
-            queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in sch.waiting)
-            + sum(s.num_uncomputed_tokens for s in sch.running if s.num_uncomputed_tokens > 1),
+            queued_prompt_tokens=sch.queued_prompt_tokens(),
             num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors(),
-            num_prompts_prefilled=self.num_prompts_prefilled)
+            num_prompts_prefilled=self.num_prompts_prefilled, num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
+            num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
+            num_cached_blocks=self.engine.block_manager.num_cached_blocks)
+
+    def send_cache_updates(self) -> None:
+        """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached
+        prefixes; now and then (and after each registration) everything it holds, which heals lost updates."""
+        bm = self.engine.block_manager
+        if not bm.enable_caching:
+            return
+        stored, evicted = bm.take_cache_events()
+        now = time.monotonic()
+        for link in self.links:
+            if not link.registered:
+                continue
+            if now >= link.cache_sync_at:
+                link.channel.send(p.CacheUpdate(self.worker_id, list(bm.cached), full=True))
+                link.cache_sync_at = now + CACHE_SYNC_S
+            elif stored or evicted:
+                link.channel.send(p.CacheUpdate(self.worker_id, stored, evicted))
 
     def num_protocol_errors(self) -> int:
         return sum(link.channel.num_protocol_errors for link in self.links)
@@ -198,6 +217,7 @@ class Worker:
                 if self.has_work():
                     self.step()
                     self.maybe_stall()
+                self.send_cache_updates()
                 now = time.monotonic()
                 if now >= stats_due:  # the heartbeat thread only needs a fresh snapshot each half interval
                     self.latest_stats, stats_due = self.stats(), now + self.heartbeat_interval_s / 2

@@ -139,3 +139,18 @@ def test_cached_blocks_count_as_free_and_pressure_evicts_them():
     sch.add(prompt_seq("a2", range(1, 25)))      # whatever of a survived is reused, the rest recomputed
     run_to_end(sch, runner)
     assert sch.block_manager.num_free_blocks == 8
+
+
+def test_queued_prompt_tokens_leave_out_what_the_cache_holds():
+    """The gateway balances prefill workers on this figure: a queue of prompts sharing a cached prefix is light."""
+    sch = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    runner = FakeRunner(sch)
+    sch.add(prompt_seq("warm", range(1, 18)))
+    run_to_end(sch, runner)
+    for i in range(3):
+        sch.add(prompt_seq(f"q{i}", list(range(1, 17)) + [100 + i, 200 + i]))   # 16 cached, 2 to compute
+    sch.add(prompt_seq("cold", range(500, 510)))
+    assert sch.queued_prompt_tokens() == 3 * 2 + 10
+    plan, _ = step(sch, runner)   # budget 8: q0..q2 take 6, cold starts with 2 of its 10
+    assert plan.num_tokens == 8 and sch.queued_prompt_tokens() == 8
+    assert make(caching=False).queued_prompt_tokens() == 0

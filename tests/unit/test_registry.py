@@ -31,12 +31,12 @@ def test_routing_prefers_least_queued_prefill_and_roomiest_decode():
     beat(reg, "p1", 1, queued=20)
     beat(reg, "d0", 1, free=40, running=3)
     beat(reg, "d1", 1, free=60, running=9)
-    assert reg.pick_prefill().worker_id == "p1" and reg.pick_decode().worker_id == "d1"
+    assert reg.pick_prefill()[0].worker_id == "p1" and reg.pick_decode().worker_id == "d1"
     beat(reg, "d1", 2, free=40, running=9)  # a tie on free blocks: fewer running sequences wins
     assert reg.pick_decode().worker_id == "d0"
     reg.assign(reg.workers["p1"], reg.workers["d0"], num_prompt_tokens=1000, num_blocks=63)
     # Until the next heartbeat, what was just routed counts against them.
-    assert reg.pick_prefill().worker_id == "p0" and reg.pick_decode().worker_id == "d1"
+    assert reg.pick_prefill()[0].worker_id == "p0" and reg.pick_decode().worker_id == "d1"
 
 
 def test_silent_workers_expire_and_must_register_again():
@@ -45,7 +45,7 @@ def test_silent_workers_expire_and_must_register_again():
     register(reg, "d0", p.Role.DECODE, now=0.0)
     beat(reg, "d0", 2.5)
     assert [w.worker_id for w in reg.expire(3.5)] == ["p0"]
-    assert reg.pick_prefill() is None and reg.pick_decode().worker_id == "d0"
+    assert reg.pick_prefill() == (None, 0) and reg.pick_decode().worker_id == "d0"
     assert not beat(reg, "p0", 4.0)  # unknown now: the gateway asks it to register again
 
 
@@ -61,3 +61,38 @@ def test_a_draining_worker_gets_nothing_new_but_stays_live():
     assert {w.worker_id for w in reg.live(p.Role.DECODE)} == {"d0", "d1"}
     reg.workers["d1"].draining = True
     assert reg.pick_decode() is None and not reg.routable(p.Role.DECODE)
+
+
+def test_prefill_routing_follows_cached_prefixes_balanced_against_queued_work():
+    from kvferry.common.block_hash import block_hashes
+
+    reg = Registry()
+    for wid in ("p0", "p1"):
+        register(reg, wid, p.Role.PREFILL)
+    system = list(range(100, 100 + 16 * 25))          # a 400-token system prompt: 25 blocks
+    prompt = system + [7, 8, 9]
+    hashes = block_hashes(prompt, 16)
+    beat(reg, "p0", 1, queued=0)
+    beat(reg, "p1", 1, queued=100)
+    reg.cache_update(p.CacheUpdate("p1", hashes[:25], full=True))
+    # p1 holds the 400 prefix tokens: 100 queued + 3 to compute beats 0 queued + 403.
+    assert reg.pick_prefill(hashes, len(prompt)) == (reg.workers["p1"], 25)
+    beat(reg, "p1", 2, queued=1000)                     # too busy now: computing it all on p0 is sooner
+    assert reg.pick_prefill(hashes, len(prompt))[0].worker_id == "p0"
+    # Deltas: an evicted first block breaks the whole chain; a stored block counts again.
+    beat(reg, "p1", 3, queued=100)
+    reg.cache_update(p.CacheUpdate("p1", [], evicted=[hashes[0]]))
+    assert reg.pick_prefill(hashes, len(prompt)) == (reg.workers["p0"], 0)
+    reg.cache_update(p.CacheUpdate("p1", [hashes[0]]))
+    assert reg.pick_prefill(hashes, len(prompt))[1] == 25
+    # Routing a prompt counts its blocks as cached where it went: the next of a burst follows it there.
+    register(reg, "d0", p.Role.DECODE)
+    other = block_hashes(list(range(5000, 5400)) + [1], 16)
+    first, _ = reg.pick_prefill(other, 401)
+    reg.assign(first, reg.workers["d0"], 401, 26, other)
+    assert reg.pick_prefill(other, 401) == (first, 25)
+    reg.cache_update(p.CacheUpdate("nobody", hashes))  # an unknown worker's update is ignored
+    # A prompt prefilled there no longer counts against it, even before the next heartbeat says so.
+    reg.prefilled(first.worker_id, 401)
+    assert first.pending_prompt_tokens == 0
+    reg.prefilled("nobody", 5)

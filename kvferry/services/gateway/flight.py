@@ -52,6 +52,8 @@ class Flight:
     attempt: int = 0
     prefill_identity: bytes = b""
     decode_identity: bytes = b""
+    prefill_worker_id: str = ""
+    pending_prefill_tokens: int = 0  # prompt tokens this attempt added to its prefill worker's queue, until prefilled
     outputs: list[list[int]] = field(default_factory=list)   # delivered tokens, per choice
     finished: list[bool] = field(default_factory=list)
     early: dict[tuple[int, int], Event] = field(default_factory=dict)  # (choice, start) -> held back

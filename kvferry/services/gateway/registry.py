@@ -27,6 +27,14 @@ class WorkerInfo:
     pending_prompt_tokens: int = 0
     num_served: int = 0
     draining: bool = False  # shutting down: finishes what it has, gets nothing new
+    cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, as it last told us
+
+    def num_cached_prefix_blocks(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of a prompt (its chained block hashes) this worker holds."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self.cached:
+            n += 1
+        return n
 
     def as_json(self) -> dict:
         s = self.stats
@@ -35,7 +43,8 @@ class WorkerInfo:
                 "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
                 "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
                 "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
-                "prompts_prefilled": s.num_prompts_prefilled,
+                "prompts_prefilled": s.num_prompts_prefilled, "prompt_tokens_computed": s.num_prompt_tokens_computed,
+                "prompt_tokens_cached": s.num_prompt_tokens_cached, "cached_blocks": s.num_cached_blocks,
                 "requests_served": self.num_served, "draining": self.draining, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
 
 
@@ -87,11 +96,34 @@ class Registry:
     def routable(self, role: p.Role) -> list[WorkerInfo]:
         return [w for w in self.live(role) if not w.draining]
 
-    def pick_prefill(self) -> WorkerInfo | None:
-        """The prefill worker with the least queued prompt tokens."""
-        candidates = self.routable(p.Role.PREFILL)
-        return min(candidates, key=lambda w: (w.stats.queued_prompt_tokens + w.pending_prompt_tokens, w.num_served),
-                   default=None)
+    def cache_update(self, msg: p.CacheUpdate) -> None:
+        worker = self.workers.get(msg.worker_id)
+        if worker is None:
+            return
+        if msg.full:
+            worker.cached = set(msg.stored)
+        else:
+            worker.cached.difference_update(msg.evicted)
+            worker.cached.update(msg.stored)
+
+    def pick_prefill(self, hashes: list[bytes] = (), num_tokens: int = 0) -> tuple[WorkerInfo | None, int]:
+        """Cache-aware: the prefill worker that would finish this prompt first, counting the prompt tokens queued
+        there and the ones of this prompt it does not hold in its prefix cache. hashes: the prompt's chained
+        block hashes. Returns the worker and how many of the prompt's leading blocks it holds."""
+        best, best_key, best_hits = None, None, 0
+        for w in self.routable(p.Role.PREFILL):
+            hits = w.num_cached_prefix_blocks(hashes)
+            work = w.stats.queued_prompt_tokens + w.pending_prompt_tokens + num_tokens - hits * w.block_size
+            key = (work, w.num_served)
+            if best_key is None or key < best_key:
+                best, best_key, best_hits = w, key, hits
+        return best, best_hits
+
+    def prefilled(self, worker_id: str, num_prompt_tokens: int) -> None:
+        """A prompt routed there is computed: it no longer counts against the worker."""
+        worker = self.workers.get(worker_id)
+        if worker is not None:
+            worker.pending_prompt_tokens = max(0, worker.pending_prompt_tokens - num_prompt_tokens)
 
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV blocks, then the fewest running sequences."""
@@ -99,9 +131,12 @@ class Registry:
         return min(candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served),
                    default=None)
 
-    def assign(self, prefill: WorkerInfo, decode: WorkerInfo, num_prompt_tokens: int, num_blocks: int) -> None:
-        """Count a routed request against both workers until their next heartbeat reports it."""
+    def assign(self, prefill: WorkerInfo, decode: WorkerInfo, num_prompt_tokens: int, num_blocks: int,
+               hashes: list[bytes] = ()) -> None:
+        """Count a routed request against both workers until their next heartbeat reports it. The prompt's blocks
+        count as cached on the prefill worker at once: a burst sharing a prefix follows the first of it there."""
         prefill.pending_prompt_tokens += num_prompt_tokens
+        prefill.cached.update(hashes)
         prefill.num_served += 1
         decode.stats.num_free_blocks -= num_blocks
         decode.stats.num_running += 1

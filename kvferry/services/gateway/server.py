@@ -18,6 +18,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.common import protocol as p
+from kvferry.common.block_hash import block_hashes
 from kvferry.common import tracing
 from kvferry.common.bind_check import warn_if_exposed
 from kvferry.common.curve import CurveKeys
@@ -125,6 +126,10 @@ class GatewayCore:
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
                 await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s,
                                                  self.gateway_id), peer, parent=env.trace)
+        elif isinstance(msg, p.CacheUpdate):
+            worker = self.registry.workers.get(msg.worker_id)
+            if worker is not None and worker.identity == peer:
+                self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
             if worker is not None and worker.identity == peer:
@@ -138,6 +143,10 @@ class GatewayCore:
             if flight is None or msg.attempt != flight.attempt:
                 await self._abort_unknown(peer, rid, msg.attempt, env.trace)
                 return
+            if isinstance(msg, p.FirstToken) and flight.pending_prefill_tokens:
+                # Its prompt is computed: the prefill worker's queue is that much shorter before it next says so.
+                self.registry.prefilled(flight.prefill_worker_id, flight.pending_prefill_tokens)
+                flight.pending_prefill_tokens = 0
             flight.queue.put_nowait(self._event(msg, flight))
 
     @staticmethod
@@ -235,16 +244,21 @@ class GatewayCore:
     async def _dispatch(self, flight: Flight) -> bool:
         """Route the flight's current attempt to a prefill and a decode worker; False if none are live or the
         send failed."""
-        prefill, decode = self.registry.pick_prefill(), self.registry.pick_decode()
+        resume = flight.resume_token_ids() if flight.attempt else []
+        tokens = flight.prompt_token_ids + resume
+        hashes = block_hashes(tokens, self.registry.expected_block_size)  # a few microseconds per block
+        prefill, num_cached_blocks = self.registry.pick_prefill(hashes, len(tokens))
+        decode = self.registry.pick_decode()
         if prefill is None or decode is None:
             return False
-        resume = flight.resume_token_ids() if flight.attempt else []
         params = sampling_to_wire(flight.params)
         if flight.attempt:
             params.prompt_logprobs = None  # given with the first attempt's first token
-        num_tokens = len(flight.prompt_token_ids) + len(resume)
-        self.registry.assign(prefill, decode, num_tokens, -(-num_tokens // decode.block_size))
+        flight.pending_prefill_tokens = len(tokens) - num_cached_blocks * prefill.block_size
+        self.registry.assign(prefill, decode, flight.pending_prefill_tokens, -(-len(tokens) // decode.block_size),
+                             hashes)
         flight.prefill_identity, flight.decode_identity = prefill.identity, decode.identity
+        flight.prefill_worker_id = prefill.worker_id
         request = p.PrefillRequest(flight.prompt_token_ids, params, decode.worker_id, decode.kv_address,
                                    time.time() + self.deadlines.request_s, flight.n, flight.attempt, resume)
         return await self._send(request, prefill.identity, flight.request_id, flight.trace)
