@@ -31,6 +31,8 @@ class EngineConfig:
     num_threads: int | None = None  # torch CPU threads for this process
     seed: int | None = None
     enable_prefix_caching: bool = True  # reuse cached KV blocks of a prompt's longest cached prefix
+    enable_chunked_prefill: bool = True  # split long prompts into chunks, interleaved with other prompts
+    long_prefill_threshold: int = 512   # chunked: a prompt's most tokens in one step (0: max_num_batched_tokens)
 
     def __post_init__(self):
         from kvferry.common.errors import ConfigError
@@ -40,6 +42,8 @@ class EngineConfig:
         for name in ("kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.long_prefill_threshold < 0:
+            raise ConfigError(f"long_prefill_threshold must be 0 (no cap) or positive, got {self.long_prefill_threshold}")
 
     @classmethod
     def add_args(cls, parser: argparse.ArgumentParser) -> None:
@@ -63,6 +67,12 @@ class EngineConfig:
         g.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
                        default=env("KVFERRY_NO_PREFIX_CACHING", "").lower() not in ("1", "true", "yes"),
                        help="compute every prompt in full instead of reusing cached KV blocks of its prefix")
+        g.add_argument("--no-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                       default=env("KVFERRY_NO_CHUNKED_PREFILL", "").lower() not in ("1", "true", "yes"),
+                       help="compute each prompt in one step, however long, instead of in chunks beside other prompts")
+        g.add_argument("--long-prefill-threshold", type=int, default=env("KVFERRY_LONG_PREFILL_THRESHOLD", "512"),
+                       help="with chunked prefill, the most tokens of one prompt in a step; the rest of the step's "
+                            "budget goes to the prompts behind it (0: no cap)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

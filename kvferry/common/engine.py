@@ -82,7 +82,9 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
-                                   keep_finished_blocks=keep_finished_blocks)
+                                   keep_finished_blocks=keep_finished_blocks,
+                                   enable_chunked_prefill=config.enable_chunked_prefill,
+                                   long_prefill_threshold=config.long_prefill_threshold)
         try:
             self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed,
                                       eos_token_ids=self.scheduler.eos_token_ids)

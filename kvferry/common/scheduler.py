@@ -6,8 +6,14 @@ takes sampled tokens back through `update`, and never touches tensors.
 A step is either a prefill step (prompt chunks, at most `max_num_batched_tokens` tokens
 in all) or a decode step (one token for every running sequence). Prompts go first, so a
 new request joins the running batch at the next step; a sequence leaves the batch on the
-step it finishes. When a decode step runs out of blocks, the newest sequence is
-preempted: its blocks are freed and it is recomputed later as one longer prompt.
+step it finishes.
+
+Chunked prefill: a prompt computes at most `long_prefill_threshold` tokens a step, and the
+rest of the budget goes to the prompts queued behind it, so one long prompt does not hold
+back the first token of the short ones. Without chunking a prompt is computed in one step
+(alone in it when it is longer than the budget), as servers without chunked prefill do.
+
+When a decode step runs out of blocks, the newest sequence is preempted: its blocks are freed and it is recomputed later as one longer prompt.
 """
 import bisect
 from dataclasses import dataclass, field
@@ -43,7 +49,8 @@ class StepPlan:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), keep_finished_blocks: bool = False):
+                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), keep_finished_blocks: bool = False,
+                 enable_chunked_prefill: bool = True, long_prefill_threshold: int = 0):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
@@ -57,6 +64,9 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        # A prompt's most tokens in one step (0: the whole budget).
+        self.long_prefill_threshold = min(long_prefill_threshold or max_num_batched_tokens, max_num_batched_tokens)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
@@ -139,10 +149,7 @@ class Scheduler:
         # Prompts already admitted but cut by an earlier step's budget continue first.
         for seq in self.running:
             if seq.num_uncomputed_tokens > 1 and budget > 0:
-                n = min(seq.num_uncomputed_tokens, budget)
-                plan.chunks.append(ScheduledChunk(seq, n))
-                computing.update(self._hashes_computed(seq, n))
-                budget -= n
+                budget -= self._add_chunk(plan, seq, budget, computing)
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
@@ -154,6 +161,8 @@ class Scheduler:
                 continue
             # A prompt's blocks are reserved whole on admission, so a chunked prompt never stalls half-way.
             bm = self.block_manager
+            if not self.enable_chunked_prefill and seq.num_tokens - len(hits) * bm.block_size > budget and plan.chunks:
+                break  # unchunked, it does not fit beside what the step has: it leads the next step
             num_new_blocks = bm.num_blocks_for(seq.num_tokens) - len(hits) + bm.num_free_among(hits)
             if not bm.can_allocate(num_new_blocks):
                 break
@@ -166,12 +175,19 @@ class Scheduler:
             bm.grow(seq.block_table, seq.num_tokens)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            n = min(seq.num_uncomputed_tokens, budget)
-            plan.chunks.append(ScheduledChunk(seq, n))
-            computing.update(self._hashes_computed(seq, n))
-            budget -= n
+            budget -= self._add_chunk(plan, seq, budget, computing)
         self.num_computed_prompt_tokens += plan.num_tokens
         return plan
+
+    def _add_chunk(self, plan: StepPlan, seq: Sequence, budget: int, computing: set[bytes]) -> int:
+        """Schedule the next chunk of a prompt: as much as the budget and the per-prompt cap allow, or all of it
+        without chunking. Returns its number of tokens."""
+        n = seq.num_uncomputed_tokens
+        if self.enable_chunked_prefill:
+            n = min(n, budget, self.long_prefill_threshold)
+        plan.chunks.append(ScheduledChunk(seq, n))
+        computing.update(self._hashes_computed(seq, n))
+        return n
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks holding the start of a waiting sequence's tokens. The last token is always computed (its

@@ -1,5 +1,6 @@
-"""Prefix caching through the real engine: prompts sharing prefixes of every length around a block boundary give
-the same greedy tokens, and logits within float error of transformers, as with caching off."""
+"""Prefix caching and chunked prefill through the real engine: prompts sharing prefixes of every length around a
+block boundary give the same greedy tokens, and logits within float error of transformers, with each feature on and
+off."""
 import random
 
 import torch
@@ -22,7 +23,8 @@ def run(engine, waves):
             engine.add_request(ids, params, request_id=rid)
             results[rid] = ([], [])
         while engine.has_unfinished():
-            for out, row in zip(engine.step(), engine.runner.last_logits):
+            outputs = engine.step()  # a step of chunks that all stop short of their prompt's end samples nothing
+            for out, row in zip(outputs, engine.runner.last_logits if outputs else ()):
                 results[out.request_id][1].append(row.clone())
                 if out.finished:
                     results[out.request_id][0].extend(out.output_token_ids)
@@ -41,12 +43,14 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
     second["same_plus_one"] = base + [9]
     waves = [first, second]
     outcomes = {}
-    for caching in (True, False):
+    settings = {"cached": {}, "cached_in_chunks_of_5": {"long_prefill_threshold": 5},
+                "not_cached_not_chunked": {"enable_prefix_caching": False, "enable_chunked_prefill": False}}
+    for name, overrides in settings.items():
         engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=16,
-                                        max_num_batched_tokens=64, enable_prefix_caching=caching))
-        outcomes[caching] = run(engine, waves)
+                                        max_num_batched_tokens=64, **overrides))
+        outcomes[name] = run(engine, waves)
         scheduler = engine.scheduler
-        if caching:
+        if engine.config.enable_prefix_caching:
             assert scheduler.num_cached_prompt_tokens >= sum(n // BLOCK * BLOCK for n in lengths) - BLOCK
         else:
             assert scheduler.num_cached_prompt_tokens == 0
@@ -54,9 +58,10 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
     prompts = {**first, **second}
     with torch.no_grad():
         for rid, prompt in prompts.items():
-            tokens, rows = outcomes[True][rid]
-            assert tokens == outcomes[False][rid][0], rid
-            full = prompt + tokens
-            ref = hf(torch.tensor([full[:-1]])).logits[0, len(prompt) - 1:]
+            tokens = outcomes["not_cached_not_chunked"][rid][0]
+            ref = hf(torch.tensor([(prompt + tokens)[:-1]])).logits[0, len(prompt) - 1:]
             assert tokens == ref.argmax(-1).tolist(), rid
-            assert (torch.stack(rows) - ref).abs().max().item() <= 1e-4, rid
+            for name, results in outcomes.items():
+                other_tokens, rows = results[rid]
+                assert other_tokens == tokens, (name, rid)
+                assert (torch.stack(rows) - ref).abs().max().item() <= 1e-4, (name, rid)

@@ -15,9 +15,11 @@ from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 EOS = 0
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, caching=True):
+def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, caching=True,
+         chunked=True, threshold=0):
     return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, max_num_batched_tokens,
-                     max_model_len, eos_token_ids=(EOS,))
+                     max_model_len, eos_token_ids=(EOS,), enable_chunked_prefill=chunked,
+                     long_prefill_threshold=threshold)
 
 
 def seq(name, prompt_len, max_tokens=4, ignore_eos=True, first=1):
@@ -51,7 +53,9 @@ class FakeRunner:
 
     def execute(self, plan):
         bs = self.scheduler.block_manager.block_size
-        assert plan.num_tokens <= self.scheduler.max_num_batched_tokens
+        # Over the budget only without chunking, and then alone: one prompt longer than the budget.
+        assert plan.num_tokens <= self.scheduler.max_num_batched_tokens or (
+            not self.scheduler.enable_chunked_prefill and len(plan.chunks) == 1)
         for chunk in plan.chunks:
             s = chunk.seq
             assert s.status == SequenceStatus.RUNNING and chunk.num_new_tokens >= 1
@@ -126,6 +130,38 @@ def test_token_budget_chunks_long_prompts():
     assert len(a.output_token_ids) == 1 and len(b.output_token_ids) == 1
 
 
+def test_a_long_prompt_is_capped_per_step_so_short_prompts_behind_it_start_at_once():
+    sch = make(num_blocks=32, max_num_batched_tokens=16, max_model_len=128, threshold=6)
+    runner = FakeRunner(sch)
+    long = seq("long", 40)
+    sch.add(long)
+    plan, _ = step(sch, runner)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks] == [("long", 6)]  # capped, budget or not
+    for name in ("s1", "s2", "s3"):
+        sch.add(seq(name, 3, first=100))
+    plan, _ = step(sch, runner)
+    # The short prompts arrived while it ran: they finish their prefill beside its next chunk.
+    assert [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks] == [("long", 6), ("s1", 3), ("s2", 3),
+                                                                          ("s3", 3)]
+    assert all(len(c.seq.output_token_ids) == 1 for c in plan.chunks[1:]) and not long.output_token_ids
+    sch.add(seq("s4", 14, first=200))  # longer than the cap, shorter than the budget: capped as well
+    plan, _ = step(sch, runner)
+    assert [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks] == [("long", 6), ("s4", 6)]
+
+
+def test_without_chunked_prefill_a_prompt_is_computed_in_one_step():
+    sch = make(num_blocks=32, max_num_batched_tokens=8, max_model_len=128, chunked=False, threshold=2)
+    runner = FakeRunner(sch)
+    for name, length, first in (("long", 20, 1), ("a", 6, 100), ("b", 2, 200), ("c", 6, 300)):
+        sch.add(seq(name, length, first=first))
+    steps = []
+    while any(s.num_uncomputed_tokens > 1 or not s.output_token_ids for s in sch.running + sch.waiting):
+        plan, _ = step(sch, runner)
+        steps.append([(c.seq.request_id, c.num_new_tokens) for c in plan.chunks])
+    # Longer than the budget, the long prompt runs alone; then whole prompts while they fit, in arrival order.
+    assert steps == [[("long", 20)], [("a", 6), ("b", 2)], [("c", 6)]]
+
+
 def test_max_num_seqs_caps_the_running_batch():
     sch = make(max_num_seqs=2)
     runner = FakeRunner(sch)
@@ -198,17 +234,18 @@ def test_scheduler_is_deterministic():
     assert run() == run()
 
 
-@pytest.mark.parametrize("caching", [True, False])
+@pytest.mark.parametrize("caching,chunked", [(True, True), (False, True), (True, False)])
 @settings(max_examples=150, deadline=None)
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 24),
-       max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 18), seed=st.integers(0, 2**16))
-def test_random_workloads_keep_block_accounting_and_finish(caching, data, block_size, num_blocks, max_num_seqs,
-                                                           extra_budget, seed):
+       max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 18), threshold=st.integers(0, 6),
+       seed=st.integers(0, 2**16))
+def test_random_workloads_keep_block_accounting_and_finish(caching, chunked, data, block_size, num_blocks,
+                                                           max_num_seqs, extra_budget, threshold, seed):
     """With caching, prompts share prefixes of every length (most start at token 1) in a small pool: the fake
     runner's KV check catches any stale or evicted block served."""
     budget = max_num_seqs + extra_budget
     max_model_len = min(24, num_blocks * block_size)
-    sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching=caching)
+    sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, chunked, threshold)
     runner = FakeRunner(sch, seed=seed, eos_rate=0.05)
     arrivals = data.draw(st.lists(st.tuples(st.integers(0, 30), st.integers(1, max_model_len - 1),
                                             st.integers(1, 12), st.booleans(), st.sampled_from([1, 1, 2, 50])),
