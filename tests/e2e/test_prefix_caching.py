@@ -47,3 +47,28 @@ def test_shared_prefix_routes_to_its_cache_and_matches_the_engine(make_stack):
     assert workers[holder]["prompt_tokens_cached"] >= (len(prompts) - 1) * system_blocks * 16, workers[holder]
     assert workers[holder]["prompt_tokens_computed"] <= sum(map(len, prompts)) - (len(prompts) - 1) * system_blocks * 16
     assert workers[holder]["cached_blocks"] >= system_blocks
+
+
+def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
+    """What `kvferry bench serve/feature` read: the replay's per-group latencies and token counts over real HTTP,
+    and the prefill workers' computed and cached prompt tokens from /v1/workers."""
+    import asyncio
+
+    from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
+    from kvferry.services.bench.stack import served_model
+
+    stack = make_stack().start_pair()
+    shared = list(range(1000, 1064))  # 4 blocks
+    requests = [{"id": f"r{i}", "prompt_token_ids": shared + [2000 + i] * (5 + i), "max_tokens": 3 + i,
+                 "arrival_s": 0.1 * i, "group": "first" if i == 0 else "later"} for i in range(4)]
+    before = prefill_counters(stack.url)
+    assert before == {"prompts_prefilled": 0, "prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+    model = served_model(stack.url)
+    asyncio.run(replay(stack.url, model, requests[:1]))  # the first one caches the shared blocks
+    report = asyncio.run(replay(stack.url, model, requests[1:]))
+    assert report["output_tokens"] == 4 + 5 + 6 and set(report["groups"]) == {"later"}
+    assert report["groups"]["later"]["ttft_p99_s"] >= report["groups"]["later"]["ttft_p50_s"] > 0
+    delta = counters_delta(before, prefill_counters(stack.url, 4))
+    assert delta["prompts_prefilled"] == 4
+    assert delta["prompt_tokens_cached"] == 3 * 64
+    assert delta["prompt_tokens_computed"] == sum(len(r["prompt_token_ids"]) for r in requests) - 3 * 64

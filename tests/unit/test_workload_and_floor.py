@@ -37,3 +37,21 @@ def test_floor_arithmetic_on_known_costs():
     assert floor["decode_s"] == pytest.approx(0.3)
     assert floor["floor_s"] == pytest.approx(70.3)
     assert floor["floor_output_tok_per_s"] == pytest.approx(round(5 / 70.3, 1))
+
+
+def test_shared_prefix_requests_share_a_block_aligned_400_token_prompt():
+    reqs = workload.generate("shared-prefix", rate=0.0)
+    system = reqs[0]["prompt_token_ids"][:400]
+    assert len(reqs) == 32 and all(r["prompt_token_ids"][:400] == system for r in reqs)
+    assert all(50 <= len(r["prompt_token_ids"]) - 400 <= 100 and 50 <= r["max_tokens"] <= 100 for r in reqs)
+    assert len({tuple(r["prompt_token_ids"][400:]) for r in reqs}) == 32  # only the system prompt is shared
+    assert all(r["arrival_s"] == 0 for r in reqs)
+    assert workload.generate("shared-prefix", rate=4.0)[-1]["arrival_s"] > 0
+
+
+def test_head_of_line_sends_short_prompts_once_the_long_one_is_under_way():
+    reqs = workload.generate("head-of-line")
+    long, shorts = reqs[0], reqs[1:]
+    assert long["group"] == "long" and len(long["prompt_token_ids"]) == 4000 and long["arrival_s"] == 0
+    assert len(shorts) == 16 and all(r["group"] == "short" and len(r["prompt_token_ids"]) == 64 for r in shorts)
+    assert all(r["arrival_s"] >= 0.3 for r in shorts)

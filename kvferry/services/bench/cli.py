@@ -4,6 +4,7 @@ import sys
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
+from kvferry.services.bench import workload
 
 
 def add_bench_parser(sub) -> None:
@@ -23,7 +24,7 @@ def add_bench_parser(sub) -> None:
     p = bench.add_parser("serve", help="the workload over HTTP against a running stack, streaming")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="the served model, for the floor and the baseline")
-    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+    p.add_argument("--workload", default="std-32", choices=workload.NAMES)
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--no-floor", action="store_true")
@@ -43,6 +44,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_tracing)
 
+    from kvferry.services.bench import feature
+
+    feature.add_parser(bench)
+
     p = bench.add_parser("soak", help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
                                       "workers: leaks, stuck requests and memory growth")
     p.add_argument("--requests", type=int, default=1000)
@@ -60,44 +65,24 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=cmd_bench_overload)
 
 
-def _own_stack(args, num_prefill: int, num_decode: int, threads: int, extra_env: dict | None = None):
-    """(url, procs) of a fresh stack on free ports, for benchmarks that need one of their own."""
-    import os
-
-    from kvferry.services.launcher import free_port, start_services
-
-    env = {**os.environ, **(extra_env or {})}
-    if args.model:
-        env["KVFERRY_MODEL"] = args.model
-    port = free_port()
-    procs = start_services("127.0.0.1", port, free_port(), threads, threads, env, num_prefill, num_decode)
-    return f"http://127.0.0.1:{port}", procs
-
-
 def cmd_bench_soak(args) -> int:
     from kvferry.services.bench.soak import soak
-    from kvferry.services.launcher import stop_all
+    from kvferry.services.bench.stack import fresh_stack
 
-    url, procs = _own_stack(args, 2, 2, 1)
     names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
-    try:
+    with fresh_stack(args.model, num_prefill=2, num_decode=2) as (url, procs):
         report = soak(url, {n: p.pid for n, p in zip(names, procs)}, args.requests, args.concurrency,
                       args.cancel_share)
-    finally:
-        stop_all(procs)
     print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
     return 0
 
 
 def cmd_bench_overload(args) -> int:
     from kvferry.services.bench.overload import overload
-    from kvferry.services.launcher import stop_all
+    from kvferry.services.bench.stack import fresh_stack
 
-    url, procs = _own_stack(args, 1, 1, 1, {"KVFERRY_MAX_WAITING": str(args.max_waiting)})
-    try:
+    with fresh_stack(args.model, {"KVFERRY_MAX_WAITING": str(args.max_waiting)}) as (url, _):
         report = overload(url, args.duration)
-    finally:
-        stop_all(procs)
     report["max_waiting"] = args.max_waiting
     if args.json:
         print(json.dumps(report))
@@ -116,7 +101,6 @@ def cmd_bench_engine(args) -> int:
     import torch
 
     from kvferry.common.engine import LLMEngine
-    from kvferry.services.bench import workload
     from kvferry.services.bench.offline import run_engine
 
     config = EngineConfig.from_args(args)
@@ -152,19 +136,23 @@ def cmd_bench_serve(args) -> int:
     from transformers import AutoConfig
 
     from kvferry.common.model.loader import resolve_model
-    from kvferry.services.bench import workload
-    from kvferry.services.bench.serve import replay
+    from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
 
     torch.set_num_threads(args.threads)
     with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as r:
         model_name = json.loads(r.read())["data"][0]["id"]
     model_dir = resolve_model(args.model)
-    requests = workload.generate(args.workload, AutoConfig.from_pretrained(model_dir).vocab_size, rate=args.rate)
+    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    requests = workload.generate(args.workload, vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
     hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
-    asyncio.run(replay(args.url, model_name, requests[:2]))  # warm-up
+    warmup = workload.generate("std-32", vocab_size, seed=99)[:2]  # shares no prefix with the workload
+    asyncio.run(replay(args.url, model_name, warmup))
+    before = prefill_counters(args.url)  # kvferry's own counters; other servers have none
     _alternate_with_floor(args, "serve", lambda: asyncio.run(replay(args.url, model_name, requests)), hf_model,
                           requests, report)
+    report["prefill_all_runs"] = counters_delta(before, prefill_counters(args.url, (before or {}).get(
+        "prompts_prefilled", 0) + args.repeat * len(requests)))
     # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
     prompt_512 = [t for r in requests for t in r["prompt_token_ids"]][:512]
     probe = asyncio.run(replay(args.url, model_name, [{"id": "probe-512", "prompt_token_ids": prompt_512,
@@ -183,6 +171,13 @@ def cmd_bench_serve(args) -> int:
               f"{k['runs_s']} s)")
         print(f"TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} "
               f"ms, KV transfer per request p50/p99 {k['kv_transfer_p50_ms']}/{k['kv_transfer_p99_ms']} ms")
+        for g, figures in k.get("groups", {}).items():
+            print(f"{g} prompts: TTFT p50/p99 {figures['ttft_p50_s']}/{figures['ttft_p99_s']} s")
+        if report["prefill_all_runs"]:
+            c = report["prefill_all_runs"]
+            print(f"prefill workers over the {args.repeat} runs: {c['prompts_prefilled']} prompts, "
+                  f"{c['prompt_tokens_computed']} prompt tokens computed, {c['prompt_tokens_cached']} from the cache "
+                  f"({c['cached_share']:.1%})")
         if "floor" in report:
             f = report["floor"]
             print(f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "

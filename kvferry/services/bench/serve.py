@@ -34,6 +34,7 @@ async def _one(client, url: str, model: str, request: dict, start: float) -> dic
 
 
 async def replay(url: str, model: str, requests: list[dict]) -> dict:
+    """Figures of the whole run, and per group for workloads whose requests name one."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(requests) + 4)
@@ -41,13 +42,45 @@ async def replay(url: str, model: str, requests: list[dict]) -> dict:
         start = time.perf_counter()
         results = await asyncio.gather(*(_one(client, url, model, r, start) for r in requests))
         elapsed = time.perf_counter() - start
-    ttft = np.array([r["ttft"] for r in results])
-    tpot = np.array([r["tpot"] for r in results])
-    kv = np.array([r["kv_transfer_s"] for r in results])
     total = sum(r["tokens"] for r in results)
-    pct = lambda a, q: round(float(np.percentile(a, q)), 4)
-    return {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1),
-            "requests_per_s": round(len(requests) / elapsed, 3), "ttft_p50_s": pct(ttft, 50),
-            "ttft_p99_s": pct(ttft, 99), "tpot_p50_ms": round(pct(tpot, 50) * 1000, 1),
-            "tpot_p99_ms": round(pct(tpot, 99) * 1000, 1), "kv_transfer_p50_ms": round(pct(kv, 50) * 1000, 2),
-            "kv_transfer_p99_ms": round(pct(kv, 99) * 1000, 2)}
+    report = {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1),
+              "requests_per_s": round(len(requests) / elapsed, 3), **_latencies(results)}
+    groups = sorted({r["group"] for r in requests if "group" in r})
+    if groups:
+        report["groups"] = {g: _latencies([res for req, res in zip(requests, results) if req.get("group") == g])
+                            for g in groups}
+    return report
+
+
+def _latencies(results: list[dict]) -> dict:
+    pct = lambda key, q, unit=1: round(float(np.percentile([r[key] for r in results], q)) * unit, 4)
+    return {"ttft_p50_s": pct("ttft", 50), "ttft_p99_s": pct("ttft", 99), "tpot_p50_ms": round(pct("tpot", 50, 1000), 1),
+            "tpot_p99_ms": round(pct("tpot", 99, 1000), 1), "kv_transfer_p50_ms": round(pct("kv_transfer_s", 50, 1000), 2),
+            "kv_transfer_p99_ms": round(pct("kv_transfer_s", 99, 1000), 2)}
+
+
+def prefill_counters(url: str, num_prompts: int = 0, timeout_s: float = 10.0) -> dict | None:
+    """kvferry's prompt counters summed over its prefill workers, once they count num_prompts prefilled prompts
+    (stats ride on heartbeats, so they lag a little); None from a server without /v1/workers."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/v1/workers", timeout=5) as r:
+                workers = [w for w in json.loads(r.read())["workers"] if w["role"] == "prefill"]
+        except (OSError, ValueError, KeyError):
+            return None
+        counters = {key: sum(w[key] for w in workers)
+                    for key in ("prompts_prefilled", "prompt_tokens_computed", "prompt_tokens_cached")}
+        if counters["prompts_prefilled"] >= num_prompts or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.25)
+
+
+def counters_delta(before: dict | None, after: dict | None) -> dict | None:
+    if before is None or after is None:
+        return None
+    delta = {k: after[k] - before[k] for k in after}
+    computed, cached = delta["prompt_tokens_computed"], delta["prompt_tokens_cached"]
+    return {**delta, "cached_share": round(cached / max(1, computed + cached), 4)}

@@ -10,29 +10,19 @@ import os
 import shutil
 import sys
 import tempfile
-import urllib.request
 
 from kvferry.services.bench import workload
 from kvferry.services.bench.serve import replay
-from kvferry.services.launcher import free_port, start_services, stop_all
+from kvferry.services.bench.stack import fresh_stack, served_model
 
 
 def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("KVFERRY_TRACE_DIR", "KVFERRY_OTLP_ENDPOINT")}
-    if trace_dir:
-        env["KVFERRY_TRACE_DIR"] = trace_dir
-    if args.model:
-        env["KVFERRY_MODEL"] = args.model
-    port = free_port()
-    procs = start_services("127.0.0.1", port, free_port(), args.prefill_threads, args.decode_threads, env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-            model = json.loads(r.read())["data"][0]["id"]
+    env = {"KVFERRY_TRACE_DIR": trace_dir} if trace_dir else {}
+    with fresh_stack(args.model, env, prefill_threads=args.prefill_threads, decode_threads=args.decode_threads) as (
+            url, _):
+        model = served_model(url)
         asyncio.run(replay(url, model, requests[:2]))  # warm-up
         return asyncio.run(replay(url, model, requests))
-    finally:
-        stop_all(procs)
 
 
 def cmd_bench_tracing(args) -> int:

@@ -1,8 +1,14 @@
-"""The standard benchmark workloads, seeded so that every tool replays the same requests.
+"""The benchmark workloads, seeded so that every tool replays the same requests.
 
-Request for request the same as the reference generator the project was specified with
+std-*: request for request the same as the reference generator the project was specified with
 (a test checks this when ../shared is present): log-uniform prompt and output lengths,
 token ids clear of the special tokens at both ends of the vocabulary, Poisson arrivals.
+
+Scenarios that one feature is measured by:
+- shared-prefix: 32 requests behind one 400-token system prompt, each with 50 to 100 tokens of its own
+  and 50 to 100 output tokens (prefix caching);
+- head-of-line: one 4,000-token prompt, then 16 prompts of 64 tokens arriving 0.3 s later, group "short",
+  whose TTFT the long one must not hold back (chunked prefill).
 """
 import math
 import random
@@ -18,7 +24,10 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, seed: int = 0) -> list[dict]:
-    """Requests as dicts: id, prompt_token_ids, max_tokens, arrival_s (0 for all when rate is 0)."""
+    """Requests as dicts: id, prompt_token_ids, max_tokens, arrival_s (0 for all when rate is 0), and a group
+    where a scenario reports some requests apart."""
+    if name in SCENARIOS:
+        return SCENARIOS[name](random.Random(f"{name}:{seed}"), vocab_size, rate)
     num_requests, (prompt_lo, prompt_hi), (output_lo, output_hi) = WORKLOADS[name]
     rng = random.Random(f"{name}:{seed}")
     arrival = 0.0
@@ -32,3 +41,32 @@ def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, s
         requests.append({"id": f"{name}-{i}", "prompt_token_ids": prompt,
                          "max_tokens": _log_uniform(rng, output_lo, output_hi), "arrival_s": round(arrival, 6)})
     return requests
+
+
+def _tokens(rng: random.Random, vocab_size: int, n: int) -> list[int]:
+    return [rng.randrange(256, vocab_size - 256) for _ in range(n)]
+
+
+def _shared_prefix(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
+    system = _tokens(rng, vocab_size, 400)
+    requests, arrival = [], 0.0
+    for i in range(32):
+        if rate > 0:
+            arrival += rng.expovariate(rate)
+        own = _tokens(rng, vocab_size, rng.randint(50, 100))
+        requests.append({"id": f"shared-prefix-{i}", "prompt_token_ids": system + own,
+                         "max_tokens": rng.randint(50, 100), "arrival_s": round(arrival, 6)})
+    return requests
+
+
+def _head_of_line(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
+    requests = [{"id": "head-of-line-long", "prompt_token_ids": _tokens(rng, vocab_size, 4000), "max_tokens": 16,
+                 "arrival_s": 0.0, "group": "long"}]
+    for i in range(16):  # a little apart, as requests come, once the long prompt is under way
+        requests.append({"id": f"head-of-line-{i}", "prompt_token_ids": _tokens(rng, vocab_size, 64),
+                         "max_tokens": 16, "arrival_s": round(0.3 + 0.01 * i, 6), "group": "short"})
+    return requests
+
+
+SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line}
+NAMES = [*WORKLOADS, *SCENARIOS]

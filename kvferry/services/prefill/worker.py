@@ -163,11 +163,16 @@ class PrefillWorker(Worker):
                     self.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
                                              num_tokens=plan.num_tokens,
                                              rids=[c.seq.request_id for c in plan.chunks])
-                for seq in self.engine.scheduler.update(plan, sampled):
-                    self.prompt_done(seq, logprobs.get(id(seq)))
+                done = [(seq, self.send_first_tokens(seq, logprobs.get(id(seq))))
+                        for seq in self.engine.scheduler.update(plan, sampled)]
+                # Every first token of the step goes out before any KV gather: TTFT waits on no transfer.
+                for seq, (arrival, continuing) in done:
+                    self.start_transfer(seq, arrival, continuing)
         self.send_due_transfers()
 
-    def prompt_done(self, seq: Sequence, logprobs) -> None:
+    def send_first_tokens(self, seq: Sequence, logprobs) -> tuple[Arrival, list[tuple[int, int]]]:
+        """Send a finished prompt's first token of each choice; returns its arrival and the (choice, token) of
+        the choices that go on decoding."""
         key = seq.request_id
         arrival = self.requests.pop(key)
         request, trace, done_at = arrival.request, arrival.trace, time.time()
@@ -195,9 +200,14 @@ class PrefillWorker(Worker):
                                  logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
                                  prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice,
                                  attempt=request.attempt, start=num_done)
-            arrival.link.channel.send(first, rid, trace)  # TTFT never waits on the transfer
+            arrival.link.channel.send(first, rid, trace)
             if reason < 0:
                 continuing.append((choice, token))
+        return arrival, continuing
+
+    def start_transfer(self, seq: Sequence, arrival: Arrival, continuing: list[tuple[int, int]]) -> None:
+        """Gather the KV of a prompt whose choices go on decoding, for send_due_transfers to ship."""
+        key, rid, trace, request = seq.request_id, arrival.request_id, arrival.trace, arrival.request
         if not continuing:
             self.engine.scheduler.release(seq)
             self.engine.forget(key)
@@ -205,8 +215,8 @@ class PrefillWorker(Worker):
         started = time.time()
         keys, values = self.engine.runner.read_blocks(seq.block_table)
         gathered = time.time()
-        if tracer.enabled:
-            tracer.span("kv.gather", started, gathered, rid, tracing.child_of(trace), num_blocks=len(seq.block_table))
+        if self.tracer.enabled:
+            self.tracer.span("kv.gather", started, gathered, rid, tracing.child_of(trace), num_blocks=len(seq.block_table))
         self.transfers[key] = Transfer(rid, arrival.link, seq, request, trace, keys, values, gathered - started,
                                        [t for _, t in continuing], [c for c, _ in continuing])
         self.engine.forget(key)
