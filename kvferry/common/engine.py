@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, InvalidRequest
@@ -150,25 +151,36 @@ class LLMEngine:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def add_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                      params: list[SamplingParams], keys, values, resume_token_ids: list[int] = ()) -> bool:
+                      params: list[SamplingParams], keys, values, resume_token_ids: list[int] = (),
+                      held_blocks: list[int] = ()) -> bool:
         """Admit sequences (one per choice) whose prompt KV was computed elsewhere; False when there is no room for
         them now. The choices share the prompt's full blocks (ref counts); each gets its own copy of a partly
         filled last block, since each appends its own tokens there. resume_token_ids: outputs from before a
-        move, whose KV came with the prompt's (one choice only)."""
+        move, whose KV came with the prompt's (one choice only). held_blocks: cached blocks holding the first full
+        blocks' KV, referenced by the caller for this transfer, which the keys and values leave out; on success
+        the first choice takes over those references."""
         if resume_token_ids and len(request_ids) != 1:
             raise InvalidRequest("a resumed request continues exactly one choice")
         if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
             raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
-        self.validate_prompt(list(prompt_token_ids) + list(resume_token_ids))
+        tokens = list(prompt_token_ids) + list(resume_token_ids)  # those whose KV came
+        self.validate_prompt(tokens)
         for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
             self.validate_params(choice_params)
             if request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
             if not 0 <= first_token_id < self.vocab_size:
                 raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids) + len(resume_token_ids)  # tokens whose KV came
+        num_prompt = len(tokens)
         layout = self.runner.layout
-        expected = (layout.num_layers, self.block_manager.num_blocks_for(num_prompt), layout.block_size,
+        num_held = len(held_blocks)
+        if num_held > (num_prompt - 1) // layout.block_size:
+            raise InvalidRequest(f"{num_held} held blocks for {num_prompt} prompt tokens: only full blocks before "
+                                 f"the last token's can be left out")
+        if [self.block_manager.hash_of.get(b) for b in held_blocks] != block_hashes(
+                tokens[:num_held * layout.block_size], layout.block_size):
+            raise InvalidRequest("the held blocks do not hold this prompt's first tokens")
+        expected = (layout.num_layers, self.block_manager.num_blocks_for(num_prompt) - num_held, layout.block_size,
                     layout.num_kv_heads, layout.head_dim)
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
             raise InvalidRequest(f"KV of shape {tuple(keys.shape)} for {num_prompt} prompt tokens; "
@@ -177,7 +189,7 @@ class LLMEngine:
             raise InvalidRequest(f"{len(request_ids)} choices of {num_prompt + 1} tokens exceed what this worker can "
                                  f"run at once (max_num_seqs {self.scheduler.max_num_seqs}, "
                                  f"{self.block_manager.num_blocks} blocks)")
-        if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids)):
+        if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), num_held):
             return False
         num_full = num_prompt // layout.block_size
         first = None
@@ -185,8 +197,8 @@ class LLMEngine:
             seq = Sequence(request_id, list(prompt_token_ids), choice_params,
                            output_token_ids=[*resume_token_ids, first_token_id], num_computed_tokens=num_prompt)
             if first is None:
-                self.scheduler.admit_prefilled(seq)
-                self.runner.write_blocks(seq.block_table[:keys.shape[1]], keys, values)
+                self.scheduler.admit_prefilled(seq, list(held_blocks))
+                self.runner.write_blocks(seq.block_table[num_held:num_held + keys.shape[1]], keys, values)
                 first = seq
             else:
                 self.block_manager.share(first.block_table[:num_full])

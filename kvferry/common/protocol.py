@@ -15,8 +15,9 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 5  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
-#                        5: prefix caching (CacheUpdate, cache figures in WorkerStats)
+PROTOCOL_VERSION = 6  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
+#                        5: prefix caching (CacheUpdate, cache figures in WorkerStats);
+#                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld)
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -38,6 +39,8 @@ class Kind(enum.IntEnum):
     REQUEST_FAILED = 10
     DEREGISTER = 11
     CACHE_UPDATE = 12
+    KV_QUERY = 13
+    KV_HELD = 14
 
 
 class Role(enum.IntEnum):
@@ -96,6 +99,8 @@ class WorkerStats:
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model
     num_prompt_tokens_cached: int = 0    # prompt tokens whose KV the prefix cache supplied instead
     num_cached_blocks: int = 0           # blocks in the prefix cache, in use or free
+    num_kv_bytes_sent: int = 0           # prefill workers: KV bytes shipped to decode workers
+    num_kv_bytes_skipped: int = 0        # and the bytes left out because the decode worker held those blocks
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -198,6 +203,24 @@ class KVTransfer:
     attempt: int = 0
     resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV
     gateway_id: str = ""  # the gateway the request came from: the decode worker streams the tokens there
+    num_skipped_blocks: int = 0  # the first blocks, held by the receiver for this request (KVHeld): not in the frames
+
+
+@dataclass
+class KVQuery:
+    """Prefill to decode worker, when a prompt arrives: which of these leading full blocks (chained hashes) do you
+    hold? The receiver keeps those it holds for the request until its KVTransfer comes (or it ends)."""
+    KIND: typing.ClassVar[Kind] = Kind.KV_QUERY
+    block_hashes: list[bytes]
+    attempt: int = 0
+
+
+@dataclass
+class KVHeld:
+    """The answer: the first num_blocks of the query's blocks are held here; the transfer may leave them out."""
+    KIND: typing.ClassVar[Kind] = Kind.KV_HELD
+    num_blocks: int
+    attempt: int = 0
 
 
 @dataclass
@@ -207,6 +230,7 @@ class KVAck:
     reason: str = ""
     retry: bool = True  # a refusal that may pass later (no room) rather than never (bad request)
     attempt: int = 0
+    resend_all: bool = False  # the blocks the transfer left out are no longer held: send every block
 
 
 @dataclass
@@ -240,7 +264,7 @@ class RequestFailed:
 
 MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
                              (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
-                              Tokens, Abort, RequestFailed, Deregister, CacheUpdate)}
+                              Tokens, Abort, RequestFailed, Deregister, CacheUpdate, KVQuery, KVHeld)}
 FRAMED = {Kind.KV_TRANSFER: 2}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 

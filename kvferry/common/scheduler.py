@@ -13,7 +13,8 @@ rest of the budget goes to the prompts queued behind it, so one long prompt does
 back the first token of the short ones. Without chunking a prompt is computed in one step
 (alone in it when it is longer than the budget), as servers without chunked prefill do.
 
-When a decode step runs out of blocks, the newest sequence is preempted: its blocks are freed and it is recomputed later as one longer prompt.
+When a decode step runs out of blocks, the newest sequence is preempted: its blocks are freed
+and it is recomputed later as one longer prompt.
 """
 import bisect
 from dataclasses import dataclass, field
@@ -100,9 +101,10 @@ class Scheduler:
         num_shared = (num_tokens - 1) // self.block_manager.block_size
         return num_shared + num_choices * (self.block_manager.num_blocks_for(num_tokens) - num_shared)
 
-    def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
+    def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1, num_held: int = 0) -> bool:
+        """num_held: leading blocks the caller holds already (kept for a transfer that leaves them out)."""
         return (len(self.running) + num_choices <= self.max_num_seqs
-                and self.block_manager.can_allocate(self._prefilled_blocks(num_tokens, num_choices)))
+                and self.block_manager.can_allocate(self._prefilled_blocks(num_tokens, num_choices) - num_held))
 
     def could_ever_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
         """Whether an empty worker could take them: if not, waiting for room is pointless."""
@@ -111,9 +113,9 @@ class Scheduler:
 
     def admit_prefilled(self, seq: Sequence, shared_blocks: list[int] = ()) -> None:
         """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
-        receiving a transfer). Its table starts with shared_blocks (already shared by the caller: another
-        choice's full prompt blocks); the rest is allocated, and the caller fills it before the next step,
-        where the sequence joins the running batch."""
+        receiving a transfer). Its table starts with shared_blocks (already referenced by the caller: another
+        choice's full prompt blocks, or cached blocks held for a transfer); the rest is allocated, and the caller
+        fills it before the next step, where the sequence joins the running batch."""
         assert seq.num_uncomputed_tokens == 1 and not seq.block_table
         seq.block_table.extend(shared_blocks)
         self.block_manager.grow(seq.block_table, seq.num_tokens)

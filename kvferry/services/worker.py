@@ -77,6 +77,7 @@ def advertised_host() -> str:
 class Worker:
     role: p.Role
     num_prompts_prefilled = 0
+    num_kv_bytes_sent = num_kv_bytes_skipped = 0  # prefill workers: KV shipped, and left out as held by decode
 
     def __init__(self, config: EngineConfig, gateway: str | list[str], worker_id: str | None = None,
                  keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0,
@@ -139,7 +140,8 @@ class Worker:
             num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors(),
             num_prompts_prefilled=self.num_prompts_prefilled, num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
             num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
-            num_cached_blocks=self.engine.block_manager.num_cached_blocks)
+            num_cached_blocks=self.engine.block_manager.num_cached_blocks, num_kv_bytes_sent=self.num_kv_bytes_sent,
+            num_kv_bytes_skipped=self.num_kv_bytes_skipped)
 
     def send_cache_updates(self) -> None:
         """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached
@@ -199,6 +201,9 @@ class Worker:
     def idle_wait_ms(self) -> int:
         return int(self.heartbeat_interval_s * 1000 / 2)
 
+    def tidy(self) -> None:
+        """Once a loop, busy or idle: let go of what has outlived its time."""
+
     def serve_forever(self) -> None:
         register = self.register_message()
         self.latest_stats, stats_due = self.stats(), 0.0
@@ -218,6 +223,7 @@ class Worker:
                     self.step()
                     self.maybe_stall()
                 self.send_cache_updates()
+                self.tidy()
                 now = time.monotonic()
                 if now >= stats_due:  # the heartbeat thread only needs a fresh snapshot each half interval
                     self.latest_stats, stats_due = self.stats(), now + self.heartbeat_interval_s / 2

@@ -35,6 +35,8 @@ def test_shared_prefix_routes_to_its_cache_and_matches_the_engine(make_stack):
         return reply["choices"][0]["text"]
 
     assert complete(prompts[0]) == expected[0]
+    stack.wait_for(lambda: sum(w.get("prompts_prefilled", 0) for w in stack.workers().values()) == 1, 10,
+                   "the first prompt in the heartbeats")  # stats ride on heartbeats: they lag
     holder = max(stack.workers().values(), key=lambda w: w.get("prompts_prefilled", 0))["id"]
     other = ({"prefill-a", "prefill-b"} - {holder}).pop()
     with concurrent.futures.ThreadPoolExecutor(len(prompts) - 1) as pool:
@@ -72,3 +74,86 @@ def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
     assert delta["prompts_prefilled"] == 4
     assert delta["prompt_tokens_cached"] == 3 * 64
     assert delta["prompt_tokens_computed"] == sum(len(r["prompt_token_ids"]) for r in requests) - 3 * 64
+
+
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V of one 16-token block of SmolLM2-135M in float32
+
+
+def test_a_second_chat_turn_ships_only_its_new_blocks(make_stack):
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, enable_prefix_caching=False))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)  # this model ends at once otherwise
+    first_turn = engine.encode(SYSTEM + QUESTIONS[0])
+    stack = make_stack().start_pair()
+
+    def complete(ids):
+        status, reply = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
+                                                       "ignore_eos": True})
+        assert status == 200, reply
+        return reply["choices"][0]["text"]
+
+    answer = complete(first_turn)
+    assert answer == engine.generate([first_turn], params)[0].text
+    stack.wait_for(lambda: stack.workers()["prefill-a"]["kv_bytes_sent"] > 0, 10, "heartbeats")
+    sent_first = stack.workers()["prefill-a"]["kv_bytes_sent"]
+    assert sent_first == -(-len(first_turn) // 16) * BLOCK_BYTES
+    assert stack.workers()["prefill-a"]["kv_bytes_skipped"] == 0
+    # The decode worker keeps the finished turn's full blocks in its cache: the second turn leaves them out.
+    second_turn = first_turn + engine.encode(answer + " " + QUESTIONS[1])
+    assert complete(second_turn) == engine.generate([second_turn], params)[0].text
+    held = (len(first_turn) + 12 - 1) // 16  # the first turn's full blocks, its answer's included
+    stack.wait_for(lambda: stack.workers()["prefill-a"]["kv_bytes_skipped"] > 0, 10, "heartbeats")
+    prefill = stack.workers()["prefill-a"]
+    assert prefill["kv_bytes_skipped"] >= (len(first_turn) // 16) * BLOCK_BYTES
+    assert prefill["kv_bytes_sent"] - sent_first == -(-len(second_turn) // 16) * BLOCK_BYTES - prefill[
+        "kv_bytes_skipped"]
+    assert prefill["kv_bytes_skipped"] <= held * BLOCK_BYTES
+    # Nothing held or leaked once both turns are done.
+    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == stack.workers()["decode-a"]["num_blocks"],
+                   10, "every decode block free")
+
+
+def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_when_it_cannot(make_stack):
+    """Speaking the KV protocol to a real decode worker over its ingress socket, as a prefill worker does."""
+    import zmq
+
+    from kvferry.common import protocol as p
+    from kvferry.common.block_hash import block_hashes
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=16 * 2**20))
+    prompt = engine.encode(SYSTEM)
+    stack = make_stack().start_pair()
+    status, _ = stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 2, "temperature": 0})
+    assert status == 200
+    decode = stack.workers()["decode-a"]
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 10_000)
+    sock.connect(decode["kv_address"])
+    hashes = block_hashes(prompt[:(len(prompt) - 1) // 16 * 16], 16)
+    unknown = block_hashes(list(range(5, 5 + 16 * 3)), 16)
+
+    def ask(rid, message, frames=()):
+        sock.send_multipart(p.encode(message, rid, frames=list(frames)))
+        return p.decode(sock.recv_multipart()).message
+
+    assert ask("probe", p.KVQuery(unknown)) == p.KVHeld(0)
+    assert ask("probe", p.KVQuery(hashes + unknown)) == p.KVHeld(len(hashes))
+    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes), 10,
+                   "the held blocks in the heartbeats")
+
+    def transfer(num_blocks, skipped):
+        sampling = p.Sampling(max_tokens=4, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
+                              stop_token_ids=[])
+        shape = [30, num_blocks, 16, 3, 64]
+        message = p.KVTransfer("test", prompt + [7] * 40, [9], [0], sampling, len(prompt) + 40, "float32", shape,
+                               deadline_s=1e12, num_skipped_blocks=skipped, gateway_id="nobody")
+        return message, [bytes(p.kv_frame_bytes(message))] * 2
+
+    # More blocks left out than are held: the decode worker lets go of them and asks for every block.
+    ack = ask("probe", *transfer(2, len(hashes) + 1))
+    assert not ack.accepted and ack.retry and ack.resend_all
+    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"], 10, "released")
+    # Left out without a query: nothing is held for it.
+    ack = ask("other", *transfer(2, 1))
+    assert not ack.accepted and ack.resend_all
+    sock.close()

@@ -65,3 +65,63 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
                 other_tokens, rows = results[rid]
                 assert other_tokens == tokens, (name, rid)
                 assert (torch.stack(rows) - ref).abs().max().item() <= 1e-4, (name, rid)
+
+
+def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_one(tmp_path):
+    """The second turn of a chat: the decoder's cache holds the first turn's blocks, so the prefill side ships
+    only the rest, and the greedy tokens are those of one engine running the second turn alone."""
+    import pytest
+
+    from kvferry.common.block_hash import block_hashes
+    from kvferry.common.errors import InvalidRequest
+
+    save_tiny_model("llama", tmp_path)
+    config = EngineConfig(model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=4,
+                          max_num_batched_tokens=64)
+    prefill, decode = LLMEngine(config, keep_finished_blocks=True), LLMEngine(config)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    rng = random.Random(3)
+    first = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK + 2)]
+    second = first + [rng.randrange(3, VOCAB) for _ in range(BLOCK + 3)]
+
+    def prefill_prompt(rid, prompt):
+        prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), request_id=rid)
+        while True:
+            plan = prefill.scheduler.schedule()
+            for seq in prefill.scheduler.update(plan, prefill.runner.execute(plan)):
+                prefill.forget(rid)
+                return seq
+
+    def decode_all():
+        outputs = {}
+        while decode.has_unfinished():
+            for out in decode.step():
+                if out.finished:
+                    outputs[out.request_id] = out.output_token_ids
+        return outputs
+
+    seq = prefill_prompt("turn-1", first)
+    keys, values = prefill.runner.read_blocks(seq.block_table)
+    assert decode.add_prefilled(["turn-1"], first, [seq.output_token_ids[-1]], [params], keys, values)
+    prefill.scheduler.release(seq)
+    assert decode_all()["turn-1"] == LLMEngine(config).generate([first], params)[0].output_token_ids
+
+    seq = prefill_prompt("turn-2", second)
+    bm = decode.block_manager
+    held = bm.match_prefix(block_hashes(second[:(len(second) - 1) // BLOCK * BLOCK], BLOCK))
+    assert len(held) == 3  # the first turn's prompt blocks (its answer differs from the second turn's text)
+    bm.take_cached(held)
+    # Held blocks that do not hold this prompt's start, or more than may be left out, are refused.
+    other = [t + 1 for t in second]
+    with pytest.raises(InvalidRequest, match="do not hold this prompt"):
+        decode.add_prefilled(["x"], other, [5], [params], *prefill.runner.read_blocks(seq.block_table[3:]),
+                             held_blocks=held)
+    with pytest.raises(InvalidRequest, match="can be left out"):
+        decode.add_prefilled(["x"], first[:3 * BLOCK], [5], [params], *prefill.runner.read_blocks([]),
+                             held_blocks=held)
+    keys, values = prefill.runner.read_blocks(seq.block_table[3:])
+    assert keys.shape[1] == len(seq.block_table) - 3
+    assert decode.add_prefilled(["turn-2"], second, [seq.output_token_ids[-1]], [params], keys, values, held_blocks=held)
+    prefill.scheduler.release(seq)
+    assert decode_all()["turn-2"] == LLMEngine(config).generate([second], params)[0].output_token_ids
+    assert bm.num_free_blocks == bm.num_blocks and prefill.block_manager.num_free_blocks == bm.num_blocks

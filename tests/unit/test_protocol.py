@@ -26,6 +26,7 @@ def test_every_kind_round_trips():
         p.Deregister("d0", final=True), p.Heartbeat("d0", p.WorkerStats(1, 2, 3, 4, 5), healthy=False),
         p.PrefillRequest([1, 2], SAMPLING, "d0", "tcp://x:1", 12.5, attempt=2, resume_token_ids=[5, 6], choice=0),
         p.Tokens([3], start=7, attempt=1), p.Abort(attempt=3), p.RequestFailed("gave up", 503, 1, retry=True),
+        p.KVQuery([b"\x01" * 16, b"\x02" * 16], attempt=1), p.KVHeld(2), p.KVAck(False, "gone", resend_all=True),
     ]
     for message in messages:
         env = p.decode(p.encode(message, "req-1", trace))

@@ -79,7 +79,7 @@ class ModelRunner:
     def read_blocks(self, block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, each [num_layers, num_blocks, block_size, kv_heads, head_dim], contiguous on
         the CPU: ready to go out as raw frames."""
-        index = torch.tensor(block_table, device=self.device)
+        index = torch.tensor(block_table, dtype=torch.long, device=self.device)
         return self.k_cache[:, index].cpu().contiguous(), self.v_cache[:, index].cpu().contiguous()
 
     def write_blocks(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -87,7 +87,7 @@ class ModelRunner:
         expected = (self.layout.num_layers, len(block_table), self.layout.block_size, self.layout.num_kv_heads,
                     self.layout.head_dim)
         assert tuple(keys.shape) == expected and tuple(values.shape) == expected, (keys.shape, expected)
-        index = torch.tensor(block_table, device=self.device)
+        index = torch.tensor(block_table, dtype=torch.long, device=self.device)
         self.k_cache[:, index] = keys.to(self.device, self.k_cache.dtype)
         self.v_cache[:, index] = values.to(self.device, self.v_cache.dtype)
 

@@ -21,6 +21,7 @@ log = logging.getLogger("kvferry.decode")
 MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+HOLD_S = 60.0  # how long cached blocks stay held for a transfer announced by a KVQuery
 
 
 def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:
@@ -61,6 +62,9 @@ class DecodeWorker(Worker):
         # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
         # late (an Abort can overtake its transfer; a resend can follow an ack) is acknowledged and dropped.
         self.tombstones: dict[str, float] = {}
+        # Cached blocks a prefill worker was told this worker holds (KVHeld), kept from eviction until the
+        # request's KV comes, which leaves them out: attempt key -> (block ids, monotonic expiry).
+        self.held: dict[str, tuple[list[int], float]] = {}
 
     def kv_address(self) -> str:
         return self.advertised_kv
@@ -75,6 +79,8 @@ class DecodeWorker(Worker):
         msg = env.message
         if isinstance(msg, p.KVTransfer):
             self.receive_kv(peer, env)
+        elif isinstance(msg, p.KVQuery):
+            self.hold_blocks(peer, env)
         elif isinstance(msg, p.Abort):
             key = attempt_key(env.request_id, msg.attempt)
             if msg.choice >= 0:
@@ -105,7 +111,35 @@ class DecodeWorker(Worker):
         if not self.engine_ids[rid]:
             self.bury(rid)
 
+    def hold_blocks(self, peer: bytes, env: p.Envelope) -> None:
+        """Answer a KVQuery: how many of its leading blocks sit in this worker's prefix cache, held from now on
+        for the request's transfer."""
+        msg = env.message
+        key = attempt_key(env.request_id, msg.attempt)
+        self.let_go(key)
+        bm = self.engine.block_manager
+        ids = []
+        if key not in self.traces and key not in self.tombstones:
+            ids = bm.match_prefix(msg.block_hashes[:bm.num_blocks_for(self.engine.max_model_len)])
+            bm.take_cached(ids)
+            if ids:
+                self.held[key] = (ids, time.monotonic() + HOLD_S)
+        self.kv_in.send(p.KVHeld(len(ids), msg.attempt), env.request_id, env.trace, to=peer)
+
+    def let_go(self, key: str, keep: int = 0) -> list[int]:
+        """Stop holding a request's blocks but its first `keep`, which are returned: their references pass to
+        the caller."""
+        ids, _ = self.held.pop(key, ([], 0.0))
+        self.engine.block_manager.free(ids[keep:])
+        return ids[:keep]
+
+    def tidy(self) -> None:
+        now = time.monotonic()
+        for key in [k for k, (_, until) in self.held.items() if until < now]:
+            self.let_go(key)  # its transfer, if it ever comes, is asked to send every block
+
     def bury(self, rid: str) -> None:
+        self.let_go(rid)
         self.cancelled_choices.pop(rid, None)
         for engine_id in self.engine_ids.pop(rid, []):
             self.choice_of.pop(engine_id, None)
@@ -122,14 +156,22 @@ class DecodeWorker(Worker):
         msg = env.message
         rid = attempt_key(env.request_id, msg.attempt)  # this worker's key for the attempt
 
-        def ack(accepted: bool, reason: str = "", retry: bool = True) -> None:
-            self.kv_in.send(p.KVAck(accepted, reason, retry, msg.attempt), env.request_id, env.trace, to=peer)
+        def ack(accepted: bool, reason: str = "", retry: bool = True, resend_all: bool = False) -> None:
+            self.kv_in.send(p.KVAck(accepted, reason, retry, msg.attempt, resend_all), env.request_id, env.trace,
+                            to=peer)
 
         if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
+            self.let_go(rid)
             ack(True)
+            return
+        held = self.let_go(rid, keep=msg.num_skipped_blocks)
+        if len(held) < msg.num_skipped_blocks:  # the hold expired, or this worker restarted meanwhile
+            self.engine.block_manager.free(held)
+            ack(False, "the blocks the transfer leaves out are no longer held here", resend_all=True)
             return
         link = self.link_named(msg.gateway_id)
         if link is None:  # a gateway this worker does not serve: nobody would read the tokens
+            self.engine.block_manager.free(held)
             ack(False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", retry=False)
             return
         received_at, started = time.time(), time.perf_counter()
@@ -141,6 +183,7 @@ class DecodeWorker(Worker):
             cancelled = self.cancelled_choices.get(rid, set())
             wanted = [(c, t) for c, t in zip(msg.choices, msg.output_token_ids) if c not in cancelled]
             if not wanted:  # every choice ended before its KV came
+                self.engine.block_manager.free(held)
                 self.bury(rid)
                 ack(True)
                 return
@@ -150,8 +193,9 @@ class DecodeWorker(Worker):
             engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
             placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids,
                                                [for_choice(params, c) for c in choices], keys, values,
-                                               msg.resume_token_ids)
+                                               msg.resume_token_ids, held)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
+            self.engine.block_manager.free(held)
             self.bury(rid)
             ack(False, f"refused: {exc}", retry=False)
             code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
@@ -159,6 +203,8 @@ class DecodeWorker(Worker):
                               env.request_id, env.trace)
             return
         if not placed:
+            if held:  # still held for the retry, which leaves them out again
+                self.held[rid] = (held, time.monotonic() + HOLD_S)
             ack(False, "no free blocks")
             return
         self.traces[rid] = env.trace
@@ -175,7 +221,7 @@ class DecodeWorker(Worker):
         if self.tracer.enabled:
             self.tracer.span("kv.transfer_in", received_at, placed_at, env.request_id,
                                    tracing.child_of(env.trace), bytes=num_bytes, num_blocks=msg.shape[1],
-                                   prefill=msg.prefill_worker_id, attempt=msg.attempt)
+                                   num_held_blocks=len(held), prefill=msg.prefill_worker_id, attempt=msg.attempt)
         ack(True)
 
     def step(self) -> None:

@@ -1,6 +1,10 @@
 """The prefill worker: computes prompts' KV into its paged cache, samples the first token, sends it to the
 gateway at once, then ships the prompt's blocks straight to the chosen decode worker and frees them
-when that worker acknowledges."""
+when that worker acknowledges.
+
+When a prompt arrives it asks the decode worker (KVQuery) which of the prompt's leading blocks that
+worker's prefix cache holds; the transfer leaves those out (the second turn of a chat ships only the
+new turn's blocks)."""
 import dataclasses
 import logging
 import time
@@ -10,6 +14,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
+from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import Sequence
@@ -22,6 +27,7 @@ RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after t
 MAX_CHOICES = 128         # n per request: a bound on what one message can make this worker do
 ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again
 GIVE_UP_TRANSFER_S = 60.0  # a transfer no decode worker took by then is dropped; the gateway moves the request
+HELD_ANSWER_WAIT_S = 0.1   # a finished prompt's transfer waits this long at most for the decode worker's KVHeld
 
 
 def attempt_key(request_id: str, attempt: int) -> str:
@@ -46,6 +52,7 @@ class Transfer:
     first_sent_at: float = 0.0  # wall clock, for the transfer's span
     num_sends: int = 0
     ready_at: float = dataclasses.field(default_factory=time.monotonic)
+    num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not in keys and values
 
 
 @dataclasses.dataclass
@@ -66,6 +73,8 @@ class PrefillWorker(Worker):
         self.requests: dict[str, Arrival] = {}
         self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
+        self.decode_held: dict[str, int] = {}  # attempt key -> leading blocks its decode worker holds (KVHeld)
+        self.asked: set[str] = set()  # attempt keys whose KVQuery went out
         self.num_prompts_prefilled = 0  # each prompt once, however many choices it has
 
     def next_transfer_due(self) -> float:
@@ -128,6 +137,15 @@ class PrefillWorker(Worker):
                 link.channel.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
                 return
             self.requests[key] = Arrival(rid, link, msg, env.trace, time.time())
+            self.ask_held_blocks(rid, msg, env.trace)
+        elif isinstance(msg, p.KVHeld):
+            transfer = self.transfers.get(key)
+            if key in self.requests:
+                self.decode_held[key] = msg.num_blocks
+            elif transfer is not None and transfer.keys is None:  # the transfer waits for this answer: due now
+                self.decode_held[key] = msg.num_blocks
+                transfer.retry_at = time.monotonic()
+            # else its transfer went out whole already, or it ended
         elif isinstance(msg, p.KVAck):
             transfer = self.transfers.get(key)
             if transfer is None:
@@ -135,18 +153,38 @@ class PrefillWorker(Worker):
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
                 if self.tracer.enabled:
+                    sent = transfer.keys.nbytes + transfer.values.nbytes if transfer.keys is not None else 0
                     self.tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
-                                tracing.child_of(transfer.trace), bytes=transfer.keys.nbytes + transfer.values.nbytes,
+                                tracing.child_of(transfer.trace), bytes=sent,
                                 sends=transfer.num_sends, accepted=msg.accepted,
                                 decode=transfer.request.decode_worker_id)
+            elif msg.resend_all and transfer.num_skipped_blocks:  # the decode worker let go of the blocks it held
+                self.num_kv_bytes_skipped -= transfer.num_skipped_blocks * self.block_bytes(transfer)
+                self.gather(key, transfer)  # every block, this time
+                transfer.sent_at, transfer.retry_at = 0.0, time.monotonic()
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
         elif isinstance(msg, p.Abort) and msg.choice < 0:  # one choice ends on the decode worker
             self.engine.abort(key)
             self.requests.pop(key, None)
+            self.decode_held.pop(key, None)
+            self.asked.discard(key)
             transfer = self.transfers.pop(key, None)
             if transfer is not None:
                 self.engine.scheduler.release(transfer.seq)
+
+    def ask_held_blocks(self, rid: str, request: p.PrefillRequest, trace) -> None:
+        """Ask the request's decode worker which leading full blocks of its KV that worker already holds. Its
+        answer comes while the prompt computes. The block holding the last token is always sent."""
+        if not self.engine.config.enable_prefix_caching:
+            return
+        size = self.engine.block_manager.block_size
+        tokens = request.prompt_token_ids + request.resume_token_ids
+        hashes = block_hashes(tokens[:(len(tokens) - 1) // size * size], size)
+        if hashes:
+            channel = self.decode_channel(request.decode_address, request.decode_worker_id)
+            channel.send(p.KVQuery(hashes, request.attempt), rid, trace)
+            self.asked.add(attempt_key(rid, request.attempt))
 
     def step(self) -> None:
         if self.engine.has_unfinished():
@@ -206,26 +244,49 @@ class PrefillWorker(Worker):
         return arrival, continuing
 
     def start_transfer(self, seq: Sequence, arrival: Arrival, continuing: list[tuple[int, int]]) -> None:
-        """Gather the KV of a prompt whose choices go on decoding, for send_due_transfers to ship."""
-        key, rid, trace, request = seq.request_id, arrival.request_id, arrival.trace, arrival.request
+        """Set up the transfer of a prompt whose choices go on decoding. Its KV is gathered at once, or, while the
+        decode worker's answer to KVQuery is still due, when the answer comes (at most HELD_ANSWER_WAIT_S)."""
+        key, request = seq.request_id, arrival.request
+        answer_due = key in self.asked and key not in self.decode_held
+        self.asked.discard(key)
         if not continuing:
+            self.decode_held.pop(key, None)
             self.engine.scheduler.release(seq)
             self.engine.forget(key)
             return
+        transfer = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace, None, None, 0.0,
+                            [t for _, t in continuing], [c for c, _ in continuing])
+        self.transfers[key] = transfer
+        if answer_due:
+            transfer.retry_at = time.monotonic() + HELD_ANSWER_WAIT_S
+        else:
+            self.gather(key, transfer)
+        self.engine.forget(key)
+
+    def gather(self, key: str, t: Transfer) -> None:
+        """Copy out the blocks the decode worker does not hold."""
+        num_kv_tokens = len(t.request.prompt_token_ids) + len(t.request.resume_token_ids)
+        skip = min(self.decode_held.pop(key, 0), (num_kv_tokens - 1) // self.engine.block_manager.block_size)
         started = time.time()
-        keys, values = self.engine.runner.read_blocks(seq.block_table)
+        t.keys, t.values = self.engine.runner.read_blocks(t.seq.block_table[skip:])
         gathered = time.time()
         if self.tracer.enabled:
-            self.tracer.span("kv.gather", started, gathered, rid, tracing.child_of(trace), num_blocks=len(seq.block_table))
-        self.transfers[key] = Transfer(rid, arrival.link, seq, request, trace, keys, values, gathered - started,
-                                       [t for _, t in continuing], [c for c, _ in continuing])
-        self.engine.forget(key)
+            self.tracer.span("kv.gather", started, gathered, t.request_id, tracing.child_of(t.trace),
+                             num_blocks=len(t.seq.block_table) - skip, num_held_by_decode=skip)
+        t.gather_s, t.num_skipped_blocks = gathered - started, skip
+        self.num_kv_bytes_skipped += skip * self.block_bytes(t)
+
+    @staticmethod
+    def block_bytes(t: Transfer) -> int:
+        return (t.keys.nbytes + t.values.nbytes) // t.keys.shape[1]
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
         for key, t in list(self.transfers.items()):
             if now < (t.sent_at + ACK_TIMEOUT_S if t.sent_at else t.retry_at):
-                continue  # in flight and not yet overdue, or waiting for its retry time
+                continue  # in flight and not yet overdue, or waiting for its retry time (or its held answer)
+            if t.keys is None:
+                self.gather(key, t)
             rid, attempt = t.request_id, t.request.attempt
             if now > t.ready_at + GIVE_UP_TRANSFER_S or time.time() > t.request.deadline_s:
                 t.link.channel.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
@@ -239,10 +300,12 @@ class PrefillWorker(Worker):
                                num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
                                dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
                                deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
-                               attempt=attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id)
+                               attempt=attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
+                               num_skipped_blocks=t.num_skipped_blocks)
             # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
             frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
             channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
             channel.send(msg, rid, t.trace, frames=frames)
+            self.num_kv_bytes_sent += t.keys.nbytes + t.values.nbytes
             t.sent_at, t.num_sends = now, t.num_sends + 1
             t.first_sent_at = t.first_sent_at or msg.sent_at
