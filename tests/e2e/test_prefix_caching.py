@@ -64,7 +64,8 @@ def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
     requests = [{"id": f"r{i}", "prompt_token_ids": shared + [2000 + i] * (5 + i), "max_tokens": 3 + i,
                  "arrival_s": 0.1 * i, "group": "first" if i == 0 else "later"} for i in range(4)]
     before = prefill_counters(stack.url)
-    assert before == {"prompts_prefilled": 0, "prompt_tokens_computed": 0, "prompt_tokens_cached": 0}
+    assert before == {"prompts_prefilled": 0, "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,
+                      "kv_bytes_sent": 0, "kv_bytes_skipped": 0}
     model = served_model(stack.url)
     asyncio.run(replay(stack.url, model, requests[:1]))  # the first one caches the shared blocks
     report = asyncio.run(replay(stack.url, model, requests[1:]))

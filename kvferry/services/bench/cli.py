@@ -177,7 +177,8 @@ def cmd_bench_serve(args) -> int:
             c = report["prefill_all_runs"]
             print(f"prefill workers over the {args.repeat} runs: {c['prompts_prefilled']} prompts, "
                   f"{c['prompt_tokens_computed']} prompt tokens computed, {c['prompt_tokens_cached']} from the cache "
-                  f"({c['cached_share']:.1%})")
+                  f"({c['cached_share']:.1%}); KV shipped {c['kv_bytes_sent'] / 2**20:.0f} MiB, "
+                  f"{c['kv_bytes_skipped'] / 2**20:.0f} MiB left out as held by decode ({c['kv_bytes_saved_share']:.1%})")
         if "floor" in report:
             f = report["floor"]
             print(f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "

@@ -84,8 +84,10 @@ def cmd_bench_feature(args) -> int:
         line = (f"{side:>3}: TTFT p50/p99 {r['ttft_p50_s']}/{r['ttft_p99_s']} s, {r['output_tok_per_s']} tok/s "
                 f"({r['elapsed_s']} s)")
         if r.get("prefill"):
-            line += (f", prompt tokens computed {r['prefill']['prompt_tokens_computed']}, from the cache "
-                     f"{r['prefill']['prompt_tokens_cached']}")
+            c = r["prefill"]
+            line += (f", prompt tokens computed {c['prompt_tokens_computed']}, from the cache "
+                     f"{c['prompt_tokens_cached']}; KV shipped {c['kv_bytes_sent'] / 2**20:.0f} MiB, left out as held "
+                     f"by the decode worker {c['kv_bytes_skipped'] / 2**20:.0f} MiB")
         for g, figures in r.get("groups", {}).items():
             line += f"; {g} prompts TTFT p50/p99 {figures['ttft_p50_s']}/{figures['ttft_p99_s']} s"
         print(line)

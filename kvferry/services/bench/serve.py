@@ -72,7 +72,8 @@ def prefill_counters(url: str, num_prompts: int = 0, timeout_s: float = 10.0) ->
         except (OSError, ValueError, KeyError):
             return None
         counters = {key: sum(w[key] for w in workers)
-                    for key in ("prompts_prefilled", "prompt_tokens_computed", "prompt_tokens_cached")}
+                    for key in ("prompts_prefilled", "prompt_tokens_computed", "prompt_tokens_cached", "kv_bytes_sent",
+                                "kv_bytes_skipped")}
         if counters["prompts_prefilled"] >= num_prompts or time.monotonic() > deadline:
             return counters
         time.sleep(0.25)
@@ -83,4 +84,6 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
         return None
     delta = {k: after[k] - before[k] for k in after}
     computed, cached = delta["prompt_tokens_computed"], delta["prompt_tokens_cached"]
-    return {**delta, "cached_share": round(cached / max(1, computed + cached), 4)}
+    sent, skipped = delta["kv_bytes_sent"], delta["kv_bytes_skipped"]
+    return {**delta, "cached_share": round(cached / max(1, computed + cached), 4),
+            "kv_bytes_saved_share": round(skipped / max(1, sent + skipped), 4)}

@@ -137,10 +137,9 @@ class PrefillWorker(Worker):
                 link.channel.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
                 return
             self.requests[key] = Arrival(rid, link, msg, env.trace, time.time())
-            self.ask_held_blocks(rid, msg, env.trace)
         elif isinstance(msg, p.KVHeld):
             transfer = self.transfers.get(key)
-            if key in self.requests:
+            if key in self.asked:  # its prompt computes, or has just finished
                 self.decode_held[key] = msg.num_blocks
             elif transfer is not None and transfer.keys is None:  # the transfer waits for this answer: due now
                 self.decode_held[key] = msg.num_blocks
@@ -174,8 +173,10 @@ class PrefillWorker(Worker):
                 self.engine.scheduler.release(transfer.seq)
 
     def ask_held_blocks(self, rid: str, request: p.PrefillRequest, trace) -> None:
-        """Ask the request's decode worker which leading full blocks of its KV that worker already holds. Its
-        answer comes while the prompt computes. The block holding the last token is always sent."""
+        """Ask the request's decode worker which leading full blocks of its KV that worker already holds. Asked
+        when the prompt starts computing (not on arrival: a prompt queued behind one with the same prefix finds
+        that prefix at the decode worker by then), so the answer comes during the compute. The block holding the
+        last token is always sent."""
         if not self.engine.config.enable_prefix_caching:
             return
         size = self.engine.block_manager.block_size
@@ -187,6 +188,7 @@ class PrefillWorker(Worker):
             self.asked.add(attempt_key(rid, request.attempt))
 
     def step(self) -> None:
+        self.send_due_transfers()  # before a long compute: transfers whose held answer came meanwhile
         if self.engine.has_unfinished():
             plan = self.engine.scheduler.schedule()
             if plan.chunks:
@@ -195,6 +197,7 @@ class PrefillWorker(Worker):
                     arrival = self.requests.get(chunk.seq.request_id)
                     if arrival is not None and not arrival.started_at:
                         arrival.started_at = started
+                        self.ask_held_blocks(arrival.request_id, arrival.request, arrival.trace)
                 sampled = self.engine.runner.execute(plan)
                 logprobs = {id(c.seq): lp for c, lp in zip(plan.chunks, self.engine.runner.last_logprobs)}
                 if self.tracer.enabled:
@@ -203,6 +206,8 @@ class PrefillWorker(Worker):
                                              rids=[c.seq.request_id for c in plan.chunks])
                 done = [(seq, self.send_first_tokens(seq, logprobs.get(id(seq))))
                         for seq in self.engine.scheduler.update(plan, sampled)]
+                for channel in list(self.decode_channels.values()):
+                    self.drain(channel.socket)  # the KVHeld answers that came during the compute
                 # Every first token of the step goes out before any KV gather: TTFT waits on no transfer.
                 for seq, (arrival, continuing) in done:
                     self.start_transfer(seq, arrival, continuing)
