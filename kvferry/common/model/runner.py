@@ -10,6 +10,7 @@ import torch
 from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import keep_freed_memory
+from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import sample, token_logprobs
@@ -79,17 +80,14 @@ class ModelRunner:
     def read_blocks(self, block_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's K and V, each [num_layers, num_blocks, block_size, kv_heads, head_dim], contiguous on
         the CPU: ready to go out as raw frames."""
-        index = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        return self.k_cache[:, index].cpu().contiguous(), self.v_cache[:, index].cpu().contiguous()
+        return gather_blocks(self.k_cache, self.v_cache, block_table)
 
     def write_blocks(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor) -> None:
         """Place received K and V ([num_layers, n, block_size, kv_heads, head_dim]) into these blocks."""
         expected = (self.layout.num_layers, len(block_table), self.layout.block_size, self.layout.num_kv_heads,
                     self.layout.head_dim)
         assert tuple(keys.shape) == expected and tuple(values.shape) == expected, (keys.shape, expected)
-        index = torch.tensor(block_table, dtype=torch.long, device=self.device)
-        self.k_cache[:, index] = keys.to(self.device, self.k_cache.dtype)
-        self.v_cache[:, index] = values.to(self.device, self.v_cache.dtype)
+        scatter_blocks(self.k_cache, self.v_cache, block_table, keys, values)
 
     def copy_block(self, src: int, dst: int) -> None:
         """One block's K and V, in every layer, into another block (a choice's own copy of a shared one)."""

@@ -3,14 +3,13 @@ generation continuously, streaming each step's tokens to the gateway."""
 import logging
 import time
 
-import numpy as np
-import torch
 import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.bind_check import warn_if_exposed
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.model.kv_blocks import frame_tensor
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink
@@ -20,14 +19,7 @@ from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, s
 log = logging.getLogger("kvferry.decode")
 MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HOLD_S = 60.0  # how long cached blocks stay held for a transfer announced by a KVQuery
-
-
-def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:
-    """A received frame as a tensor over the same memory (no copy)."""
-    raw = np.frombuffer(frame.buffer if hasattr(frame, "buffer") else frame, dtype=np.uint8)
-    return torch.from_numpy(raw).view(TORCH_DTYPES[dtype]).view(shape)
 
 
 class DecodeWorker(Worker):

@@ -9,13 +9,13 @@ import dataclasses
 import logging
 import time
 
-import torch
 import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.model.kv_blocks import as_frames
 from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import Sequence
 from kvferry.common.transport import Channel
@@ -307,8 +307,7 @@ class PrefillWorker(Worker):
                                deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
                                attempt=attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
                                num_skipped_blocks=t.num_skipped_blocks)
-            # Raw bytes of the tensors, viewed (not copied) so ZeroMQ sends them in place.
-            frames = [t.keys.view(-1).view(torch.uint8).numpy(), t.values.view(-1).view(torch.uint8).numpy()]
+            frames = as_frames(t.keys, t.values)
             channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
             channel.send(msg, rid, t.trace, frames=frames)
             self.num_kv_bytes_sent += t.keys.nbytes + t.values.nbytes
