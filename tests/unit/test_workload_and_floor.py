@@ -55,3 +55,20 @@ def test_head_of_line_sends_short_prompts_once_the_long_one_is_under_way():
     assert long["group"] == "long" and len(long["prompt_token_ids"]) == 4000 and long["arrival_s"] == 0
     assert len(shorts) == 16 and all(r["group"] == "short" and len(r["prompt_token_ids"]) == 64 for r in shorts)
     assert all(r["arrival_s"] >= 0.3 for r in shorts)
+
+
+def test_sweep_rates_parse_and_the_curve_is_drawn(tmp_path):
+    import argparse
+
+    from kvferry.services.bench import sweep
+    from kvferry.services.bench.cli import _rates
+
+    assert _rates("0.5,1, 4") == [0.5, 1.0, 4.0]
+    for bad in ("", "1,x", "0,2", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _rates(bad)
+    points = [{"rate": r, "output_tok_per_s": 10 * r, "ttft_p50_s": 0.1 * r, "ttft_p99_s": 0.2 * r,
+               "tpot_p50_ms": 20 + r, "tpot_p99_ms": 30 + r} for r in (0.5, 1, 2)]
+    out = tmp_path / "curve.png"
+    sweep.plot(points, "std-32", str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

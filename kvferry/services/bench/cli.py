@@ -26,6 +26,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help="the served model, for the floor and the baseline")
     p.add_argument("--workload", default="std-32", choices=workload.NAMES)
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
+    p.add_argument("--sweep-rates", type=_rates, default=None, metavar="R1,R2,...",
+                   help="replay once at each rate instead: TTFT and TPOT p50/p99 against the rate")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: draw the curve")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
@@ -145,6 +148,8 @@ def cmd_bench_serve(args) -> int:
         model_name = json.loads(r.read())["data"][0]["id"]
     model_dir = resolve_model(args.model)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    if args.sweep_rates:
+        return _sweep(args, model_name, vocab_size)
     requests = workload.generate(args.workload, vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
     hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
@@ -190,6 +195,42 @@ def cmd_bench_serve(args) -> int:
               f"(+{pr['transfer_share']:.1%} on its way to decode)")
         if "hf" in report:
             print(f"transformers CB {report['hf']['output_tok_per_s']} tok/s: kvferry is {report['hf']['kvferry_speedup']}x")
+    return 0
+
+
+def _rates(text: str) -> list[float]:
+    import argparse
+
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of rates: {text!r} (try 0.5,1,2,4)") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError(f"rates must be positive requests per second, got {text!r}")
+    return rates
+
+
+def _sweep(args, model_name: str, vocab_size: int) -> int:
+    import asyncio
+
+    from kvferry.services.bench import sweep
+    from kvferry.services.bench.serve import replay
+
+    asyncio.run(replay(args.url, model_name, workload.generate("std-32", vocab_size, seed=99)[:2]))  # warm-up
+    points = sweep.sweep(args.url, model_name, lambda rate, seed: workload.generate(args.workload, vocab_size, rate=rate, seed=seed),
+                         args.sweep_rates)
+    if args.plot:
+        sweep.plot(points, f"{args.workload} at {args.url}", args.plot)
+    if args.json:
+        print(json.dumps({"workload": args.workload, "url": args.url, "points": points}))
+        return 0
+    print(f"\n== {args.workload} over HTTP at {args.url}, one replay per rate ==")
+    print(f"{'rate/s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    for pt in points:
+        print(f"{pt['rate']:>7} {pt['output_tok_per_s']:>7} {pt['ttft_p50_s']:>8}s {pt['ttft_p99_s']:>8}s "
+              f"{pt['tpot_p50_ms']:>7}ms {pt['tpot_p99_ms']:>7}ms")
+    if args.plot:
+        print(f"curve drawn to {args.plot}")
     return 0
 
 
