@@ -14,7 +14,8 @@ def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[
     """K and V of these blocks, each [num_layers, len(block_ids), block_size, kv_heads, head_dim], contiguous on
     the CPU: ready to go out as raw frames."""
     index = torch.tensor(block_ids, dtype=torch.long, device=k_cache.device)
-    return k_cache[:, index].cpu().contiguous(), v_cache[:, index].cpu().contiguous()
+    # index_select, not k_cache[:, index]: advanced indexing of the 5-D cache is markedly slower on the CPU.
+    return k_cache.index_select(1, index).cpu(), v_cache.index_select(1, index).cpu()
 
 
 def scatter_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int], keys: torch.Tensor,
