@@ -187,7 +187,8 @@ class FirstToken:
 
 @dataclass
 class KVTransfer:
-    """Frames: [keys, values], each [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+    """Frames: [keys, values], each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] of one group of
+    layers. A transfer is one message per group, in layer order, all with the same fields but the layers."""
     KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
     prompt_token_ids: list[int]
@@ -204,6 +205,7 @@ class KVTransfer:
     resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV
     gateway_id: str = ""  # the gateway the request came from: the decode worker streams the tokens there
     num_skipped_blocks: int = 0  # the first blocks, held by the receiver for this request (KVHeld): not in the frames
+    layer_start: int = 0  # the frames hold layers [layer_start, layer_start + shape[0]): one message per layer group
 
 
 @dataclass

@@ -142,12 +142,12 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes), 10,
                    "the held blocks in the heartbeats")
 
-    def transfer(num_blocks, skipped):
+    def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40):
         sampling = p.Sampling(max_tokens=4, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
                               stop_token_ids=[])
-        shape = [30, num_blocks, 16, 3, 64]
-        message = p.KVTransfer("test", prompt + [7] * 40, [9], [0], sampling, len(prompt) + 40, "float32", shape,
-                               deadline_s=1e12, num_skipped_blocks=skipped, gateway_id="nobody")
+        shape = [layers[1] - layers[0], num_blocks, 16, 3, 64]
+        message = p.KVTransfer("test", tokens, [9], [0], sampling, len(tokens), "float32", shape, deadline_s=1e12,
+                               num_skipped_blocks=skipped, gateway_id="any", layer_start=layers[0])
         return message, [bytes(p.kv_frame_bytes(message))] * 2
 
     # More blocks left out than are held: the decode worker lets go of them and asks for every block.
@@ -157,4 +157,24 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     # Left out without a query: nothing is held for it.
     ack = ask("other", *transfer(2, 1))
     assert not ack.accepted and ack.resend_all
+
+    # A transfer comes in layer groups: the first allocates its blocks, a gap drops them again ...
+    tokens = list(range(1000, 1070))  # 5 blocks
+
+    def send(rid, layers):
+        sock.send_multipart(p.encode(*transfer(5, 0, layers, tokens)[:1], rid,
+                                     frames=transfer(5, 0, layers, tokens)[1]))
+
+    def free_blocks():
+        return stack.workers()["decode-a"]["free_blocks"]
+
+    send("gap", (0, 10))
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"] - 5, 10, "blocks for the first group")
+    send("gap", (20, 30))  # layers 10 to 20 never came
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 10, "blocks freed at the gap")
+    # ... and every group in order is placed, acknowledged, decoded and freed.
+    for layers in ((0, 10), (10, 20)):
+        send("whole", layers)
+    assert ask("whole", *transfer(5, 0, (20, 30), tokens)) == p.KVAck(True)
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 30, "the transferred sequence to finish")
     sock.close()

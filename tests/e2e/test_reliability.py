@@ -76,7 +76,8 @@ def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
 
 
 def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack):
-    stack = make_stack(extra_env=FAST_FAILOVER).start_pair()
+    # Without prefix caching: the reference run would cache these very prompts, and no queue would build up.
+    stack = make_stack(extra_env={**FAST_FAILOVER, "KVFERRY_NO_PREFIX_CACHING": "1"}).start_pair()
     stack.start_worker("prefill-b", "prefill")
     stack.wait_workers({"prefill-b"})
     long_prompts = [prompt * 12 for prompt in PROMPTS]  # about 200 tokens each: a queue builds up

@@ -27,3 +27,11 @@ def test_the_transfer_benchmark_measures_both_paths_over_real_sockets():
     result = measure(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=3, rounds=2)
     assert result["mib"] == round(2 * 2 * 3 * 4 * 8 * 4 / 2**20, 1)
     assert result["kv_ms"] > 0 and result["raw_ms"] > 0 and result["kv_vs_raw"] > 0
+
+
+def test_layer_groups_cover_every_layer_once_in_order():
+    from kvferry.common.model.kv_blocks import layer_groups
+
+    assert layer_groups(30, 6) == [(0, 5), (5, 10), (10, 15), (15, 20), (20, 25), (25, 30)]
+    assert layer_groups(7, 3) == [(0, 3), (3, 6), (6, 7)]
+    assert layer_groups(2, 6) == [(0, 1), (1, 2)] and layer_groups(4, 1) == [(0, 4)]

@@ -1,29 +1,40 @@
 """A sequence's KV blocks out of one paged cache and into another: what a KV transfer moves.
 
-Caches are [num_layers, num_blocks, block_size, kv_heads, head_dim]. Out: one copy into a contiguous
-CPU buffer (the gather), which ZeroMQ then sends without copying. In: the received frames are viewed
-as tensors in place and copied once, straight into the receiver's blocks.
+Caches are [num_layers, num_blocks, block_size, kv_heads, head_dim]. A transfer goes in layer groups,
+one message each: the sender gathers a group (one copy into a contiguous CPU buffer, which ZeroMQ then
+sends without copying) while the previous group is on the wire, and the receiver places each group,
+viewed in place from the received frames, straight into its blocks while the next one arrives.
 """
 import numpy as np
 import torch
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LAYER_GROUPS = 6  # messages per transfer: enough to overlap the copies with the wire, few enough to stay cheap
 
 
-def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of these blocks, each [num_layers, len(block_ids), block_size, kv_heads, head_dim], contiguous on
-    the CPU: ready to go out as raw frames."""
+def layer_groups(num_layers: int, num_groups: int = LAYER_GROUPS) -> list[tuple[int, int]]:
+    """[start, end) of each group of layers, in order."""
+    size = -(-num_layers // max(1, min(num_groups, num_layers)))
+    return [(lo, min(num_layers, lo + size)) for lo in range(0, num_layers, size)]
+
+
+def gather_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int],
+                  layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of these blocks in these layers (default all), each [num_layers, len(block_ids), block_size,
+    kv_heads, head_dim], contiguous on the CPU: ready to go out as raw frames."""
+    lo, hi = layers or (0, k_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=k_cache.device)
     # index_select, not k_cache[:, index]: advanced indexing of the 5-D cache is markedly slower on the CPU.
-    return k_cache.index_select(1, index).cpu(), v_cache.index_select(1, index).cpu()
+    return k_cache[lo:hi].index_select(1, index).cpu(), v_cache[lo:hi].index_select(1, index).cpu()
 
 
 def scatter_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor, block_ids: list[int], keys: torch.Tensor,
-                   values: torch.Tensor) -> None:
-    """Place received K and V ([num_layers, len(block_ids), ...]) into these blocks."""
+                   values: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
+    """Place received K and V ([num_layers, len(block_ids), ...]) into these blocks of these layers."""
+    lo, hi = layers or (0, k_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=k_cache.device)
-    k_cache[:, index] = keys.to(k_cache.device, k_cache.dtype)
-    v_cache[:, index] = values.to(v_cache.device, v_cache.dtype)
+    k_cache[lo:hi, index] = keys.to(k_cache.device, k_cache.dtype)
+    v_cache[lo:hi, index] = values.to(v_cache.device, v_cache.dtype)
 
 
 def as_frames(keys: torch.Tensor, values: torch.Tensor) -> list:

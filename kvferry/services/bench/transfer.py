@@ -1,9 +1,9 @@
 """`kvferry bench transfer`: a prompt's KV transfer against raw ZeroMQ over the same transport, in one run.
 
 A sink process binds a ROUTER socket on 127.0.0.1 TCP, as a decode worker's KV ingress does. Rounds alternate:
-- kv: the prefill side's path. Gather the blocks out of a paged cache, send a KVTransfer with its two raw
-  frames through a Channel; the sink decodes it, views the frames as tensors and places them into its own
-  blocks (other ids, other order), then acknowledges.
+- kv: the workers' path. A KVTransfer per layer group through a Channel, each group gathered out of a paged
+  cache while the one before is on the wire; the sink decodes each, views its frames as tensors and places
+  them into its own blocks (other ids, other order), and acknowledges the last.
 - raw: the same number of bytes as two preallocated frames, acknowledged on arrival.
 Each figure is the time from the send (the gather included) to the acknowledgement.
 """
@@ -20,7 +20,8 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.model.cpu_memory import keep_freed_memory
-from kvferry.common.model.kv_blocks import as_frames, frame_tensor, gather_blocks, scatter_blocks
+from kvferry.common.model.kv_blocks import (LAYER_GROUPS, as_frames, frame_tensor, gather_blocks, layer_groups,
+                                            scatter_blocks)
 from kvferry.common.transport import Channel
 
 RAW, STOP = b"raw", b"stop"
@@ -45,12 +46,14 @@ def _sink(endpoint_queue, shape: tuple) -> None:
         peer, env = channel.unpack(parts)
         msg = env.message
         keys, values = frame_tensor(env.frames[0], msg.dtype, msg.shape), frame_tensor(env.frames[1], msg.dtype, msg.shape)
-        scatter_blocks(k_cache, v_cache, block_ids[:msg.shape[1]], keys, values)
-        channel.send(p.KVAck(True), env.request_id, to=peer)
+        layers = (msg.layer_start, msg.layer_start + msg.shape[0])
+        scatter_blocks(k_cache, v_cache, block_ids[:msg.shape[1]], keys, values, layers)
+        if layers[1] == shape[0]:
+            channel.send(p.KVAck(True), env.request_id, to=peer)
 
 
 def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-            rounds: int) -> dict:
+            rounds: int, num_groups: int = LAYER_GROUPS) -> dict:
     keep_freed_memory()
     shape = (num_layers, 4 * num_blocks, block_size, num_kv_heads, head_dim)
     spawn = multiprocessing.get_context("spawn")
@@ -66,14 +69,16 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     block_ids = random.Random(0).sample(range(shape[1]), num_blocks)  # scattered, as a pool's blocks are
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
     raw_frames = [np.ones(nbytes // 2, dtype=np.uint8), np.ones(nbytes // 2, dtype=np.uint8)]
+    groups = layer_groups(num_layers, num_groups)
     sampling = p.Sampling(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=None, ignore_eos=True, stop_token_ids=[])
 
     def kv_once() -> float:
         started = time.perf_counter()
-        keys, values = gather_blocks(k_cache, v_cache, block_ids)
-        msg = p.KVTransfer("bench", [1] * (num_blocks * block_size), [1], [0], sampling, num_blocks * block_size,
-                           "float32", list(keys.shape), deadline_s=1e12)
-        channel.send(msg, "bench", frames=as_frames(keys, values))
+        for lo, hi in groups:  # as PrefillWorker.send_kv does
+            keys, values = gather_blocks(k_cache, v_cache, block_ids, (lo, hi))
+            msg = p.KVTransfer("bench", [1] * (num_blocks * block_size), [1], [0], sampling, num_blocks * block_size,
+                               "float32", list(keys.shape), deadline_s=1e12, layer_start=lo)
+            channel.send(msg, "bench", frames=as_frames(keys, values))
         channel.recv()
         return time.perf_counter() - started
 
@@ -96,7 +101,7 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
             sink.kill()
         sock.close()
     raw, kv = statistics.median(raw_s), statistics.median(kv_s)
-    return {"num_blocks": num_blocks, "mib": round(nbytes / 2**20, 1), "rounds": rounds,
+    return {"num_blocks": num_blocks, "layer_groups": len(groups), "mib": round(nbytes / 2**20, 1), "rounds": rounds,
             "raw_ms": round(raw * 1000, 2), "kv_ms": round(kv * 1000, 2),
             "raw_gib_per_s": round(nbytes / raw / 2**30, 2), "kv_gib_per_s": round(nbytes / kv / 2**30, 2),
             "kv_vs_raw": round(raw / kv, 3)}
@@ -107,6 +112,8 @@ def add_parser(bench) -> None:
     p_.add_argument("--model", default=None, help="whose KV layout to move (default: the default model)")
     p_.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 128], help="blocks of 16 tokens per transfer")
     p_.add_argument("--rounds", type=int, default=20, help="alternated kv and raw transfers; medians compared")
+    p_.add_argument("--layer-groups", type=int, nargs="+", default=[1, LAYER_GROUPS],
+                    help=f"messages per transfer (1: unpipelined; the workers send {LAYER_GROUPS})")
     p_.add_argument("--json", action="store_true")
     p_.set_defaults(func=cmd_bench_transfer)
 
@@ -122,14 +129,15 @@ def cmd_bench_transfer(args) -> int:
     layout = (config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config), 16)
     results = []
     for num_blocks in args.blocks:
-        results.append(measure(*layout, num_blocks, args.rounds))
-        print(json.dumps(results[-1]), file=sys.stderr)
+        for num_groups in args.layer_groups:
+            results.append(measure(*layout, num_blocks, args.rounds, num_groups))
+            print(json.dumps(results[-1]), file=sys.stderr)
     if args.json:
         print(json.dumps({"layout": layout, "results": results}))
         return 0
     print(f"\n== KV transfer vs raw ZeroMQ, tcp://127.0.0.1, float32, {layout[0]} layers x {layout[1]} kv heads x "
           f"{layout[2]} dims, blocks of 16 (medians of {args.rounds}) ==")
     for r in results:
-        print(f"{r['num_blocks']:>4} blocks ({r['mib']:>6} MiB): kv {r['kv_ms']:>7} ms {r['kv_gib_per_s']:>5} GiB/s, "
+        print(f"{r['num_blocks']:>4} blocks ({r['mib']:>6} MiB) in {r['layer_groups']:>2} messages: kv {r['kv_ms']:>7} ms {r['kv_gib_per_s']:>5} GiB/s, "
               f"raw {r['raw_ms']:>7} ms {r['raw_gib_per_s']:>5} GiB/s -> {r['kv_vs_raw']:.0%} of raw")
     return 0

@@ -2,6 +2,7 @@
 generation continuously, streaming each step's tokens to the gateway."""
 import logging
 import time
+from dataclasses import dataclass
 
 import zmq
 
@@ -20,6 +21,24 @@ log = logging.getLogger("kvferry.decode")
 MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 HOLD_S = 60.0  # how long cached blocks stay held for a transfer announced by a KVQuery
+INCOMING_S = 30.0  # a transfer whose remaining layer groups have not come by then is dropped
+
+
+@dataclass
+class Incoming:
+    """A transfer whose layer groups are arriving: its blocks are allocated and filled group by group."""
+    first: p.KVTransfer  # the first group's message: the request's fields
+    link: GatewayLink
+    engine_ids: list[str]
+    choices: list[int]
+    first_token_ids: list[int]
+    params: list
+    held: list[int]      # cached blocks it leaves out, referenced for it
+    blocks: list[int]    # allocated for the rest, referenced for it
+    received_at: float   # wall clock of the first group
+    expires_at: float    # monotonic
+    next_layer: int = 0
+    num_bytes: int = 0
 
 
 class DecodeWorker(Worker):
@@ -57,6 +76,7 @@ class DecodeWorker(Worker):
         # Cached blocks a prefill worker was told this worker holds (KVHeld), kept from eviction until the
         # request's KV comes, which leaves them out: attempt key -> (block ids, monotonic expiry).
         self.held: dict[str, tuple[list[int], float]] = {}
+        self.incoming: dict[str, Incoming] = {}  # attempt key -> a transfer whose layer groups are arriving
 
     def kv_address(self) -> str:
         return self.advertised_kv
@@ -127,10 +147,13 @@ class DecodeWorker(Worker):
 
     def tidy(self) -> None:
         now = time.monotonic()
+        for key in [k for k, incoming in self.incoming.items() if incoming.expires_at < now]:
+            self.drop_incoming(key)
         for key in [k for k, (_, until) in self.held.items() if until < now]:
             self.let_go(key)  # its transfer, if it ever comes, is asked to send every block
 
     def bury(self, rid: str) -> None:
+        self.drop_incoming(rid)
         self.let_go(rid)
         self.cancelled_choices.pop(rid, None)
         for engine_id in self.engine_ids.pop(rid, []):
@@ -145,6 +168,8 @@ class DecodeWorker(Worker):
             self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
 
     def receive_kv(self, peer: bytes, env: p.Envelope) -> None:
+        """One layer group of a transfer. The first checks the request and allocates its blocks; each group is
+        placed into them as it comes; the last admits the sequences and is acknowledged."""
         msg = env.message
         rid = attempt_key(env.request_id, msg.attempt)  # this worker's key for the attempt
 
@@ -152,6 +177,10 @@ class DecodeWorker(Worker):
             self.kv_in.send(p.KVAck(accepted, reason, retry, msg.attempt, resend_all), env.request_id, env.trace,
                             to=peer)
 
+        if msg.layer_start > 0:
+            self.receive_layers(rid, env, ack)
+            return
+        self.drop_incoming(rid)  # a resend starts over
         if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
             self.let_go(rid)
             ack(True)
@@ -166,7 +195,6 @@ class DecodeWorker(Worker):
             self.engine.block_manager.free(held)
             ack(False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", retry=False)
             return
-        received_at, started = time.time(), time.perf_counter()
         try:
             if not msg.output_token_ids or len(msg.choices) != len(msg.output_token_ids) or len(set(msg.choices)) != len(
                     msg.choices) or not all(0 <= c < MAX_CHOICES for c in msg.choices):
@@ -180,41 +208,85 @@ class DecodeWorker(Worker):
                 ack(True)
                 return
             choices, first_token_ids = [c for c, _ in wanted], [t for _, t in wanted]
-            keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
-            values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
             engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
-            placed = self.engine.add_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids,
-                                               [for_choice(params, c) for c in choices], keys, values,
-                                               msg.resume_token_ids, held)
+            choice_params = [for_choice(params, c) for c in choices]
+            blocks = self.engine.begin_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids, choice_params,
+                                                 msg.resume_token_ids, held)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.engine.block_manager.free(held)
-            self.bury(rid)
-            ack(False, f"refused: {exc}", retry=False)
-            code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-            link.channel.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
-                              env.request_id, env.trace)
+            self.refuse(rid, msg, env, link, exc, ack)
             return
-        if not placed:
-            if held:  # still held for the retry, which leaves them out again
-                self.held[rid] = (held, time.monotonic() + HOLD_S)
+        if blocks is None:
+            self.hold_again(rid, held)
+            ack(False, "no free blocks")
+            return
+        self.incoming[rid] = Incoming(msg, link, engine_ids, choices, first_token_ids, choice_params, held, blocks,
+                                      received_at=time.time(), expires_at=time.monotonic() + INCOMING_S)
+        self.receive_layers(rid, env, ack)
+
+    def receive_layers(self, rid: str, env: p.Envelope, ack) -> None:
+        msg = env.message
+        incoming = self.incoming.get(rid)
+        if incoming is None or msg.layer_start != incoming.next_layer:
+            # After a refused first group, or a group lost on the way: the sender's resend starts over.
+            self.drop_incoming(rid)
+            return
+        try:
+            keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
+            values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
+            self.engine.write_prefilled(incoming.blocks, keys, values, msg.layer_start)
+        except (InvalidRequest, KeyError, RuntimeError) as exc:
+            del self.incoming[rid]
+            self.engine.block_manager.free(incoming.blocks + incoming.held)
+            self.refuse(rid, msg, env, incoming.link, exc, ack)
+            return
+        incoming.next_layer += msg.shape[0]
+        incoming.num_bytes += keys.nbytes + values.nbytes
+        if incoming.next_layer < self.engine.runner.layout.num_layers:
+            return
+        del self.incoming[rid]
+        first = incoming.first
+        if not self.engine.finish_prefilled(incoming.engine_ids, first.prompt_token_ids, incoming.first_token_ids,
+                                            incoming.params, incoming.blocks, first.resume_token_ids, incoming.held):
+            self.engine.block_manager.free(incoming.blocks)
+            self.hold_again(rid, incoming.held)
             ack(False, "no free blocks")
             return
         self.traces[rid] = env.trace
         self.origin[rid] = (env.request_id, msg.attempt)
-        self.link_for[rid] = link
-        self.engine_ids[rid] = engine_ids
-        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
+        self.link_for[rid] = incoming.link
+        self.engine_ids[rid] = incoming.engine_ids
+        self.choice_of.update({e: (rid, c) for e, c in zip(incoming.engine_ids, incoming.choices)})
         self.cancelled_choices.pop(rid, None)
         placed_at = time.time()
         # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
-        hop_s = placed_at - msg.sent_at if msg.sent_at else time.perf_counter() - started
-        num_bytes = keys.nbytes + values.nbytes
-        self.transfer_s[rid] = (msg.gather_s + max(0.0, hop_s), num_bytes)
+        hop_s = max(0.0, placed_at - first.sent_at) if first.sent_at else placed_at - incoming.received_at
+        self.transfer_s[rid] = (msg.gather_s + hop_s, incoming.num_bytes)
         if self.tracer.enabled:
-            self.tracer.span("kv.transfer_in", received_at, placed_at, env.request_id,
-                                   tracing.child_of(env.trace), bytes=num_bytes, num_blocks=msg.shape[1],
-                                   num_held_blocks=len(held), prefill=msg.prefill_worker_id, attempt=msg.attempt)
+            self.tracer.span("kv.transfer_in", incoming.received_at, placed_at, env.request_id,
+                             tracing.child_of(env.trace), bytes=incoming.num_bytes, num_blocks=len(incoming.blocks),
+                             num_held_blocks=len(incoming.held), prefill=msg.prefill_worker_id, attempt=msg.attempt)
         ack(True)
+
+    def refuse(self, rid: str, msg, env: p.Envelope, link: GatewayLink, exc: Exception, ack) -> None:
+        """A transfer that can never be placed: the request ends here, and its gateway is told why."""
+        self.bury(rid)
+        ack(False, f"refused: {exc}", retry=False)
+        code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
+        link.channel.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
+                          env.request_id, env.trace)
+
+    def hold_again(self, rid: str, held: list[int]) -> None:
+        """Keep held blocks for a transfer's retry, which leaves them out again."""
+        if held:
+            self.held[rid] = (held, time.monotonic() + HOLD_S)
+
+    def drop_incoming(self, rid: str) -> None:
+        """Forget a transfer whose groups stopped coming (or start again): free its blocks, keep its held ones."""
+        incoming = self.incoming.pop(rid, None)
+        if incoming is not None:
+            self.engine.block_manager.free(incoming.blocks)
+            self.hold_again(rid, incoming.held)
 
     def step(self) -> None:
         started = time.time()

@@ -2,9 +2,10 @@
 gateway at once, then ships the prompt's blocks straight to the chosen decode worker and frees them
 when that worker acknowledges.
 
-When a prompt arrives it asks the decode worker (KVQuery) which of the prompt's leading blocks that
-worker's prefix cache holds; the transfer leaves those out (the second turn of a chat ships only the
-new turn's blocks)."""
+When a prompt starts computing it asks the decode worker (KVQuery) which of the prompt's leading blocks
+that worker's prefix cache holds; the transfer leaves those out (the second turn of a chat ships only the
+new turn's blocks). A transfer goes as one message per group of layers, each gathered while the one
+before is on the wire."""
 import dataclasses
 import logging
 import time
@@ -15,7 +16,7 @@ from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.model.kv_blocks import as_frames
+from kvferry.common.model.kv_blocks import as_frames, layer_groups
 from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import Sequence
 from kvferry.common.transport import Channel
@@ -42,9 +43,6 @@ class Transfer:
     seq: Sequence
     request: p.PrefillRequest
     trace: p.TraceContext
-    keys: object
-    values: object
-    gather_s: float
     first_token_ids: list[int]  # of the choices that go on to decode
     choices: list[int]
     sent_at: float = 0.0     # monotonic time of the latest send; 0: not in flight
@@ -52,7 +50,11 @@ class Transfer:
     first_sent_at: float = 0.0  # wall clock, for the transfer's span
     num_sends: int = 0
     ready_at: float = dataclasses.field(default_factory=time.monotonic)
-    num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not in keys and values
+    ready: bool = False  # whether the blocks to send are settled (the decode worker's KVHeld came, or is late)
+    num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not sent
+    parts: dict = dataclasses.field(default_factory=dict)  # layer start -> (keys, values) gathered, kept for resends
+    gather_s: float = 0.0
+    num_bytes: int = 0       # of one send
 
 
 @dataclasses.dataclass
@@ -141,7 +143,7 @@ class PrefillWorker(Worker):
             transfer = self.transfers.get(key)
             if key in self.asked:  # its prompt computes, or has just finished
                 self.decode_held[key] = msg.num_blocks
-            elif transfer is not None and transfer.keys is None:  # the transfer waits for this answer: due now
+            elif transfer is not None and not transfer.ready:  # the transfer waits for this answer: due now
                 self.decode_held[key] = msg.num_blocks
                 transfer.retry_at = time.monotonic()
             # else its transfer went out whole already, or it ended
@@ -152,14 +154,13 @@ class PrefillWorker(Worker):
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
                 if self.tracer.enabled:
-                    sent = transfer.keys.nbytes + transfer.values.nbytes if transfer.keys is not None else 0
                     self.tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
-                                tracing.child_of(transfer.trace), bytes=sent,
+                                tracing.child_of(transfer.trace), bytes=transfer.num_bytes,
                                 sends=transfer.num_sends, accepted=msg.accepted,
                                 decode=transfer.request.decode_worker_id)
             elif msg.resend_all and transfer.num_skipped_blocks:  # the decode worker let go of the blocks it held
-                self.num_kv_bytes_skipped -= transfer.num_skipped_blocks * self.block_bytes(transfer)
-                self.gather(key, transfer)  # every block, this time
+                self.num_kv_bytes_skipped -= transfer.num_skipped_blocks * self.engine.runner.layout.bytes_per_block
+                self.settle(key, transfer)  # every block, this time
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic()
             else:
                 transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
@@ -259,39 +260,60 @@ class PrefillWorker(Worker):
             self.engine.scheduler.release(seq)
             self.engine.forget(key)
             return
-        transfer = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace, None, None, 0.0,
+        transfer = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace,
                             [t for _, t in continuing], [c for c, _ in continuing])
         self.transfers[key] = transfer
         if answer_due:
             transfer.retry_at = time.monotonic() + HELD_ANSWER_WAIT_S
         else:
-            self.gather(key, transfer)
+            self.settle(key, transfer)
         self.engine.forget(key)
 
-    def gather(self, key: str, t: Transfer) -> None:
-        """Copy out the blocks the decode worker does not hold."""
+    def settle(self, key: str, t: Transfer) -> None:
+        """Fix which blocks go: those the decode worker does not hold. They are gathered as they are sent."""
         num_kv_tokens = len(t.request.prompt_token_ids) + len(t.request.resume_token_ids)
-        skip = min(self.decode_held.pop(key, 0), (num_kv_tokens - 1) // self.engine.block_manager.block_size)
-        started = time.time()
-        t.keys, t.values = self.engine.runner.read_blocks(t.seq.block_table[skip:])
-        gathered = time.time()
-        if self.tracer.enabled:
-            self.tracer.span("kv.gather", started, gathered, t.request_id, tracing.child_of(t.trace),
-                             num_blocks=len(t.seq.block_table) - skip, num_held_by_decode=skip)
-        t.gather_s, t.num_skipped_blocks = gathered - started, skip
-        self.num_kv_bytes_skipped += skip * self.block_bytes(t)
+        t.num_skipped_blocks = min(self.decode_held.pop(key, 0),
+                                   (num_kv_tokens - 1) // self.engine.block_manager.block_size)
+        t.parts, t.ready = {}, True
+        block_bytes = self.engine.runner.layout.bytes_per_block
+        t.num_bytes = (len(t.seq.block_table) - t.num_skipped_blocks) * block_bytes
+        self.num_kv_bytes_skipped += t.num_skipped_blocks * block_bytes
 
-    @staticmethod
-    def block_bytes(t: Transfer) -> int:
-        return (t.keys.nbytes + t.values.nbytes) // t.keys.shape[1]
+    def send_kv(self, t: Transfer) -> float:
+        """Send a transfer's blocks, a message per group of layers: each group is gathered (on the first send)
+        while the one before is on the wire. Returns the wall clock of the first message."""
+        runner, resumed = self.engine.runner, t.request.resume_token_ids
+        blocks = t.seq.block_table[t.num_skipped_blocks:]
+        channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
+        first_sent = 0.0
+        for lo, hi in layer_groups(runner.layout.num_layers):
+            if lo not in t.parts:
+                started = time.time()
+                t.parts[lo] = runner.read_blocks(blocks, (lo, hi))
+                t.gather_s += time.time() - started
+                if self.tracer.enabled:
+                    self.tracer.span("kv.gather", started, time.time(), t.request_id, tracing.child_of(t.trace),
+                                     num_blocks=len(blocks), num_held_by_decode=t.num_skipped_blocks, layers=[lo, hi])
+            keys, values = t.parts[lo]
+            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
+                               output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
+                               num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
+                               dtype=str(keys.dtype).removeprefix("torch."), shape=list(keys.shape),
+                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
+                               attempt=t.request.attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
+                               num_skipped_blocks=t.num_skipped_blocks, layer_start=lo)
+            channel.send(msg, t.request_id, t.trace, frames=as_frames(keys, values))
+            first_sent = first_sent or msg.sent_at
+        self.num_kv_bytes_sent += t.num_bytes
+        return first_sent
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
         for key, t in list(self.transfers.items()):
             if now < (t.sent_at + ACK_TIMEOUT_S if t.sent_at else t.retry_at):
                 continue  # in flight and not yet overdue, or waiting for its retry time (or its held answer)
-            if t.keys is None:
-                self.gather(key, t)
+            if not t.ready:
+                self.settle(key, t)
             rid, attempt = t.request_id, t.request.attempt
             if now > t.ready_at + GIVE_UP_TRANSFER_S or time.time() > t.request.deadline_s:
                 t.link.channel.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
@@ -299,17 +321,6 @@ class PrefillWorker(Worker):
                                   rid, t.trace)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
                 continue
-            resumed = t.request.resume_token_ids
-            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
-                               output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
-                               num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
-                               dtype=str(t.keys.dtype).removeprefix("torch."), shape=list(t.keys.shape),
-                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
-                               attempt=attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
-                               num_skipped_blocks=t.num_skipped_blocks)
-            frames = as_frames(t.keys, t.values)
-            channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
-            channel.send(msg, rid, t.trace, frames=frames)
-            self.num_kv_bytes_sent += t.keys.nbytes + t.values.nbytes
+            sent_at = self.send_kv(t)
             t.sent_at, t.num_sends = now, t.num_sends + 1
-            t.first_sent_at = t.first_sent_at or msg.sent_at
+            t.first_sent_at = t.first_sent_at or sent_at
