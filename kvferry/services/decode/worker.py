@@ -20,8 +20,9 @@ from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, s
 log = logging.getLogger("kvferry.decode")
 MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
-HOLD_S = 60.0  # how long cached blocks stay held for a transfer announced by a KVQuery
-INCOMING_S = 30.0  # a transfer whose remaining layer groups have not come by then is dropped
+HOLD_S = 20.0  # how long cached blocks stay held for a transfer announced by a KVQuery (a lost Abort
+#                must not pin them for long; a later transfer is asked for every block)
+INCOMING_S = 10.0  # a transfer whose remaining layer groups (sent back to back) have not come by then is dropped
 
 
 @dataclass
