@@ -42,6 +42,11 @@ class BlockManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def num_cacheable_blocks(self, num_tokens: int) -> int:
+        """Full blocks before the one holding the last of num_tokens: those a prompt may take from a cache. The
+        last token is always computed (its logits give the next token)."""
+        return (num_tokens - 1) // self.block_size
+
     def can_allocate(self, num_new_blocks: int) -> bool:
         return num_new_blocks <= len(self.free_ids)
 

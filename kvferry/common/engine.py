@@ -193,7 +193,7 @@ class LLMEngine:
                 raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
         num_prompt, bm = len(tokens), self.block_manager
         num_held = len(held_blocks)
-        if num_held > (num_prompt - 1) // bm.block_size:
+        if num_held > bm.num_cacheable_blocks(num_prompt):
             raise InvalidRequest(f"{num_held} held blocks for {num_prompt} prompt tokens: only full blocks before "
                                  f"the last token's can be left out")
         if [bm.hash_of.get(b) for b in held_blocks] != block_hashes(tokens[:num_held * bm.block_size], bm.block_size):

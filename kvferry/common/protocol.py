@@ -210,8 +210,8 @@ class KVTransfer:
 
 @dataclass
 class KVQuery:
-    """Prefill to decode worker, when a prompt arrives: which of these leading full blocks (chained hashes) do you
-    hold? The receiver keeps those it holds for the request until its KVTransfer comes (or it ends)."""
+    """Prefill to decode worker, when a prompt starts computing: which of these leading full blocks (chained
+    hashes) do you hold? The receiver keeps those it holds for the request until its KVTransfer comes (or it ends)."""
     KIND: typing.ClassVar[Kind] = Kind.KV_QUERY
     block_hashes: list[bytes]
     attempt: int = 0

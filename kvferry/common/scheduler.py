@@ -198,7 +198,7 @@ class Scheduler:
         if not bm.enable_caching or seq.params.prompt_logprobs is not None:  # those need every prompt position
             return []
         seq.block_hashes = block_hashes(seq.token_ids, bm.block_size, seq.block_hashes)
-        return bm.match_prefix(seq.block_hashes[:(seq.num_tokens - 1) // bm.block_size])
+        return bm.match_prefix(seq.block_hashes[:bm.num_cacheable_blocks(seq.num_tokens)])
 
     def _hashes_computed(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
         """Hashes of the blocks that a chunk of num_new_tokens fills."""

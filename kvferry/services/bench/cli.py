@@ -135,17 +135,16 @@ def cmd_bench_engine(args) -> int:
 
 def cmd_bench_serve(args) -> int:
     import asyncio
-    import urllib.request
 
     import torch
     from transformers import AutoConfig
 
     from kvferry.common.model.loader import resolve_model
     from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
+    from kvferry.services.bench.stack import served_model
 
     torch.set_num_threads(args.threads)
-    with urllib.request.urlopen(args.url + "/v1/models", timeout=10) as r:
-        model_name = json.loads(r.read())["data"][0]["id"]
+    model_name = served_model(args.url)
     model_dir = resolve_model(args.model)
     vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
     if args.sweep_rates:

@@ -9,9 +9,10 @@ import asyncio
 import json
 import random
 import time
-import urllib.request
 
 import numpy as np
+
+from kvferry.services.bench.stack import served_model
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
@@ -69,8 +70,7 @@ def _figures(results: list[dict], elapsed: float) -> dict:
 
 
 def overload(url: str, duration_s: float = 60.0, seed: int = 0) -> dict:
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = served_model(url)
     rng = random.Random(seed)
     results, elapsed = asyncio.run(_run(url, model, _requests(rng, 0, 0)))
     capacity = len([r for r in results if r["status"] == 200]) / elapsed

@@ -7,6 +7,8 @@ import random
 import time
 import urllib.request
 
+from kvferry.services.bench.stack import served_model
+
 WARM_UP = 200  # requests before the memory baseline is taken (a multiple of 100)
 
 
@@ -83,8 +85,7 @@ async def _drive(url: str, model: str, num_requests: int, concurrency: int, canc
 def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: int = 16, cancel_share: float = 0.2,
          seed: int = 0, settle_s: float = 30.0) -> dict:
     """Drive the stack at url; pids: process name -> pid, for memory. Returns the report."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = served_model(url)
     trace: dict[str, list[float]] = {name: [] for name in pids}  # MiB after every 100 requests
 
     def sample(done: int) -> None:

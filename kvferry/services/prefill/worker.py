@@ -180,9 +180,9 @@ class PrefillWorker(Worker):
         last token is always sent."""
         if not self.engine.config.enable_prefix_caching:
             return
-        size = self.engine.block_manager.block_size
+        bm = self.engine.block_manager
         tokens = request.prompt_token_ids + request.resume_token_ids
-        hashes = block_hashes(tokens[:(len(tokens) - 1) // size * size], size)
+        hashes = block_hashes(tokens[:bm.num_cacheable_blocks(len(tokens)) * bm.block_size], bm.block_size)
         if hashes:
             channel = self.decode_channel(request.decode_address, request.decode_worker_id)
             channel.send(p.KVQuery(hashes, request.attempt), rid, trace)
@@ -250,8 +250,9 @@ class PrefillWorker(Worker):
         return arrival, continuing
 
     def start_transfer(self, seq: Sequence, arrival: Arrival, continuing: list[tuple[int, int]]) -> None:
-        """Set up the transfer of a prompt whose choices go on decoding. Its KV is gathered at once, or, while the
-        decode worker's answer to KVQuery is still due, when the answer comes (at most HELD_ANSWER_WAIT_S)."""
+        """Set up the transfer of a prompt whose choices go on decoding. Which blocks go is settled at once, or,
+        while the decode worker's answer to KVQuery is still due, when the answer comes (at most
+        HELD_ANSWER_WAIT_S); they are gathered as they are sent."""
         key, request = seq.request_id, arrival.request
         answer_due = key in self.asked and key not in self.decode_held
         self.asked.discard(key)
@@ -273,7 +274,7 @@ class PrefillWorker(Worker):
         """Fix which blocks go: those the decode worker does not hold. They are gathered as they are sent."""
         num_kv_tokens = len(t.request.prompt_token_ids) + len(t.request.resume_token_ids)
         t.num_skipped_blocks = min(self.decode_held.pop(key, 0),
-                                   (num_kv_tokens - 1) // self.engine.block_manager.block_size)
+                                   self.engine.block_manager.num_cacheable_blocks(num_kv_tokens))
         t.parts, t.ready = {}, True
         block_bytes = self.engine.runner.layout.bytes_per_block
         t.num_bytes = (len(t.seq.block_table) - t.num_skipped_blocks) * block_bytes
