@@ -15,6 +15,7 @@ from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.model.loader import load_model, resolve_model
+from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
@@ -78,8 +79,9 @@ class LLMEngine:
             max_model_len = num_blocks * config.block_size
             log.warning("max_model_len lowered to %d, all the KV cache holds", max_model_len)
         self.max_model_len = max_model_len
-        log.info("KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s)", num_blocks, config.block_size,
-                 num_blocks * config.block_size, num_blocks * layout.bytes_per_block / 2**20, self.dtype, self.device)
+        log.info("KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, weights %s)", num_blocks,
+                 config.block_size, num_blocks * config.block_size, num_blocks * layout.bytes_per_block / 2**20,
+                 self.dtype, self.device, config.quantization or self.dtype)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
@@ -87,8 +89,11 @@ class LLMEngine:
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    long_prefill_threshold=config.long_prefill_threshold)
         try:
+            calibration_ids = (calibration_token_ids(self.tokenizer, self.hf_config.vocab_size)
+                               if config.quantization else None)
             self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed,
-                                      eos_token_ids=self.scheduler.eos_token_ids)
+                                      eos_token_ids=self.scheduler.eos_token_ids, quantization=config.quantization,
+                                      calibration_ids=calibration_ids)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if "memory" not in str(exc).lower():
                 raise

@@ -15,9 +15,10 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 6  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
+PROTOCOL_VERSION = 7  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
 #                        5: prefix caching (CacheUpdate, cache figures in WorkerStats);
-#                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld)
+#                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld);
+#                        7: Register.quantization
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -115,6 +116,7 @@ class Register:
     num_blocks: int
     max_model_len: int
     kv_address: str = ""  # decode workers: where prefill workers send KV
+    quantization: str = "none"  # or "int8": prefill and decode workers must compute alike
 
 
 @dataclass

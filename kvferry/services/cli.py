@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
     p.add_argument("--prefill-threads", type=int, default=env("KVFERRY_PREFILL_THREADS", "1"))
     p.add_argument("--decode-threads", type=int, default=env("KVFERRY_DECODE_THREADS", "2"))
+    p.add_argument("--quantization", default=env("KVFERRY_QUANTIZATION", "none"), choices=["none", "int8"],
+                   help="int8: int8 weights in both workers (see `kvferry prefill --help`)")
     add_reliability_args(p)
     add_security_args(p)
     add_api_args(p)

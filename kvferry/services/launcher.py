@@ -104,7 +104,7 @@ def serve(args) -> int:
     # The children read these from the environment, like every other setting.
     for name in ("trace_dir", "otlp_endpoint", "log_format", "api_key", "max_body_size", "max_n", "max_tokens_limit",
                  "max_stop", "max_prompts", "max_waiting", "drain_timeout", "first_token_timeout", "step_timeout",
-                 "request_timeout", "max_moves", "curve_keys"):
+                 "request_timeout", "max_moves", "curve_keys", "quantization"):
         value = getattr(args, name)
         if value:
             folder = name in ("trace_dir", "curve_keys")

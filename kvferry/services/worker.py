@@ -111,7 +111,7 @@ class Worker:
         return p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
                           dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.config.block_size,
                           num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
-                          kv_address=self.kv_address())
+                          kv_address=self.kv_address(), quantization=engine.config.quantization or "none")
 
     def link_of(self, channel: Channel) -> GatewayLink | None:
         return next((link for link in self.links if link.channel is channel), None)

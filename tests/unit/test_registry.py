@@ -19,6 +19,7 @@ def test_mismatched_workers_are_refused_with_the_reason():
     assert "model mismatch" in register(reg, "x", p.Role.PREFILL, model="other")
     assert "block size mismatch" in register(reg, "y", p.Role.DECODE, block_size=8)
     assert "dtype mismatch" in register(reg, "z", p.Role.DECODE, dtype="bfloat16")  # the first worker set it
+    assert "quantization mismatch" in register(reg, "q", p.Role.DECODE, quantization="int8")
     assert "KV ingress" in register(reg, "d", p.Role.DECODE, kv_address="")
     assert set(reg.workers) == {"p0"}
 

@@ -47,11 +47,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_tracing)
 
-    from kvferry.services.bench import feature, step, transfer
+    from kvferry.services.bench import feature, quantization, step, transfer
 
     feature.add_parser(bench)
     transfer.add_parser(bench)
     step.add_parser(bench)
+    quantization.add_parser(bench)
 
     p = bench.add_parser("soak", help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
                                       "workers: leaks, stuck requests and memory growth")

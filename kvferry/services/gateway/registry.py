@@ -28,6 +28,7 @@ class WorkerInfo:
     num_served: int = 0
     draining: bool = False  # shutting down: finishes what it has, gets nothing new
     cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, as it last told us
+    quantization: str = "none"
 
     def num_cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of a prompt (its chained block hashes) this worker holds."""
@@ -39,6 +40,7 @@ class WorkerInfo:
     def as_json(self) -> dict:
         s = self.stats
         return {"id": self.worker_id, "role": self.role.name.lower(), "model": self.model, "dtype": self.dtype,
+                "quantization": self.quantization,
                 "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_address": self.kv_address,
                 "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
                 "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
@@ -65,18 +67,21 @@ class Registry:
             return f"unknown role {msg.role}"
         for what, expected, got in (("model", self.expected_model, msg.model),
                                     ("block size", self.expected_block_size, msg.block_size),
-                                    ("dtype", self.expected_dtype or self._live_dtype(), msg.dtype)):
+                                    ("dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
+                                    ("quantization", self._live("quantization"), msg.quantization)):
             if expected is not None and expected != got:
                 return f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}"
         if role == p.Role.DECODE and not msg.kv_address:
             return "a decode worker must give its KV ingress address"
         self.workers[msg.worker_id] = WorkerInfo(msg.worker_id, role, identity, msg.model, msg.dtype, msg.block_size,
                                                  msg.num_blocks, msg.max_model_len, msg.kv_address,
-                                                 p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0), now)
+                                                 p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0), now,
+                                                 quantization=msg.quantization)
         return None
 
-    def _live_dtype(self) -> str | None:
-        return next((w.dtype for w in self.workers.values()), None)
+    def _live(self, attr: str) -> str | None:
+        """The live workers' value of attr (they all agree), or None without any."""
+        return next((getattr(w, attr) for w in self.workers.values()), None)
 
     def heartbeat(self, msg: p.Heartbeat, now: float) -> bool:
         worker = self.workers.get(msg.worker_id)

@@ -1,0 +1,87 @@
+"""Int8 weights (`--quantization int8`): every linear layer's weights as int8 with one fp32 scale
+per output channel (symmetric, absmax / 127), quantized at load time.
+
+Decode reads every weight once per step, so reading a quarter of fp32's bytes (CUDA, bound
+by memory) or multiplying in int8 (CPU, bound by arithmetic at batch 32) is the way past the
+fp32 floor. How the product runs depends on the device:
+- CUDA: a Triton kernel widens each int8 tile in registers; activations stay in the model's
+  dtype (weight-only in the strict sense).
+- CPU: PyTorch's weight-only kernel (aten._weight_int8pack_mm) is a matrix-vector loop, far
+  slower than fp32 from a few rows up. So each activation row is quantized to int8 with its
+  own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm,
+  VNNI). A few input channels of every layer carry activations 10 to 100 times the others
+  (SmolLM2's do); they would wipe out the other channels' precision, so the `outliers` found
+  by calibration stay in float and go through a thin fp32 matmul of their own (as in
+  LLM.int8(), with the channels fixed at load time). A row's scale is its own: a loud request
+  costs the others in its batch no precision. `kvferry bench quantization` measures the accuracy.
+"""
+import torch
+from torch import nn
+
+QUANTIZATIONS = ("int8",)
+NUM_OUTLIER_CHANNELS = 32  # per layer; found by calibration (quant_calibration.py)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~= int8 * scale[:, None]."""
+    w = weight.detach().float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+
+
+def int8_rows_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float, each row quantized with its own absmax scale, times int8 qweight [N, K] -> [M, N] fp32."""
+    x = x.float()
+    row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)      # [M, 1]
+    xq = torch.round(x / row_scale).to(torch.int8)
+    return torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scale)       # [M, N]
+
+
+class Int8Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None):
+        """outliers: input channels kept in float (CPU), or None."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        if outliers is not None and len(outliers):
+            outliers = outliers.to(weight.device, torch.long).sort().values
+            self.register_buffer("outliers", outliers, persistent=False)
+            self.register_buffer("outlier_weight", weight[:, outliers].float().contiguous(), persistent=False)
+            weight = weight.index_fill(1, outliers, 0)
+        else:
+            self.outliers = self.outlier_weight = None
+        qweight, scale = quantize_weight(weight)
+        self.register_buffer("qweight", qweight, persistent=False)       # [N, K] int8
+        self.register_buffer("scale", scale, persistent=False)           # [N] fp32
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.outliers is None:
+            from kvferry.kernels.triton.int8_matmul import int8_matmul
+
+            return int8_matmul(x, self.qweight, self.scale, self.bias)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()
+        if self.outliers is None:
+            y = int8_rows_matmul(x2, self.qweight, self.scale)
+        else:
+            y = int8_rows_matmul(x2.index_fill(1, self.outliers, 0.0), self.qweight, self.scale)
+            y.addmm_(x2[:, self.outliers], self.outlier_weight.t())
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:
+    """Swap every nn.Linear in model for an Int8Linear; outliers: by the linear's module name, its float channels.
+    A tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup.
+    Returns how many were swapped."""
+    outliers = outliers or {}
+    swapped = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                full = f"{parent_name}.{name}" if parent_name else name
+                setattr(parent, name, Int8Linear(child, outliers.get(full)))
+                swapped += 1
+    return swapped

@@ -1,0 +1,29 @@
+"""--quantization int8 across real processes: both workers quantize alike, so a completion through the stack equals the
+in-process int8 engine's; a worker that computes otherwise is refused."""
+import pytest
+
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+from kvferry.common.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "def fibonacci(n):"]
+
+
+def test_int8_stack_matches_the_in_process_int8_engine_and_refuses_an_unquantized_worker(make_stack):
+    s = make_stack(extra_env={"KVFERRY_QUANTIZATION": "int8"})
+    s.start_gateway()
+    s.start_pair()
+    s.wait_workers({"prefill-a", "decode-a"})
+    odd = s.start_worker("odd", "decode", "--quantization", "none")
+    assert odd.wait(timeout=180) != 0
+    assert "quantization mismatch" in s.log("odd") and "quantization mismatch" in s.log("gateway")
+    assert {w["quantization"] for w in s.workers().values()} == {"int8"}
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, quantization="int8", num_threads=1))
+    params = SamplingParams(max_tokens=20, temperature=0)
+    for prompt in PROMPTS:  # one at a time, alone in every step on both sides: the same arithmetic
+        expected = engine.generate([prompt], params)[0].text
+        status, reply = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+        assert status == 200, reply
+        assert reply["choices"][0]["text"] == expected, prompt
