@@ -72,3 +72,23 @@ def test_sweep_rates_parse_and_the_curve_is_drawn(tmp_path):
     out = tmp_path / "curve.png"
     sweep.plot(points, "std-32", str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("name", ["std-32", "shared-prefix"])
+def test_later_rounds_share_no_block_with_earlier_ones_but_keep_their_shape(name):
+    from kvferry.common.block_hash import block_hashes
+
+    base = workload.generate(name, 49152)
+    assert workload.for_round(base, 0, 49152) is base
+    rounds = [workload.for_round(base, i, 49152) for i in range(3)]
+    seen = set()
+    for requests in rounds:
+        for r, b in zip(requests, base):
+            assert len(r["prompt_token_ids"]) == len(b["prompt_token_ids"]) and r["max_tokens"] == b["max_tokens"]
+            assert r["prompt_token_ids"][1:] == b["prompt_token_ids"][1:]
+            assert 256 <= r["prompt_token_ids"][0] < 49152 - 256
+        hashes = {h for r in requests for h in block_hashes(r["prompt_token_ids"], 16)}
+        assert not hashes & seen
+        seen |= hashes
+        if name == "shared-prefix":  # still one system prompt within the round
+            assert len({tuple(r["prompt_token_ids"][:400]) for r in requests}) == 1

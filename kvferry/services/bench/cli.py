@@ -30,6 +30,8 @@ def add_bench_parser(sub) -> None:
                    help="replay once at each rate instead: TTFT and TPOT p50/p99 against the rate")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: draw the curve")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
+    p.add_argument("--baseline-url", default=None, metavar="URL",
+                   help="another OpenAI-compatible server (llama.cpp's, vLLM): the same workload, alternating rounds")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the floor and the baseline")
@@ -118,8 +120,10 @@ def cmd_bench_engine(args) -> int:
         raise ConfigError(f"{args.workload} needs max_model_len >= {longest}, the engine has {engine.max_model_len}")
     report = {"workload": args.workload, "threads": torch.get_num_threads()}
     hf_model = _load_hf_model(engine) if not args.no_floor or args.baseline == "hf" else None
-    engine.generate([requests[0]["prompt_token_ids"]], None)  # warm-up: first-call allocations
-    _alternate_with_floor(args, "kvferry", lambda: run_engine(engine, requests), hf_model, requests, report)
+    engine.generate([_warmup_prompt(engine.vocab_size)], None)  # warm-up: first-call allocations
+    _alternate_with_floor(args, "kvferry", lambda rnd: run_engine(engine, workload.for_round(requests, rnd,
+                                                                                              engine.vocab_size)),
+                          hf_model, requests, report)
     if not args.no_paging:
         from kvferry.services.bench.paging import paging_overhead
 
@@ -155,9 +159,18 @@ def cmd_bench_serve(args) -> int:
     hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
     warmup = workload.generate("std-32", vocab_size, seed=99)[:2]  # shares no prefix with the workload
     asyncio.run(replay(args.url, model_name, warmup))
+    if args.baseline_url:
+        baseline_model = served_model(args.baseline_url)
+        asyncio.run(replay(args.baseline_url, baseline_model, warmup))
+
+        def baseline_once(rnd: int) -> dict:
+            return asyncio.run(replay(args.baseline_url, baseline_model, workload.for_round(requests, rnd, vocab_size)))
+    else:
+        baseline_once = None
     before = prefill_counters(args.url)  # kvferry's own counters; other servers have none
-    _alternate_with_floor(args, "serve", lambda: asyncio.run(replay(args.url, model_name, requests)), hf_model,
-                          requests, report)
+    _alternate_with_floor(args, "serve", lambda rnd: asyncio.run(replay(
+        args.url, model_name, workload.for_round(requests, rnd, vocab_size))), hf_model, requests, report,
+        baseline_once)
     report["prefill_all_runs"] = counters_delta(before, prefill_counters(args.url, (before or {}).get(
         "prompts_prefilled", 0) + args.repeat * len(requests)))
     # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
@@ -190,6 +203,12 @@ def cmd_bench_serve(args) -> int:
             f = report["floor"]
             print(f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "
                   f"{k['fraction_of_floor']:.0%} of it")
+        if "baseline" in report:
+            b = report["baseline"]
+            extra = f", {b['fraction_of_floor']:.0%} of the floor" if "fraction_of_floor" in b else ""
+            print(f"baseline {args.baseline_url}: {b['output_tok_per_s']} tok/s (runs {b['runs_s']} s; TTFT p50/p99 "
+                  f"{b['ttft_p50_s']}/{b['ttft_p99_s']} s, TPOT p50/p99 {b['tpot_p50_ms']}/{b['tpot_p99_ms']} ms{extra}); "
+                  f"the stack is {k['speedup_vs_baseline']}x")
         pr = report["probe_512"]
         print(f"512-token prompt: {pr['ttft_s']} s to its first token, KV transfer {pr['kv_transfer_ms']} ms "
               f"(+{pr['transfer_share']:.1%} on its way to decode)")
@@ -234,15 +253,21 @@ def _sweep(args, model_name: str, vocab_size: int) -> int:
     return 0
 
 
-def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[dict], report: dict) -> None:
-    """Run the workload and measure the floor in alternation, keeping the best of each: on a shared machine
-    a slow spell then hits both sides rather than one."""
+def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[dict], report: dict,
+                          baseline_once=None) -> None:
+    """Run the workload (and baseline_once, another server, when given) and measure the floor in alternation,
+    keeping the best of each: on a shared machine a slow spell then hits every side rather than one.
+    run_once(round) replays workload.for_round's requests: a later round must not find the earlier rounds'
+    prompts in the prefix cache."""
     from kvferry.services.bench.floor import measure_floor
 
-    runs, floors = [], []
+    runs, floors, baselines = [], [], []
     for i in range(args.repeat):
-        runs.append(run_once())
+        runs.append(run_once(i))
         _say(args, f"{label} run {i + 1}", runs[-1])
+        if baseline_once is not None:
+            baselines.append(baseline_once(i))
+            _say(args, f"baseline run {i + 1}", baselines[-1])
         if not args.no_floor:
             floors.append(measure_floor(hf_model, requests))
             _say(args, f"floor run {i + 1}", floors[-1])
@@ -250,6 +275,12 @@ def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[d
     if floors:
         report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
         report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+    if baselines:
+        best = report["baseline"] = dict(min(baselines, key=lambda r: r["elapsed_s"]),
+                                         runs_s=[r["elapsed_s"] for r in baselines])
+        report["kvferry"]["speedup_vs_baseline"] = round(best["elapsed_s"] / report["kvferry"]["elapsed_s"], 3)
+        if floors:
+            best["fraction_of_floor"] = round(report["floor"]["floor_s"] / best["elapsed_s"], 3)
 
 
 def _hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
@@ -260,6 +291,11 @@ def _hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
     if "floor" in report:
         hf["fraction_of_floor"] = round(report["floor"]["floor_s"] / hf["elapsed_s"], 3)
     _say(args, "transformers continuous batching", hf)
+
+
+def _warmup_prompt(vocab_size: int) -> list[int]:
+    """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
+    return workload.generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
 
 
 def _load_hf_model_dir(model_dir):

@@ -80,7 +80,7 @@ def cmd_bench_quantization(args) -> int:
 
     from kvferry.common.engine import LLMEngine
     from kvferry.services.bench import workload
-    from kvferry.services.bench.cli import _load_hf_model, _say
+    from kvferry.services.bench.cli import _load_hf_model, _say, _warmup_prompt
     from kvferry.services.bench.floor import measure_floor
     from kvferry.services.bench.offline import run_engine
 
@@ -97,10 +97,10 @@ def cmd_bench_quantization(args) -> int:
         floors = []
         hf_model = None if args.no_floor else _load_hf_model(engines["int8"])
         for engine in engines.values():
-            engine.generate([requests[0]["prompt_token_ids"]], None)  # warm-up
+            engine.generate([_warmup_prompt(engine.vocab_size)], None)  # warm-up
         for i in range(args.repeat):
             for name, engine in engines.items():
-                runs[name].append(run_engine(engine, requests))
+                runs[name].append(run_engine(engine, workload.for_round(requests, i, engine.vocab_size)))
                 _say(args, f"{name} run {i + 1}", runs[name][-1])
             if hf_model is not None:
                 floors.append(measure_floor(hf_model, requests))

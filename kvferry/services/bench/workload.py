@@ -43,6 +43,20 @@ def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, s
     return requests
 
 
+def for_round(requests: list[dict], round_index: int, vocab_size: int) -> list[dict]:
+    """The workload for repeat round_index of a run that replays it several times on one server: every prompt's
+    first token moved by the round, so that no round finds an earlier round's prompts in a prefix cache (every
+    block hash chains from the first block). Lengths, and prefixes shared within the workload, stay as they are."""
+    if round_index == 0:
+        return requests
+    span = vocab_size - 512  # ids clear of the specials at both ends, as generated
+
+    def moved(token: int) -> int:
+        return 256 + (token - 256 + round_index * 7919) % span
+
+    return [dict(r, prompt_token_ids=[moved(r["prompt_token_ids"][0]), *r["prompt_token_ids"][1:]]) for r in requests]
+
+
 def _tokens(rng: random.Random, vocab_size: int, n: int) -> list[int]:
     return [rng.randrange(256, vocab_size - 256) for _ in range(n)]
 
