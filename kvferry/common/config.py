@@ -80,8 +80,9 @@ class EngineConfig:
                             "budget goes to the prompts behind it (0: no cap)")
 
         g.add_argument("--quantization", default=env("KVFERRY_QUANTIZATION", "none"), choices=["none", "int8"],
-                       help="int8: int8 weights with one scale per output channel, a quarter of fp32's bytes "
-                            "(slightly less accurate; `kvferry bench quantization` measures both)")
+                       help="int8: every linear layer's weights in int8 with one scale per output channel (a tied "
+                            "lm_head gets its own int8 copy; the embedding stays in float); slightly less accurate: "
+                            "`kvferry bench quantization` measures it")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

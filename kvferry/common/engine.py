@@ -15,6 +15,7 @@ from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.model.loader import load_model, resolve_model
+from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
@@ -88,12 +89,11 @@ class LLMEngine:
                                    keep_finished_blocks=keep_finished_blocks,
                                    enable_chunked_prefill=config.enable_chunked_prefill,
                                    long_prefill_threshold=config.long_prefill_threshold)
+        if config.quantization == "int8":  # before the cache: its errors are not the cache's
+            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.hf_config.vocab_size))
         try:
-            calibration_ids = (calibration_token_ids(self.tokenizer, self.hf_config.vocab_size)
-                               if config.quantization else None)
             self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed,
-                                      eos_token_ids=self.scheduler.eos_token_ids, quantization=config.quantization,
-                                      calibration_ids=calibration_ids)
+                                      eos_token_ids=self.scheduler.eos_token_ids)
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if "memory" not in str(exc).lower():
                 raise

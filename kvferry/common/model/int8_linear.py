@@ -72,6 +72,19 @@ class Int8Linear(nn.Module):
         return y.to(x.dtype).reshape(*lead, self.out_features)
 
 
+def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list[int] | None) -> int:
+    """--quantization int8: on the CPU, calibrate the float outlier channels on calibration_ids first. Returns
+    how many linear layers were quantized."""
+    from kvferry.common.model.quant_calibration import outlier_channels
+
+    outliers = None
+    if device.type == "cpu":
+        if not calibration_ids:
+            raise ValueError("int8 on the CPU calibrates its outlier channels on a text: calibration_ids is empty")
+        outliers = outlier_channels(model, calibration_ids, NUM_OUTLIER_CHANNELS)
+    return quantize_linears(model, outliers)
+
+
 def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:
     """Swap every nn.Linear in model for an Int8Linear; outliers: by the linear's module name, its float channels.
     A tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup.

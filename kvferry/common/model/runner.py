@@ -10,11 +10,9 @@ import torch
 from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import keep_freed_memory
-from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, quantize_linears
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
-from kvferry.common.model.quant_calibration import outlier_channels
 from kvferry.common.model.sampler import sample, token_logprobs
 from kvferry.common.scheduler import StepPlan
 from kvferry.common.sequence import Sequence
@@ -43,10 +41,7 @@ def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLa
 
 class ModelRunner:
     def __init__(self, model, layout: KVCacheLayout, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 seed: int | None = None, eos_token_ids: tuple[int, ...] = (), quantization: str | None = None,
-                 calibration_ids: list[int] | None = None):
-        """quantization: None or "int8"; calibration_ids: token ids whose forward finds int8's outlier channels
-        (CPU only: see int8_linear)."""
+                 seed: int | None = None, eos_token_ids: tuple[int, ...] = ()):
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.layout = layout
@@ -54,14 +49,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if device.type == "cpu":
             keep_freed_memory()
-        if quantization == "int8":
-            outliers = None
-            if device.type == "cpu":
-                assert calibration_ids, "int8 on the CPU calibrates on a text"
-                outliers = outlier_channels(model, calibration_ids, NUM_OUTLIER_CHANNELS)
-            quantize_linears(model, outliers)
-        elif can_pack(device, dtype):
-            pack_linears(model)
+        if can_pack(device, dtype):
+            pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
         shape = (layout.num_layers, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, kvh, d]
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)

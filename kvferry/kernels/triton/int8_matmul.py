@@ -14,8 +14,9 @@ def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
                         stride_xm, stride_wn, stride_ym, HAS_BIAS: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64: row * stride overflows int32 once a weight or an activation passes 2^31 elements.
+    rows = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -24,7 +25,7 @@ def _int8_matmul_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K,
                     mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)                 # [BM, BK]
         w = tl.load(w_ptr + cols[None, :] * stride_wn + ks[:, None],
                     mask=(cols[None, :] < N) & (ks[:, None] < K), other=0)                   # [BK, BN] int8
-        acc += tl.dot(x, w.to(x.dtype))
+        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # ieee: fp32 must not silently drop to tf32
     acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
