@@ -34,6 +34,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True  # split long prompts into chunks, interleaved with other prompts
     long_prefill_threshold: int = 512   # chunked: a prompt's most tokens in one step (0: max_num_batched_tokens)
     quantization: str | None = None     # None: weights in dtype; "int8": int8 weights (see model/int8_linear.py)
+    enforce_eager: bool = False         # on CUDA: no decode graphs (see model/decode_graphs.py)
 
     def __post_init__(self):
         from kvferry.common.errors import ConfigError
@@ -83,6 +84,11 @@ class EngineConfig:
                        help="int8: every linear layer's weights in int8 with one scale per output channel (a tied "
                             "lm_head gets its own int8 copy; the embedding stays in float); slightly less accurate: "
                             "`kvferry bench quantization` measures it")
+
+        g.add_argument("--enforce-eager", action="store_true",
+                       default=env("KVFERRY_ENFORCE_EAGER", "").lower() in ("1", "true", "yes"),
+                       help="on CUDA, run every decode step eagerly instead of replaying captured CUDA graphs "
+                            "(saves their capture time and memory; the CPU never uses them)")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

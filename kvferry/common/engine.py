@@ -6,6 +6,7 @@ gives the same tokens through both.
 import itertools
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,11 @@ class LLMEngine:
                 raise
             raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
                               f"lower it") from None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            started = time.perf_counter()
+            self.runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
+            log.info("decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
+                     self.runner.decode_graphs.sizes, time.perf_counter() - started)
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}

@@ -12,8 +12,12 @@ import torch.nn.functional as F
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V into its slot (block_id * block_size + offset)."""
+    """Write each new token's K/V into its slot (block_id * block_size + offset); a negative slot marks a
+    padding row (a decode graph's batch), which stores nothing."""
     num_kv_heads, head_dim = k_cache.shape[2:]
+    if slot_mapping.numel() and slot_mapping.min() < 0:
+        keep = slot_mapping >= 0
+        key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)  # [num_slots, kvh, d]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 

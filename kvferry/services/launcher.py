@@ -1,6 +1,7 @@
 """`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -63,10 +64,25 @@ def _interrupt(*_):
     raise KeyboardInterrupt
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now and not handed out before by this process, drawn below Linux's ephemeral range
+    (32768 and up): a port the kernel hands out for bind(0) goes back into the pool that outgoing
+    connections draw from, and one of those could take it before our process binds it."""
+    for _ in range(200):
+        port = random.randrange(20000, 32768)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise OSError("no free port found in 20000-32767")
 
 
 def start_services(host: str, port: int, control_port: int, prefill_threads: int, decode_threads: int,

@@ -3,7 +3,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -11,11 +10,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvferry.services.launcher import free_port
 
 
 class Stack:

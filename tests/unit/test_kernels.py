@@ -62,6 +62,20 @@ def test_store_kv_matches_reference(block_size, shape):
     assert torch.equal(flat[slots], key)
 
 
+def test_store_kv_skips_padding_rows_with_a_negative_slot():
+    """A decode graph's padding rows carry slot -1: both implementations store the real rows and nothing else."""
+    g = torch.Generator().manual_seed(3)
+    slots = torch.tensor([5, -1, 17, -1, -1])
+    key, value = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    for store in (reference.store_kv, triton_store_kv):
+        k_cache, v_cache = torch.zeros(3, 8, 2, 16), torch.zeros(3, 8, 2, 16)
+        store(key, value, k_cache, v_cache, slots)
+        flat_k, flat_v = k_cache.view(-1, 2, 16), v_cache.view(-1, 2, 16)
+        assert torch.equal(flat_k[[5, 17]], key[[0, 2]]) and torch.equal(flat_v[[5, 17]], value[[0, 2]])
+        written = (flat_k != 0).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert written == [5, 17]
+
+
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("ragged", [True, False])

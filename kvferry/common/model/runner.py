@@ -10,6 +10,7 @@ import torch
 from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import keep_freed_memory
+from kvferry.common.model.decode_graphs import DecodeGraphs
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
@@ -72,6 +73,13 @@ class ModelRunner:
         self.last_logprobs: list = []  # per chunk of the latest step: TokenLogprobs where asked for, else None
         # Per request asking for them: entry p is prompt token p's logprobs given the tokens before it.
         self.prompt_logprobs: dict[str, list] = {}
+        self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+
+    def use_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
+        """Run decode steps through DecodeGraphs: captured as CUDA graphs, or (capture=False) only through the
+        same static buffers and padding, which is how the CPU tests exercise them."""
+        self.decode_graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq,
+                                          self.device, capture)
 
     def release(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
@@ -141,16 +149,20 @@ class ModelRunner:
     def execute(self, plan: StepPlan) -> list[int | None]:
         """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it)."""
         input_ids, positions, batch = self.prepare(plan)
-        hidden = self.model(input_ids, positions, batch)                  # [T, hidden]
-        if plan.is_prefill:
-            self._record_prompt_logprobs(plan, hidden, batch.cu_seqlens_q.tolist())
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         self.last_logprobs = [None] * len(plan.chunks)
-        if not sampling:
-            return [None] * len(plan.chunks)
-        # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
-        last = batch.cu_seqlens_q[1:][sampling] - 1
-        logits = self.model.compute_logits(hidden[last])                  # [num_sampling, vocab]
+        graphs = self.decode_graphs
+        if not plan.is_prefill and graphs is not None and graphs.fits(batch):
+            logits = graphs.run(input_ids, positions, batch)              # every decode row samples
+        else:
+            hidden = self.model(input_ids, positions, batch)              # [T, hidden]
+            if plan.is_prefill:
+                self._record_prompt_logprobs(plan, hidden, batch.cu_seqlens_q.tolist())
+            if not sampling:
+                return [None] * len(plan.chunks)
+            # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
+            last = batch.cu_seqlens_q[1:][sampling] - 1
+            logits = self.model.compute_logits(hidden[last])              # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
         self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}

@@ -1,0 +1,99 @@
+"""CUDA graphs for the decode step.
+
+A decode step at small batch launches a few hundred short kernels; on a GPU their launch cost
+rivals the compute. A CUDA graph replays the whole forward (and the vocabulary projection) as
+one launch. A graph is frozen to its tensors' addresses and shapes, so the step's inputs live in
+static buffers sized for the largest batch, and one graph is captured per batch size in
+`capture_sizes`. A batch runs in the smallest captured size that holds it; the rows past it are
+padding: token 0 at position 0, slot -1 (store_kv writes nothing for it) and a context of one
+token in block 0 (read, never written).
+
+Without capture (capture=False) the same static buffers and padding run eagerly. That is how the
+CPU tests exercise everything here except the capture itself.
+"""
+import torch
+
+from kvferry.common.model.attention import PagedBatch
+
+LARGEST_CAPTURED_BATCH = 256
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16, up to max_num_seqs (capped): padding wastes at most 15 rows."""
+    top = min(max_num_seqs, LARGEST_CAPTURED_BATCH)
+    sizes = [s for s in (1, 2, 4, 8) if s < top] + list(range(16, top, 16))
+    return sizes + [top]
+
+
+class DecodeGraphs:
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], max_num_seqs: int,
+                 max_blocks_per_seq: int, device: torch.device, capture: bool):
+        self.model = model
+        self.k_caches, self.v_caches = k_caches, v_caches
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.capture = capture
+        top = self.sizes[-1]
+        to = dict(device=device)
+        self.input_ids = torch.zeros(top, dtype=torch.long, **to)
+        self.positions = torch.zeros(top, dtype=torch.long, **to)
+        self.slot_mapping = torch.full((top,), -1, dtype=torch.long, **to)
+        self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, **to)
+        self.context_lens = torch.ones(top, dtype=torch.int32, **to)
+        self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, **to)
+        self._replays: dict[int, tuple] = {}  # size -> (replay, logits [size, vocab]) once captured
+        if capture:
+            self._capture_all()
+
+    def fits(self, batch: PagedBatch) -> bool:
+        return batch.context_lens.shape[0] <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks_per_seq
+
+    def _batch(self, size: int) -> PagedBatch:
+        return PagedBatch(self.k_caches, self.v_caches, is_prefill=False, slot_mapping=self.slot_mapping[:size],
+                          block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
+                          cu_seqlens_q=self.cu_seqlens_q[:size + 1])
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self.positions[:size], self._batch(size))
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory from the pool
+            # Warm up on a side stream first: Triton compiles each kernel's specialisation on its first launch,
+            # and nothing may compile or allocate from the default allocator during capture.
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self._forward(size)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            self._replays[size] = (graph.replay, logits)
+        torch.cuda.synchronize()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+        """The logits [n, vocab] of a decode batch of n sequences (one new token each), through the smallest
+        captured size that holds it."""
+        n, width = input_ids.shape[0], batch.block_tables.shape[1]
+        size = next(s for s in self.sizes if s >= n)
+        self.input_ids[:n] = input_ids
+        self.positions[:n] = positions
+        self.slot_mapping[:n] = batch.slot_mapping
+        self.block_tables[:n, :width] = batch.block_tables  # entries past a row's context are never read
+        self.context_lens[:n] = batch.context_lens
+        # Rows past n keep the padding they were made with or are reset to it here: a row that held a real
+        # sequence last step must not store into that sequence's slot again.
+        self.input_ids[n:size] = 0
+        self.positions[n:size] = 0
+        self.slot_mapping[n:size] = -1
+        self.block_tables[n:size] = 0
+        self.context_lens[n:size] = 1
+        if self.capture:
+            replay, logits = self._replays[size]
+            replay()
+        else:
+            logits = self._forward(size)
+        return logits[:n]
