@@ -166,8 +166,7 @@ class LLMEngine:
                       held_blocks: list[int] = ()) -> bool:
         """A whole transfer in one go (begin_prefilled, write_prefilled, finish_prefilled): keys and values hold
         every layer of the prompt's blocks after the held ones. False when there is no room now."""
-        blocks = self.begin_prefilled(request_ids, prompt_token_ids, first_token_ids, params, resume_token_ids,
-                                      held_blocks)
+        blocks = self.begin_prefilled(request_ids, prompt_token_ids, params, resume_token_ids, held_blocks)
         if blocks is None:
             return False
         placed = False
@@ -182,26 +181,24 @@ class LLMEngine:
             if not placed:
                 self.block_manager.free(blocks)
 
-    def begin_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                        params: list[SamplingParams], resume_token_ids: list[int] = (),
-                        held_blocks: list[int] = ()) -> list[int] | None:
+    def begin_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams],
+                        resume_token_ids: list[int] = (), held_blocks: list[int] = ()) -> list[int] | None:
         """Check a transfer of sequences (one per choice) whose prompt KV was computed elsewhere, and allocate
         the blocks its KV fills: the prompt's blocks after held_blocks (cached blocks holding the first full
         blocks' KV, referenced by the caller for this transfer). None when there is no room now. The caller owns
         the blocks until finish_prefilled admits the sequences. resume_token_ids: outputs from before a move,
-        whose KV comes with the prompt's (one choice only)."""
+        whose KV comes with the prompt's (one choice only). The first tokens are not needed yet: the sender may
+        still be computing them."""
         if resume_token_ids and len(request_ids) != 1:
             raise InvalidRequest("a resumed request continues exactly one choice")
-        if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
-            raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
+        if not request_ids or len(request_ids) != len(params):
+            raise InvalidRequest("a KV transfer needs one set of parameters per choice")
         tokens = list(prompt_token_ids) + list(resume_token_ids)  # those whose KV comes
         self.validate_prompt(tokens)
-        for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
+        for request_id, choice_params in zip(request_ids, params):
             self.validate_params(choice_params)
             if request_id in self._live:
                 raise InvalidRequest(f"request id {request_id!r} is already in use")
-            if not 0 <= first_token_id < self.vocab_size:
-                raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
         num_prompt, bm = len(tokens), self.block_manager
         num_held = len(held_blocks)
         if num_held > bm.num_cacheable_blocks(num_prompt):
@@ -234,7 +231,13 @@ class LLMEngine:
         """Admit a transfer's sequences once every layer of its blocks is written. The first choice takes over the
         references to held_blocks and blocks; the choices share the prompt's full blocks (ref counts), and each
         gets its own copy of a partly filled last block, since each appends its own tokens there. False when
-        there is no room now (the caller still owns the blocks)."""
+        there is no room now (the caller still owns the blocks). request_ids may be fewer than begin_prefilled's:
+        the choices that ended at their first token are left out."""
+        if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
+            raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
+        for first_token_id in first_token_ids:
+            if not 0 <= first_token_id < self.vocab_size:
+                raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
         num_prompt = len(prompt_token_ids) + len(resume_token_ids)
         size = self.block_manager.block_size
         if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), len(held_blocks) + len(blocks)):

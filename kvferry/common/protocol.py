@@ -15,10 +15,11 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 7  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
+PROTOCOL_VERSION = 8  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
 #                        5: prefix caching (CacheUpdate, cache figures in WorkerStats);
 #                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld);
-#                        7: Register.quantization
+#                        7: Register.quantization;
+#                        8: a transfer's groups before the last may go out during the compute, without first tokens
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -102,6 +103,7 @@ class WorkerStats:
     num_cached_blocks: int = 0           # blocks in the prefix cache, in use or free
     num_kv_bytes_sent: int = 0           # prefill workers: KV bytes shipped to decode workers
     num_kv_bytes_skipped: int = 0        # and the bytes left out because the decode worker held those blocks
+    num_kv_bytes_sent_early: int = 0     # of the bytes shipped, those sent while the prompt was still computing
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -190,7 +192,10 @@ class FirstToken:
 @dataclass
 class KVTransfer:
     """Frames: [keys, values], each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] of one group of
-    layers. A transfer is one message per group, in layer order, all with the same fields but the layers."""
+    layers. A transfer is one message per group, in layer order, all with the same fields but the layers and the
+    first tokens: groups sent while the prompt still computes carry no output_token_ids. The last group always
+    carries them, and its choices are those that go on decoding (a subset of the first group's; none left: the
+    sender aborts instead)."""
     KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
     prompt_token_ids: list[int]
@@ -201,7 +206,7 @@ class KVTransfer:
     dtype: str
     shape: list[int]
     deadline_s: float
-    gather_s: float = 0.0   # time the prefill worker spent copying the blocks out
+    gather_s: float = 0.0   # time the prefill worker spent copying the blocks out after the prompt's compute
     sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
     attempt: int = 0
     resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV

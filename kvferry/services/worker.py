@@ -77,7 +77,8 @@ def advertised_host() -> str:
 class Worker:
     role: p.Role
     num_prompts_prefilled = 0
-    num_kv_bytes_sent = num_kv_bytes_skipped = 0  # prefill workers: KV shipped, and left out as held by decode
+    # Prefill workers: KV shipped, left out as held by decode, and shipped while the prompt was still computing.
+    num_kv_bytes_sent = num_kv_bytes_skipped = num_kv_bytes_sent_early = 0
 
     def __init__(self, config: EngineConfig, gateway: str | list[str], worker_id: str | None = None,
                  keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0,
@@ -141,7 +142,7 @@ class Worker:
             num_prompts_prefilled=self.num_prompts_prefilled, num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
             num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
             num_cached_blocks=self.engine.block_manager.num_cached_blocks, num_kv_bytes_sent=self.num_kv_bytes_sent,
-            num_kv_bytes_skipped=self.num_kv_bytes_skipped)
+            num_kv_bytes_skipped=self.num_kv_bytes_skipped, num_kv_bytes_sent_early=self.num_kv_bytes_sent_early)
 
     def send_cache_updates(self) -> None:
         """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached

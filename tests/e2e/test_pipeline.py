@@ -76,6 +76,11 @@ def test_concurrent_requests_match_the_in_process_engine(stack, reference):
     for worker in workers.values():
         assert worker["requests_served"] >= 1, worker
         assert worker["free_blocks"] == worker["num_blocks"], worker  # every block came back
+    # The short completion prompts fill no block, so nothing is asked of the decode worker first: their first five
+    # layer groups of six go out while the prompt's later layers still compute.
+    prefill = [w for w in workers.values() if w["role"] == "prefill"]
+    assert sum(w["kv_bytes_sent_early"] for w in prefill) > 0, prefill
+    assert all(w["kv_bytes_sent_early"] < w["kv_bytes_sent"] for w in prefill), prefill  # the last group never is
 
 
 def test_openai_client(stack):

@@ -142,11 +142,12 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes), 10,
                    "the held blocks in the heartbeats")
 
-    def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40):
+    def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,)):
         sampling = p.Sampling(max_tokens=4, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
                               stop_token_ids=[])
         shape = [layers[1] - layers[0], num_blocks, 16, 3, 64]
-        message = p.KVTransfer("test", tokens, [9], [0], sampling, len(tokens), "float32", shape, deadline_s=1e12,
+        message = p.KVTransfer("test", tokens, list(first_tokens), [0], sampling, len(tokens), "float32", shape,
+                               deadline_s=1e12,
                                num_skipped_blocks=skipped, gateway_id="any", layer_start=layers[0])
         return message, [bytes(p.kv_frame_bytes(message))] * 2
 
@@ -161,20 +162,35 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     # A transfer comes in layer groups: the first allocates its blocks, a gap drops them again ...
     tokens = list(range(1000, 1070))  # 5 blocks
 
-    def send(rid, layers):
-        sock.send_multipart(p.encode(*transfer(5, 0, layers, tokens)[:1], rid,
-                                     frames=transfer(5, 0, layers, tokens)[1]))
+    def send(rid, layers, first_tokens=(9,)):
+        message, frames = transfer(5, 0, layers, tokens, first_tokens)
+        sock.send_multipart(p.encode(message, rid, frames=frames))
 
     def free_blocks():
         return stack.workers()["decode-a"]["free_blocks"]
 
     send("gap", (0, 10))
     stack.wait_for(lambda: free_blocks() == decode["num_blocks"] - 5, 10, "blocks for the first group")
-    send("gap", (20, 30))  # layers 10 to 20 never came
+    ack = ask("gap", *transfer(5, 0, (20, 30), tokens))  # layers 10 to 20 never came: asked to send again
+    assert not ack.accepted and ack.retry
     stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 10, "blocks freed at the gap")
     # ... and every group in order is placed, acknowledged, decoded and freed.
     for layers in ((0, 10), (10, 20)):
         send("whole", layers)
     assert ask("whole", *transfer(5, 0, (20, 30), tokens)) == p.KVAck(True)
     stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 30, "the transferred sequence to finish")
+    # Groups sent while the prompt still computes carry no first token; the last brings it.
+    for layers in ((0, 10), (10, 20)):
+        send("early", layers, first_tokens=())
+    assert ask("early", *transfer(5, 0, (20, 30), tokens)) == p.KVAck(True)
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 30, "the early-sent sequence to finish")
+    # A last group without its first token is refused; so is one naming a choice the first group did not.
+    send("tokenless", (0, 10), first_tokens=())
+    ack = ask("tokenless", *transfer(5, 0, (10, 30), tokens, first_tokens=()))
+    assert not ack.accepted and not ack.retry and "first token" in ack.reason
+    # Early groups of a prompt whose first token ended it: the sender's Abort frees their blocks.
+    send("ended", (0, 10), first_tokens=())
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"] - 5, 10, "blocks for the early group")
+    sock.send_multipart(p.encode(p.Abort(), "ended"))
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 10, "blocks freed on the Abort")
     sock.close()

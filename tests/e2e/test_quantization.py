@@ -12,8 +12,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "def fibon
 
 def test_int8_stack_matches_the_in_process_int8_engine_and_refuses_an_unquantized_worker(make_stack):
     s = make_stack(extra_env={"KVFERRY_QUANTIZATION": "int8"})
-    s.start_gateway()
-    s.start_pair()
+    s.start_pair()  # the gateway too
     s.wait_workers({"prefill-a", "decode-a"})
     odd = s.start_worker("odd", "decode", "--quantization", "none")
     assert odd.wait(timeout=180) != 0

@@ -63,7 +63,10 @@ def test_trace_show_lists_every_hop_in_causal_order(traced):
                  first("send FirstToken"), first("recv FirstToken")]
         assert order == sorted(order), shown.stdout
         kv = [first("send KVTransfer"), first("recv KVTransfer"), first("kv.transfer_in"), first("decode.step")]
-        assert kv == sorted(kv) and first("send FirstToken") < kv[0], shown.stdout
+        assert kv == sorted(kv), shown.stdout
+        # Layer groups may go out while the prompt computes; the last one always follows the first token.
+        kv_sends = [i for i, e in enumerate(events) if e == "send KVTransfer"]
+        assert first("prefill") < kv_sends[0] and first("send FirstToken") < kv_sends[-1], shown.stdout
         first("kv.transfer_out")
         last_tokens = max(i for i, e in enumerate(events) if e == "recv Tokens")
         assert first("finish") > last_tokens

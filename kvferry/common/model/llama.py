@@ -143,12 +143,15 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [max_positions, head_dim]
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch) -> torch.Tensor:
-        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, after_layer=None) -> torch.Tensor:
+        """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]. after_layer(i), when
+        given, runs once layer i has stored its K/V: a prefill worker ships finished layers while the rest compute."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, batch)
+            if after_layer is not None:
+                after_layer(i)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -146,8 +146,9 @@ class ModelRunner:
         return torch.tensor(input_ids, **to), torch.tensor(positions, **to), batch
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[int | None]:
-        """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it)."""
+    def execute(self, plan: StepPlan, after_layer=None) -> list[int | None]:
+        """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it).
+        after_layer(i): called as each layer's K/V lands in the cache (eager steps only)."""
         input_ids, positions, batch = self.prepare(plan)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         self.last_logprobs = [None] * len(plan.chunks)
@@ -155,7 +156,7 @@ class ModelRunner:
         if not plan.is_prefill and graphs is not None and graphs.fits(batch):
             logits = graphs.run(input_ids, positions, batch)              # every decode row samples
         else:
-            hidden = self.model(input_ids, positions, batch)              # [T, hidden]
+            hidden = self.model(input_ids, positions, batch, after_layer)  # [T, hidden]
             if plan.is_prefill:
                 self._record_prompt_logprobs(plan, hidden, batch.cu_seqlens_q.tolist())
             if not sampling:

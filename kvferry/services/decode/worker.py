@@ -22,7 +22,19 @@ MAX_CHOICES = 128
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 HOLD_S = 20.0  # how long cached blocks stay held for a transfer announced by a KVQuery (a lost Abort
 #                must not pin them for long; a later transfer is asked for every block)
-INCOMING_S = 10.0  # a transfer whose remaining layer groups (sent back to back) have not come by then is dropped
+INCOMING_S = 10.0  # a transfer whose next layer group has not come this long after the one before is dropped
+
+
+def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None:
+    """Distinct choice numbers in range, each with a first token where the group carries them (the last group
+    must); the last group's choices must be among those its first group announced."""
+    choices, tokens = msg.choices, msg.output_token_ids
+    if (not choices or len(set(choices)) != len(choices) or not all(0 <= c < MAX_CHOICES for c in choices)
+            or (tokens or announced is not None) and len(tokens) != len(choices)):
+        raise InvalidRequest("a KV transfer needs distinct choice numbers, and its last layer group one first token "
+                             "per choice")
+    if announced is not None and not set(choices) <= set(announced):
+        raise InvalidRequest(f"the last layer group names choices {choices}, the first announced {announced}")
 
 
 @dataclass
@@ -30,9 +42,8 @@ class Incoming:
     """A transfer whose layer groups are arriving: its blocks are allocated and filled group by group."""
     first: p.KVTransfer  # the first group's message: the request's fields
     link: GatewayLink
-    engine_ids: list[str]
+    engine_ids: list[str]  # one per choice the first group announced (cancelled ones left out)
     choices: list[int]
-    first_token_ids: list[int]
     params: list
     held: list[int]      # cached blocks it leaves out, referenced for it
     blocks: list[int]    # allocated for the rest, referenced for it
@@ -197,22 +208,19 @@ class DecodeWorker(Worker):
             ack(False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", retry=False)
             return
         try:
-            if not msg.output_token_ids or len(msg.choices) != len(msg.output_token_ids) or len(set(msg.choices)) != len(
-                    msg.choices) or not all(0 <= c < MAX_CHOICES for c in msg.choices):
-                raise InvalidRequest("a KV transfer needs one first token per choice, with distinct choice numbers")
+            check_choices(msg)
             params = sampling_from_wire(msg.sampling)
             cancelled = self.cancelled_choices.get(rid, set())
-            wanted = [(c, t) for c, t in zip(msg.choices, msg.output_token_ids) if c not in cancelled]
-            if not wanted:  # every choice ended before its KV came
+            choices = [c for c in msg.choices if c not in cancelled]
+            if not choices:  # every choice ended before its KV came
                 self.engine.block_manager.free(held)
                 self.bury(rid)
                 ack(True)
                 return
-            choices, first_token_ids = [c for c, _ in wanted], [t for _, t in wanted]
             engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
             choice_params = [for_choice(params, c) for c in choices]
-            blocks = self.engine.begin_prefilled(engine_ids, msg.prompt_token_ids, first_token_ids, choice_params,
-                                                 msg.resume_token_ids, held)
+            blocks = self.engine.begin_prefilled(engine_ids, msg.prompt_token_ids, choice_params, msg.resume_token_ids,
+                                                 held)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.engine.block_manager.free(held)
             self.refuse(rid, msg, env, link, exc, ack)
@@ -221,21 +229,30 @@ class DecodeWorker(Worker):
             self.hold_again(rid, held)
             ack(False, "no free blocks")
             return
-        self.incoming[rid] = Incoming(msg, link, engine_ids, choices, first_token_ids, choice_params, held, blocks,
-                                      received_at=time.time(), expires_at=time.monotonic() + INCOMING_S)
+        self.incoming[rid] = Incoming(msg, link, engine_ids, choices, choice_params, held, blocks,
+                                      received_at=time.time(), expires_at=0.0)
         self.receive_layers(rid, env, ack)
 
     def receive_layers(self, rid: str, env: p.Envelope, ack) -> None:
         msg = env.message
         incoming = self.incoming.get(rid)
+        last = msg.layer_start + (msg.shape[0] if msg.shape else 0) >= self.engine.runner.layout.num_layers
         if incoming is None or msg.layer_start != incoming.next_layer:
-            # After a refused first group, or a group lost on the way: the sender's resend starts over.
+            # After a refused first group, or a group lost on the way: the sender's resend starts over. Its last
+            # group is answered, so that the sender need not wait for its ack timeout: done if the request ended
+            # here meanwhile, else send again.
             self.drop_incoming(rid)
+            if last and (rid in self.tombstones or rid in self.traces):
+                ack(True)
+            elif last:
+                ack(False, "the transfer's first layer groups were not placed here")
             return
         try:
             keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
             values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
             self.engine.write_prefilled(incoming.blocks, keys, values, msg.layer_start)
+            if last:
+                check_choices(msg, announced=incoming.first.choices)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             del self.incoming[rid]
             self.engine.block_manager.free(incoming.blocks + incoming.held)
@@ -243,12 +260,30 @@ class DecodeWorker(Worker):
             return
         incoming.next_layer += msg.shape[0]
         incoming.num_bytes += keys.nbytes + values.nbytes
-        if incoming.next_layer < self.engine.runner.layout.num_layers:
+        incoming.expires_at = time.monotonic() + INCOMING_S
+        if not last:
             return
         del self.incoming[rid]
+        # The last group names the choices that go on (those whose first token did not end them) and their tokens.
+        first_token = dict(zip(msg.choices, msg.output_token_ids))
+        going_on = [i for i, c in enumerate(incoming.choices) if c in first_token]
+        if not going_on:
+            self.engine.block_manager.free(incoming.blocks + incoming.held)
+            self.bury(rid)
+            ack(True)
+            return
+        engine_ids = [incoming.engine_ids[i] for i in going_on]
+        choices = [incoming.choices[i] for i in going_on]
         first = incoming.first
-        if not self.engine.finish_prefilled(incoming.engine_ids, first.prompt_token_ids, incoming.first_token_ids,
-                                            incoming.params, incoming.blocks, first.resume_token_ids, incoming.held):
+        try:
+            placed = self.engine.finish_prefilled(engine_ids, first.prompt_token_ids, [first_token[c] for c in choices],
+                                                  [incoming.params[i] for i in going_on], incoming.blocks,
+                                                  first.resume_token_ids, incoming.held)
+        except InvalidRequest as exc:
+            self.engine.block_manager.free(incoming.blocks + incoming.held)
+            self.refuse(rid, msg, env, incoming.link, exc, ack)
+            return
+        if not placed:
             self.engine.block_manager.free(incoming.blocks)
             self.hold_again(rid, incoming.held)
             ack(False, "no free blocks")
@@ -256,12 +291,14 @@ class DecodeWorker(Worker):
         self.traces[rid] = env.trace
         self.origin[rid] = (env.request_id, msg.attempt)
         self.link_for[rid] = incoming.link
-        self.engine_ids[rid] = incoming.engine_ids
-        self.choice_of.update({e: (rid, c) for e, c in zip(incoming.engine_ids, incoming.choices)})
+        self.engine_ids[rid] = engine_ids
+        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
         self.cancelled_choices.pop(rid, None)
         placed_at = time.time()
-        # The whole hop: copy-out on the prefill worker, then the wire and placing the blocks here.
-        hop_s = max(0.0, placed_at - first.sent_at) if first.sent_at else placed_at - incoming.received_at
+        # What the transfer adds after the prompt's compute: copy-out on the prefill worker, then the wire and placing
+        # the blocks here, from the first group, or from the last one when the others came during the compute.
+        since = first.sent_at if first.output_token_ids else msg.sent_at
+        hop_s = max(0.0, placed_at - since) if since else placed_at - incoming.received_at
         self.transfer_s[rid] = (msg.gather_s + hop_s, incoming.num_bytes)
         if self.tracer.enabled:
             self.tracer.span("kv.transfer_in", incoming.received_at, placed_at, env.request_id,

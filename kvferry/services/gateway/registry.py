@@ -48,6 +48,7 @@ class WorkerInfo:
                 "prompts_prefilled": s.num_prompts_prefilled, "prompt_tokens_computed": s.num_prompt_tokens_computed,
                 "prompt_tokens_cached": s.num_prompt_tokens_cached, "cached_blocks": s.num_cached_blocks,
                 "kv_bytes_sent": s.num_kv_bytes_sent, "kv_bytes_skipped": s.num_kv_bytes_skipped,
+                "kv_bytes_sent_early": s.num_kv_bytes_sent_early,
                 "requests_served": self.num_served, "draining": self.draining, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
 
 

@@ -4,8 +4,9 @@ when that worker acknowledges.
 
 When a prompt starts computing it asks the decode worker (KVQuery) which of the prompt's leading blocks
 that worker's prefix cache holds; the transfer leaves those out (the second turn of a chat ships only the
-new turn's blocks). A transfer goes as one message per group of layers, each gathered while the one
-before is on the wire."""
+new turn's blocks). A transfer goes as one message per group of layers. In the step that finishes a prompt,
+each group but the last goes out as soon as its layers are computed, while the following layers compute;
+the last group follows the first tokens. Resends gather each group while the one before is on the wire."""
 import dataclasses
 import logging
 import time
@@ -53,7 +54,7 @@ class Transfer:
     ready: bool = False  # whether the blocks to send are settled (the decode worker's KVHeld came, or is late)
     num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not sent
     parts: dict = dataclasses.field(default_factory=dict)  # layer start -> (keys, values) gathered, kept for resends
-    gather_s: float = 0.0
+    gather_s: float = 0.0    # copying the blocks out after the compute (the part a transfer adds to decode's wait)
     num_bytes: int = 0       # of one send
 
 
@@ -77,6 +78,7 @@ class PrefillWorker(Worker):
         self.decode_channels: dict[str, Channel] = {}
         self.decode_held: dict[str, int] = {}  # attempt key -> leading blocks its decode worker holds (KVHeld)
         self.asked: set[str] = set()  # attempt keys whose KVQuery went out
+        self.shipping: dict[str, Transfer] = {}  # transfers whose first groups go out during this step's compute
         self.num_prompts_prefilled = 0  # each prompt once, however many choices it has
 
     def next_transfer_due(self) -> float:
@@ -199,7 +201,7 @@ class PrefillWorker(Worker):
                     if arrival is not None and not arrival.started_at:
                         arrival.started_at = started
                         self.ask_held_blocks(arrival.request_id, arrival.request, arrival.trace)
-                sampled = self.engine.runner.execute(plan)
+                sampled = self.engine.runner.execute(plan, after_layer=self.layer_shipper(plan))
                 logprobs = {id(c.seq): lp for c, lp in zip(plan.chunks, self.engine.runner.last_logprobs)}
                 if self.tracer.enabled:
                     self.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
@@ -213,6 +215,45 @@ class PrefillWorker(Worker):
                 for seq, (arrival, continuing) in done:
                     self.start_transfer(seq, arrival, continuing)
         self.send_due_transfers()
+
+    def layer_shipper(self, plan):
+        """The step's after_layer callback (None when no prompt finishes in it): as each group of layers but the
+        last lands in the cache, that group of the finishing prompts' blocks goes to their decode workers, on the
+        wire while the following layers compute."""
+        finishing = [c.seq for c in plan.chunks if c.samples and c.seq.request_id in self.requests]
+        groups = layer_groups(self.engine.runner.layout.num_layers)
+        if not finishing or len(groups) < 2:
+            return None
+        group_ending = {hi: (lo, hi) for lo, hi in groups[:-1]}
+
+        def after_layer(layer: int) -> None:
+            group = group_ending.get(layer + 1)
+            if group is None:
+                return
+            for channel in list(self.decode_channels.values()):
+                self.drain(channel.socket)  # KVHeld answers settle which blocks go
+            for seq in finishing:
+                self.ship_group(seq, *group)
+
+        return after_layer
+
+    def ship_group(self, seq: Sequence, lo: int, hi: int) -> None:
+        """One group of layers of a prompt still computing. Its transfer starts with the first group once the
+        blocks to send are settled (the decode worker's KVHeld came, or was never asked); a prompt that misses
+        the first group goes whole after the compute."""
+        key = seq.request_id
+        t = self.shipping.get(key)
+        if t is None:
+            arrival = self.requests[key]
+            if lo != 0 or (key in self.asked and key not in self.decode_held):
+                return
+            request = arrival.request
+            announced = [request.choice] if request.resume_token_ids else list(range(request.n))
+            t = self.shipping[key] = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace, [],
+                                              announced)
+            self.asked.discard(key)
+            self.settle(key, t)
+        self.send_group(t, lo, hi, early=True)
 
     def send_first_tokens(self, seq: Sequence, logprobs) -> tuple[Arrival, list[tuple[int, int]]]:
         """Send a finished prompt's first token of each choice; returns its arrival and the (choice, token) of
@@ -256,6 +297,10 @@ class PrefillWorker(Worker):
         key, request = seq.request_id, arrival.request
         answer_due = key in self.asked and key not in self.decode_held
         self.asked.discard(key)
+        shipped = self.shipping.pop(key, None)
+        if shipped is not None:
+            self.finish_shipping(key, shipped, continuing)
+            return
         if not continuing:
             self.decode_held.pop(key, None)
             self.engine.scheduler.release(seq)
@@ -270,6 +315,23 @@ class PrefillWorker(Worker):
             self.settle(key, transfer)
         self.engine.forget(key)
 
+    def finish_shipping(self, key: str, t: Transfer, continuing: list[tuple[int, int]]) -> None:
+        """After the compute, a transfer whose first groups went out during it: the last group, with the first
+        tokens of the choices that go on; if none does, the decode worker is told to drop what came."""
+        channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
+        self.engine.forget(key)
+        if not continuing:
+            channel.send(p.Abort(attempt=t.request.attempt), t.request_id, t.trace)
+            self.engine.scheduler.release(t.seq)
+            return
+        t.first_token_ids, t.choices = [tok for _, tok in continuing], [c for c, _ in continuing]
+        self.transfers[key] = t
+        groups = layer_groups(self.engine.runner.layout.num_layers)
+        for lo, hi in groups:
+            if lo not in t.parts:
+                self.send_group(t, lo, hi)
+        t.sent_at, t.num_sends = time.monotonic(), 1
+
     def settle(self, key: str, t: Transfer) -> None:
         """Fix which blocks go: those the decode worker does not hold. They are gathered as they are sent."""
         num_kv_tokens = len(t.request.prompt_token_ids) + len(t.request.resume_token_ids)
@@ -280,33 +342,40 @@ class PrefillWorker(Worker):
         t.num_bytes = (len(t.seq.block_table) - t.num_skipped_blocks) * block_bytes
         self.num_kv_bytes_skipped += t.num_skipped_blocks * block_bytes
 
-    def send_kv(self, t: Transfer) -> float:
-        """Send a transfer's blocks, a message per group of layers: each group is gathered (on the first send)
-        while the one before is on the wire. Returns the wall clock of the first message."""
+    def send_kv(self, t: Transfer) -> None:
+        """Send a transfer's blocks, a message per group of layers: each group is gathered (unless it was before)
+        while the one before is on the wire."""
+        for lo, hi in layer_groups(self.engine.runner.layout.num_layers):
+            self.send_group(t, lo, hi)
+
+    def send_group(self, t: Transfer, lo: int, hi: int, early: bool = False) -> None:
+        """One group of layers of a transfer, gathered on its first send and kept for resends. early: sent while
+        the prompt computes, so without first tokens."""
         runner, resumed = self.engine.runner, t.request.resume_token_ids
-        blocks = t.seq.block_table[t.num_skipped_blocks:]
-        channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
-        first_sent = 0.0
-        for lo, hi in layer_groups(runner.layout.num_layers):
-            if lo not in t.parts:
-                started = time.time()
-                t.parts[lo] = runner.read_blocks(blocks, (lo, hi))
+        if lo not in t.parts:
+            blocks = t.seq.block_table[t.num_skipped_blocks:]
+            started = time.time()
+            t.parts[lo] = runner.read_blocks(blocks, (lo, hi))
+            if not early:  # a gather during the compute delays the first token instead, as part of the step
                 t.gather_s += time.time() - started
-                if self.tracer.enabled:
-                    self.tracer.span("kv.gather", started, time.time(), t.request_id, tracing.child_of(t.trace),
-                                     num_blocks=len(blocks), num_held_by_decode=t.num_skipped_blocks, layers=[lo, hi])
-            keys, values = t.parts[lo]
-            msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
-                               output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
-                               num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
-                               dtype=str(keys.dtype).removeprefix("torch."), shape=list(keys.shape),
-                               deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
-                               attempt=t.request.attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
-                               num_skipped_blocks=t.num_skipped_blocks, layer_start=lo)
-            channel.send(msg, t.request_id, t.trace, frames=as_frames(keys, values))
-            first_sent = first_sent or msg.sent_at
-        self.num_kv_bytes_sent += t.num_bytes
-        return first_sent
+            if self.tracer.enabled:
+                self.tracer.span("kv.gather", started, time.time(), t.request_id, tracing.child_of(t.trace),
+                                 num_blocks=len(blocks), num_held_by_decode=t.num_skipped_blocks, layers=[lo, hi],
+                                 during_compute=early)
+        keys, values = t.parts[lo]
+        msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
+                           output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
+                           num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
+                           dtype=str(keys.dtype).removeprefix("torch."), shape=list(keys.shape),
+                           deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
+                           attempt=t.request.attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
+                           num_skipped_blocks=t.num_skipped_blocks, layer_start=lo)
+        channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
+        channel.send(msg, t.request_id, t.trace, frames=as_frames(keys, values))
+        t.first_sent_at = t.first_sent_at or msg.sent_at
+        self.num_kv_bytes_sent += keys.nbytes + values.nbytes
+        if early:
+            self.num_kv_bytes_sent_early += keys.nbytes + values.nbytes
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
@@ -322,6 +391,5 @@ class PrefillWorker(Worker):
                                   rid, t.trace)
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
                 continue
-            sent_at = self.send_kv(t)
+            self.send_kv(t)
             t.sent_at, t.num_sends = now, t.num_sends + 1
-            t.first_sent_at = t.first_sent_at or sent_at
