@@ -100,9 +100,14 @@ class LLMEngine:
                 raise
             raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
                               f"lower it") from None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # A prefill worker's engine (keep_finished_blocks) never runs a decode step: no graphs to keep for it.
+        if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
             started = time.perf_counter()
-            self.runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
+            try:
+                self.runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
+            except torch.OutOfMemoryError:
+                raise ConfigError("no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
+                                  "--max-num-seqs, or pass --enforce-eager") from None
             log.info("decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
                      self.runner.decode_graphs.sizes, time.perf_counter() - started)
         self.vocab_size = self.hf_config.vocab_size

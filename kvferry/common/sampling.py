@@ -8,6 +8,7 @@ from kvferry.common.errors import InvalidRequest
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; seed + choice still fits torch's generator and msgpack
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class SamplingParams:
             raise InvalidRequest(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise InvalidRequest(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):
+            raise InvalidRequest(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {getattr(self, name)}")

@@ -130,6 +130,7 @@ def test_stop_strings_even_across_tokens(stack):
     ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, None, 404, "model_not_found"),
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, None),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, 400, None),
+    ("/v1/completions", {"prompt": "hi", "seed": 2**85}, None, 400, None),  # was a 500 (found by schemathesis)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      None, 400, None),
 ])

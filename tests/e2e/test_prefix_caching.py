@@ -142,8 +142,8 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes), 10,
                    "the held blocks in the heartbeats")
 
-    def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,)):
-        sampling = p.Sampling(max_tokens=4, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
+    def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,), max_tokens=4):
+        sampling = p.Sampling(max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
                               stop_token_ids=[])
         shape = [layers[1] - layers[0], num_blocks, 16, 3, 64]
         message = p.KVTransfer("test", tokens, list(first_tokens), [0], sampling, len(tokens), "float32", shape,
@@ -162,8 +162,8 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     # A transfer comes in layer groups: the first allocates its blocks, a gap drops them again ...
     tokens = list(range(1000, 1070))  # 5 blocks
 
-    def send(rid, layers, first_tokens=(9,)):
-        message, frames = transfer(5, 0, layers, tokens, first_tokens)
+    def send(rid, layers, first_tokens=(9,), max_tokens=4):
+        message, frames = transfer(5, 0, layers, tokens, first_tokens, max_tokens)
         sock.send_multipart(p.encode(message, rid, frames=frames))
 
     def free_blocks():
@@ -193,4 +193,14 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     stack.wait_for(lambda: free_blocks() == decode["num_blocks"] - 5, 10, "blocks for the early group")
     sock.send_multipart(p.encode(p.Abort(), "ended"))
     stack.wait_for(lambda: free_blocks() == decode["num_blocks"], 10, "blocks freed on the Abort")
+    # A choice the gateway ended between the first group and the last (a stop string in its first token) is not
+    # admitted: nothing runs, though it asked for 4,000 tokens.
+    send("cut", (0, 10), first_tokens=(), max_tokens=4000)
+    stack.wait_for(lambda: free_blocks() == decode["num_blocks"] - 5, 10, "blocks for the first group")
+    sock.send_multipart(p.encode(p.Abort(choice=0), "cut"))
+    send("cut", (10, 20), first_tokens=(), max_tokens=4000)
+    message, frames = transfer(5, 0, (20, 30), tokens, max_tokens=4000)
+    assert ask("cut", message, frames) == p.KVAck(True)
+    stack.wait_for(lambda: stack.workers()["decode-a"]["running"] == 0 and free_blocks() == decode["num_blocks"],
+                   10, "nothing running for the ended choice")
     sock.close()

@@ -264,9 +264,11 @@ class DecodeWorker(Worker):
         if not last:
             return
         del self.incoming[rid]
-        # The last group names the choices that go on (those whose first token did not end them) and their tokens.
+        # The last group names the choices that go on (those whose first token did not end them) and their tokens;
+        # the gateway may have ended more since the first group came (a stop string in a first token).
         first_token = dict(zip(msg.choices, msg.output_token_ids))
-        going_on = [i for i, c in enumerate(incoming.choices) if c in first_token]
+        cancelled = self.cancelled_choices.get(rid, set())
+        going_on = [i for i, c in enumerate(incoming.choices) if c in first_token and c not in cancelled]
         if not going_on:
             self.engine.block_manager.free(incoming.blocks + incoming.held)
             self.bury(rid)

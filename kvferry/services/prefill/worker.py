@@ -55,6 +55,7 @@ class Transfer:
     num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not sent
     parts: dict = dataclasses.field(default_factory=dict)  # layer start -> (keys, values) gathered, kept for resends
     gather_s: float = 0.0    # copying the blocks out after the compute (the part a transfer adds to decode's wait)
+    early_answer: p.KVAck | None = None  # the decode worker's answer to groups sent during the compute, if any
     num_bytes: int = 0       # of one send
 
 
@@ -151,21 +152,15 @@ class PrefillWorker(Worker):
             # else its transfer went out whole already, or it ended
         elif isinstance(msg, p.KVAck):
             transfer = self.transfers.get(key)
+            shipping = self.shipping.get(key)
+            if shipping is not None and shipping.early_answer is None:
+                shipping.early_answer = msg  # to its first groups: finish_shipping acts on it
             if transfer is None:
-                return  # a duplicate, or a request given up meanwhile
+                return  # a duplicate, a request given up meanwhile, or an answer to groups still being shipped
             if msg.accepted or not msg.retry:  # done, or refused for good (the decode worker told the gateway)
-                self.engine.scheduler.release(self.transfers.pop(key).seq)
-                if self.tracer.enabled:
-                    self.tracer.span("kv.transfer_out", transfer.first_sent_at, time.time(), rid,
-                                tracing.child_of(transfer.trace), bytes=transfer.num_bytes,
-                                sends=transfer.num_sends, accepted=msg.accepted,
-                                decode=transfer.request.decode_worker_id)
-            elif msg.resend_all and transfer.num_skipped_blocks:  # the decode worker let go of the blocks it held
-                self.num_kv_bytes_skipped -= transfer.num_skipped_blocks * self.engine.runner.layout.bytes_per_block
-                self.settle(key, transfer)  # every block, this time
-                transfer.sent_at, transfer.retry_at = 0.0, time.monotonic()
+                self.end_transfer(key, msg.accepted)
             else:
-                transfer.sent_at, transfer.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
+                self.send_again(key, transfer, msg.resend_all)
         elif isinstance(msg, p.Abort) and msg.choice < 0:  # one choice ends on the decode worker
             self.engine.abort(key)
             self.requests.pop(key, None)
@@ -211,7 +206,8 @@ class PrefillWorker(Worker):
                         for seq in self.engine.scheduler.update(plan, sampled)]
                 for channel in list(self.decode_channels.values()):
                     self.drain(channel.socket)  # the KVHeld answers that came during the compute
-                # Every first token of the step goes out before any KV gather: TTFT waits on no transfer.
+                # Every first token of the step goes out before the gathers that follow the compute: TTFT waits
+                # only on the groups shipped during it.
                 for seq, (arrival, continuing) in done:
                     self.start_transfer(seq, arrival, continuing)
         self.send_due_transfers()
@@ -222,7 +218,9 @@ class PrefillWorker(Worker):
         wire while the following layers compute."""
         finishing = [c.seq for c in plan.chunks if c.samples and c.seq.request_id in self.requests]
         groups = layer_groups(self.engine.runner.layout.num_layers)
-        if not finishing or len(groups) < 2:
+        # Not on CUDA yet: the gather's copy to the host would wait for every queued layer, a stall, not an overlap
+        # (that needs a copy into pinned memory on a side stream).
+        if not finishing or len(groups) < 2 or self.engine.device.type != "cpu":
             return None
         group_ending = {hi: (lo, hi) for lo, hi in groups[:-1]}
 
@@ -317,20 +315,46 @@ class PrefillWorker(Worker):
 
     def finish_shipping(self, key: str, t: Transfer, continuing: list[tuple[int, int]]) -> None:
         """After the compute, a transfer whose first groups went out during it: the last group, with the first
-        tokens of the choices that go on; if none does, the decode worker is told to drop what came."""
+        tokens of the choices that go on; if none does, the decode worker is told to drop what came. If the decode
+        worker already answered the first groups (it could not place them, or the request ended there), that
+        answer is acted on instead."""
         channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
         self.engine.forget(key)
-        if not continuing:
-            channel.send(p.Abort(attempt=t.request.attempt), t.request_id, t.trace)
+        answer = t.early_answer
+        if not continuing or (answer is not None and (answer.accepted or not answer.retry)):
+            if not continuing:
+                channel.send(p.Abort(attempt=t.request.attempt), t.request_id, t.trace)
             self.engine.scheduler.release(t.seq)
             return
         t.first_token_ids, t.choices = [tok for _, tok in continuing], [c for c, _ in continuing]
+        t.num_sends = 1
         self.transfers[key] = t
-        groups = layer_groups(self.engine.runner.layout.num_layers)
-        for lo, hi in groups:
+        if answer is not None:  # the first groups were not placed: the whole transfer again, as after any failure
+            self.send_again(key, t, answer.resend_all)
+            return
+        for lo, hi in layer_groups(self.engine.runner.layout.num_layers):
             if lo not in t.parts:
                 self.send_group(t, lo, hi)
-        t.sent_at, t.num_sends = time.monotonic(), 1
+        t.sent_at = time.monotonic()
+
+    def end_transfer(self, key: str, accepted: bool) -> None:
+        """The decode worker took the KV, or refused it for good (and told the gateway): the blocks go."""
+        t = self.transfers.pop(key)
+        self.engine.scheduler.release(t.seq)
+        if self.tracer.enabled:
+            self.tracer.span("kv.transfer_out", t.first_sent_at, time.time(), t.request_id, tracing.child_of(t.trace),
+                             bytes=t.num_bytes, sends=t.num_sends, accepted=accepted,
+                             decode=t.request.decode_worker_id)
+
+    def send_again(self, key: str, t: Transfer, resend_all: bool) -> None:
+        """After a failure answer: every block at once if the decode worker let go of those it held, else the same
+        transfer after a short wait (it had no room)."""
+        if resend_all and t.num_skipped_blocks:
+            self.num_kv_bytes_skipped -= t.num_skipped_blocks * self.engine.runner.layout.bytes_per_block
+            self.settle(key, t)  # every block, this time
+            t.sent_at, t.retry_at = 0.0, time.monotonic()
+        else:
+            t.sent_at, t.retry_at = 0.0, time.monotonic() + RETRY_FULL_AFTER_S
 
     def settle(self, key: str, t: Transfer) -> None:
         """Fix which blocks go: those the decode worker does not hold. They are gathered as they are sent."""
