@@ -135,9 +135,14 @@ def _run_worker(args, cls, **kwargs) -> int:
     observe(args, cls.role.name.lower(), worker_id)  # before the worker: its channels take the tracer
     signal.signal(signal.SIGTERM, _interrupt)  # until it serves: stop like Ctrl-C
     from kvferry.common.curve import CurveKeys
+    from kvferry.services.worker_health import WorkerHealthServer
+
+    health = WorkerHealthServer("0.0.0.0", args.health_port) if args.health_port is not None else None
 
     worker = cls(EngineConfig.from_args(args), args.gateway, worker_id, stall_timeout_s=args.stall_timeout,
                  drain_timeout_s=args.drain_timeout, curve=CurveKeys.load(args.curve_keys), **kwargs)
+    if health:
+        health.worker = worker
 
     def drain(*_):  # the first SIGTERM drains; a second one stops at once
         if worker.stop_requested:
@@ -161,7 +166,7 @@ def cmd_prefill(args) -> int:
 def cmd_decode(args) -> int:
     from kvferry.services.decode.worker import DecodeWorker
 
-    return _run_worker(args, DecodeWorker, kv_bind=args.kv_bind)
+    return _run_worker(args, DecodeWorker, kv_bind=args.kv_bind, advertise_host=args.advertise_host)
 
 
 def cmd_serve(args) -> int:
@@ -216,13 +221,26 @@ def build_parser() -> argparse.ArgumentParser:
                        help="report unhealthy (the gateway moves the requests) when the step loop is stuck this long")
         p.add_argument("--drain-timeout", type=float, default=env("KVFERRY_DRAIN_TIMEOUT", "30"),
                        help="on SIGTERM, finish what this worker holds for at most this long, then hand it back")
+        p.add_argument("--health-port", type=int, default=env("KVFERRY_HEALTH_PORT"),
+                       help="serve GET /health (registered and stepping) and /live (loop not stuck) on this port, on "
+                            "every interface: the kubelet probes the pod's address (default: off)")
         if role == "decode":
             p.add_argument("--kv-bind", default=env("KVFERRY_KV_BIND", "tcp://127.0.0.1:0"),
                            help="where prefill workers send KV (port 0: any free port)")
+            p.add_argument("--advertise-host", default=env("KVFERRY_ADVERTISE_HOST"),
+                           help="the address prefill workers reach a 0.0.0.0 --kv-bind at (default: this host's "
+                                "IP; in Kubernetes, give the pod IP)")
         EngineConfig.add_args(p)
         add_security_args(p)
         add_observability_args(p)
         p.set_defaults(func=func)
+
+    from kvferry.services.health_probe import cmd_health
+
+    p = sub.add_parser("health", help="exit 0 when this container's gateway or worker is healthy (for HEALTHCHECK)")
+    p.add_argument("--url", action="append", default=None,
+                   help="probe this URL instead (repeatable; the first that answers decides)")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("keys", help="write CURVE key pairs into a folder, for --curve-keys")
     p.add_argument("folder")

@@ -40,8 +40,10 @@ class GatewayLink:
         if self.registered or now < self.next_attempt_at:
             return
         if self.num_attempts:
-            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again", message.worker_id,
-                        self.address, self.num_attempts)
+            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again in %.1f s. If this goes "
+                        "on, check --gateway (KVFERRY_GATEWAY): is the gateway up, and reachable from here?",
+                        message.worker_id, self.address, self.num_attempts,
+                        REGISTER_RETRY_S[min(self.num_attempts + 1, len(REGISTER_RETRY_S)) - 1])
         self.channel.send(message)
         self.num_attempts += 1
         self.next_attempt_at = now + REGISTER_RETRY_S[min(self.num_attempts, len(REGISTER_RETRY_S)) - 1]

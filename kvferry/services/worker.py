@@ -14,7 +14,6 @@ On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it
 holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
 """
 import logging
-import os
 import socket
 import threading
 import time
@@ -63,11 +62,11 @@ def logprobs_to_wire(entries) -> list:
             for e in entries or ()]
 
 
-def advertised_host() -> str:
-    """The address other machines reach this worker at: KVFERRY_ADVERTISE_HOST, else this host's IP."""
-    host = os.environ.get("KVFERRY_ADVERTISE_HOST")
-    if host:
-        return host
+def advertised_host(explicit: str | None = None) -> str:
+    """The address other machines reach this worker at: --advertise-host (KVFERRY_ADVERTISE_HOST; in
+    Kubernetes, the pod IP), else this host's IP as its own name resolves."""
+    if explicit:
+        return explicit
     try:
         return socket.gethostbyname(socket.gethostname())
     except OSError:

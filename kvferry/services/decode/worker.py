@@ -8,7 +8,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
-from kvferry.common.bind_check import warn_if_exposed
+from kvferry.common.bind_check import bind_zmq, warn_if_exposed
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.model.kv_blocks import frame_tensor
 from kvferry.common.sampling import for_choice
@@ -56,19 +56,20 @@ class Incoming:
 class DecodeWorker(Worker):
     role = p.Role.DECODE
 
-    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0", **kwargs):
+    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0",
+                 advertise_host: str | None = None, **kwargs):
         super().__init__(config, gateway, worker_id, **kwargs)
         self.auth = self.curve.authenticator(self.ctx) if self.curve else None
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         if self.curve:
             self.curve.serve(sock)
-        sock.bind(kv_bind)
+        bind_zmq(sock, kv_bind, "--kv-bind (KVFERRY_KV_BIND)")
         warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
         if host.endswith("0.0.0.0") or host.endswith("*"):
-            host = "tcp://" + advertised_host()
+            host = "tcp://" + advertised_host(advertise_host)
         self.advertised_kv = f"{host}:{port}"
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)

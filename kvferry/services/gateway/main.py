@@ -9,6 +9,7 @@ import signal
 
 import uvicorn
 
+from kvferry.common.bind_check import listen_tcp
 from kvferry.common.curve import CurveKeys
 from kvferry.common.model.loader import max_model_len_of, resolve_model, served_model_name
 from kvferry.services.gateway.api import Api
@@ -51,6 +52,8 @@ def run_gateway(args) -> None:
     from kvferry.services.cli import observe
 
     observe(args, "gateway", "gateway")
+    # Bound before the model loads: a taken port fails at once, naming the setting.
+    http_socket = listen_tcp(args.host, args.port, "--port (KVFERRY_PORT)")
     model_dir = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -66,4 +69,4 @@ def run_gateway(args) -> None:
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
     config = uvicorn.Config(api.app(), host=args.host, port=args.port, log_level="warning", log_config=None,
                             timeout_graceful_shutdown=5)
-    DrainingServer(config, core, args.drain_timeout).run()
+    DrainingServer(config, core, args.drain_timeout).run(sockets=[http_socket])

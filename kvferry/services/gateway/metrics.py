@@ -27,6 +27,8 @@ class WorkerFigures:
         gauges = {name: GaugeMetricFamily(f"kvferry:{name}", doc, labels=["worker", "role"]) for name, doc in (
             ("num_requests_running", "Requests in a worker's running batch."),
             ("num_requests_waiting", "Requests queued on a worker."),
+            ("queued_prompt_tokens", "Prompt tokens routed to a worker and not yet computed (what prefill "
+                                     "autoscaling reads)."),
             ("kv_cache_usage_perc", "Fraction of a worker's KV cache blocks in use (0 to 1)."))}
         preemptions = CounterMetricFamily("kvferry:num_preemptions", "Sequences preempted by a worker.",
                                           labels=["worker", "role"])
@@ -40,6 +42,7 @@ class WorkerFigures:
                 continue
             gauges["num_requests_running"].add_metric(labels, stats.num_running)
             gauges["num_requests_waiting"].add_metric(labels, stats.num_waiting)
+            gauges["queued_prompt_tokens"].add_metric(labels, stats.queued_prompt_tokens + w.pending_prompt_tokens)
             used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
             gauges["kv_cache_usage_perc"].add_metric(labels, used)
             preemptions.add_metric(labels, stats.num_preemptions)

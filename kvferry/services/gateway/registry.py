@@ -66,12 +66,15 @@ class Registry:
             role = p.Role(msg.role)
         except ValueError:
             return f"unknown role {msg.role}"
-        for what, expected, got in (("model", self.expected_model, msg.model),
-                                    ("block size", self.expected_block_size, msg.block_size),
-                                    ("dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
-                                    ("quantization", self._live("quantization"), msg.quantization)):
+        for what, setting, expected, got in (
+                ("model", "model", self.expected_model, msg.model),
+                ("block size", "block-size", self.expected_block_size, msg.block_size),
+                ("dtype", "dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
+                ("quantization", "quantization", self._live("quantization"), msg.quantization)):
             if expected is not None and expected != got:
-                return f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}"
+                env = "KVFERRY_" + setting.upper().replace("-", "_")
+                return (f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}; give every "
+                        f"gateway and worker (every pod) the same --{setting} ({env})")
         if role == p.Role.DECODE and not msg.kv_address:
             return "a decode worker must give its KV ingress address"
         self.workers[msg.worker_id] = WorkerInfo(msg.worker_id, role, identity, msg.model, msg.dtype, msg.block_size,

@@ -20,7 +20,7 @@ import zmq.asyncio
 from kvferry.common import protocol as p
 from kvferry.common.block_hash import block_hashes
 from kvferry.common import tracing
-from kvferry.common.bind_check import warn_if_exposed
+from kvferry.common.bind_check import bind_zmq, warn_if_exposed
 from kvferry.common.curve import CurveKeys
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
@@ -58,7 +58,7 @@ class GatewayCore:
             curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
-        sock.bind(control_address)
+        bind_zmq(sock, control_address, "--control (KVFERRY_CONTROL)")
         warn_if_exposed(control_address, "the gateway's control socket", curve=curve is not None)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async

@@ -1,0 +1,37 @@
+"""`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK).
+
+One image runs every role, so the probe asks the worker health port first (KVFERRY_HEALTH_PORT) and
+then the gateway's HTTP port (KVFERRY_PORT); the first that answers decides. Nothing listening on the
+health port means this container is not a worker, or it is still loading its model.
+"""
+import os
+import sys
+import urllib.error
+import urllib.request
+
+
+def default_urls() -> list[str]:
+    urls = []
+    if os.environ.get("KVFERRY_HEALTH_PORT"):
+        urls.append(f"http://127.0.0.1:{os.environ['KVFERRY_HEALTH_PORT']}/health")
+    urls.append(f"http://127.0.0.1:{os.environ.get('KVFERRY_PORT', '8000')}/health")
+    return urls
+
+
+def probe(urls: list[str], timeout_s: float = 4.0) -> tuple[int, str]:
+    """(exit code, what to print): 0 on a 200, 1 on any other answer or when nothing answers."""
+    for url in urls:
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as reply:
+                return 0, f"{url}: {reply.status} {reply.read().decode(errors='replace')}"
+        except urllib.error.HTTPError as exc:
+            return 1, f"{url}: {exc.code} {exc.read().decode(errors='replace')}"
+        except (urllib.error.URLError, OSError):
+            continue  # nothing listens there: try the next role's port
+    return 1, f"nothing answers at {', '.join(urls)}"
+
+
+def cmd_health(args) -> int:
+    code, text = probe(args.url or default_urls())
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    return code

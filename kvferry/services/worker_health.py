@@ -1,0 +1,76 @@
+"""A worker's health over HTTP (`--health-port`), for Kubernetes probes and `kvferry health`.
+
+- `GET /live`: 200 while the step loop comes round; 503 once it has been stuck for the stall timeout
+  (a liveness probe restarts the pod), and while the model is still loading.
+- `GET /health`: 200 when the worker is registered with a gateway and stepping (a readiness probe);
+  503 while it loads, waits for a gateway, drains, or is stuck. The body says which.
+
+It listens before the model loads, so a taken port fails at once, and runs on its own thread: a long
+step must not make the worker look dead to the probe any sooner than the stall timeout says.
+"""
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from kvferry.common.bind_check import listen_tcp
+
+PATHS = ("/health", "/live")
+
+
+def worker_state(worker) -> dict:
+    """What the probes report, read from the worker's loop without locks (plain attribute reads)."""
+    if worker is None:
+        return {"status": "loading", "live": False, "ready": False}
+    stuck_s = time.monotonic() - worker.loop_at
+    live = stuck_s < worker.stall_timeout_s and worker.running
+    registered = [link.address for link in worker.links if link.registered]
+    if not live:
+        status = "stuck" if worker.running else "stopped"
+    elif worker.stop_requested:
+        status = "draining"
+    elif not registered:
+        status = "registering"
+    else:
+        status = "ok"
+    return {"status": status, "live": live, "ready": status == "ok", "worker_id": worker.worker_id,
+            "role": worker.role.name.lower(), "registered_with": registered,
+            "loop_age_s": round(stuck_s, 3), "stall_timeout_s": worker.stall_timeout_s}
+
+
+class WorkerHealthServer:
+    def __init__(self, host: str, port: int):
+        self.worker = None  # set once the model has loaded
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if path not in PATHS:
+                    return self._reply(404, {"error": f"no such path; try {' or '.join(PATHS)}"})
+                state = worker_state(owner.worker)
+                ok = state["live"] if path == "/live" else state["ready"]
+                self._reply(200 if ok else 503, state)
+
+            def _reply(self, status: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):  # probes every few seconds would flood the log
+                pass
+
+        sock = listen_tcp(host, port, "--health-port (KVFERRY_HEALTH_PORT)")
+        self.server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
+        self.server.socket.close()
+        self.server.socket = sock
+        self.server.daemon_threads = True
+        self.port = sock.getsockname()[1]
+        threading.Thread(target=self.server.serve_forever, name="health", daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
