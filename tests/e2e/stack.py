@@ -29,9 +29,11 @@ class Stack:
         self.auth = {"authorization": f"Bearer {key}"} if key else {}
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
+        """prefix: a command that runs the process (`ip netns exec NS`); it must exec, so that the pid is ours."""
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env={**self.env, **(env or {})},
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvferry.services.cli", *args],
+                                env={**self.env, **(env or {})},
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
