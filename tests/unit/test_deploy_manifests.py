@@ -1,0 +1,284 @@
+"""The deployment files, checked offline: every Kubernetes manifest against the Kubernetes schemas (strict),
+the metrics adapter's rules against the schema kept in the repo, the Dockerfile and compose file, and how the
+pieces fit: addresses, ports, probe paths, grace periods, environment variables and autoscaling metrics."""
+import json
+import re
+import time
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from dockerfile_parse import DockerfileParser
+
+from kvferry.common import protocol as p
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+DOCKER = ROOT / "deploy" / "docker"
+KUBERNETES_VERSIONS = ("1.29.0", "1.37.0")  # the oldest release still commonly run, and the newest known here
+ADAPTER_VALUES = K8S / "prometheus-adapter" / "values.yaml"
+ADAPTER_SCHEMA = K8S / "schemas" / "prometheus-adapter-rules.schema.json"
+
+
+def documents(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def kustomization() -> dict:
+    return documents(K8S / "kustomization.yaml")[0]
+
+
+def objects() -> dict[tuple[str, str], dict]:
+    """(kind, name) -> object, for what the kustomization deploys."""
+    found = {}
+    for resource in kustomization()["resources"]:
+        for doc in documents(K8S / resource):
+            found[(doc["kind"], doc["metadata"]["name"])] = doc
+    return found
+
+
+def config() -> dict[str, str]:
+    return objects()[("ConfigMap", "kvferry-config")]["data"]
+
+
+def container(deployment: str) -> dict:
+    [c] = objects()[("Deployment", deployment)]["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def pod(deployment: str) -> dict:
+    return objects()[("Deployment", deployment)]["spec"]["template"]["spec"]
+
+
+def tcp_port(address: str) -> tuple[str, int]:
+    host, port = re.fullmatch(r"tcp://(.+):(\d+)", address).groups()
+    return host, int(port)
+
+
+def named_port(c: dict, port) -> int:
+    """A probe's or Service's port, by number or by the container port's name."""
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in c["ports"] if p["name"] == port)
+
+
+WORKERS = {"kvferry-prefill": "prefill", "kvferry-decode": "decode"}
+ROLES = {"kvferry-gateway": "gateway", **WORKERS}
+
+
+def test_every_manifest_validates_strictly_against_the_kubernetes_schemas():
+    paths = sorted(K8S.glob("*.yaml"))
+    assert len(paths) >= 9
+    for path in paths:
+        if path.name == "kustomization.yaml":
+            continue
+        for doc in documents(path):
+            for version in KUBERNETES_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)  # raises on any error
+    bad = {**objects()[("Service", "kvferry-gateway")], "spec": {"portz": []}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(bad, KUBERNETES_VERSIONS[-1], strict=True)
+
+
+def test_the_kustomization_deploys_every_manifest_but_the_secret_example():
+    resources = kustomization()["resources"]
+    assert all((K8S / r).is_file() for r in resources)
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml", "secret.example.yaml"}
+    assert set(resources) == on_disk
+    assert kustomization()["namespace"] == objects()[("Namespace", "kvferry")]["metadata"]["name"]
+    kinds = {kind for kind, _ in objects()}
+    assert {"Deployment", "Service", "ConfigMap", "HorizontalPodAutoscaler"} <= kinds
+
+
+def test_the_adapter_rules_match_the_schema_kept_in_the_repo():
+    schema, values = json.loads(ADAPTER_SCHEMA.read_text()), documents(ADAPTER_VALUES)[0]
+    jsonschema.validate(values, schema)
+    broken = json.loads(json.dumps(values))
+    del broken["rules"]["custom"][0]["metricsQuery"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+    broken["rules"]["custom"][0].update(metricsQuery="x", seriesQueryy="typo")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(broken, schema)
+
+
+def test_workers_reach_the_gateway_through_its_service_and_advertise_their_pod_ip():
+    host, port = tcp_port(config()["KVFERRY_GATEWAY"])
+    service = objects()[("Service", host)]
+    gateway = container("kvferry-gateway")
+    assert service["spec"]["selector"].items() <= \
+        objects()[("Deployment", "kvferry-gateway")]["spec"]["template"]["metadata"]["labels"].items()
+    [service_port] = [sp for sp in service["spec"]["ports"] if sp["port"] == port]
+    assert named_port(gateway, service_port["targetPort"]) == tcp_port(config()["KVFERRY_CONTROL"])[1] == port
+    # The gateway is ready only once workers have registered, so they must reach it before it is ready.
+    assert service["spec"]["publishNotReadyAddresses"] is True
+    api = objects()[("Service", "kvferry-gateway")]
+    assert api["spec"]["selector"] == service["spec"]["selector"]
+    [http] = [sp for sp in api["spec"]["ports"] if sp["name"] == "http"]
+    assert named_port(gateway, http["targetPort"]) == int(config()["KVFERRY_PORT"])
+    assert api["metadata"]["annotations"]["prometheus.io/port"] == config()["KVFERRY_PORT"]
+    assert objects()[("Deployment", "kvferry-gateway")]["spec"]["strategy"]["type"] == "Recreate"
+    for name in ROLES:
+        env_from = container(name)["envFrom"]
+        assert {"configMapRef": {"name": "kvferry-config"}} in env_from
+    decode_env = {e["name"]: e for e in container("kvferry-decode")["env"]}
+    assert decode_env["KVFERRY_ADVERTISE_HOST"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    kv_port = tcp_port(config()["KVFERRY_KV_BIND"])[1]
+    assert kv_port in [p["containerPort"] for p in container("kvferry-decode")["ports"]]
+    assert tcp_port(config()["KVFERRY_KV_BIND"])[0] == "0.0.0.0"  # reachable at the pod IP it advertises
+
+
+def test_probes_ask_the_paths_and_ports_the_processes_serve(gateway_api):
+    from kvferry.services.worker_health import PATHS
+
+    gateway = container("kvferry-gateway")
+    routes = {route.path for route in gateway_api.routes()}
+    ready = gateway["readinessProbe"]["httpGet"]
+    assert ready["path"] in routes and named_port(gateway, ready["port"]) == int(config()["KVFERRY_PORT"])
+    # The gateway's /health is 503 while it drains or has no workers: restarting it then would not help.
+    assert "httpGet" not in gateway["livenessProbe"] or gateway["livenessProbe"]["httpGet"]["path"] != "/health"
+    for name in WORKERS:
+        c = container(name)
+        ready, live, startup = (c[k]["httpGet"] for k in ("readinessProbe", "livenessProbe", "startupProbe"))
+        assert (ready["path"], live["path"], startup["path"]) == ("/health", "/live", "/live")
+        assert {ready["path"], live["path"]} <= set(PATHS)
+        for probe in (ready, live, startup):
+            assert named_port(c, probe["port"]) == int(config()["KVFERRY_HEALTH_PORT"])
+        # Liveness must outlast a stall report: the pod restarts only when the loop has stopped for good.
+        liveness = c["livenessProbe"]
+        assert liveness["periodSeconds"] * liveness["failureThreshold"] >= 10
+
+
+def test_grace_periods_cover_the_prestop_pause_and_the_drain():
+    drain = float(config()["KVFERRY_DRAIN_TIMEOUT"])
+    for name in ROLES:
+        c, spec = container(name), pod(name)
+        command = c["lifecycle"]["preStop"]["exec"]["command"]
+        assert command[0] == "sleep"
+        assert spec["terminationGracePeriodSeconds"] >= float(command[1]) + drain + 5, name
+        assert c["resources"]["requests"] and c["resources"]["limits"]
+        assert spec["securityContext"]["runAsNonRoot"] is True
+
+
+def reads(role: str, name: str, value: str, monkeypatch) -> bool:
+    """Whether `kvferry ROLE` takes the variable, and takes it exactly as the matching flag."""
+    from kvferry.services.cli import build_parser
+
+    for key in [k for k in __import__("os").environ if k.startswith("KVFERRY_")]:
+        monkeypatch.delenv(key)
+    flag = "--" + name.removeprefix("KVFERRY_").lower().replace("_", "-")
+    subparsers = next(a for a in build_parser()._actions if a.dest == "command")
+    options = {o: a for a in subparsers.choices[role]._actions for o in a.option_strings}
+    if flag not in options:
+        return False
+    by_flag = vars(build_parser().parse_args([role, flag] + ([] if options[flag].nargs == 0 else [value])))
+    monkeypatch.setenv(name, value)
+    by_env = vars(build_parser().parse_args([role]))
+    monkeypatch.delenv(name)
+    return by_env == by_flag
+
+
+SAMPLE_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "kvferry-decode-7f9c-x2"}
+
+
+def test_every_variable_the_manifests_set_is_one_kvferry_reads(monkeypatch):
+    secret = documents(K8S / "secret.example.yaml")[0]["stringData"]
+    shared = {**config(), **secret}  # each loaded whole by every container (envFrom)
+    users = {k: [] for k in shared}
+    for name, role in ROLES.items():
+        c = container(name)
+        assert {"secretRef": {"name": secret_name(), "optional": True}} in c["envFrom"]
+        for key in shared:
+            users[key].append(role)
+        for entry in c.get("env", []):  # set for this role alone: this role must read it
+            value = entry.get("value") or SAMPLE_VALUES[entry["valueFrom"]["fieldRef"]["fieldPath"]]
+            assert reads(role, entry["name"], value, monkeypatch), f"{role} does not read {entry['name']}"
+    for key, roles in users.items():
+        assert any(reads(role, key, shared[key], monkeypatch) for role in roles), f"nothing reads {key}"
+    # A value no role accepts is caught too, not only a name.
+    assert not reads("decode", "KVFERRY_KV_BINDZ", "tcp://0.0.0.0:1", monkeypatch)
+
+
+def secret_name() -> str:
+    return documents(K8S / "secret.example.yaml")[0]["metadata"]["name"]
+
+
+@pytest.fixture(scope="module")
+def gateway_api():
+    """The real gateway API over a real core, with one live worker of each role registered."""
+    from transformers import AutoTokenizer
+
+    from kvferry.common.model.loader import resolve_model
+    from kvferry.services.gateway.api import Api
+    from kvferry.services.gateway.server import GatewayCore
+
+    core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
+    for role in (p.Role.PREFILL, p.Role.DECODE):
+        core.registry.register(p.Register(role=int(role), worker_id=f"{role.name.lower()}-0", model="SmolLM2-135M-Instruct",
+                                          dtype="float32", block_size=16, num_blocks=100, max_model_len=2048,
+                                          kv_address="tcp://10.0.0.9:5600"), b"id", time.time())
+    yield Api(core, AutoTokenizer.from_pretrained(resolve_model(None)), "SmolLM2-135M-Instruct", 2048)
+    core.control.socket.close()
+
+
+def test_the_autoscalers_read_metrics_the_gateway_exposes(gateway_api):
+    rules = {rule["name"]["as"]: rule for rule in documents(ADAPTER_VALUES)[0]["rules"]["custom"]}
+    exposition = gateway_api.metrics.exposition().decode()
+    hpas = [obj for (kind, _), obj in objects().items() if kind == "HorizontalPodAutoscaler"]
+    assert {hpa["spec"]["scaleTargetRef"]["name"] for hpa in hpas} == set(WORKERS)
+    for hpa in hpas:
+        target = hpa["spec"]["scaleTargetRef"]
+        assert ("Deployment", target["name"]) in objects()
+        for metric in hpa["spec"]["metrics"]:
+            assert metric["type"] == "Object"
+            described = metric["object"]["describedObject"]
+            assert (described["kind"], described["name"]) == ("Service", "kvferry-gateway")  # the /metrics it reads
+            rule = rules[metric["object"]["metric"]["name"]]
+            series = rule["name"]["matches"].strip("^$")
+            assert rule["seriesQuery"].startswith(series + "{")
+            role = re.search(r'role="(\w+)"', rule["metricsQuery"]).group(1)
+            assert role == WORKERS[target["name"]], "an autoscaler reads its own role's figures"
+            assert re.search(rf'^{re.escape(series)}{{[^}}]*role="{role}"', exposition, re.M), \
+                f"/metrics has no {series} for {role}"
+
+
+def test_the_dockerfile_is_well_formed_and_copies_only_what_exists(monkeypatch):
+    parser = DockerfileParser(path=str(DOCKER / "Dockerfile"))
+    steps = [step for step in parser.structure if step["instruction"] != "COMMENT"]
+    assert steps[0]["instruction"] in ("FROM", "ARG") and parser.baseimage
+    for step in steps:
+        if step["instruction"] in ("COPY", "ADD") and "--from=" not in step["value"]:
+            *sources, _ = step["value"].split()
+            for source in sources:
+                assert (ROOT / source).exists(), f"COPY {source}: not in the repository (the build context)"
+    users = [s["value"].split(":")[0] for s in steps if s["instruction"] == "USER"]
+    assert users and users[-1] not in ("root", "0"), "the image runs as a non-root user"
+    assert any(s["instruction"] == "HEALTHCHECK" and "kvferry" in s["value"] and "health" in s["value"] for s in steps)
+    assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["kvferry"]
+    exposed = {int(port) for s in steps if s["instruction"] == "EXPOSE" for port in s["value"].split()}
+    assert {int(config()["KVFERRY_PORT"]), int(config()["KVFERRY_HEALTH_PORT"]),
+            tcp_port(config()["KVFERRY_CONTROL"])[1], tcp_port(config()["KVFERRY_KV_BIND"])[1]} <= exposed
+    env = parser.envs
+    from kvferry.common.model.loader import cache_root
+
+    monkeypatch.setenv("KVFERRY_CACHE_DIR", env["KVFERRY_CACHE_DIR"])
+    assert cache_root() == Path(env["KVFERRY_CACHE_DIR"])  # where the build put the embedded model
+    for key, value in env.items():
+        if key.startswith("KVFERRY_") and key != "KVFERRY_CACHE_DIR":
+            assert any(reads(role, key, value, monkeypatch) for role in ROLES.values()), f"nothing reads {key}"
+
+
+def test_compose_runs_a_gateway_two_prefill_and_two_decode_workers():
+    compose = documents(DOCKER / "compose.yaml")[0]
+    services = compose["services"]
+    assert services["gateway"]["command"] == ["gateway"]
+    env_of = DockerfileParser(path=str(DOCKER / "Dockerfile")).envs
+    for role in ("prefill", "decode"):
+        service = services[role]
+        assert service["command"] == [role] and service["deploy"]["replicas"] == 2
+        env = service["environment"]
+        host, port = tcp_port(env["KVFERRY_GATEWAY"])
+        assert host == "gateway" and port == tcp_port(env_of["KVFERRY_CONTROL"])[1]
+        assert service["depends_on"]["gateway"]["condition"] == "service_started"  # healthy needs workers
