@@ -100,7 +100,7 @@ class Api:
         on = lambda w: sum(w.identity in (f.prefill_identity, f.decode_identity) for f in core.flights.values())
         return JSONResponse({"workers": [{**w.as_json(), "requests_in_flight": on(w)}
                                          for w in core.registry.workers.values()],
-                             "gateway": {"protocol_errors": core.control.num_protocol_errors,
+                             "gateway": {"id": core.gateway_id, "protocol_errors": core.control.num_protocol_errors,
                                          "duplicates_dropped": core.control.num_duplicates,
                                          "requests_in_flight": len(core.flights), "requests_waiting": core.num_waiting(),
                                          "moves": core.num_moves, "draining": core.draining}})
