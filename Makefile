@@ -24,7 +24,7 @@ serve: model
 	$(VENV)/bin/kvferry serve
 
 test: model
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 bench: model
 	$(VENV)/bin/kvferry bench engine --baseline hf
