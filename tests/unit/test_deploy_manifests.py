@@ -3,6 +3,8 @@ the metrics adapter's rules against the schema kept in the repo, the Dockerfile 
 pieces fit: addresses, ports, probe paths, grace periods, environment variables and autoscaling metrics."""
 import json
 import re
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -77,6 +79,12 @@ def test_every_manifest_validates_strictly_against_the_kubernetes_schemas():
         for doc in documents(path):
             for version in KUBERNETES_VERSIONS:
                 kubernetes_validate.validate(doc, version, strict=True)  # raises on any error
+    # The command line too, as an operator would run it before `kubectl apply`.
+    command = Path(sys.executable).with_name("kubernetes-validate")
+    files = [str(path) for path in paths if path.name != "kustomization.yaml"]
+    done = subprocess.run([str(command), "--strict", "-k", KUBERNETES_VERSIONS[0], *files], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
     bad = {**objects()[("Service", "kvferry-gateway")], "spec": {"portz": []}}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(bad, KUBERNETES_VERSIONS[-1], strict=True)
