@@ -55,8 +55,8 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     return await stream()
 
 
-async def _drive(url: str, model: str, num_requests: int, concurrency: int, cancel_share: float, seed: int,
-                 on_hundred) -> list[str]:
+async def _drive(url: str, model: str, num_requests: int, concurrency: int, cancel_share: float, cancel_within_s: float,
+                 seed: int, on_hundred) -> list[str]:
     import httpx
 
     rng = random.Random(seed)
@@ -69,7 +69,7 @@ async def _drive(url: str, model: str, num_requests: int, concurrency: int, canc
         max_tokens = rng.randint(4, 24)
         cancel = None
         if rng.random() < cancel_share:
-            cancel = ("tokens", rng.randint(1, max_tokens - 1)) if rng.random() < 0.5 else ("time", rng.uniform(0, 0.6))
+            cancel = ("tokens", rng.randint(1, max_tokens - 1)) if rng.random() < 0.5 else ("time", rng.uniform(0, cancel_within_s))
         async with semaphore:
             outcome = await _one(client, url, model, prompt, max_tokens, cancel)
         done += 1
@@ -83,8 +83,10 @@ async def _drive(url: str, model: str, num_requests: int, concurrency: int, canc
 
 
 def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: int = 16, cancel_share: float = 0.2,
-         seed: int = 0, settle_s: float = 30.0) -> dict:
-    """Drive the stack at url; pids: process name -> pid, for memory. Returns the report."""
+         seed: int = 0, settle_s: float = 30.0, cancel_within_s: float = 0.6) -> dict:
+    """Drive the stack at url; pids: process name -> pid, for memory. Returns the report. Half the cancellations
+    close the stream after a number of tokens, half after up to cancel_within_s seconds: a request's usual
+    length, so that they land while it is queued, prefilling or decoding."""
     model = served_model(url)
     trace: dict[str, list[float]] = {name: [] for name in pids}  # MiB after every 100 requests
 
@@ -93,7 +95,7 @@ def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: 
             trace[name].append(round(rss_bytes(pid) / 2**20, 1))
 
     started = time.monotonic()
-    outcomes = asyncio.run(_drive(url, model, num_requests, concurrency, cancel_share, seed, sample))
+    outcomes = asyncio.run(_drive(url, model, num_requests, concurrency, cancel_share, cancel_within_s, seed, sample))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + settle_s  # heartbeats carry the final block counts
     while True:
