@@ -1,7 +1,8 @@
 """PyTorch versions of the paged-attention operations.
 
 They run on the CPU and are the oracle that the Triton kernels are tested against.
-Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim]. A block table
+Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, either two
+tensors or (the runner's) the halves of one [num_blocks, block_size, 2, kvh, d] tensor. A block table
 row lists a sequence's block ids; entries past its context are padding (any valid id).
 """
 from dataclasses import dataclass
@@ -59,20 +60,39 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_si
     return chunks
 
 
+def interleaved_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor | None:
+    """When k_cache and v_cache are the halves of one [num_blocks, block_size, 2, kvh, d] tensor (the runner's
+    layout), each block's K and V as one row [num_blocks, block_size * 2 * kvh * d]; otherwise None."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    row = num_kv_heads * head_dim
+    if (k_cache.stride() != (block_size * 2 * row, 2 * row, head_dim, 1) or v_cache.stride() != k_cache.stride()
+            or v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr()
+            or v_cache.storage_offset() != k_cache.storage_offset() + row):
+        return None
+    return k_cache.as_strided((num_blocks, block_size * 2 * row), (block_size * 2 * row, 1))
+
+
 def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                            plan: list[DecodeChunk] | None = None) -> torch.Tensor:
     """One new token per sequence attending to its whole cached context.
     query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)  # one block per row
+    both = interleaved_blocks(k_cache, v_cache)
+    if both is None:
+        k_rows, v_rows = k_cache.reshape(num_blocks, -1), v_cache.reshape(num_blocks, -1)  # one block per row
     out = torch.empty_like(query)
     for c in plan or plan_decode(block_tables, context_lens, block_size):
         # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
         # [n, kvh, len, d] views in place, strides and all.
-        shape = (c.end - c.start, -1, num_kv_heads, head_dim)
-        keys = k_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)    # [n, kvh, len, d]
-        values = v_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)  # [n, kvh, len, d]
+        n = c.end - c.start
+        if both is not None:  # one copy of whole blocks brings K and V: fewer, longer runs of memory
+            kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)[:, :c.longest]  # [n, len, 2, kvh, d]
+            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)                     # [n, kvh, len, d]
+        else:
+            shape = (n, -1, num_kv_heads, head_dim)
+            keys = k_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)    # [n, kvh, len, d]
+            values = v_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)  # [n, kvh, len, d]
         out[c.start:c.end] = F.scaled_dot_product_attention(
             query[c.start:c.end, :, None, :], keys, values, attn_mask=c.mask, scale=scale,
             enable_gqa=True)[:, :, 0, :]                                                     # [n, H, d]

@@ -120,3 +120,36 @@ def test_prefill_attention_over_paged_prefix_matches_reference(block_size, shape
         v = reference.gather_context(v_cache, block_tables[i], prefix + n)
         dense = dense_attention(q[cu[i]:cu[i + 1]], k, v, scale, q_offset=prefix)
         assert (ref[cu[i]:cu[i + 1]] - dense).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_every_operation_takes_the_runners_interleaved_cache(shape):
+    """The runner keeps K and V as halves of one [num_blocks, block_size, 2, kvh, d] tensor; each operation on
+    those strided views gives what it gives on two separate tensors, and writes where the layout says."""
+    num_heads, num_kv_heads, head_dim = shape
+    block_size, context_lens = 16, [1, 16, 53, 70, 2, 33, 17, 9, 64, 5]
+    k_sep, v_sep, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
+    kv = torch.stack((k_sep, v_sep), dim=2)            # [num_blocks, block_size, 2, kvh, d]
+    k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+    assert reference.interleaved_blocks(k_cache, v_cache) is not None
+    assert reference.interleaved_blocks(k_sep, v_sep) is None and reference.interleaved_blocks(v_cache, k_cache) is None
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=g)
+    lens, scale = torch.tensor(context_lens, dtype=torch.int32), 1 / math.sqrt(head_dim)
+    expected = reference.paged_decode_attention(q, k_sep, v_sep, block_tables, lens, scale)
+    assert (reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale) - expected).abs().max() <= 1e-6
+    assert (triton_decode(q, k_cache, v_cache, block_tables, lens, scale) - expected).abs().max() <= 1e-4
+    cu = torch.tensor([0] + torch.tensor(context_lens).cumsum(0).tolist(), dtype=torch.int32)
+    qp = torch.randn(sum(context_lens), num_heads, head_dim, generator=g)
+    expected = reference.paged_prefill_attention(qp, k_sep, v_sep, block_tables, cu, lens, scale)
+    assert (reference.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu, lens, scale) - expected).abs().max() <= 1e-6
+    assert (triton_prefill(qp, k_cache, v_cache, block_tables, cu, lens, scale) - expected).abs().max() <= 1e-4
+
+    slots = torch.tensor([0, 17, 40, 5 * block_size + 3, -1])
+    key, value = torch.randn(5, num_kv_heads, head_dim, generator=g), torch.randn(5, num_kv_heads, head_dim, generator=g)
+    for store in (reference.store_kv, triton_store_kv):
+        target = torch.zeros_like(kv)
+        store(key, value, target[:, :, 0], target[:, :, 1], slots)
+        rows = target.view(-1, 2, num_kv_heads, head_dim)  # [slots, K/V, kvh, d]
+        assert torch.equal(rows[slots[:4], 0], key[:4]) and torch.equal(rows[slots[:4], 1], value[:4])
+        assert torch.count_nonzero(target) == torch.count_nonzero(key[:4]) + torch.count_nonzero(value[:4])

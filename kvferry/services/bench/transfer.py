@@ -34,7 +34,7 @@ def _sink(endpoint_queue, shape: tuple) -> None:
     sock.bind("tcp://127.0.0.1:0")
     endpoint_queue.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     channel = Channel(sock, "bench/sink")
-    k_cache, v_cache = torch.zeros(shape), torch.zeros(shape)
+    kv_cache = torch.zeros((*shape[:3], 2, *shape[3:]))  # the runner's layout: K and V of a token side by side
     block_ids = list(range(shape[1]))[::-1]
     while True:
         parts = sock.recv_multipart(copy=False)
@@ -47,7 +47,7 @@ def _sink(endpoint_queue, shape: tuple) -> None:
         msg = env.message
         keys, values = frame_tensor(env.frames[0], msg.dtype, msg.shape), frame_tensor(env.frames[1], msg.dtype, msg.shape)
         layers = (msg.layer_start, msg.layer_start + msg.shape[0])
-        scatter_blocks(k_cache, v_cache, block_ids[:msg.shape[1]], keys, values, layers)
+        scatter_blocks(kv_cache, block_ids[:msg.shape[1]], keys, values, layers)
         if layers[1] == shape[0]:
             channel.send(p.KVAck(True), env.request_id, to=peer)
 
@@ -55,7 +55,7 @@ def _sink(endpoint_queue, shape: tuple) -> None:
 def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
             rounds: int, num_groups: int = LAYER_GROUPS) -> dict:
     keep_freed_memory()
-    shape = (num_layers, 4 * num_blocks, block_size, num_kv_heads, head_dim)
+    shape = (num_layers, 4 * num_blocks, block_size, 2, num_kv_heads, head_dim)  # the runner's cache layout
     spawn = multiprocessing.get_context("spawn")
     endpoints = spawn.Queue()
     sink = spawn.Process(target=_sink, args=(endpoints, (num_layers, num_blocks, block_size, num_kv_heads,
@@ -65,7 +65,7 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoints.get(timeout=60))
     channel = Channel(sock, "bench/source")
-    k_cache, v_cache = torch.randn(shape), torch.randn(shape)
+    kv_cache = torch.randn(shape)
     block_ids = random.Random(0).sample(range(shape[1]), num_blocks)  # scattered, as a pool's blocks are
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
     raw_frames = [np.ones(nbytes // 2, dtype=np.uint8), np.ones(nbytes // 2, dtype=np.uint8)]
@@ -75,7 +75,7 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     def kv_once() -> float:
         started = time.perf_counter()
         for lo, hi in groups:  # as PrefillWorker.send_kv does
-            keys, values = gather_blocks(k_cache, v_cache, block_ids, (lo, hi))
+            keys, values = gather_blocks(kv_cache, block_ids, (lo, hi))
             msg = p.KVTransfer("bench", [1] * (num_blocks * block_size), [1], [0], sampling, num_blocks * block_size,
                                "float32", list(keys.shape), deadline_s=1e12, layer_start=lo)
             channel.send(msg, "bench", frames=as_frames(keys, values))
