@@ -167,18 +167,18 @@ class LLMEngine:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def add_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                      params: list[SamplingParams], keys, values, resume_token_ids: list[int] = (),
+                      params: list[SamplingParams], kv, resume_token_ids: list[int] = (),
                       held_blocks: list[int] = ()) -> bool:
-        """A whole transfer in one go (begin_prefilled, write_prefilled, finish_prefilled): keys and values hold
-        every layer of the prompt's blocks after the held ones. False when there is no room now."""
+        """A whole transfer in one go (begin_prefilled, write_prefilled, finish_prefilled): kv holds every layer
+        of the prompt's blocks after the held ones. False when there is no room now."""
         blocks = self.begin_prefilled(request_ids, prompt_token_ids, params, resume_token_ids, held_blocks)
         if blocks is None:
             return False
         placed = False
         try:
-            if keys.dim() != 5 or keys.shape[0] != self.runner.layout.num_layers:
-                raise InvalidRequest(f"KV of shape {tuple(keys.shape)}: one message must carry every layer here")
-            self.write_prefilled(blocks, keys, values)
+            if kv.dim() != 6 or kv.shape[0] != self.runner.layout.num_layers:
+                raise InvalidRequest(f"KV of shape {tuple(kv.shape)}: one message must carry every layer here")
+            self.write_prefilled(blocks, kv)
             placed = self.finish_prefilled(request_ids, prompt_token_ids, first_token_ids, params, blocks,
                                            resume_token_ids, held_blocks)
             return placed
@@ -218,17 +218,18 @@ class LLMEngine:
             return None
         return bm.allocate(bm.num_blocks_for(num_prompt) - num_held)
 
-    def write_prefilled(self, blocks: list[int], keys, values, layer_start: int = 0) -> None:
-        """Place received K and V of layers [layer_start, layer_start + keys.shape[0]) into a transfer's blocks."""
+    def write_prefilled(self, blocks: list[int], kv, layer_start: int = 0) -> None:
+        """Place received K and V ([layers, blocks, block_size, 2, kvh, d]) of layers [layer_start, layer_start +
+        kv.shape[0]) into a transfer's blocks."""
         layout = self.runner.layout
-        num_layers = keys.shape[0] if keys.dim() == 5 else 0
-        expected = (num_layers, len(blocks), layout.block_size, layout.num_kv_heads, layout.head_dim)
+        num_layers = kv.shape[0] if kv.dim() == 6 else 0
+        expected = (num_layers, len(blocks), layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
         if (num_layers < 1 or layer_start < 0 or layer_start + num_layers > layout.num_layers
-                or tuple(keys.shape) != expected or tuple(values.shape) != expected):
-            raise InvalidRequest(f"KV of shape {tuple(keys.shape)} from layer {layer_start} into {len(blocks)} "
+                or tuple(kv.shape) != expected):
+            raise InvalidRequest(f"KV of shape {tuple(kv.shape)} from layer {layer_start} into {len(blocks)} "
                                  f"blocks; this worker has {layout.num_layers} layers of "
                                  f"{expected[2:]} per block")
-        self.runner.write_blocks(blocks, keys, values, (layer_start, layer_start + num_layers))
+        self.runner.write_blocks(blocks, kv, (layer_start, layer_start + num_layers))
 
     def finish_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
                          params: list[SamplingParams], blocks: list[int], resume_token_ids: list[int] = (),

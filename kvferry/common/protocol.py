@@ -15,11 +15,12 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 8  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
+PROTOCOL_VERSION = 9  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
 #                        5: prefix caching (CacheUpdate, cache figures in WorkerStats);
 #                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld);
 #                        7: Register.quantization;
-#                        8: a transfer's groups before the last may go out during the compute, without first tokens
+#                        8: a transfer's groups before the last may go out during the compute, without first tokens;
+#                        9: a KVTransfer's K and V are one frame, a token's K and V side by side (the cache's layout)
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -204,7 +205,7 @@ class KVTransfer:
     sampling: Sampling
     num_computed_tokens: int
     dtype: str
-    shape: list[int]
+    shape: list[int]  # of the one frame: [layers, blocks, block_size, 2 (K, V), kv_heads, head_dim]
     deadline_s: float
     gather_s: float = 0.0   # time the prefill worker spent copying the blocks out after the prompt's compute
     sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
@@ -274,16 +275,17 @@ class RequestFailed:
 MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
                              (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
                               Tokens, Abort, RequestFailed, Deregister, CacheUpdate, KVQuery, KVHeld)}
-FRAMED = {Kind.KV_TRANSFER: 2}  # kinds that carry raw frames, and how many
+FRAMED = {Kind.KV_TRANSFER: 1}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 def kv_frame_bytes(message: "KVTransfer") -> int:
-    """The exact size each of a KVTransfer's two frames must have."""
+    """The exact size a KVTransfer's frame must have."""
     if message.dtype not in DTYPE_BYTES:
         raise ProtocolError(f"KVTransfer.dtype {message.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
-    if len(message.shape) != 5 or any(n < 0 for n in message.shape):
-        raise ProtocolError(f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, kv_heads, head_dim]")
+    if len(message.shape) != 6 or message.shape[3] != 2 or any(n < 0 for n in message.shape):
+        raise ProtocolError(f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, 2, kv_heads, "
+                            f"head_dim]")
     size = DTYPE_BYTES[message.dtype]
     for n in message.shape:
         size *= n

@@ -145,11 +145,11 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,), max_tokens=4):
         sampling = p.Sampling(max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
                               stop_token_ids=[])
-        shape = [layers[1] - layers[0], num_blocks, 16, 3, 64]
+        shape = [layers[1] - layers[0], num_blocks, 16, 2, 3, 64]
         message = p.KVTransfer("test", tokens, list(first_tokens), [0], sampling, len(tokens), "float32", shape,
                                deadline_s=1e12,
                                num_skipped_blocks=skipped, gateway_id="any", layer_start=layers[0])
-        return message, [bytes(p.kv_frame_bytes(message))] * 2
+        return message, [bytes(p.kv_frame_bytes(message))]
 
     # More blocks left out than are held: the decode worker lets go of them and asks for every block.
     ack = ask("probe", *transfer(2, len(hashes) + 1))

@@ -242,8 +242,8 @@ def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
                 frames = [msgpack.packb([int(p.Kind.TOKENS), 99, "x", {}, {"token_ids": [1]}])]
             elif kind == 3:  # a KV transfer whose frames do not match its header
                 frames = [p.encode(p.KVTransfer("p", [1], [2], [0], p.Sampling(1, 0.0, 1.0, 0, None, False, []), 1,
-                                                "float32", [1, 1, 16, 1, 64], 1e12), "x", frames=[b"", b""])[0],
-                          b"\0" * 10, b"\0" * 10]
+                                                "float32", [1, 1, 16, 2, 1, 64], 1e12), "x", frames=[b""])[0],
+                          b"\0" * 10]
             elif i % 1000 == 4:  # an oversized header (a few: each is a megabyte)
                 frames = [b"\x95" + b"\0" * (p.MAX_HEADER_BYTES + 1)]
             else:  # an unknown kind
@@ -319,14 +319,14 @@ def test_a_decode_worker_frees_a_request_the_gateway_does_not_know(make_stack, t
     traces = tmp_path / "traces"
     stack = make_stack(extra_env={"KVFERRY_TRACE_DIR": str(traces)}).start_pair()
     decode = stack.workers()["decode-a"]
-    shape = [30, 2, 16, 3, 64]  # SmolLM2: layers, blocks for 20 tokens, block size, KV heads, head dim
-    frame = bytes(4 * 30 * 2 * 16 * 3 * 64)
+    shape = [30, 2, 16, 2, 3, 64]  # SmolLM2: layers, blocks for 20 tokens, block size, K/V, KV heads, head dim
+    frame = bytes(4 * 30 * 2 * 16 * 2 * 3 * 64)
     transfer = p.KVTransfer("nobody", list(range(300, 320)), [400], [0],
                             p.Sampling(2000, 0.0, 1.0, 0, None, True, []), 20, "float32", shape, time.time() + 600)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(decode["kv_address"])
-    sock.send_multipart(p.encode(transfer, "cmpl-unknown", frames=[frame, frame]))
+    sock.send_multipart(p.encode(transfer, "cmpl-unknown", frames=[frame]))
     assert sock.poll(10_000), "no acknowledgement"
     assert p.decode(sock.recv_multipart()).message.accepted
     sock.close()

@@ -101,8 +101,8 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
         return outputs
 
     seq = prefill_prompt("turn-1", first)
-    keys, values = prefill.runner.read_blocks(seq.block_table)
-    assert decode.add_prefilled(["turn-1"], first, [seq.output_token_ids[-1]], [params], keys, values)
+    kv = prefill.runner.read_blocks(seq.block_table)
+    assert decode.add_prefilled(["turn-1"], first, [seq.output_token_ids[-1]], [params], kv)
     prefill.scheduler.release(seq)
     assert decode_all()["turn-1"] == LLMEngine(config).generate([first], params)[0].output_token_ids
 
@@ -114,14 +114,14 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
     # Held blocks that do not hold this prompt's start, or more than may be left out, are refused.
     other = [t + 1 for t in second]
     with pytest.raises(InvalidRequest, match="do not hold this prompt"):
-        decode.add_prefilled(["x"], other, [5], [params], *prefill.runner.read_blocks(seq.block_table[3:]),
+        decode.add_prefilled(["x"], other, [5], [params], prefill.runner.read_blocks(seq.block_table[3:]),
                              held_blocks=held)
     with pytest.raises(InvalidRequest, match="can be left out"):
-        decode.add_prefilled(["x"], first[:3 * BLOCK], [5], [params], *prefill.runner.read_blocks([]),
+        decode.add_prefilled(["x"], first[:3 * BLOCK], [5], [params], prefill.runner.read_blocks([]),
                              held_blocks=held)
-    keys, values = prefill.runner.read_blocks(seq.block_table[3:])
-    assert keys.shape[1] == len(seq.block_table) - 3
-    assert decode.add_prefilled(["turn-2"], second, [seq.output_token_ids[-1]], [params], keys, values, held_blocks=held)
+    kv = prefill.runner.read_blocks(seq.block_table[3:])
+    assert kv.shape[1] == len(seq.block_table) - 3
+    assert decode.add_prefilled(["turn-2"], second, [seq.output_token_ids[-1]], [params], kv, held_blocks=held)
     prefill.scheduler.release(seq)
     assert decode_all()["turn-2"] == LLMEngine(config).generate([second], params)[0].output_token_ids
     assert bm.num_free_blocks == bm.num_blocks and prefill.block_manager.num_free_blocks == bm.num_blocks

@@ -4,27 +4,25 @@ import torch
 from kvferry.common.model.kv_blocks import as_frames, frame_tensor, gather_blocks, scatter_blocks
 
 
-def test_blocks_round_trip_through_raw_frames_into_other_block_ids():
+def test_blocks_round_trip_through_a_raw_frame_into_other_block_ids():
     shape = (3, 10, 4, 2, 2, 5)  # layers, blocks, block size, K/V, kv heads, head dim: the runner's layout
     src = torch.randn(shape)
     source_ids, target_ids = [7, 2, 9], [0, 5, 1]
-    keys, values = gather_blocks(src, source_ids)
-    assert keys.shape == (3, 3, 4, 2, 5) and keys.is_contiguous() and values.is_contiguous()
-    assert torch.equal(keys[:, 1], src[:, 2, :, 0]) and torch.equal(values[:, 1], src[:, 2, :, 1])
-    frames = [bytes(f) for f in as_frames(keys, values)]  # what arrives on the other side
-    assert len(frames[0]) == keys.numel() * 4
+    kv = gather_blocks(src, source_ids)
+    assert kv.shape == (3, 3, 4, 2, 2, 5) and kv.is_contiguous() and torch.equal(kv[:, 1], src[:, 2])
+    [frame] = [bytes(f) for f in as_frames(kv)]  # what arrives on the other side
+    assert len(frame) == kv.numel() * 4
     dst = torch.zeros(shape)
-    scatter_blocks(dst, target_ids, frame_tensor(frames[0], "float32", list(keys.shape)),
-                   frame_tensor(frames[1], "float32", list(keys.shape)))
+    scatter_blocks(dst, target_ids, frame_tensor(frame, "float32", list(kv.shape)))
     for s, t in zip(source_ids, target_ids):
         assert torch.equal(dst[:, t], src[:, s])
     untouched = [b for b in range(10) if b not in target_ids]
     assert not dst[:, untouched].any()
     # A group of layers goes alone, and lands in those layers only.
-    keys, values = gather_blocks(src, source_ids, (1, 2))
-    assert keys.shape == (1, 3, 4, 2, 5) and torch.equal(keys[0, 0], src[1, 7, :, 0])
+    kv = gather_blocks(src, source_ids, (1, 2))
+    assert kv.shape == (1, 3, 4, 2, 2, 5) and torch.equal(kv[0, 0], src[1, 7])
     again = torch.zeros(shape)
-    scatter_blocks(again, target_ids, keys, values, (1, 2))
+    scatter_blocks(again, target_ids, kv, (1, 2))
     assert torch.equal(again[1, 0], src[1, 7]) and not again[0].any() and not again[2].any()
 
 

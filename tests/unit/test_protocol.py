@@ -10,7 +10,7 @@ SAMPLING = p.Sampling(max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=No
 
 def kv_message(num_blocks=2):
     return p.KVTransfer(prefill_worker_id="p0", prompt_token_ids=[1, 2, 3], output_token_ids=[9], choices=[0], sampling=SAMPLING,
-                        num_computed_tokens=3, dtype="float32", shape=[2, num_blocks, 4, 1, 2], deadline_s=1e9)
+                        num_computed_tokens=3, dtype="float32", shape=[2, num_blocks, 4, 2, 1, 2], deadline_s=1e9)
 
 
 def test_every_kind_round_trips():
@@ -31,9 +31,9 @@ def test_every_kind_round_trips():
     for message in messages:
         env = p.decode(p.encode(message, "req-1", trace))
         assert env.message == message and env.request_id == "req-1" and env.trace == trace and env.frames == []
-    frame = bytes(2 * 2 * 4 * 1 * 2 * 4)
-    env = p.decode(p.encode(kv_message(), "r", frames=[frame, frame]))
-    assert env.message == kv_message() and [bytes(f) for f in env.frames] == [frame, frame]
+    frame = bytes(2 * 2 * 4 * 2 * 1 * 2 * 4)
+    env = p.decode(p.encode(kv_message(), "r", frames=[frame]))
+    assert env.message == kv_message() and [bytes(f) for f in env.frames] == [frame]
 
 
 def header(kind=p.Kind.ABORT, version=p.PROTOCOL_VERSION, request_id="r", trace=None, body=None):
@@ -63,16 +63,21 @@ def test_bad_messages_raise_one_protocol_error(parts, why):
 
 
 def test_kv_frames_must_match_their_description():
-    good = bytes(2 * 2 * 4 * 1 * 2 * 4)
-    [head, _, _] = p.encode(kv_message(), "r", frames=[good, good])
+    good = bytes(2 * 2 * 4 * 2 * 1 * 2 * 4)
+    [head, _] = p.encode(kv_message(), "r", frames=[good])
     with pytest.raises(p.ProtocolError, match="KV frame of"):
-        p.decode([head, good[:-4], good])  # truncated
-    with pytest.raises(p.ProtocolError, match="carries 2 frames"):
-        p.decode([head, good])
+        p.decode([head, good[:-4]])  # truncated
+    with pytest.raises(p.ProtocolError, match="carries 1 frames"):
+        p.decode([head, good, good])  # K and V apart, as before protocol 9
     bad_dtype = kv_message()
     bad_dtype.dtype = "int8"
     with pytest.raises(p.ProtocolError, match="dtype"):
-        p.decode(p.encode(bad_dtype, "r", frames=[good, good]))
+        p.decode(p.encode(bad_dtype, "r", frames=[good]))
+    for shape in ([2, 2, 4, 1, 2], [2, 2, 4, 3, 1, 2]):  # no K/V axis; three where K and V are two
+        bad_shape = kv_message()
+        bad_shape.shape = shape
+        with pytest.raises(p.ProtocolError, match="is not"):
+            p.decode(p.encode(bad_shape, "r", frames=[good]))
 
 
 def test_encode_refuses_a_wrong_frame_count():

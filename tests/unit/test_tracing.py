@@ -73,11 +73,11 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
     out = Channel(dealer, "out", peer_name="decode-a", tracer=sender)
     into = Channel(router, "in", tracer=receiver)
     parent = tracing.child_of(None)
-    frame = bytes(2 * 1 * 4 * 1 * 2 * 4)
+    frame = bytes(2 * 1 * 4 * 2 * 1 * 2 * 4)
     msg = p.KVTransfer(prefill_worker_id="prefill-a", prompt_token_ids=[1, 2], output_token_ids=[3], choices=[0],
                        sampling=p.Sampling(4, 0.0, 1.0, 0, None, False, []), num_computed_tokens=2,
-                       dtype="float32", shape=[2, 1, 4, 1, 2], deadline_s=1e12)
-    sent_ctx = out.send(msg, "r1", parent, frames=[frame, frame])
+                       dtype="float32", shape=[2, 1, 4, 2, 1, 2], deadline_s=1e12)
+    sent_ctx = out.send(msg, "r1", parent, frames=[frame])
     peer, env = into.recv()
     assert peer == b"prefill-a" and env.trace == sent_ctx
     assert sent_ctx.trace_id == parent.trace_id and sent_ctx.parent_id == parent.span_id
@@ -92,7 +92,7 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
     (got,) = [json.loads(x) for f in tmp_path.glob("decode-a-*") for x in f.read_text().splitlines()
               if '"recv"' in x]
     assert sent["span_id"] == got["span_id"] == sent_ctx.span_id
-    assert sent["payload_bytes"] == got["payload_bytes"] == 2 * len(frame)
+    assert sent["payload_bytes"] == got["payload_bytes"] == len(frame)
     assert sent["header_bytes"] == got["header_bytes"] > 0
     assert sent["peer"] == "decode-a" and got["peer"] == "prefill-a" and got["kind"] == "KVTransfer"
 

@@ -1,7 +1,7 @@
 """A sequence's KV blocks out of one paged cache and into another: what a KV transfer moves.
 
-The cache is [num_layers, num_blocks, block_size, 2, kv_heads, head_dim] (K and V of a token side by side);
-on the wire K and V are a frame each, [num_layers, num_blocks, block_size, kv_heads, head_dim]. A transfer goes in layer groups,
+The cache is [num_layers, num_blocks, block_size, 2, kv_heads, head_dim] (K and V of a token side by side), and
+so is a transfer's one frame, with the transfer's blocks: one copy out, one copy in. A transfer goes in layer groups,
 one message each: the sender gathers a group (one copy into a contiguous CPU buffer, which ZeroMQ then
 sends without copying) while the previous group is on the wire, and the receiver places each group,
 viewed in place from the received frames, straight into its blocks while the next one arrives.
@@ -19,30 +19,26 @@ def layer_groups(num_layers: int, num_groups: int = LAYER_GROUPS) -> list[tuple[
     return [(lo, min(num_layers, lo + size)) for lo in range(0, num_layers, size)]
 
 
-def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int],
-                  layers: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of these blocks in these layers (default all), each [num_layers, len(block_ids), block_size,
-    kv_heads, head_dim], contiguous on the CPU: ready to go out as raw frames."""
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+    """K and V of these blocks in these layers (default all), [num_layers, len(block_ids), block_size, 2, kv_heads,
+    head_dim], contiguous on the CPU: ready to go out as a raw frame."""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    # index_select of whole blocks, then K and V apart: index_select on the strided K view alone, or advanced
-    # indexing, is hundreds of times slower on the CPU.
-    both = kv_cache[lo:hi].index_select(1, index)  # [layers, n, block_size, 2, kvh, d]
-    return both.select(3, 0).contiguous().cpu(), both.select(3, 1).contiguous().cpu()
+    # index_select, not kv_cache[:, index]: advanced indexing of the cache is markedly slower on the CPU.
+    return kv_cache[lo:hi].index_select(1, index).cpu()
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], keys: torch.Tensor, values: torch.Tensor,
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor,
                    layers: tuple[int, int] | None = None) -> None:
-    """Place received K and V ([num_layers, len(block_ids), ...]) into these blocks of these layers."""
+    """Place received K and V ([num_layers, len(block_ids), block_size, 2, ...]) into these blocks of these layers."""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache[lo:hi, :, :, 0][:, index] = keys.to(kv_cache.device, kv_cache.dtype)
-    kv_cache[lo:hi, :, :, 1][:, index] = values.to(kv_cache.device, kv_cache.dtype)
+    kv_cache[lo:hi].index_copy_(1, index, kv.to(kv_cache.device, kv_cache.dtype))
 
 
-def as_frames(keys: torch.Tensor, values: torch.Tensor) -> list:
+def as_frames(kv: torch.Tensor) -> list:
     """The raw bytes of gathered K and V, viewed (not copied) so that ZeroMQ sends them in place."""
-    return [keys.view(-1).view(torch.uint8).numpy(), values.view(-1).view(torch.uint8).numpy()]
+    return [kv.view(-1).view(torch.uint8).numpy()]
 
 
 def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:

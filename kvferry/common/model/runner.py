@@ -89,19 +89,18 @@ class ModelRunner:
         self.seq_generators.pop(request_id, None)
         self.prompt_logprobs.pop(request_id, None)
 
-    def read_blocks(self, block_table: list[int], layers: tuple[int, int] | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A sequence's K and V in these layers (default all), each [layers, num_blocks, block_size, kv_heads,
-        head_dim], contiguous on the CPU: ready to go out as raw frames."""
+    def read_blocks(self, block_table: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
+        """A sequence's K and V in these layers (default all), [layers, num_blocks, block_size, 2, kv_heads,
+        head_dim], contiguous on the CPU: ready to go out as a raw frame."""
         return gather_blocks(self.kv_cache, block_table, layers)
 
-    def write_blocks(self, block_table: list[int], keys: torch.Tensor, values: torch.Tensor,
-                     layers: tuple[int, int] | None = None) -> None:
-        """Place received K and V ([layers, n, block_size, kv_heads, head_dim]) into these blocks."""
+    def write_blocks(self, block_table: list[int], kv: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
+        """Place received K and V ([layers, n, block_size, 2, kv_heads, head_dim]) into these blocks."""
         lo, hi = layers or (0, self.layout.num_layers)
-        expected = (hi - lo, len(block_table), self.layout.block_size, self.layout.num_kv_heads, self.layout.head_dim)
-        assert tuple(keys.shape) == expected and tuple(values.shape) == expected, (keys.shape, expected)
-        scatter_blocks(self.kv_cache, block_table, keys, values, layers)
+        expected = (hi - lo, len(block_table), self.layout.block_size, 2, self.layout.num_kv_heads,
+                    self.layout.head_dim)
+        assert tuple(kv.shape) == expected, (kv.shape, expected)
+        scatter_blocks(self.kv_cache, block_table, kv, layers)
 
     def copy_block(self, src: int, dst: int) -> None:
         """One block's K and V, in every layer, into another block (a choice's own copy of a shared one)."""

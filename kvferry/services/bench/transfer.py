@@ -4,7 +4,7 @@ A sink process binds a ROUTER socket on 127.0.0.1 TCP, as a decode worker's KV i
 - kv: the workers' path. A KVTransfer per layer group through a Channel, each group gathered out of a paged
   cache while the one before is on the wire; the sink decodes each, views its frames as tensors and places
   them into its own blocks (other ids, other order), and acknowledges the last.
-- raw: the same number of bytes as two preallocated frames, acknowledged on arrival.
+- raw: the same number of bytes as one preallocated frame, acknowledged on arrival.
 Each figure is the time from the send (the gather included) to the acknowledgement.
 """
 import json
@@ -45,9 +45,9 @@ def _sink(endpoint_queue, shape: tuple) -> None:
             continue
         peer, env = channel.unpack(parts)
         msg = env.message
-        keys, values = frame_tensor(env.frames[0], msg.dtype, msg.shape), frame_tensor(env.frames[1], msg.dtype, msg.shape)
+        kv = frame_tensor(env.frames[0], msg.dtype, msg.shape)
         layers = (msg.layer_start, msg.layer_start + msg.shape[0])
-        scatter_blocks(kv_cache, block_ids[:msg.shape[1]], keys, values, layers)
+        scatter_blocks(kv_cache, block_ids[:msg.shape[1]], kv, layers)
         if layers[1] == shape[0]:
             channel.send(p.KVAck(True), env.request_id, to=peer)
 
@@ -68,17 +68,17 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     kv_cache = torch.randn(shape)
     block_ids = random.Random(0).sample(range(shape[1]), num_blocks)  # scattered, as a pool's blocks are
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
-    raw_frames = [np.ones(nbytes // 2, dtype=np.uint8), np.ones(nbytes // 2, dtype=np.uint8)]
+    raw_frames = [np.ones(nbytes, dtype=np.uint8)]
     groups = layer_groups(num_layers, num_groups)
     sampling = p.Sampling(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=None, ignore_eos=True, stop_token_ids=[])
 
     def kv_once() -> float:
         started = time.perf_counter()
         for lo, hi in groups:  # as PrefillWorker.send_kv does
-            keys, values = gather_blocks(kv_cache, block_ids, (lo, hi))
+            kv = gather_blocks(kv_cache, block_ids, (lo, hi))
             msg = p.KVTransfer("bench", [1] * (num_blocks * block_size), [1], [0], sampling, num_blocks * block_size,
-                               "float32", list(keys.shape), deadline_s=1e12, layer_start=lo)
-            channel.send(msg, "bench", frames=as_frames(keys, values))
+                               "float32", list(kv.shape), deadline_s=1e12, layer_start=lo)
+            channel.send(msg, "bench", frames=as_frames(kv))
         channel.recv()
         return time.perf_counter() - started
 

@@ -249,9 +249,8 @@ class DecodeWorker(Worker):
                 ack(False, "the transfer's first layer groups were not placed here")
             return
         try:
-            keys = frame_tensor(env.frames[0], msg.dtype, msg.shape)
-            values = frame_tensor(env.frames[1], msg.dtype, msg.shape)
-            self.engine.write_prefilled(incoming.blocks, keys, values, msg.layer_start)
+            kv = frame_tensor(env.frames[0], msg.dtype, msg.shape)  # [layers, blocks, block_size, 2, kvh, d]
+            self.engine.write_prefilled(incoming.blocks, kv, msg.layer_start)
             if last:
                 check_choices(msg, announced=incoming.first.choices)
         except (InvalidRequest, KeyError, RuntimeError) as exc:
@@ -260,7 +259,7 @@ class DecodeWorker(Worker):
             self.refuse(rid, msg, env, incoming.link, exc, ack)
             return
         incoming.next_layer += msg.shape[0]
-        incoming.num_bytes += keys.nbytes + values.nbytes
+        incoming.num_bytes += kv.nbytes
         incoming.expires_at = time.monotonic() + INCOMING_S
         if not last:
             return

@@ -53,7 +53,7 @@ class Transfer:
     ready_at: float = dataclasses.field(default_factory=time.monotonic)
     ready: bool = False  # whether the blocks to send are settled (the decode worker's KVHeld came, or is late)
     num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not sent
-    parts: dict = dataclasses.field(default_factory=dict)  # layer start -> (keys, values) gathered, kept for resends
+    parts: dict = dataclasses.field(default_factory=dict)  # layer start -> its K and V gathered, kept for resends
     gather_s: float = 0.0    # copying the blocks out after the compute (the part a transfer adds to decode's wait)
     early_answer: p.KVAck | None = None  # the decode worker's answer to groups sent during the compute, if any
     num_bytes: int = 0       # of one send
@@ -386,20 +386,20 @@ class PrefillWorker(Worker):
                 self.tracer.span("kv.gather", started, time.time(), t.request_id, tracing.child_of(t.trace),
                                  num_blocks=len(blocks), num_held_by_decode=t.num_skipped_blocks, layers=[lo, hi],
                                  during_compute=early)
-        keys, values = t.parts[lo]
+        kv = t.parts[lo]  # [layers, blocks, block_size, 2, kvh, d]
         msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
                            output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
                            num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
-                           dtype=str(keys.dtype).removeprefix("torch."), shape=list(keys.shape),
+                           dtype=str(kv.dtype).removeprefix("torch."), shape=list(kv.shape),
                            deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
                            attempt=t.request.attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
                            num_skipped_blocks=t.num_skipped_blocks, layer_start=lo)
         channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
-        channel.send(msg, t.request_id, t.trace, frames=as_frames(keys, values))
+        channel.send(msg, t.request_id, t.trace, frames=as_frames(kv))
         t.first_sent_at = t.first_sent_at or msg.sent_at
-        self.num_kv_bytes_sent += keys.nbytes + values.nbytes
+        self.num_kv_bytes_sent += kv.nbytes
         if early:
-            self.num_kv_bytes_sent_early += keys.nbytes + values.nbytes
+            self.num_kv_bytes_sent_early += kv.nbytes
 
     def send_due_transfers(self) -> None:
         now = time.monotonic()
