@@ -58,13 +58,15 @@ class DecodeWorker(Worker):
 
     def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0",
                  advertise_host: str | None = None, **kwargs):
-        super().__init__(config, gateway, worker_id, **kwargs)
-        self.auth = self.curve.authenticator(self.ctx) if self.curve else None
-        sock = self.ctx.socket(zmq.ROUTER)
+        # Bound before the model loads (in Worker.__init__): a taken port fails at once.
+        curve = kwargs.get("curve")
+        self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
+        sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        if self.curve:
-            self.curve.serve(sock)
+        if curve:
+            curve.serve(sock)
         bind_zmq(sock, kv_bind, "--kv-bind (KVFERRY_KV_BIND)")
+        super().__init__(config, gateway, worker_id, **kwargs)
         warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
