@@ -290,3 +290,27 @@ def test_compose_runs_a_gateway_two_prefill_and_two_decode_workers():
         host, port = tcp_port(env["KVFERRY_GATEWAY"])
         assert host == "gateway" and port == tcp_port(env_of["KVFERRY_CONTROL"])[1]
         assert service["depends_on"]["gateway"]["condition"] == "service_started"  # healthy needs workers
+
+
+def test_the_curve_secret_mounts_as_the_folder_kvferry_keys_makes(tmp_path):
+    """The Secret made from `kvferry keys` output holds its top-level files only; each pod's volume must give
+    back the folder CurveKeys.load and the authenticator read, clients/ included, where KVFERRY_CURVE_KEYS says."""
+    from kvferry.common.curve import CurveKeys, generate
+
+    made = tmp_path / "keys"
+    generate(made)
+    secret_data = {p.name: p.read_bytes() for p in made.iterdir() if p.is_file()}  # kubectl --from-file=keys/
+    curve_dir = documents(K8S / "secret.example.yaml")[0]["stringData"]["KVFERRY_CURVE_KEYS"]
+    for name in ROLES:
+        [volume] = [v for v in pod(name)["volumes"] if v["name"] == "curve"]
+        assert volume["secret"]["secretName"] == "kvferry-curve" and volume["secret"]["optional"] is True
+        [mount] = [m for m in container(name)["volumeMounts"] if m["name"] == "curve"]
+        assert mount["mountPath"] == curve_dir and mount["readOnly"] is True
+        mounted = tmp_path / name  # what the kubelet would project
+        for item in volume["secret"]["items"]:
+            (mounted / item["path"]).parent.mkdir(parents=True, exist_ok=True)
+            (mounted / item["path"]).write_bytes(secret_data[item["key"]])
+        keys, expected = CurveKeys.load(mounted), CurveKeys.load(made)
+        assert (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret) == \
+            (expected.server_public, expected.server_secret, expected.client_public, expected.client_secret)
+        assert (mounted / "clients" / "client.key").read_bytes() == (made / "clients" / "client.key").read_bytes()
