@@ -35,3 +35,9 @@ def cmd_health(args) -> int:
     code, text = probe(args.url or default_urls())
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
+
+
+if __name__ == "__main__":  # the image's HEALTHCHECK: standard library only, where `kvferry` would import torch
+    code, text = probe(default_urls())
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    sys.exit(code)

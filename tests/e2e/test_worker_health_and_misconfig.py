@@ -50,6 +50,12 @@ def test_worker_health_says_registered_and_stepping_and_catches_a_stuck_loop(mak
     # `kvferry health` (the image's HEALTHCHECK) asks the worker port first, then the gateway's.
     env = {**stack.env, "KVFERRY_HEALTH_PORT": str(decode_health), "KVFERRY_PORT": "1"}
     assert kvferry("health", env=env).returncode == 0
+    image_check = subprocess.run([sys.executable, "-m", "kvferry.services.health_probe"], capture_output=True,
+                                 text=True, timeout=60, env=env)  # the Dockerfile's HEALTHCHECK
+    assert image_check.returncode == 0 and f"{decode_health}/health: 200" in image_check.stdout
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", "import sys, kvferry.services.health_probe; print(sorted(sys.modules))"],
+        capture_output=True, text=True, timeout=60).stdout, "the health check stays light"
     env = {**stack.env, "KVFERRY_HEALTH_PORT": str(free_port()), "KVFERRY_PORT": str(stack.port)}
     done = kvferry("health", env=env)
     assert done.returncode == 0 and f"127.0.0.1:{stack.port}/health: 200" in done.stdout

@@ -1,6 +1,7 @@
 """The deployment files, checked offline: every Kubernetes manifest against the Kubernetes schemas (strict),
 the metrics adapter's rules against the schema kept in the repo, the Dockerfile and compose file, and how the
 pieces fit: addresses, ports, probe paths, grace periods, environment variables and autoscaling metrics."""
+import importlib.util
 import json
 import re
 import subprocess
@@ -263,7 +264,10 @@ def test_the_dockerfile_is_well_formed_and_copies_only_what_exists(monkeypatch):
                 assert (ROOT / source).exists(), f"COPY {source}: not in the repository (the build context)"
     users = [s["value"].split(":")[0] for s in steps if s["instruction"] == "USER"]
     assert users and users[-1] not in ("root", "0"), "the image runs as a non-root user"
-    assert any(s["instruction"] == "HEALTHCHECK" and "kvferry" in s["value"] and "health" in s["value"] for s in steps)
+    [check] = [s["value"] for s in steps if s["instruction"] == "HEALTHCHECK"]
+    command = json.loads(check[check.index("CMD") + 3:])
+    assert command[:2] == ["python", "-m"] and importlib.util.find_spec(command[2]) is not None, command
+    assert command[2] == "kvferry.services.health_probe"
     assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["kvferry"]
     exposed = {int(port) for s in steps if s["instruction"] == "EXPOSE" for port in s["value"].split()}
     assert {int(config()["KVFERRY_PORT"]), int(config()["KVFERRY_HEALTH_PORT"]),
