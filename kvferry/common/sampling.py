@@ -8,6 +8,7 @@ from kvferry.common.errors import InvalidRequest
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
+MAX_TOP_K = 2**31 - 1  # past the vocabulary it cuts nothing; beyond this it would overflow the wire (a 500, once)
 MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; seed + choice still fits torch's generator and msgpack
 
 
@@ -47,8 +48,8 @@ class SamplingParams:
             raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise InvalidRequest(f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:
+            raise InvalidRequest(f"top_k must be -1, 0 or a positive integer up to {MAX_TOP_K}, got {self.top_k!r}")
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed <= MAX_SEED):

@@ -131,6 +131,8 @@ def test_stop_strings_even_across_tokens(stack):
     ("/v1/chat/completions", {"messages": "hello"}, None, 400, None),
     ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, 400, None),
     ("/v1/completions", {"prompt": "hi", "seed": 2**85}, None, 400, None),  # was a 500 (found by schemathesis)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**95}, None, 400,
+     None),  # was a 500 (found by schemathesis)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
      None, 400, None),
 ])

@@ -19,7 +19,7 @@ def _sampling(limits) -> dict:
     return {
         "model": {"type": "string", "nullable": True},
         "max_tokens": _num(0, limits.max_tokens, True), "temperature": _num(0), "top_p": _num(0, 1, exclusiveMinimum=True),
-        "top_k": _num(-1, None, True), "min_p": _num(0, 1), "n": _num(1, limits.max_n, True),
+        "top_k": _num(-1, 2**31 - 1, True), "min_p": _num(0, 1), "n": _num(1, limits.max_n, True),
         "seed": _num(0, 2**63 - 1, True), "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
         "repetition_penalty": _num(0, 2, exclusiveMinimum=True), "min_tokens": _num(0, limits.max_tokens, True),
         "ignore_eos": {"type": "boolean", "nullable": True}, "stop_token_ids": token_ids,
