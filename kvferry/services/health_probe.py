@@ -31,13 +31,15 @@ def probe(urls: list[str], timeout_s: float = 4.0) -> tuple[int, str]:
     return 1, f"nothing answers at {', '.join(urls)}"
 
 
-def cmd_health(args) -> int:
-    code, text = probe(args.url or default_urls())
+def check(urls: list[str] | None = None) -> int:
+    code, text = probe(urls or default_urls())
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
 
 
+def cmd_health(args) -> int:
+    return check(args.url)
+
+
 if __name__ == "__main__":  # the image's HEALTHCHECK: standard library only, where `kvferry` would import torch
-    code, text = probe(default_urls())
-    print(text, file=sys.stdout if code == 0 else sys.stderr)
-    sys.exit(code)
+    sys.exit(check())

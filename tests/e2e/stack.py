@@ -131,6 +131,16 @@ class Stack:
         self.wait_for(lambda: names <= set(self.workers()), timeout, f"workers {sorted(names)}")
 
 
+def engine_texts(prompts: list[str], **sampling) -> list[str]:
+    """What the in-process engine (the default model) generates for each prompt: the reference a stack must match."""
+    from kvferry.common.config import EngineConfig
+    from kvferry.common.engine import LLMEngine
+    from kvferry.common.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 2**20))
+    return [out.text for out in engine.generate(prompts, SamplingParams(**sampling))]
+
+
 @contextlib.contextmanager
 def running_pair(log_dir: Path, **kwargs):
     """A Stack with the gateway and one worker of each role (prefill-a, decode-a), always cleaned up."""

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from tests.e2e.netns import Hosts, ensure_ip
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, engine_texts
 
 pytestmark = pytest.mark.slow
 BODY = {"temperature": 0, "ignore_eos": True}
@@ -30,13 +30,7 @@ def hosts():
 
 @pytest.fixture(scope="module")
 def reference():
-    from kvferry.common.config import EngineConfig
-    from kvferry.common.engine import LLMEngine
-    from kvferry.common.sampling import SamplingParams
-
-    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 2**20))
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=16, **BODY))
-    return [out.text for out in outs]
+    return engine_texts(PROMPTS, max_tokens=16, **BODY)
 
 
 def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(make_stack, hosts, reference, monkeypatch):

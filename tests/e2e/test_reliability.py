@@ -12,7 +12,7 @@ import pytest
 import zmq
 
 from kvferry.common import protocol as p
-from tests.e2e.stack import Stack
+from tests.e2e.stack import Stack, engine_texts
 
 pytestmark = pytest.mark.slow
 PROMPTS = [f"Story {i}: once upon a time, in a land of {thing}," for i, thing in enumerate(
@@ -116,13 +116,7 @@ def test_with_no_prefill_worker_left_requests_fail_with_503_after_a_bounded_wait
 
 @pytest.fixture(scope="module")
 def chaos_reference():
-    from kvferry.common.config import EngineConfig
-    from kvferry.common.engine import LLMEngine
-    from kvferry.common.sampling import SamplingParams
-
-    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 2**20))
-    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
-    return {prompt: out.text for prompt, out in zip(PROMPTS, outs)}
+    return dict(zip(PROMPTS, engine_texts(PROMPTS, max_tokens=12, temperature=0, ignore_eos=True)))
 
 
 def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, chaos_reference):

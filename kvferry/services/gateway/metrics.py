@@ -42,7 +42,7 @@ class WorkerFigures:
                 continue
             gauges["num_requests_running"].add_metric(labels, stats.num_running)
             gauges["num_requests_waiting"].add_metric(labels, stats.num_waiting)
-            gauges["queued_prompt_tokens"].add_metric(labels, stats.queued_prompt_tokens + w.pending_prompt_tokens)
+            gauges["queued_prompt_tokens"].add_metric(labels, w.num_queued_prompt_tokens)
             used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
             gauges["kv_cache_usage_perc"].add_metric(labels, used)
             preemptions.add_metric(labels, stats.num_preemptions)

@@ -30,6 +30,11 @@ class WorkerInfo:
     cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, as it last told us
     quantization: str = "none"
 
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens queued there as it last said, plus those routed to it since."""
+        return self.stats.queued_prompt_tokens + self.pending_prompt_tokens
+
     def num_cached_prefix_blocks(self, hashes: list[bytes]) -> int:
         """How many leading blocks of a prompt (its chained block hashes) this worker holds."""
         n = 0
@@ -43,7 +48,7 @@ class WorkerInfo:
                 "quantization": self.quantization,
                 "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_address": self.kv_address,
                 "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
-                "queued_prompt_tokens": s.queued_prompt_tokens + self.pending_prompt_tokens,
+                "queued_prompt_tokens": self.num_queued_prompt_tokens,
                 "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
                 "prompts_prefilled": s.num_prompts_prefilled, "prompt_tokens_computed": s.num_prompt_tokens_computed,
                 "prompt_tokens_cached": s.num_prompt_tokens_cached, "cached_blocks": s.num_cached_blocks,
@@ -123,7 +128,7 @@ class Registry:
         best, best_key, best_hits = None, None, 0
         for w in self.routable(p.Role.PREFILL):
             hits = w.num_cached_prefix_blocks(hashes)
-            work = w.stats.queued_prompt_tokens + w.pending_prompt_tokens + num_tokens - hits * w.block_size
+            work = w.num_queued_prompt_tokens + num_tokens - hits * w.block_size
             key = (work, w.num_served)
             if best_key is None or key < best_key:
                 best, best_key, best_hits = w, key, hits
