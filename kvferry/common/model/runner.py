@@ -9,7 +9,7 @@ import torch
 
 from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
-from kvferry.common.model.cpu_memory import keep_freed_memory
+from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.decode_graphs import DecodeGraphs
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.llama import head_dim_of
@@ -57,12 +57,13 @@ class ModelRunner:
         # cost a little less that way: a decode step at batch 32 was 1.05-1.18x a contiguous cache's, against
         # 1.12-1.18x with K and V apart, in the same 5 alternated rounds.
         shape = (layout.num_layers, num_blocks, layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)  # [L, num_blocks, block_size, 2, kvh, d]
         if device.type == "cpu":
-            # Touch every page now. The OS hands out calloc'd memory lazily, so the pool's resident size would
-            # creep up for as long as new blocks get their first use (it looks like a leak), and each first
-            # touch would cost a page fault inside a step.
-            self.kv_cache.zero_()
+            # Zeroed here, so every page is touched now. The OS hands out fresh memory lazily, so the pool's resident
+            # size would otherwise creep up for as long as new blocks get their first use (it looks like a leak),
+            # and each first touch would cost a page fault inside a step.
+            self.kv_cache, _ = huge_page_zeros(shape, dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+        else:
+            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
         # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
