@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from kvferry.common import protocol as p
-from kvferry.common.model.cpu_memory import keep_freed_memory
+from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.kv_blocks import (LAYER_GROUPS, as_frames, frame_tensor, gather_blocks, layer_groups,
                                             scatter_blocks)
 from kvferry.common.transport import Channel
@@ -34,7 +34,7 @@ def _sink(endpoint_queue, shape: tuple) -> None:
     sock.bind("tcp://127.0.0.1:0")
     endpoint_queue.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     channel = Channel(sock, "bench/sink")
-    kv_cache = torch.zeros((*shape[:3], 2, *shape[3:]))  # the runner's layout: K and V of a token side by side
+    kv_cache, _ = huge_page_zeros((*shape[:3], 2, *shape[3:]), torch.float32)  # the runner's pool: layout and pages
     block_ids = list(range(shape[1]))[::-1]
     while True:
         parts = sock.recv_multipart(copy=False)
@@ -65,7 +65,7 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoints.get(timeout=60))
     channel = Channel(sock, "bench/source")
-    kv_cache = torch.randn(shape)
+    kv_cache = huge_page_zeros(shape, torch.float32)[0].normal_()
     block_ids = random.Random(0).sample(range(shape[1]), num_blocks)  # scattered, as a pool's blocks are
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
     raw_frames = [np.ones(nbytes, dtype=np.uint8)]
