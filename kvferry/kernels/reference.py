@@ -47,11 +47,12 @@ class DecodeChunk:
     mask: torch.Tensor | None   # [n, 1, 1, longest] visible keys; None when all lengths are equal
 
 
-def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                block_bytes: int) -> list[DecodeChunk]:
+def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> list[DecodeChunk]:
     """The per-step half of decode attention: the same for every layer, so a step builds it once.
-    Consecutive sequences share a pass while their blocks (padded to the pass's longest) fit in
-    DECODE_GATHER_BYTES; block_bytes is one block's K and V."""
+    Consecutive sequences share a pass while their blocks' K and V (padded to the pass's longest context)
+    fit in DECODE_GATHER_BYTES; a longer sequence has a pass of its own."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    block_bytes = 2 * block_size * num_kv_heads * head_dim * k_cache.element_size()
     lens = context_lens.tolist()
     chunks, start = [], 0
     while start < len(lens):
@@ -88,13 +89,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                            plan: list[DecodeChunk] | None = None) -> torch.Tensor:
     """One new token per sequence attending to its whole cached context.
     query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_blocks, _, num_kv_heads, head_dim = k_cache.shape
     both = interleaved_blocks(k_cache, v_cache)
     if both is None:
         k_rows, v_rows = k_cache.reshape(num_blocks, -1), v_cache.reshape(num_blocks, -1)  # one block per row
     out = torch.empty_like(query)
-    block_bytes = 2 * k_cache[0].numel() * k_cache.element_size()
-    for c in plan or plan_decode(block_tables, context_lens, block_size, block_bytes):
+    for c in plan or plan_decode(block_tables, context_lens, k_cache):
         # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
         # [n, kvh, len, d] views in place, strides and all.
         n = c.end - c.start

@@ -79,11 +79,8 @@ def test_store_kv_skips_padding_rows_with_a_negative_slot():
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("ragged", [True, False])
-@pytest.mark.parametrize("pass_blocks", [None, 5])
-def test_decode_attention_matches_reference(block_size, shape, ragged, pass_blocks, monkeypatch):
+def test_decode_attention_matches_reference(block_size, shape, ragged):
     num_heads, num_kv_heads, head_dim = shape
-    if pass_blocks:  # the reference gathers a few blocks per pass: many passes, and sequences longer than one
-        monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", pass_blocks * block_size * 2 * num_kv_heads * head_dim * 4)
     if ragged:  # exact block ends included
         context_lens = [1, block_size, 3 * block_size + 5, 70, 2, 33, block_size + 1, 9, 64, 17, 5]
     else:
@@ -103,22 +100,43 @@ def test_decode_attention_matches_reference(block_size, shape, ragged, pass_bloc
 
 
 def test_decode_passes_cover_every_sequence_in_order_within_the_byte_budget(monkeypatch):
-    block_size, block_bytes = 4, 100
-    monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", 1000)  # 10 blocks per pass
+    k_cache = torch.zeros(90, 4, 1, 4)  # blocks of 4 tokens: 128 bytes of K and V each
+    monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", 1280)  # 10 blocks per pass
     context_lens = [4, 8, 5, 40, 3, 3, 3, 12, 1]  # blocks: 1 2 2 10 1 1 1 3 1
     block_tables = torch.arange(len(context_lens) * 10, dtype=torch.int32).view(len(context_lens), 10)
-    plan = reference.plan_decode(block_tables, torch.tensor(context_lens, dtype=torch.int32), block_size, block_bytes)
+    plan = reference.plan_decode(block_tables, torch.tensor(context_lens, dtype=torch.int32), k_cache)
     assert [(c.start, c.end) for c in plan] == [(0, 3), (3, 4), (4, 7), (7, 9)]
     for c in plan:
-        width = -(-c.longest // block_size)
+        width = -(-c.longest // 4)
         assert c.longest == max(context_lens[c.start:c.end])
         assert c.rows.tolist() == block_tables[c.start:c.end, :width].flatten().tolist()
-        assert c.end - c.start == 1 or (c.end - c.start) * width * block_bytes <= 1000  # padded to the longest
+        assert c.end - c.start == 1 or (c.end - c.start) * width * 128 <= 1280  # padded to the longest
         if len(set(context_lens[c.start:c.end])) == 1:
             assert c.mask is None
         else:
             visible = c.mask[:, 0, 0, :].sum(dim=1).tolist()
             assert visible == context_lens[c.start:c.end]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_decode_attention_in_many_small_passes_matches_dense_attention(interleaved, monkeypatch):
+    num_heads, num_kv_heads, head_dim = SHAPES[1]
+    block_size, context_lens = 8, [1, 8, 29, 70, 2, 33, 9, 64, 17, 5]
+    k_cache, v_cache, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
+    if interleaved:  # the runner's layout
+        kv = torch.stack((k_cache, v_cache), dim=2)
+        k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+    monkeypatch.setattr(reference, "DECODE_GATHER_BYTES", 5 * 2 * block_size * num_kv_heads * head_dim * 4)
+    lens = torch.tensor(context_lens, dtype=torch.int32)
+    plan = reference.plan_decode(block_tables, lens, k_cache)
+    assert len(plan) > 5 and any(c.end - c.start > 1 for c in plan)  # many passes, one of several sequences
+    q = torch.randn(len(context_lens), num_heads, head_dim, generator=torch.Generator().manual_seed(5))
+    scale = 1 / math.sqrt(head_dim)
+    out = reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale)
+    for i, n in enumerate(context_lens):
+        k = reference.gather_context(k_cache, block_tables[i], n)
+        v = reference.gather_context(v_cache, block_tables[i], n)
+        assert (out[i:i + 1] - dense_attention(q[i:i + 1], k, v, scale, q_offset=n - 1)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])

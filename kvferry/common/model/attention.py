@@ -27,7 +27,6 @@ class PagedBatch:
             return kernels.paged_prefill_attention(q, k_cache, v_cache, self.block_tables, self.cu_seqlens_q,
                                                    self.context_lens, scale, max_q_len=self.max_q_len)
         if self._reference_plan is None and not q.is_cuda:  # every layer shares one gather plan
-            self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache.shape[1],
-                                                         2 * k_cache[0].numel() * k_cache.element_size())
+            self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache)
         return kernels.paged_decode_attention(q, k_cache, v_cache, self.block_tables, self.context_lens, scale,
                                               reference_plan=self._reference_plan)

@@ -61,7 +61,7 @@ class ModelRunner:
             # Zeroed here, so every page is touched now. The OS hands out fresh memory lazily, so the pool's resident
             # size would otherwise creep up for as long as new blocks get their first use (it looks like a leak),
             # and each first touch would cost a page fault inside a step.
-            self.kv_cache, _ = huge_page_zeros(shape, dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+            self.kv_cache = huge_page_zeros(shape, dtype)  # [L, num_blocks, block_size, 2, kvh, d]
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views

@@ -34,7 +34,7 @@ def _sink(endpoint_queue, shape: tuple) -> None:
     sock.bind("tcp://127.0.0.1:0")
     endpoint_queue.put(sock.getsockopt(zmq.LAST_ENDPOINT).decode())
     channel = Channel(sock, "bench/sink")
-    kv_cache, _ = huge_page_zeros((*shape[:3], 2, *shape[3:]), torch.float32)  # the runner's pool: layout and pages
+    kv_cache = huge_page_zeros((*shape[:3], 2, *shape[3:]), torch.float32)  # the runner's pool: layout and pages
     block_ids = list(range(shape[1]))[::-1]
     while True:
         parts = sock.recv_multipart(copy=False)
@@ -65,7 +65,8 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoints.get(timeout=60))
     channel = Channel(sock, "bench/source")
-    kv_cache = huge_page_zeros(shape, torch.float32)[0].normal_()
+    kv_cache = huge_page_zeros(shape, torch.float32)
+    kv_cache.normal_()
     block_ids = random.Random(0).sample(range(shape[1]), num_blocks)  # scattered, as a pool's blocks are
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
     raw_frames = [np.ones(nbytes, dtype=np.uint8)]
