@@ -1,5 +1,5 @@
 """GET /openapi.json: every route, its request schema and its error responses (OpenAPI 3.0)."""
-from kvferry.common.sampling import MAX_LOGPROBS
+from kvferry.common.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K
 
 ERROR_CODES = {"400": "invalid request (param names the field)", "401": "missing or wrong API key",
                "404": "unknown model", "413": "request body too large", "503": "no live prefill or decode worker"}
@@ -19,8 +19,8 @@ def _sampling(limits) -> dict:
     return {
         "model": {"type": "string", "nullable": True},
         "max_tokens": _num(0, limits.max_tokens, True), "temperature": _num(0), "top_p": _num(0, 1, exclusiveMinimum=True),
-        "top_k": _num(-1, 2**31 - 1, True), "min_p": _num(0, 1), "n": _num(1, limits.max_n, True),
-        "seed": _num(0, 2**63 - 1, True), "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
+        "top_k": _num(-1, MAX_TOP_K, True), "min_p": _num(0, 1), "n": _num(1, limits.max_n, True),
+        "seed": _num(0, MAX_SEED, True), "presence_penalty": _num(-2, 2), "frequency_penalty": _num(-2, 2),
         "repetition_penalty": _num(0, 2, exclusiveMinimum=True), "min_tokens": _num(0, limits.max_tokens, True),
         "ignore_eos": {"type": "boolean", "nullable": True}, "stop_token_ids": token_ids,
         "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": limits.max_stop}],
