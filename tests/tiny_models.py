@@ -1,4 +1,5 @@
 """Tiny random-weight models of each supported architecture, saved as Hugging Face folders."""
+
 import torch
 
 VOCAB = 320
@@ -7,25 +8,63 @@ VOCAB = 320
 def tiny_config(arch: str):
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, max_position_embeddings=256, rms_norm_eps=1e-6, initializer_range=0.15,
-                  eos_token_id=1, bos_token_id=2, pad_token_id=0)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        initializer_range=0.15,
+        eos_token_id=1,
+        bos_token_id=2,
+        pad_token_id=0,
+    )
     if arch == "llama":  # GQA, biases everywhere, llama3 RoPE scaling, untied head
-        return LlamaConfig(**common, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
-                           tie_word_embeddings=False,
-                           rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                            "original_max_position_embeddings": 64})
+        return LlamaConfig(
+            **common,
+            num_key_value_heads=2,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "mistral":  # MQA, sliding window larger than the model: plain attention
-        return MistralConfig(**common, num_key_value_heads=1, tie_word_embeddings=False, sliding_window=None,
-                             rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        return MistralConfig(
+            **common,
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            sliding_window=None,
+            rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        )
     if arch == "qwen2":  # q/k/v bias, tied embeddings, yarn
-        return Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                                            "original_max_position_embeddings": 64})
+        return Qwen2Config(
+            **common,
+            num_key_value_heads=2,
+            tie_word_embeddings=True,
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
     if arch == "qwen3":  # q/k norm, head_dim that is not hidden / heads, linear RoPE scaling
-        return Qwen3Config(**common, num_key_value_heads=2, head_dim=24, tie_word_embeddings=True,
-                           rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})
+        return Qwen3Config(
+            **common,
+            num_key_value_heads=2,
+            head_dim=24,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+        )
     raise ValueError(arch)
 
 
@@ -56,8 +95,14 @@ def save_tiny_chat_model(folder, seed: int = 0):
 
     default = resolve_model(None)
     config = AutoConfig.from_pretrained(default)
-    for name, value in dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=16).items():
+    for name, value in dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    ).items():
         setattr(config, name, value)
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(folder)

@@ -1,5 +1,6 @@
 """Binding listening sockets: an error that names the setting when the address is taken, and a warning for
 sockets bound beyond this machine (without CURVE, anyone who reaches the port can talk)."""
+
 import errno
 import logging
 import os
@@ -17,19 +18,26 @@ def is_local(address: str) -> bool:
     """tcp://HOST:PORT on a loopback host, or an ipc:// or inproc:// address."""
     if not address.startswith("tcp://"):
         return True
-    host = address[len("tcp://"):].rsplit(":", 1)[0]
+    host = address[len("tcp://") :].rsplit(":", 1)[0]
     return host.startswith(LOOPBACK)
 
 
 def warn_if_exposed(address: str, what: str, curve: bool = False) -> None:
     if not curve and not is_local(address):
-        log.warning("%s binds %s, beyond this machine, without CURVE: any host that reaches it can send messages. "
-                    "Bind 127.0.0.1, or turn on --curve-keys", what, address)
+        log.warning(
+            "%s binds %s, beyond this machine, without CURVE: any host that reaches it can send messages. "
+            "Bind 127.0.0.1, or turn on --curve-keys",
+            what,
+            address,
+        )
 
 
 def _cannot_bind(address: str, setting: str, reason: str, in_use: bool) -> ConfigError:
-    fix = ("another process holds it (another kvferry?): stop that one, or choose a free port" if in_use
-           else "give an address of this machine, as tcp://HOST:PORT")
+    fix = (
+        "another process holds it (another kvferry?): stop that one, or choose a free port"
+        if in_use
+        else "give an address of this machine, as tcp://HOST:PORT"
+    )
     return ConfigError(f"{setting}: cannot listen on {address}: {reason}; {fix}")
 
 

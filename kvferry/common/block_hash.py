@@ -4,6 +4,7 @@ Two blocks with the same hash therefore hold the same KV (same model, same block
 process or machine computed them. Python's hash() is salted per process, so BLAKE2b it is; 16 bytes
 make a collision (which would serve another prompt's KV) practically impossible.
 """
+
 import hashlib
 import struct
 
@@ -20,5 +21,5 @@ def block_hashes(token_ids: list[int], block_size: int, start: list[bytes] = ())
     """Hashes of every full block of token_ids. start: hashes already known for its first blocks."""
     hashes = list(start)
     for i in range(len(hashes), len(token_ids) // block_size):
-        hashes.append(hash_block(hashes[-1] if hashes else ROOT, token_ids[i * block_size:(i + 1) * block_size]))
+        hashes.append(hash_block(hashes[-1] if hashes else ROOT, token_ids[i * block_size : (i + 1) * block_size]))
     return hashes

@@ -10,6 +10,7 @@ its contents and its hash, so a later prompt with the same prefix takes it back 
 recomputing it. The free list is in LRU order; allocation takes the oldest free block and
 only then forgets the hash it held (eviction).
 """
+
 from collections import OrderedDict
 
 
@@ -23,8 +24,8 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         # Oldest first. FIFO reuse keeps freshly freed blocks (and their cached prefixes) around longest.
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached: dict[bytes, int] = {}      # content hash -> block id holding that KV
-        self.hash_of: dict[int, bytes] = {}     # and back
+        self.cached: dict[bytes, int] = {}  # content hash -> block id holding that KV
+        self.hash_of: dict[int, bytes] = {}  # and back
         self._changed: dict[bytes, None] = {}  # hashes stored or evicted since take_cache_events (ordered)
 
     @property

@@ -6,6 +6,7 @@ A server takes only clients that present a public key found in DIR/clients/: a p
 client key can neither register nor send a message, and nobody on the wire can read the traffic.
 Give a folder only to the processes of one deployment (in Kubernetes: a Secret).
 """
+
 import logging
 import os
 import shutil
@@ -57,8 +58,9 @@ class CurveKeys:
             server_public, server_secret = zmq.auth.load_certificate(folder / f"{SERVER}.key_secret")
             client_public, client_secret = zmq.auth.load_certificate(folder / f"{CLIENT}.key_secret")
         except (OSError, ValueError) as exc:
-            raise ConfigError(f"--curve-keys {folder}: cannot read the keys ({exc}); create them with "
-                              f"`kvferry keys {folder}`") from None
+            raise ConfigError(
+                f"--curve-keys {folder}: cannot read the keys ({exc}); create them with `kvferry keys {folder}`"
+            ) from None
         if not (folder / "clients").is_dir():
             raise ConfigError(f"--curve-keys {folder}: no clients/ folder; create the keys with `kvferry keys`")
         return cls(folder, server_public, server_secret, client_public, client_secret)

@@ -3,6 +3,7 @@
 It is also the oracle for the distributed pipeline: the same request with greedy sampling
 gives the same tokens through both.
 """
+
 import itertools
 import logging
 import os
@@ -15,8 +16,8 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, InvalidRequest
-from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.int8_linear import quantize_model
+from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
@@ -36,7 +37,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     text: str = ""
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the new token's, when asked for
-    logprobs: list[TokenLogprobs] | None = None         # every output token's so far, when asked for
+    logprobs: list[TokenLogprobs] | None = None  # every output token's so far, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for (echo)
 
 
@@ -75,41 +76,67 @@ class LLMEngine:
         layout = kv_cache_layout(self.hf_config, config.block_size, self.dtype)
         num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
         if num_blocks < 1:
-            raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block "
-                                 f"({layout.bytes_per_block} bytes each)")
+            raise ConfigError(
+                f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block ({layout.bytes_per_block} bytes each)"
+            )
         if num_blocks * config.block_size < max_model_len:
             max_model_len = num_blocks * config.block_size
             log.warning("max_model_len lowered to %d, all the KV cache holds", max_model_len)
         self.max_model_len = max_model_len
-        log.info("KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, weights %s)", num_blocks,
-                 config.block_size, num_blocks * config.block_size, num_blocks * layout.bytes_per_block / 2**20,
-                 self.dtype, self.device, config.quantization or self.dtype)
+        log.info(
+            "KV cache %d blocks x %d tokens = %d tokens, %.1f MiB (%s, %s, weights %s)",
+            num_blocks,
+            config.block_size,
+            num_blocks * config.block_size,
+            num_blocks * layout.bytes_per_block / 2**20,
+            self.dtype,
+            self.device,
+            config.quantization or self.dtype,
+        )
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   max_model_len, eos_token_ids=eos_token_ids(model_dir, self.hf_config),
-                                   keep_finished_blocks=keep_finished_blocks,
-                                   enable_chunked_prefill=config.enable_chunked_prefill,
-                                   long_prefill_threshold=config.long_prefill_threshold)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            max_model_len,
+            eos_token_ids=eos_token_ids(model_dir, self.hf_config),
+            keep_finished_blocks=keep_finished_blocks,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_threshold=config.long_prefill_threshold,
+        )
         if config.quantization == "int8":  # before the cache: its errors are not the cache's
             quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.hf_config.vocab_size))
         try:
-            self.runner = ModelRunner(self.model, layout, num_blocks, self.device, self.dtype, seed=config.seed,
-                                      eos_token_ids=self.scheduler.eos_token_ids)
+            self.runner = ModelRunner(
+                self.model,
+                layout,
+                num_blocks,
+                self.device,
+                self.dtype,
+                seed=config.seed,
+                eos_token_ids=self.scheduler.eos_token_ids,
+            )
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             if "memory" not in str(exc).lower():
                 raise
-            raise ConfigError(f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: "
-                              f"lower it") from None
+            raise ConfigError(
+                f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: lower it"
+            ) from None
         # A prefill worker's engine (keep_finished_blocks) never runs a decode step: no graphs to keep for it.
         if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
             started = time.perf_counter()
             try:
                 self.runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
             except torch.OutOfMemoryError:
-                raise ConfigError("no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
-                                  "--max-num-seqs, or pass --enforce-eager") from None
-            log.info("decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
-                     self.runner.decode_graphs.sizes, time.perf_counter() - started)
+                raise ConfigError(
+                    "no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
+                    "--max-num-seqs, or pass --enforce-eager"
+                ) from None
+            log.info(
+                "decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
+                self.runner.decode_graphs.sizes,
+                time.perf_counter() - started,
+            )
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
@@ -123,12 +150,21 @@ class LLMEngine:
         if chat:
             if not self.tokenizer.chat_template:
                 raise InvalidRequest("this model's tokenizer has no chat template: send the prompt without --chat")
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=True,
-                                                           add_generation_prompt=True, return_dict=False))
+            return list(
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=True, add_generation_prompt=True, return_dict=False
+                )
+            )
         return self.tokenizer.encode(prompt)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, chat: bool = False, resume_token_ids: list[int] = ()) -> str:
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat: bool = False,
+        resume_token_ids: list[int] = (),
+    ) -> str:
         """resume_token_ids: outputs generated elsewhere before (a request moved off a failed worker). They are
         computed with the prompt, and count as outputs: for max_tokens, penalties and the finish rules."""
         params = params or SamplingParams()
@@ -137,8 +173,13 @@ class LLMEngine:
         self.validate_params(params)
         return self._queue(token_ids, params, request_id, resume_token_ids)
 
-    def _queue(self, token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-               resume_token_ids: list[int] = ()) -> str:
+    def _queue(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        resume_token_ids: list[int] = (),
+    ) -> str:
         """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._live:
@@ -153,8 +194,10 @@ class LLMEngine:
         if not token_ids:
             raise InvalidRequest("the prompt is empty")
         if len(token_ids) >= self.max_model_len:
-            raise InvalidRequest(f"the prompt has {len(token_ids)} tokens, more than this model's maximum of "
-                                 f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, one left to generate)")
+            raise InvalidRequest(
+                f"the prompt has {len(token_ids)} tokens, more than this model's maximum of "
+                f"{self.max_model_len - 1} (max_model_len {self.max_model_len}, one left to generate)"
+            )
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
@@ -166,9 +209,16 @@ class LLMEngine:
             if bad is not None:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def add_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                      params: list[SamplingParams], kv, resume_token_ids: list[int] = (),
-                      held_blocks: list[int] = ()) -> bool:
+    def add_prefilled(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        first_token_ids: list[int],
+        params: list[SamplingParams],
+        kv,
+        resume_token_ids: list[int] = (),
+        held_blocks: list[int] = (),
+    ) -> bool:
         """A whole transfer in one go (begin_prefilled, write_prefilled, finish_prefilled): kv holds every layer
         of the prompt's blocks after the held ones. False when there is no room now."""
         blocks = self.begin_prefilled(request_ids, prompt_token_ids, params, resume_token_ids, held_blocks)
@@ -179,15 +229,22 @@ class LLMEngine:
             if kv.dim() != 6 or kv.shape[0] != self.runner.layout.num_layers:
                 raise InvalidRequest(f"KV of shape {tuple(kv.shape)}: one message must carry every layer here")
             self.write_prefilled(blocks, kv)
-            placed = self.finish_prefilled(request_ids, prompt_token_ids, first_token_ids, params, blocks,
-                                           resume_token_ids, held_blocks)
+            placed = self.finish_prefilled(
+                request_ids, prompt_token_ids, first_token_ids, params, blocks, resume_token_ids, held_blocks
+            )
             return placed
         finally:
             if not placed:
                 self.block_manager.free(blocks)
 
-    def begin_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], params: list[SamplingParams],
-                        resume_token_ids: list[int] = (), held_blocks: list[int] = ()) -> list[int] | None:
+    def begin_prefilled(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        resume_token_ids: list[int] = (),
+        held_blocks: list[int] = (),
+    ) -> list[int] | None:
         """Check a transfer of sequences (one per choice) whose prompt KV was computed elsewhere, and allocate
         the blocks its KV fills: the prompt's blocks after held_blocks (cached blocks holding the first full
         blocks' KV, referenced by the caller for this transfer). None when there is no room now. The caller owns
@@ -207,13 +264,17 @@ class LLMEngine:
         num_prompt, bm = len(tokens), self.block_manager
         num_held = len(held_blocks)
         if num_held > bm.num_cacheable_blocks(num_prompt):
-            raise InvalidRequest(f"{num_held} held blocks for {num_prompt} prompt tokens: only full blocks before "
-                                 f"the last token's can be left out")
-        if [bm.hash_of.get(b) for b in held_blocks] != block_hashes(tokens[:num_held * bm.block_size], bm.block_size):
+            raise InvalidRequest(
+                f"{num_held} held blocks for {num_prompt} prompt tokens: only full blocks before "
+                f"the last token's can be left out"
+            )
+        if [bm.hash_of.get(b) for b in held_blocks] != block_hashes(tokens[: num_held * bm.block_size], bm.block_size):
             raise InvalidRequest("the held blocks do not hold this prompt's first tokens")
         if not self.scheduler.could_ever_admit_prefilled(num_prompt + 1, len(request_ids)):
-            raise InvalidRequest(f"{len(request_ids)} choices of {num_prompt + 1} tokens exceed what this worker can "
-                                 f"run at once (max_num_seqs {self.scheduler.max_num_seqs}, {bm.num_blocks} blocks)")
+            raise InvalidRequest(
+                f"{len(request_ids)} choices of {num_prompt + 1} tokens exceed what this worker can "
+                f"run at once (max_num_seqs {self.scheduler.max_num_seqs}, {bm.num_blocks} blocks)"
+            )
         if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), num_held):
             return None
         return bm.allocate(bm.num_blocks_for(num_prompt) - num_held)
@@ -224,16 +285,29 @@ class LLMEngine:
         layout = self.runner.layout
         num_layers = kv.shape[0] if kv.dim() == 6 else 0
         expected = (num_layers, len(blocks), layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
-        if (num_layers < 1 or layer_start < 0 or layer_start + num_layers > layout.num_layers
-                or tuple(kv.shape) != expected):
-            raise InvalidRequest(f"KV of shape {tuple(kv.shape)} from layer {layer_start} into {len(blocks)} "
-                                 f"blocks; this worker has {layout.num_layers} layers of "
-                                 f"{expected[2:]} per block")
+        if (
+            num_layers < 1
+            or layer_start < 0
+            or layer_start + num_layers > layout.num_layers
+            or tuple(kv.shape) != expected
+        ):
+            raise InvalidRequest(
+                f"KV of shape {tuple(kv.shape)} from layer {layer_start} into {len(blocks)} "
+                f"blocks; this worker has {layout.num_layers} layers of "
+                f"{expected[2:]} per block"
+            )
         self.runner.write_blocks(blocks, kv, (layer_start, layer_start + num_layers))
 
-    def finish_prefilled(self, request_ids: list[str], prompt_token_ids: list[int], first_token_ids: list[int],
-                         params: list[SamplingParams], blocks: list[int], resume_token_ids: list[int] = (),
-                         held_blocks: list[int] = ()) -> bool:
+    def finish_prefilled(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        first_token_ids: list[int],
+        params: list[SamplingParams],
+        blocks: list[int],
+        resume_token_ids: list[int] = (),
+        held_blocks: list[int] = (),
+    ) -> bool:
         """Admit a transfer's sequences once every layer of its blocks is written. The first choice takes over the
         references to held_blocks and blocks; the choices share the prompt's full blocks (ref counts), and each
         gets its own copy of a partly filled last block, since each appends its own tokens there. False when
@@ -251,8 +325,13 @@ class LLMEngine:
         num_full = num_prompt // size
         first = None
         for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
-            seq = Sequence(request_id, list(prompt_token_ids), choice_params,
-                           output_token_ids=[*resume_token_ids, first_token_id], num_computed_tokens=num_prompt)
+            seq = Sequence(
+                request_id,
+                list(prompt_token_ids),
+                choice_params,
+                output_token_ids=[*resume_token_ids, first_token_id],
+                num_computed_tokens=num_prompt,
+            )
             if first is None:
                 self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
                 first = seq
@@ -291,8 +370,9 @@ class LLMEngine:
                 continue
             seq = chunk.seq
             done = id(seq) in finished
-            out = RequestOutput(seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id], done,
-                                seq.finish_reason)
+            out = RequestOutput(
+                seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id], done, seq.finish_reason
+            )
             if logprobs is not None:
                 out.new_logprobs = [logprobs]
                 out.logprobs = self._logprobs.setdefault(seq.request_id, [])
@@ -304,8 +384,12 @@ class LLMEngine:
                 self.forget(seq.request_id)
         return outputs
 
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] | None = None,
-                 chat: bool = False) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: SamplingParams | list[SamplingParams] | None = None,
+        chat: bool = False,
+    ) -> list[RequestOutput]:
         """Run prompts to completion together; outputs in the order of the prompts."""
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):

@@ -11,6 +11,7 @@
 
 Off by default: unset, nothing here runs on the send path.
 """
+
 import os
 import random
 import zlib
@@ -37,8 +38,9 @@ class FaultSpec:
             name, sep, raw = item.partition("=")
             name = name.strip()
             if not sep or name not in cls.__dataclass_fields__:
-                raise ConfigError(f"{ENV}: {item!r} is not one of "
-                                  f"{', '.join(n + '=' for n in cls.__dataclass_fields__)}")
+                raise ConfigError(
+                    f"{ENV}: {item!r} is not one of {', '.join(n + '=' for n in cls.__dataclass_fields__)}"
+                )
             kind = int if name in ("seed", "stall_after_steps") else float
             try:
                 values[name] = kind(raw)

@@ -3,6 +3,7 @@
 A log line about a request carries its id: pass extra={"request_id": rid}, or, in the gateway,
 set request_id_var for the request's task and every line logged inside it gets the id.
 """
+
 import contextvars
 import json
 import logging
@@ -25,9 +26,14 @@ class JsonFormatter(logging.Formatter):
         self.process = process
 
     def format(self, record: logging.LogRecord) -> str:
-        line = {"ts": round(record.created, 6), "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
-                "level": record.levelname.lower(), "logger": record.name, "process": self.process,
-                "msg": record.getMessage()}
+        line = {
+            "ts": round(record.created, 6),
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "process": self.process,
+            "msg": record.getMessage(),
+        }
         if record.request_id:
             line["request_id"] = record.request_id
         if record.exc_info:

@@ -4,6 +4,7 @@ kvferry mints its own trace and span ids (they travel in every message), so the 
 use them: an id generator hands the SDK the ids of the span being exported. A request then has
 the same trace id, and its spans the same ids, in the trace files and in the OTel backend.
 """
+
 import threading
 from urllib.parse import urlsplit
 
@@ -45,9 +46,9 @@ def traces_url(endpoint: str) -> str:
 class OtlpExporter:
     def __init__(self, endpoint: str, service: str, process: str):
         self.ids = _GivenIds()
-        self.provider = TracerProvider(resource=Resource.create({"service.name": service,
-                                                                 "service.instance.id": process}),
-                                       id_generator=self.ids)
+        self.provider = TracerProvider(
+            resource=Resource.create({"service.name": service, "service.instance.id": process}), id_generator=self.ids
+        )
         self.provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=traces_url(endpoint))))
         self.tracer = self.provider.get_tracer("kvferry")
         self.lock = threading.Lock()
@@ -63,12 +64,18 @@ class OtlpExporter:
                 self.ids.given.trace_id = int(ctx.trace_id, 16)
                 self.ids.given.span_id = int(ctx.span_id, 16) if ctx.span_id else None
                 if ctx.parent_id:
-                    parent = set_span_in_context(NonRecordingSpan(SpanContext(
-                        int(ctx.trace_id, 16), int(ctx.parent_id, 16), is_remote=True,
-                        trace_flags=TraceFlags(TraceFlags.SAMPLED))))
+                    parent = set_span_in_context(
+                        NonRecordingSpan(
+                            SpanContext(
+                                int(ctx.trace_id, 16),
+                                int(ctx.parent_id, 16),
+                                is_remote=True,
+                                trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                            )
+                        )
+                    )
             try:
-                span = self.tracer.start_span(name, context=parent, attributes=attributes,
-                                              start_time=int(start * 1e9))
+                span = self.tracer.start_span(name, context=parent, attributes=attributes, start_time=int(start * 1e9))
             finally:
                 self.ids.given.trace_id = self.ids.given.span_id = None
         span.end(end_time=int(end * 1e9))

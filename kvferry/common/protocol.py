@@ -8,6 +8,7 @@ Decoding is strict. Anything unexpected (unknown kind, other version, missing, e
 mistyped field, a frame count or size that does not match its description, an oversized
 header or frame) raises ProtocolError and nothing else. No pickle anywhere.
 """
+
 import enum
 import types
 import typing
@@ -54,6 +55,7 @@ class Role(enum.IntEnum):
 @dataclass
 class TraceContext:
     """W3C-style ids (hex): the request's trace, this message's (or span's) own id, and the span that caused it."""
+
     trace_id: str = ""
     span_id: str = ""
     parent_id: str = ""
@@ -62,6 +64,7 @@ class TraceContext:
 @dataclass
 class Sampling:
     """SamplingParams as they travel; rebuilt (and validated) on the worker."""
+
     max_tokens: int
     temperature: float
     top_p: float
@@ -83,6 +86,7 @@ class Sampling:
 @dataclass
 class Logprob:
     """A token's log-probability and its top alternatives (TokenLogprobs on the wire)."""
+
     token_id: int
     logprob: float
     top_ids: list[int] = field(default_factory=list)
@@ -100,11 +104,11 @@ class WorkerStats:
     num_protocol_errors: int = 0
     num_prompts_prefilled: int = 0  # prefill workers: prompts computed (once per request, whatever its n)
     num_prompt_tokens_computed: int = 0  # prompt tokens run through the model
-    num_prompt_tokens_cached: int = 0    # prompt tokens whose KV the prefix cache supplied instead
-    num_cached_blocks: int = 0           # blocks in the prefix cache, in use or free
-    num_kv_bytes_sent: int = 0           # prefill workers: KV bytes shipped to decode workers
-    num_kv_bytes_skipped: int = 0        # and the bytes left out because the decode worker held those blocks
-    num_kv_bytes_sent_early: int = 0     # of the bytes shipped, those sent while the prompt was still computing
+    num_prompt_tokens_cached: int = 0  # prompt tokens whose KV the prefix cache supplied instead
+    num_cached_blocks: int = 0  # blocks in the prefix cache, in use or free
+    num_kv_bytes_sent: int = 0  # prefill workers: KV bytes shipped to decode workers
+    num_kv_bytes_skipped: int = 0  # and the bytes left out because the decode worker held those blocks
+    num_kv_bytes_sent_early: int = 0  # of the bytes shipped, those sent while the prompt was still computing
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -143,6 +147,7 @@ class Heartbeat:
 class Deregister:
     """A worker that is shutting down: route nothing new to it; with final, it is gone and what it still
     held must be moved elsewhere."""
+
     KIND: typing.ClassVar[Kind] = Kind.DEREGISTER
     worker_id: str
     final: bool = False
@@ -153,6 +158,7 @@ class CacheUpdate:
     """What a worker's prefix cache holds, for cache-aware routing: the block hashes stored and evicted since its
     last update, or with full, every hash it holds (sent on registration and now and then, so a lost update
     heals)."""
+
     KIND: typing.ClassVar[Kind] = Kind.CACHE_UPDATE
     worker_id: str
     stored: list[bytes]
@@ -168,12 +174,12 @@ class PrefillRequest:
     decode_worker_id: str
     decode_address: str
     deadline_s: float  # wall-clock time after which the request is given up
-    n: int = 1         # choices: the prompt is prefilled once, each choice samples its own first token
+    n: int = 1  # choices: the prompt is prefilled once, each choice samples its own first token
     # A request moved off a failed worker: its attempt number, and the tokens one choice had generated,
     # which are prefilled with the prompt so that generation continues where it stopped.
     attempt: int = 0
     resume_token_ids: list[int] = field(default_factory=list)
-    choice: int = 0    # the resumed choice (a resume carries exactly one)
+    choice: int = 0  # the resumed choice (a resume carries exactly one)
 
 
 @dataclass
@@ -181,8 +187,8 @@ class FirstToken:
     KIND: typing.ClassVar[Kind] = Kind.FIRST_TOKEN
     token_id: int
     finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
-    queue_s: float = 0.0     # arrival at the prefill worker to its first scheduled chunk
-    prefill_s: float = 0.0   # first chunk to the sampled first token
+    queue_s: float = 0.0  # arrival at the prefill worker to its first scheduled chunk
+    prefill_s: float = 0.0  # first chunk to the sampled first token
     logprobs: list[Logprob] = field(default_factory=list)  # the token's, when asked for
     prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # when asked for (echo); entry 0 is None
     choice: int = 0
@@ -197,18 +203,19 @@ class KVTransfer:
     first tokens: groups sent while the prompt still computes carry no output_token_ids. The last group always
     carries them, and its choices are those that go on decoding (a subset of the first group's; none left: the
     sender aborts instead)."""
+
     KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # one first token per choice still to decode
-    choices: list[int]           # which choices those are
+    choices: list[int]  # which choices those are
     sampling: Sampling
     num_computed_tokens: int
     dtype: str
     shape: list[int]  # of the one frame: [layers, blocks, block_size, 2 (K, V), kv_heads, head_dim]
     deadline_s: float
-    gather_s: float = 0.0   # time the prefill worker spent copying the blocks out after the prompt's compute
-    sent_at: float = 0.0    # wall clock at send: the receiver times the hop (same-host clocks agree)
+    gather_s: float = 0.0  # time the prefill worker spent copying the blocks out after the prompt's compute
+    sent_at: float = 0.0  # wall clock at send: the receiver times the hop (same-host clocks agree)
     attempt: int = 0
     resume_token_ids: list[int] = field(default_factory=list)  # outputs before the first token, already in the KV
     gateway_id: str = ""  # the gateway the request came from: the decode worker streams the tokens there
@@ -220,6 +227,7 @@ class KVTransfer:
 class KVQuery:
     """Prefill to decode worker, when a prompt starts computing: which of these leading full blocks (chained
     hashes) do you hold? The receiver keeps those it holds for the request until its KVTransfer comes (or it ends)."""
+
     KIND: typing.ClassVar[Kind] = Kind.KV_QUERY
     block_hashes: list[bytes]
     attempt: int = 0
@@ -228,6 +236,7 @@ class KVQuery:
 @dataclass
 class KVHeld:
     """The answer: the first num_blocks of the query's blocks are held here; the transfer may leave them out."""
+
     KIND: typing.ClassVar[Kind] = Kind.KV_HELD
     num_blocks: int
     attempt: int = 0
@@ -248,7 +257,7 @@ class Tokens:
     KIND: typing.ClassVar[Kind] = Kind.TOKENS
     token_ids: list[int]
     finish_reason: int = -1
-    kv_transfer_s: float = 0.0   # on a sequence's first Tokens message only
+    kv_transfer_s: float = 0.0  # on a sequence's first Tokens message only
     kv_transfer_bytes: int = 0
     logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked for
     choice: int = 0
@@ -272,9 +281,25 @@ class RequestFailed:
     retry: bool = False  # the worker gave up on something another worker may do (a transfer nobody took)
 
 
-MESSAGES: dict[int, type] = {cls.KIND: cls for cls in
-                             (Register, RegisterReply, Heartbeat, PrefillRequest, FirstToken, KVTransfer, KVAck,
-                              Tokens, Abort, RequestFailed, Deregister, CacheUpdate, KVQuery, KVHeld)}
+MESSAGES: dict[int, type] = {
+    cls.KIND: cls
+    for cls in (
+        Register,
+        RegisterReply,
+        Heartbeat,
+        PrefillRequest,
+        FirstToken,
+        KVTransfer,
+        KVAck,
+        Tokens,
+        Abort,
+        RequestFailed,
+        Deregister,
+        CacheUpdate,
+        KVQuery,
+        KVHeld,
+    )
+}
 FRAMED = {Kind.KV_TRANSFER: 1}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -284,8 +309,9 @@ def kv_frame_bytes(message: "KVTransfer") -> int:
     if message.dtype not in DTYPE_BYTES:
         raise ProtocolError(f"KVTransfer.dtype {message.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
     if len(message.shape) != 6 or message.shape[3] != 2 or any(n < 0 for n in message.shape):
-        raise ProtocolError(f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, 2, kv_heads, "
-                            f"head_dim]")
+        raise ProtocolError(
+            f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, 2, kv_heads, head_dim]"
+        )
     size = DTYPE_BYTES[message.dtype]
     for n in message.shape:
         size *= n
@@ -295,6 +321,7 @@ def kv_frame_bytes(message: "KVTransfer") -> int:
 @dataclass
 class Envelope:
     """A decoded message with what travels around it."""
+
     message: object
     request_id: str = ""
     trace: TraceContext = field(default_factory=TraceContext)
@@ -316,8 +343,10 @@ def encode(message, request_id: str = "", trace: TraceContext | None = None, fra
     expected = FRAMED.get(message.KIND, 0)
     if len(frames) != expected:
         raise ProtocolError(f"{type(message).__name__} carries {expected} frames, got {len(frames)}")
-    header = msgpack.packb([int(message.KIND), PROTOCOL_VERSION, request_id, _to_wire(trace or TraceContext()),
-                            _to_wire(message)], use_bin_type=True)
+    header = msgpack.packb(
+        [int(message.KIND), PROTOCOL_VERSION, request_id, _to_wire(trace or TraceContext()), _to_wire(message)],
+        use_bin_type=True,
+    )
     return [header, *frames]
 
 

@@ -1,10 +1,10 @@
 """Per-request sampling parameters, validated where they enter the engine."""
+
 import dataclasses
 import math
 from dataclasses import dataclass
 
 from kvferry.common.errors import InvalidRequest
-
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
@@ -15,6 +15,7 @@ MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; seed + choice still
 @dataclass(frozen=True)
 class TokenLogprobs:
     """A token's log-probability under the model (log_softmax of its logits) and the top alternatives."""
+
     token_id: int
     logprob: float
     top_ids: tuple[int, ...] = ()
@@ -30,13 +31,13 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    presence_penalty: float = 0.0     # subtracted once from every token already generated
-    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
-    repetition_penalty: float = 1.0   # divides positive (multiplies negative) logits of prompt and output tokens
-    min_p: float = 0.0                # drop tokens below min_p times the most likely one's probability
-    min_tokens: int = 0               # EOS and stop tokens are masked until this many are generated
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
+    min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability
+    min_tokens: int = 0  # EOS and stop tokens are masked until this many are generated
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
-    logprobs: int | None = None       # alternatives to report per generated token (0: the token only)
+    logprobs: int | None = None  # alternatives to report per generated token (0: the token only)
     prompt_logprobs: int | None = None  # the same for each prompt token (echo)
 
     def __post_init__(self):
@@ -74,8 +75,13 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """Whether its logits are changed before sampling (penalties, bias, min_tokens)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-                    or self.logit_bias or self.min_tokens)
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,7 @@ back the first token of the short ones. Without chunking a prompt is computed in
 When a decode step runs out of blocks, the newest sequence is preempted: its blocks are freed
 and it is recomputed later as one longer prompt.
 """
+
 import bisect
 from dataclasses import dataclass, field
 
@@ -49,18 +50,29 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...] = (), keep_finished_blocks: bool = False,
-                 enable_chunked_prefill: bool = True, long_prefill_threshold: int = 0):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] = (),
+        keep_finished_blocks: bool = False,
+        enable_chunked_prefill: bool = True,
+        long_prefill_threshold: int = 0,
+    ):
         if max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         if max_num_batched_tokens < max_num_seqs:
             # A decode step runs one token per sequence, all under the same budget.
-            raise ConfigError(f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least "
-                              f"max_num_seqs ({max_num_seqs})")
+            raise ConfigError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs ({max_num_seqs})"
+            )
         if block_manager.num_blocks * block_manager.block_size < max_model_len:
-            raise ConfigError(f"the KV pool ({block_manager.num_blocks * block_manager.block_size} tokens) "
-                             f"cannot hold one sequence of max_model_len={max_model_len} tokens")
+            raise ConfigError(
+                f"the KV pool ({block_manager.num_blocks * block_manager.block_size} tokens) "
+                f"cannot hold one sequence of max_model_len={max_model_len} tokens"
+            )
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -73,7 +85,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (recomputes included)
-        self.num_cached_prompt_tokens = 0    # prompt tokens whose KV the prefix cache supplied
+        self.num_cached_prompt_tokens = 0  # prompt tokens whose KV the prefix cache supplied
         self._next_arrival = 0
         # A prefill worker keeps a finished prompt's blocks until a decode worker holds their copy,
         # then hands them back with `release`. Aborted sequences always free at once.
@@ -87,8 +99,9 @@ class Scheduler:
         """Prompt tokens still to compute: the waiting prompts' (less what the prefix cache holds for them now)
         and the rest of the prompts cut by the token budget. The gateway balances prefill workers on it."""
         size = self.block_manager.block_size
-        return (sum(s.num_uncomputed_tokens - len(self._cached_prefix(s)) * size for s in self.waiting)
-                + sum(s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1))
+        return sum(s.num_uncomputed_tokens - len(self._cached_prefix(s)) * size for s in self.waiting) + sum(
+            s.num_uncomputed_tokens for s in self.running if s.num_uncomputed_tokens > 1
+        )
 
     def add(self, seq: Sequence) -> None:
         seq.arrival = self._next_arrival
@@ -103,13 +116,16 @@ class Scheduler:
 
     def can_admit_prefilled(self, num_tokens: int, num_choices: int = 1, num_held: int = 0) -> bool:
         """num_held: leading blocks the caller holds already (kept for a transfer that leaves them out)."""
-        return (len(self.running) + num_choices <= self.max_num_seqs
-                and self.block_manager.can_allocate(self._prefilled_blocks(num_tokens, num_choices) - num_held))
+        return len(self.running) + num_choices <= self.max_num_seqs and self.block_manager.can_allocate(
+            self._prefilled_blocks(num_tokens, num_choices) - num_held
+        )
 
     def could_ever_admit_prefilled(self, num_tokens: int, num_choices: int = 1) -> bool:
         """Whether an empty worker could take them: if not, waiting for room is pointless."""
-        return (num_choices <= self.max_num_seqs
-                and self._prefilled_blocks(num_tokens, num_choices) <= self.block_manager.num_blocks)
+        return (
+            num_choices <= self.max_num_seqs
+            and self._prefilled_blocks(num_tokens, num_choices) <= self.block_manager.num_blocks
+        )
 
     def admit_prefilled(self, seq: Sequence, shared_blocks: list[int] = ()) -> None:
         """Admit a sequence whose first num_computed_tokens already have KV elsewhere (a decode worker
@@ -198,12 +214,12 @@ class Scheduler:
         if not bm.enable_caching or seq.params.prompt_logprobs is not None:  # those need every prompt position
             return []
         seq.block_hashes = block_hashes(seq.token_ids, bm.block_size, seq.block_hashes)
-        return bm.match_prefix(seq.block_hashes[:bm.num_cacheable_blocks(seq.num_tokens)])
+        return bm.match_prefix(seq.block_hashes[: bm.num_cacheable_blocks(seq.num_tokens)])
 
     def _hashes_computed(self, seq: Sequence, num_new_tokens: int) -> list[bytes]:
         """Hashes of the blocks that a chunk of num_new_tokens fills."""
         size = self.block_manager.block_size
-        return seq.block_hashes[seq.num_computed_tokens // size:(seq.num_computed_tokens + num_new_tokens) // size]
+        return seq.block_hashes[seq.num_computed_tokens // size : (seq.num_computed_tokens + num_new_tokens) // size]
 
     def _register_full_blocks(self, seq: Sequence) -> None:
         """Offer the blocks whose KV is now complete to the prefix cache."""
@@ -212,7 +228,7 @@ class Scheduler:
         if not bm.enable_caching or num_full <= seq.num_registered_blocks:
             return
         if len(seq.block_hashes) < num_full:
-            seq.block_hashes = block_hashes(seq.token_ids[:num_full * bm.block_size], bm.block_size, seq.block_hashes)
+            seq.block_hashes = block_hashes(seq.token_ids[: num_full * bm.block_size], bm.block_size, seq.block_hashes)
         for i in range(seq.num_registered_blocks, num_full):
             bm.register(seq.block_table[i], seq.block_hashes[i])
         seq.num_registered_blocks = num_full
@@ -222,7 +238,9 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.block_manager.can_allocate(self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)):
+            while not self.block_manager.can_allocate(
+                self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)
+            ):
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan.preempted.append(victim)
@@ -265,8 +283,9 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def finish_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int,
-                      num_tokens: int) -> FinishReason | None:
+    def finish_reason(
+        self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int
+    ) -> FinishReason | None:
         """Whether a sequence ends with token_id, its num_output_tokens-th output (num_tokens in all)."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             return FinishReason.STOP

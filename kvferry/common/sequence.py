@@ -1,4 +1,5 @@
 """One request's state as the scheduler sees it: tokens, progress and its block table."""
+
 import enum
 from dataclasses import dataclass, field
 
@@ -12,8 +13,8 @@ class SequenceStatus(enum.IntEnum):
 
 
 class FinishReason(enum.IntEnum):
-    STOP = 0     # EOS or a stop token
-    LENGTH = 1   # max_tokens or the model's maximum length
+    STOP = 0  # EOS or a stop token
+    LENGTH = 1  # max_tokens or the model's maximum length
     ABORT = 2
 
 
@@ -33,7 +34,7 @@ class Sequence:
     num_preemptions: int = 0
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, as far as known
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
-    num_cached_tokens: int = 0      # prompt tokens whose KV came from the prefix cache at admission
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
 
     @property
     def token_ids(self) -> list[int]:

@@ -8,6 +8,7 @@ transfer, decode steps, detokenization, the HTTP response). `kvferry trace` read
 Tracing off costs a branch: the process-wide tracer is then a NullTracer whose methods do
 nothing, and hot paths test `tracer.enabled` before they build anything to record.
 """
+
 import atexit
 import json
 import logging
@@ -59,6 +60,7 @@ def format_traceparent(ctx: TraceContext) -> str:
 
 class NullTracer:
     """Tracing off."""
+
     enabled = False
     exporter = None
 
@@ -74,6 +76,7 @@ class NullTracer:
 
 class Tracer(NullTracer):
     """Appends this process's trace lines to DIR/<process>-<pid>.jsonl; thread-safe."""
+
     enabled = True
 
     def __init__(self, trace_dir: str, role: str, process: str, exporter=None):
@@ -96,22 +99,53 @@ class Tracer(NullTracer):
                 self.file.flush()
                 self.flushed_at = now
 
-    def message(self, direction: str, kind: str, peer: str, request_id: str, ctx: TraceContext,
-                header_bytes: int, payload_bytes: int = 0) -> None:
+    def message(
+        self,
+        direction: str,
+        kind: str,
+        peer: str,
+        request_id: str,
+        ctx: TraceContext,
+        header_bytes: int,
+        payload_bytes: int = 0,
+    ) -> None:
         """One message sent ("send") or received ("recv")."""
         now = time.time()
-        self._write({"ts": now, "role": self.role, "proc": self.process, "pid": os.getpid(), "ev": direction,
-                     "kind": kind, "peer": peer, "rid": request_id, "trace_id": ctx.trace_id, "span_id": ctx.span_id,
-                     "parent_id": ctx.parent_id, "header_bytes": header_bytes, "payload_bytes": payload_bytes})
+        self._write(
+            {
+                "ts": now,
+                "role": self.role,
+                "proc": self.process,
+                "pid": os.getpid(),
+                "ev": direction,
+                "kind": kind,
+                "peer": peer,
+                "rid": request_id,
+                "trace_id": ctx.trace_id,
+                "span_id": ctx.span_id,
+                "parent_id": ctx.parent_id,
+                "header_bytes": header_bytes,
+                "payload_bytes": payload_bytes,
+            }
+        )
         if direction == "send":
             export_message(self, kind, now, peer, request_id, ctx, header_bytes + payload_bytes)
 
-    def span(self, name: str, start: float, end: float, request_id: str = "", ctx: TraceContext | None = None,
-             **attrs) -> None:
+    def span(
+        self, name: str, start: float, end: float, request_id: str = "", ctx: TraceContext | None = None, **attrs
+    ) -> None:
         """Work this process did from start to end (wall-clock seconds); a batch step lists its requests in
         attrs["rids"]. An instant event has start == end."""
-        record = {"ts": start, "dur": max(0.0, end - start), "role": self.role, "proc": self.process,
-                  "pid": os.getpid(), "ev": "span", "name": name, "rid": request_id}
+        record = {
+            "ts": start,
+            "dur": max(0.0, end - start),
+            "role": self.role,
+            "proc": self.process,
+            "pid": os.getpid(),
+            "ev": "span",
+            "name": name,
+            "rid": request_id,
+        }
         if ctx is not None:
             record.update(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_id=ctx.parent_id)
         if attrs:
@@ -130,6 +164,7 @@ class Tracer(NullTracer):
 
 class ExportOnlyTracer(NullTracer):
     """OpenTelemetry export without a trace folder: spans go out, nothing is written here."""
+
     enabled = True
 
     def __init__(self, role: str, process: str, exporter):

@@ -11,6 +11,7 @@ That span id is also the message's id: a receiver drops a message whose id it ha
 
 KVFERRY_FAULTS (common/faults.py) makes send drop, duplicate and delay messages, for tests.
 """
+
 import asyncio
 import logging
 import time
@@ -57,22 +58,41 @@ class Channel:
         spec = faults.from_env()
         self.faults = faults.MessageFaults(spec, name) if spec and spec.touches_messages else None
 
-    def pack(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
-             to: bytes | None = None) -> tuple[list, TraceContext]:
+    def pack(
+        self,
+        message,
+        request_id: str = "",
+        parent: TraceContext | None = None,
+        frames: list | None = None,
+        to: bytes | None = None,
+    ) -> tuple[list, TraceContext]:
         """-> (multipart message, the message's own trace context)."""
         ctx = tracing.child_of(parent)
         parts = protocol.encode(message, request_id, ctx, frames)
         if self.tracer.enabled:
-            self.tracer.message("send", type(message).__name__, peer_label(to) if to else self.peer_name, request_id,
-                                ctx, len(parts[0]), sum(_nbytes(f) for f in parts[1:]))
+            self.tracer.message(
+                "send",
+                type(message).__name__,
+                peer_label(to) if to else self.peer_name,
+                request_id,
+                ctx,
+                len(parts[0]),
+                sum(_nbytes(f) for f in parts[1:]),
+            )
         if self.is_router:
             if to is None:
                 raise ValueError(f"{self.name}: a ROUTER send needs the peer identity")
             parts = [to, *parts]
         return parts, ctx
 
-    def send(self, message, request_id: str = "", parent: TraceContext | None = None, frames: list | None = None,
-             to: bytes | None = None) -> TraceContext:
+    def send(
+        self,
+        message,
+        request_id: str = "",
+        parent: TraceContext | None = None,
+        frames: list | None = None,
+        to: bytes | None = None,
+    ) -> TraceContext:
         parts, ctx = self.pack(message, request_id, parent, frames, to)
         copies = 1
         if self.faults:
@@ -126,8 +146,15 @@ class Channel:
             log.debug("%s: dropped a duplicate %s", self.name, type(env.message).__name__)
             return None
         if self.tracer.enabled:
-            self.tracer.message("recv", type(env.message).__name__, peer_label(peer) if peer else self.peer_name,
-                                env.request_id, env.trace, _nbytes(parts[0]), sum(_nbytes(f) for f in parts[1:]))
+            self.tracer.message(
+                "recv",
+                type(env.message).__name__,
+                peer_label(peer) if peer else self.peer_name,
+                env.request_id,
+                env.trace,
+                _nbytes(parts[0]),
+                sum(_nbytes(f) for f in parts[1:]),
+            )
         return peer, env
 
     def recv(self, flags: int = 0) -> tuple[bytes | None, Envelope] | None:

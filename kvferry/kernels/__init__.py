@@ -1,4 +1,5 @@
 """Paged-attention operations, dispatched by device: Triton on CUDA, the PyTorch reference elsewhere."""
+
 import torch
 
 from kvferry.kernels import reference
@@ -16,19 +17,22 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                           reference_plan=None) -> torch.Tensor:
+def paged_decode_attention(
+    query, k_cache, v_cache, block_tables, context_lens, scale, reference_plan=None
+) -> torch.Tensor:
     """reference_plan: reference.plan_decode's result, built once per step and shared by the layers."""
     if _use_triton(query):
         from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
-    return reference.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                            plan=reference_plan)
+    return reference.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, context_lens, scale, plan=reference_plan
+    )
 
 
-def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale,
-                            max_q_len: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len: int | None = None
+) -> torch.Tensor:
     """max_q_len: the longest new-token run, known on the host; saves the kernel a device sync per layer."""
     if _use_triton(query):
         from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as impl

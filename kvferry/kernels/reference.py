@@ -5,14 +5,16 @@ Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K 
 tensors or (the runner's) the halves of one [num_blocks, block_size, 2, kvh, d] tensor. A block table
 row lists a sequence's block ids; entries past its context are padding (any valid id).
 """
+
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Write each new token's K/V into its slot (block_id * block_size + offset); a negative slot marks a
     padding row (a decode graph's batch), which stores nothing."""
     num_kv_heads, head_dim = k_cache.shape[2:]
@@ -42,9 +44,9 @@ DECODE_GATHER_BYTES = 8 * 2**20
 class DecodeChunk:
     start: int
     end: int
-    rows: torch.Tensor          # [n * num_blocks] int64 block ids, flattened
-    longest: int                # the chunk's longest context
-    mask: torch.Tensor | None   # [n, 1, 1, longest] visible keys; None when all lengths are equal
+    rows: torch.Tensor  # [n * num_blocks] int64 block ids, flattened
+    longest: int  # the chunk's longest context
+    mask: torch.Tensor | None  # [n, 1, 1, longest] visible keys; None when all lengths are equal
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> list[DecodeChunk]:
@@ -62,7 +64,7 @@ def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache:
             if (end + 1 - start) * -(-wider // block_size) * block_bytes > DECODE_GATHER_BYTES:
                 break
             end, longest = end + 1, wider
-        rows = block_tables[start:end, :-(-longest // block_size)].flatten().long()
+        rows = block_tables[start:end, : -(-longest // block_size)].flatten().long()
         mask = None
         if min(lens[start:end]) < longest:
             positions = torch.arange(longest, device=context_lens.device)
@@ -77,16 +79,25 @@ def interleaved_blocks(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Te
     layout), each block's K and V as one row [num_blocks, block_size * 2 * kvh * d]; otherwise None."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     row = num_kv_heads * head_dim
-    if (k_cache.stride() != (block_size * 2 * row, 2 * row, head_dim, 1) or v_cache.stride() != k_cache.stride()
-            or v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr()
-            or v_cache.storage_offset() != k_cache.storage_offset() + row):
+    if (
+        k_cache.stride() != (block_size * 2 * row, 2 * row, head_dim, 1)
+        or v_cache.stride() != k_cache.stride()
+        or v_cache.untyped_storage().data_ptr() != k_cache.untyped_storage().data_ptr()
+        or v_cache.storage_offset() != k_cache.storage_offset() + row
+    ):
         return None
     return k_cache.as_strided((num_blocks, block_size * 2 * row), (block_size * 2 * row, 1))
 
 
-def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
-                           plan: list[DecodeChunk] | None = None) -> torch.Tensor:
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    plan: list[DecodeChunk] | None = None,
+) -> torch.Tensor:
     """One new token per sequence attending to its whole cached context.
     query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
     num_blocks, _, num_kv_heads, head_dim = k_cache.shape
@@ -99,21 +110,29 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         # [n, kvh, len, d] views in place, strides and all.
         n = c.end - c.start
         if both is not None:  # one copy of whole blocks brings K and V: fewer, longer runs of memory
-            kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)[:, :c.longest]  # [n, len, 2, kvh, d]
-            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)                     # [n, kvh, len, d]
+            kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)[
+                :, : c.longest
+            ]  # [n, len, 2, kvh, d]
+            keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [n, kvh, len, d]
         else:
             shape = (n, -1, num_kv_heads, head_dim)
-            keys = k_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)    # [n, kvh, len, d]
-            values = v_rows.index_select(0, c.rows).view(shape)[:, :c.longest].transpose(1, 2)  # [n, kvh, len, d]
-        out[c.start:c.end] = F.scaled_dot_product_attention(
-            query[c.start:c.end, :, None, :], keys, values, attn_mask=c.mask, scale=scale,
-            enable_gqa=True)[:, :, 0, :]                                                     # [n, H, d]
+            keys = k_rows.index_select(0, c.rows).view(shape)[:, : c.longest].transpose(1, 2)  # [n, kvh, len, d]
+            values = v_rows.index_select(0, c.rows).view(shape)[:, : c.longest].transpose(1, 2)  # [n, kvh, len, d]
+        out[c.start : c.end] = F.scaled_dot_product_attention(
+            query[c.start : c.end, :, None, :], keys, values, attn_mask=c.mask, scale=scale, enable_gqa=True
+        )[:, :, 0, :]  # [n, H, d]
     return out
 
 
-def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
     """New tokens of each sequence attending causally to the sequence's paged context.
     The new tokens are the last q_len of each context (their K/V already stored).
     query [num_tokens, num_heads, head_dim], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]."""
@@ -122,9 +141,9 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     for i, context_len in enumerate(context_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
-        keys = gather_context(k_cache, block_tables[i], context_len).transpose(0, 1)    # [kvh, ctx, d]
+        keys = gather_context(k_cache, block_tables[i], context_len).transpose(0, 1)  # [kvh, ctx, d]
         values = gather_context(v_cache, block_tables[i], context_len).transpose(0, 1)  # [kvh, ctx, d]
-        q = query[q_start:q_end].transpose(0, 1)                                        # [H, q_len, d]
+        q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, d]
         if q_len == context_len:
             mask, causal = None, True
         else:
@@ -133,7 +152,8 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             causal = False
         # With a batch dimension the CPU takes its flash kernel; 3-D inputs fall back to the math path, which
         # materialises every score (6x slower on a 4,000-token prompt).
-        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                           scale=scale, enable_gqa=True)[0]             # [H, q_len, d]
+        o = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
+        )[0]  # [H, q_len, d]
         out[q_start:q_end] = o.transpose(0, 1)
     return out

@@ -4,6 +4,7 @@ A worker serves every gateway it is given, so that gateways behind one load bala
 workers. Each gateway names itself in its RegisterReply; a request's replies go back over the link of
 the gateway that sent it, and a KV transfer carries that name so the decode worker can do the same.
 """
+
 import logging
 
 import zmq
@@ -26,11 +27,11 @@ class GatewayLink:
             curve.connect(sock)
         sock.connect(address)
         self.channel = Channel(sock, f"{worker_id}/control", peer_name="gateway")
-        self.gateway_id = ""          # the gateway's name for itself, once it has accepted us
+        self.gateway_id = ""  # the gateway's name for itself, once it has accepted us
         self.registered = False
         self.num_attempts = 0
-        self.next_attempt_at = 0.0    # monotonic
-        self.cache_sync_at = 0.0      # monotonic time of the next full CacheUpdate (0: at once)
+        self.next_attempt_at = 0.0  # monotonic
+        self.cache_sync_at = 0.0  # monotonic time of the next full CacheUpdate (0: at once)
 
     def must_register(self) -> None:
         """The gateway forgot us (it restarted, or dropped us after a silence): register again, at once."""
@@ -40,10 +41,14 @@ class GatewayLink:
         if self.registered or now < self.next_attempt_at:
             return
         if self.num_attempts:
-            log.warning("%s: no answer from the gateway at %s (attempt %d); trying again in %.1f s. If this goes "
-                        "on, check --gateway (KVFERRY_GATEWAY): is the gateway up, and reachable from here?",
-                        message.worker_id, self.address, self.num_attempts,
-                        REGISTER_RETRY_S[min(self.num_attempts + 1, len(REGISTER_RETRY_S)) - 1])
+            log.warning(
+                "%s: no answer from the gateway at %s (attempt %d); trying again in %.1f s. If this goes "
+                "on, check --gateway (KVFERRY_GATEWAY): is the gateway up, and reachable from here?",
+                message.worker_id,
+                self.address,
+                self.num_attempts,
+                REGISTER_RETRY_S[min(self.num_attempts + 1, len(REGISTER_RETRY_S)) - 1],
+            )
         self.channel.send(message)
         self.num_attempts += 1
         self.next_attempt_at = now + REGISTER_RETRY_S[min(self.num_attempts, len(REGISTER_RETRY_S)) - 1]
@@ -70,4 +75,3 @@ def parse_gateways(text: str | list[str]) -> list[str]:
     """--gateway a,b or a list: each gateway's control address, in order, without repeats."""
     items = text.split(",") if isinstance(text, str) else text
     return list(dict.fromkeys(item.strip() for item in items if item.strip()))
-

@@ -4,6 +4,7 @@ One image runs every role, so the probe asks the worker health port first (KVFER
 then the gateway's HTTP port (KVFERRY_PORT); the first that answers decides. Nothing listening on the
 health port means this container is not a worker, or it is still loading its model.
 """
+
 import os
 import sys
 import urllib.error

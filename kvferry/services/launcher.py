@@ -1,4 +1,5 @@
 """`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
+
 import json
 import os
 import random
@@ -85,20 +86,33 @@ def free_port() -> int:
     raise OSError("no free port found in 20000-32767")
 
 
-def start_services(host: str, port: int, control_port: int, prefill_threads: int, decode_threads: int,
-                   env: dict, num_prefill: int = 1, num_decode: int = 1) -> list[subprocess.Popen]:
+def start_services(
+    host: str,
+    port: int,
+    control_port: int,
+    prefill_threads: int,
+    decode_threads: int,
+    env: dict,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+) -> list[subprocess.Popen]:
     """The gateway and the workers; returns once they are healthy (stopped again if they fail)."""
     control = f"tcp://127.0.0.1:{control_port}"
     procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
     try:
-        procs += [spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env)
-                  for _ in range(num_prefill)]
-        procs += [spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)
-                  for _ in range(num_decode)]
+        procs += [
+            spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env)
+            for _ in range(num_prefill)
+        ]
+        procs += [
+            spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)
+            for _ in range(num_decode)
+        ]
         if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
             raise KvferryError("the services did not become healthy")
-        if num_prefill + num_decode > 2 and not wait_registered(f"http://{host}:{port}", num_prefill + num_decode,
-                                                                 env.get("KVFERRY_API_KEY"), READY_TIMEOUT_S):
+        if num_prefill + num_decode > 2 and not wait_registered(
+            f"http://{host}:{port}", num_prefill + num_decode, env.get("KVFERRY_API_KEY"), READY_TIMEOUT_S
+        ):
             raise KvferryError("not every worker registered")
     except BaseException:
         stop_all(procs)
@@ -118,9 +132,25 @@ def serve(args) -> int:
     if args.model:
         env["KVFERRY_MODEL"] = args.model
     # The children read these from the environment, like every other setting.
-    for name in ("trace_dir", "otlp_endpoint", "log_format", "api_key", "max_body_size", "max_n", "max_tokens_limit",
-                 "max_stop", "max_prompts", "max_waiting", "drain_timeout", "first_token_timeout", "step_timeout",
-                 "request_timeout", "max_moves", "curve_keys", "quantization"):
+    for name in (
+        "trace_dir",
+        "otlp_endpoint",
+        "log_format",
+        "api_key",
+        "max_body_size",
+        "max_n",
+        "max_tokens_limit",
+        "max_stop",
+        "max_prompts",
+        "max_waiting",
+        "drain_timeout",
+        "first_token_timeout",
+        "step_timeout",
+        "request_timeout",
+        "max_moves",
+        "curve_keys",
+        "quantization",
+    ):
         value = getattr(args, name)
         if value:
             folder = name in ("trace_dir", "curve_keys")

@@ -13,6 +13,7 @@ has not come round for `stall_timeout_s` is reported unhealthy, and the gateway 
 On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it), finishes what it
 holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
 """
+
 import logging
 import socket
 import threading
@@ -38,28 +39,54 @@ CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can lea
 
 
 def sampling_to_wire(params: SamplingParams) -> p.Sampling:
-    return p.Sampling(params.max_tokens, float(params.temperature), float(params.top_p), params.top_k, params.seed,
-                      params.ignore_eos, list(params.stop_token_ids), float(params.presence_penalty),
-                      float(params.frequency_penalty), float(params.repetition_penalty), float(params.min_p),
-                      params.min_tokens, [t for t, _ in params.logit_bias], [float(b) for _, b in params.logit_bias],
-                      params.logprobs, params.prompt_logprobs)
+    return p.Sampling(
+        params.max_tokens,
+        float(params.temperature),
+        float(params.top_p),
+        params.top_k,
+        params.seed,
+        params.ignore_eos,
+        list(params.stop_token_ids),
+        float(params.presence_penalty),
+        float(params.frequency_penalty),
+        float(params.repetition_penalty),
+        float(params.min_p),
+        params.min_tokens,
+        [t for t, _ in params.logit_bias],
+        [float(b) for _, b in params.logit_bias],
+        params.logprobs,
+        params.prompt_logprobs,
+    )
 
 
 def sampling_from_wire(s: p.Sampling) -> SamplingParams:
     """Validated again here: a worker trusts no peer."""
     if len(s.logit_bias_ids) != len(s.logit_bias_values):
         raise InvalidRequest("logit_bias ids and values differ in length")
-    return SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-                          seed=s.seed, ignore_eos=s.ignore_eos, stop_token_ids=tuple(s.stop_token_ids),
-                          presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                          repetition_penalty=s.repetition_penalty, min_p=s.min_p, min_tokens=s.min_tokens,
-                          logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)), logprobs=s.logprobs,
-                          prompt_logprobs=s.prompt_logprobs)
+    return SamplingParams(
+        max_tokens=s.max_tokens,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        seed=s.seed,
+        ignore_eos=s.ignore_eos,
+        stop_token_ids=tuple(s.stop_token_ids),
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        min_tokens=s.min_tokens,
+        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
+        logprobs=s.logprobs,
+        prompt_logprobs=s.prompt_logprobs,
+    )
 
 
 def logprobs_to_wire(entries) -> list:
-    return [None if e is None else p.Logprob(e.token_id, e.logprob, list(e.top_ids), list(e.top_logprobs))
-            for e in entries or ()]
+    return [
+        None if e is None else p.Logprob(e.token_id, e.logprob, list(e.top_ids), list(e.top_logprobs))
+        for e in entries or ()
+    ]
 
 
 def advertised_host(explicit: str | None = None) -> str:
@@ -79,9 +106,16 @@ class Worker:
     # Prefill workers: KV shipped, left out as held by decode, and shipped while the prompt was still computing.
     num_kv_bytes_sent = num_kv_bytes_skipped = num_kv_bytes_sent_early = 0
 
-    def __init__(self, config: EngineConfig, gateway: str | list[str], worker_id: str | None = None,
-                 keep_finished_blocks: bool = False, stall_timeout_s: float = 30.0, drain_timeout_s: float = 30.0,
-                 curve: CurveKeys | None = None):
+    def __init__(
+        self,
+        config: EngineConfig,
+        gateway: str | list[str],
+        worker_id: str | None = None,
+        keep_finished_blocks: bool = False,
+        stall_timeout_s: float = 30.0,
+        drain_timeout_s: float = 30.0,
+        curve: CurveKeys | None = None,
+    ):
         self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.Context.instance()
@@ -98,7 +132,7 @@ class Worker:
         self.latest_stats: p.WorkerStats | None = None
         self.stall_timeout_s, self.drain_timeout_s = stall_timeout_s, drain_timeout_s
         self.loop_at = time.monotonic()  # the step loop's latest turn, read by the heartbeat thread
-        self.stop_requested = False      # set by SIGTERM: drain, then exit
+        self.stop_requested = False  # set by SIGTERM: drain, then exit
         self.fault_spec = faults.from_env()
         self.num_loop_steps = 0
 
@@ -108,10 +142,17 @@ class Worker:
 
     def register_message(self) -> p.Register:
         engine = self.engine
-        return p.Register(role=int(self.role), worker_id=self.worker_id, model=served_model_name(engine.config.model),
-                          dtype=str(engine.dtype).removeprefix("torch."), block_size=engine.config.block_size,
-                          num_blocks=engine.block_manager.num_blocks, max_model_len=engine.max_model_len,
-                          kv_address=self.kv_address(), quantization=engine.config.quantization or "none")
+        return p.Register(
+            role=int(self.role),
+            worker_id=self.worker_id,
+            model=served_model_name(engine.config.model),
+            dtype=str(engine.dtype).removeprefix("torch."),
+            block_size=engine.config.block_size,
+            num_blocks=engine.block_manager.num_blocks,
+            max_model_len=engine.max_model_len,
+            kv_address=self.kv_address(),
+            quantization=engine.config.quantization or "none",
+        )
 
     def link_of(self, channel: Channel) -> GatewayLink | None:
         return next((link for link in self.links if link.channel is channel), None)
@@ -134,14 +175,21 @@ class Worker:
     def stats(self) -> p.WorkerStats:
         sch = self.engine.scheduler
         return p.WorkerStats(
-            num_free_blocks=self.engine.block_manager.num_free_blocks, num_total_blocks=self.engine.block_manager.num_blocks,
-            num_running=len(sch.running), num_waiting=len(sch.waiting),
+            num_free_blocks=self.engine.block_manager.num_free_blocks,
+            num_total_blocks=self.engine.block_manager.num_blocks,
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
             queued_prompt_tokens=sch.queued_prompt_tokens(),
-            num_preemptions=sch.num_preemptions, num_protocol_errors=self.num_protocol_errors(),
-            num_prompts_prefilled=self.num_prompts_prefilled, num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
+            num_preemptions=sch.num_preemptions,
+            num_protocol_errors=self.num_protocol_errors(),
+            num_prompts_prefilled=self.num_prompts_prefilled,
+            num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
             num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
-            num_cached_blocks=self.engine.block_manager.num_cached_blocks, num_kv_bytes_sent=self.num_kv_bytes_sent,
-            num_kv_bytes_skipped=self.num_kv_bytes_skipped, num_kv_bytes_sent_early=self.num_kv_bytes_sent_early)
+            num_cached_blocks=self.engine.block_manager.num_cached_blocks,
+            num_kv_bytes_sent=self.num_kv_bytes_sent,
+            num_kv_bytes_skipped=self.num_kv_bytes_skipped,
+            num_kv_bytes_sent_early=self.num_kv_bytes_sent_early,
+        )
 
     def send_cache_updates(self) -> None:
         """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached
@@ -166,8 +214,10 @@ class Worker:
     def _heartbeat_loop(self) -> None:
         """Own thread, own sockets: a long step (a big prefill on one core) must not look like a dead worker.
         The main loop publishes its stats after every step; this thread only reads that snapshot."""
-        channels = {link: Channel(link.heartbeat_socket(self.ctx), f"{self.worker_id}/heartbeat", peer_name="gateway")
-                    for link in self.links}
+        channels = {
+            link: Channel(link.heartbeat_socket(self.ctx), f"{self.worker_id}/heartbeat", peer_name="gateway")
+            for link in self.links
+        }
         link_of = {channel.socket: link for link, channel in channels.items()}
         poller = zmq.Poller()
         for channel in channels.values():
@@ -176,8 +226,11 @@ class Worker:
             while self.running:
                 healthy = time.monotonic() - self.loop_at < self.stall_timeout_s
                 if not healthy:
-                    log.error("%s: the step loop has not come round for %.0f s: reporting unhealthy", self.worker_id,
-                              time.monotonic() - self.loop_at)
+                    log.error(
+                        "%s: the step loop has not come round for %.0f s: reporting unhealthy",
+                        self.worker_id,
+                        time.monotonic() - self.loop_at,
+                    )
                 for link, channel in channels.items():
                     if link.registered:
                         channel.send(p.Heartbeat(self.worker_id, self.latest_stats, healthy))
@@ -187,8 +240,11 @@ class Worker:
                         link = link_of[sock]
                         received = channels[link].recv()
                         # The gateway dropped us (say, after a network partition): register again.
-                        if received and isinstance(received[1].message, p.RegisterReply) \
-                                and received[1].message.reason == UNKNOWN_WORKER:
+                        if (
+                            received
+                            and isinstance(received[1].message, p.RegisterReply)
+                            and received[1].message.reason == UNKNOWN_WORKER
+                        ):
                             link.must_register()
         finally:
             for channel in channels.values():
@@ -277,8 +333,12 @@ class Worker:
             except KvferryError:
                 raise
             except Exception:  # one bad message must not take the worker down
-                log.exception("%s: while handling %s", self.worker_id, type(env.message).__name__,
-                              extra={"request_id": env.request_id})
+                log.exception(
+                    "%s: while handling %s",
+                    self.worker_id,
+                    type(env.message).__name__,
+                    extra={"request_id": env.request_id},
+                )
 
     def channel_for(self, sock) -> Channel:
         return next(link.channel for link in self.links if link.channel.socket is sock)

@@ -8,6 +8,7 @@
 It listens before the model loads, so a taken port fails at once, and runs on its own thread: a long
 step must not make the worker look dead to the probe any sooner than the stall timeout says.
 """
+
 import json
 import threading
 import time
@@ -33,9 +34,16 @@ def worker_state(worker) -> dict:
         status = "registering"
     else:
         status = "ok"
-    return {"status": status, "live": live, "ready": status == "ok", "worker_id": worker.worker_id,
-            "role": worker.role.name.lower(), "registered_with": registered,
-            "loop_age_s": round(stuck_s, 3), "stall_timeout_s": worker.stall_timeout_s}
+    return {
+        "status": status,
+        "live": live,
+        "ready": status == "ok",
+        "worker_id": worker.worker_id,
+        "role": worker.role.name.lower(),
+        "registered_with": registered,
+        "loop_age_s": round(stuck_s, 3),
+        "stall_timeout_s": worker.stall_timeout_s,
+    }
 
 
 class WorkerHealthServer:

@@ -4,6 +4,7 @@ Needs `ip` (Debian's iproute2) and the privilege to create namespaces (root, or 
 CAP_NET_ADMIN). `ensure_ip()` installs iproute2 when it is missing and apt-get can run; otherwise the
 caller skips, with the reason this module gives.
 """
+
 import os
 import secrets
 import shutil
@@ -19,12 +20,22 @@ def ensure_ip() -> str | None:
     if shutil.which("ip") is None:
         if os.geteuid() != 0 or shutil.which("apt-get") is None:
             return "the `ip` command (Debian's iproute2) is missing, and installing it needs root and apt-get"
-        done = subprocess.run(["apt-get", "install", "-y", "-q", "iproute2"], capture_output=True, text=True,
-                              timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+        done = subprocess.run(
+            ["apt-get", "install", "-y", "-q", "iproute2"],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+        )
         if done.returncode != 0:  # a fresh image has no package lists yet
             subprocess.run(["apt-get", "update", "-q"], capture_output=True, timeout=600)
-            done = subprocess.run(["apt-get", "install", "-y", "-q", "iproute2"], capture_output=True, text=True,
-                                  timeout=600, env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"})
+            done = subprocess.run(
+                ["apt-get", "install", "-y", "-q", "iproute2"],
+                capture_output=True,
+                text=True,
+                timeout=600,
+                env={**os.environ, "DEBIAN_FRONTEND": "noninteractive"},
+            )
         if shutil.which("ip") is None:
             return f"could not install iproute2: {done.stderr.strip()[-300:]}"
     probe = f"kvfprobe{secrets.token_hex(3)}"
@@ -42,7 +53,7 @@ class Hosts:
 
     def __init__(self):
         self.tag = secrets.token_hex(2)
-        self.names: dict[str, str] = {}             # host -> namespace
+        self.names: dict[str, str] = {}  # host -> namespace
         self.ends: dict[tuple[str, str], str] = {}  # (host, peer) -> the interface on host towards peer
         self.addresses: dict[tuple[str, str], str] = {}
         self.subnet = 100 + secrets.randbelow(100)  # 10.<subnet>.<link>.0/24: unlikely to meet a real network

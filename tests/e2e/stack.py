@@ -1,4 +1,5 @@
 """Real processes for end-to-end tests: a gateway and workers on free 127.0.0.1 ports, always cleaned up."""
+
 import contextlib
 import json
 import os
@@ -14,14 +15,24 @@ from kvferry.services.launcher import free_port
 
 
 class Stack:
-    def __init__(self, log_dir: Path, model: str | None = None, kv_cache_memory: str = "256MiB",
-                 heartbeat_interval: float = 0.5, extra_env: dict | None = None):
+    def __init__(
+        self,
+        log_dir: Path,
+        model: str | None = None,
+        kv_cache_memory: str = "256MiB",
+        heartbeat_interval: float = 0.5,
+        extra_env: dict | None = None,
+    ):
         self.log_dir = log_dir
         self.port, self.control_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.control = f"tcp://127.0.0.1:{self.control_port}"
-        self.env = {**os.environ, "KVFERRY_NUM_THREADS": "1", "KVFERRY_KV_CACHE_MEMORY": kv_cache_memory,
-                    "KVFERRY_HEARTBEAT_INTERVAL": str(heartbeat_interval)}
+        self.env = {
+            **os.environ,
+            "KVFERRY_NUM_THREADS": "1",
+            "KVFERRY_KV_CACHE_MEMORY": kv_cache_memory,
+            "KVFERRY_HEARTBEAT_INTERVAL": str(heartbeat_interval),
+        }
         if model:
             self.env["KVFERRY_MODEL"] = model
         self.env.update(extra_env or {})
@@ -32,9 +43,13 @@ class Stack:
     def start(self, name: str, *args: str, env: dict | None = None, prefix: tuple[str, ...] = ()) -> subprocess.Popen:
         """prefix: a command that runs the process (`ip netns exec NS`); it must exec, so that the pid is ours."""
         log = open(self.log_dir / f"{name}.log", "w")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "kvferry.services.cli", *args],
-                                env={**self.env, **(env or {})},
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "kvferry.services.cli", *args],
+            env={**self.env, **(env or {})},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self.procs[name] = proc
         return proc
 
@@ -82,12 +97,14 @@ class Stack:
         status, _, reply = self.exchange(path, body, raw=raw, timeout=timeout)
         return status, reply
 
-    def exchange(self, path: str, body, headers: dict | None = None, raw: bytes | None = None,
-                 timeout: float = 300) -> tuple[int, dict, dict]:
+    def exchange(
+        self, path: str, body, headers: dict | None = None, raw: bytes | None = None, timeout: float = 300
+    ) -> tuple[int, dict, dict]:
         """POST and return (status, response headers, JSON body)."""
         data = raw if raw is not None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data,
-                                     headers={"content-type": "application/json", **self.auth, **(headers or {})})
+        req = urllib.request.Request(
+            self.url + path, data=data, headers={"content-type": "application/json", **self.auth, **(headers or {})}
+        )
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 return r.status, {k.lower(): v for k, v in r.headers.items()}, json.loads(r.read())
@@ -99,8 +116,11 @@ class Stack:
             return r.read().decode()
 
     def stream(self, path: str, body, timeout: float = 300) -> list:
-        req = urllib.request.Request(self.url + path, data=json.dumps({**body, "stream": True}).encode(),
-                                     headers={"content-type": "application/json", **self.auth})
+        req = urllib.request.Request(
+            self.url + path,
+            data=json.dumps({**body, "stream": True}).encode(),
+            headers={"content-type": "application/json", **self.auth},
+        )
         events = []
         with urllib.request.urlopen(req, timeout=timeout) as r:
             for line in r:

@@ -1,5 +1,6 @@
 """Tools pointed at a live stack unchanged: schemathesis fuzzes the OpenAPI description (no 5xx allowed), and
 lm-evaluation-harness's local-completions scores a loglikelihood task exactly as the in-process engine does."""
+
 import os
 from pathlib import Path
 
@@ -18,8 +19,10 @@ MIN_CASES = 300
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     # Tight limits keep the fuzzer's generations short on the CPU; they are in the OpenAPI description too.
-    with running_pair(tmp_path_factory.mktemp("tools"), extra_env={
-            "KVFERRY_MAX_N": "2", "KVFERRY_MAX_TOKENS_LIMIT": "2", "KVFERRY_MAX_BODY_SIZE": "4KiB"}) as s:
+    with running_pair(
+        tmp_path_factory.mktemp("tools"),
+        extra_env={"KVFERRY_MAX_N": "2", "KVFERRY_MAX_TOKENS_LIMIT": "2", "KVFERRY_MAX_BODY_SIZE": "4KiB"},
+    ) as s:
         yield s
 
 
@@ -67,10 +70,19 @@ def test_lm_eval_local_completions_matches_the_engine(stack, tmp_path):
     (task_dir / "tiny_mc.yaml").write_text(yaml)
     model = stack.get("/v1/models")[1]["data"][0]["id"]
     results = lm_eval.simple_evaluate(
-        model="local-completions", tasks=["kvferry_tiny_mc"], task_manager=TaskManager(include_path=str(task_dir)),
-        model_args={"base_url": stack.url + "/v1/completions", "model": model, "tokenizer_backend": "remote",
-                    "num_concurrent": 1, "max_retries": 1, "batch_size": 4},  # 4 prompts per request
-        log_samples=True)
+        model="local-completions",
+        tasks=["kvferry_tiny_mc"],
+        task_manager=TaskManager(include_path=str(task_dir)),
+        model_args={
+            "base_url": stack.url + "/v1/completions",
+            "model": model,
+            "tokenizer_backend": "remote",
+            "num_concurrent": 1,
+            "max_retries": 1,
+            "batch_size": 4,
+        },  # 4 prompts per request
+        log_samples=True,
+    )
     served_acc = results["results"]["kvferry_tiny_mc"]["acc,none"]
 
     # The same task scored from the in-process engine's prompt logprobs, with lm-eval's context/continuation split.
@@ -86,7 +98,7 @@ def test_lm_eval_local_completions_matches_the_engine(stack, tmp_path):
         for choice in doc["choices"]:
             whole, head = encode(context + " " + choice), encode(context)  # lm-eval's target delimiter: a space
             [out] = engine.generate([whole], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-            scores.append(sum(e.logprob for e in out.prompt_logprobs[len(head):]))
+            scores.append(sum(e.logprob for e in out.prompt_logprobs[len(head) :]))
         correct.append(max(range(len(scores)), key=scores.__getitem__) == doc["answer"])
     engine_acc = sum(correct) / len(correct)
     print(f"lm-eval accuracy over HTTP {served_acc}, from the in-process engine {engine_acc}")

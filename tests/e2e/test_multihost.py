@@ -1,6 +1,7 @@
 """Three hosts on one machine: the gateway, a prefill worker and a decode worker, each in its own network
 namespace, joined by veth links with their own addresses. Completions cross real TCP links, the KV
 transfer included (prefill host to decode host); then the decode host is cut off and brought back."""
+
 import concurrent.futures
 import time
 
@@ -41,28 +42,59 @@ def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(make_stac
     monkeypatch.setenv("NO_PROXY", gateway_ip)
     stack: Stack = make_stack(extra_env={"KVFERRY_STEP_TIMEOUT": "10", "KVFERRY_FIRST_TOKEN_TIMEOUT": "30"})
     stack.url = f"http://{gateway_ip}:{stack.port}"
-    stack.start("gateway", "gateway", "--host", "0.0.0.0", "--port", str(stack.port), "--control", "tcp://0.0.0.0:5557",
-                prefix=hosts.exec_prefix("gw"))
-    stack.start("prefill-a", "prefill", "--worker-id", "prefill-a", "--gateway", f"tcp://{gw_to_pf[0]}:5557",
-                prefix=hosts.exec_prefix("pf"))
+    stack.start(
+        "gateway",
+        "gateway",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(stack.port),
+        "--control",
+        "tcp://0.0.0.0:5557",
+        prefix=hosts.exec_prefix("gw"),
+    )
+    stack.start(
+        "prefill-a",
+        "prefill",
+        "--worker-id",
+        "prefill-a",
+        "--gateway",
+        f"tcp://{gw_to_pf[0]}:5557",
+        prefix=hosts.exec_prefix("pf"),
+    )
     decode_ip = pf_to_dc[1]  # where the prefill host reaches the decode host
-    stack.start("decode-a", "decode", "--worker-id", "decode-a", "--gateway", f"tcp://{gw_to_dc[0]}:5557",
-                "--kv-bind", "tcp://0.0.0.0:5600", "--advertise-host", decode_ip, prefix=hosts.exec_prefix("dc"))
+    stack.start(
+        "decode-a",
+        "decode",
+        "--worker-id",
+        "decode-a",
+        "--gateway",
+        f"tcp://{gw_to_dc[0]}:5557",
+        "--kv-bind",
+        "tcp://0.0.0.0:5600",
+        "--advertise-host",
+        decode_ip,
+        prefix=hosts.exec_prefix("dc"),
+    )
     stack.wait_for(lambda: stack.get("/health")[0] == 200, 180, "the three hosts to join")
     assert client != gateway_ip
 
     workers = stack.workers()
     assert workers["decode-a"]["kv_address"] == f"tcp://{decode_ip}:5600"
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        replies = list(pool.map(lambda prompt: stack.post("/v1/completions", {**BODY, "prompt": prompt,
-                                                                               "max_tokens": 16}), PROMPTS))
+        replies = list(
+            pool.map(
+                lambda prompt: stack.post("/v1/completions", {**BODY, "prompt": prompt, "max_tokens": 16}), PROMPTS
+            )
+        )
     assert [reply["choices"][0]["text"] for status, reply in replies] == reference
     # The KV crossed the prefill-to-decode link (the figure comes with the next heartbeat).
     stack.wait_for(lambda: stack.workers()["prefill-a"]["kv_bytes_sent"] > 0, 10, "the prefill worker's KV bytes")
 
     # Cut the decode host off mid-stream.
     stream = concurrent.futures.ThreadPoolExecutor(1).submit(
-        stack.stream, "/v1/completions", {**BODY, "prompt": PROMPTS[0], "max_tokens": 2000}, 180)
+        stack.stream, "/v1/completions", {**BODY, "prompt": PROMPTS[0], "max_tokens": 2000}, 180
+    )
     stack.wait_for(lambda: stack.workers()["decode-a"]["running"] > 0, 60, "the stream decoding")
     hosts.set_links("dc", up=False)
     cut_at = time.monotonic()
@@ -83,5 +115,6 @@ def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(make_stac
     assert status == 200 and reply["choices"][0]["text"] == reference[2]
     assert stack.procs["decode-a"].poll() is None and stack.procs["gateway"].poll() is None
     # The cut-off stream's blocks come back too: the gateway no longer knows it, so the decode worker frees it.
-    stack.wait_for(lambda: all(w["free_blocks"] == w["num_blocks"] for w in stack.workers().values()), 60,
-                   "every block free again")
+    stack.wait_for(
+        lambda: all(w["free_blocks"] == w["num_blocks"] for w in stack.workers().values()), 60, "every block free again"
+    )

@@ -1,5 +1,6 @@
 """The OpenAI API's parameters through the `openai` client on a real stack, logprobs against the in-process
 engine, n with a prompt prefilled once, cancellation that frees every block, API keys, limits, tokenizer routes."""
+
 import http.client
 import json
 import time
@@ -18,9 +19,16 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    with running_pair(tmp_path_factory.mktemp("openai"), extra_env={
-            "KVFERRY_API_KEY": KEY, "KVFERRY_MAX_N": "4", "KVFERRY_MAX_TOKENS_LIMIT": "256",
-            "KVFERRY_MAX_BODY_SIZE": "64KiB", "KVFERRY_MAX_STOP": "4"}) as s:
+    with running_pair(
+        tmp_path_factory.mktemp("openai"),
+        extra_env={
+            "KVFERRY_API_KEY": KEY,
+            "KVFERRY_MAX_N": "4",
+            "KVFERRY_MAX_TOKENS_LIMIT": "256",
+            "KVFERRY_MAX_BODY_SIZE": "64KiB",
+            "KVFERRY_MAX_STOP": "4",
+        },
+    ) as s:
         yield s
 
 
@@ -43,8 +51,12 @@ def model(client):
 
 def authed(stack, path, body, method="POST", key=KEY):
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=120)
-    conn.request(method, path, body=json.dumps(body) if body is not None else None,
-                 headers={"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})})
+    conn.request(
+        method,
+        path,
+        body=json.dumps(body) if body is not None else None,
+        headers={"content-type": "application/json", **({"authorization": f"Bearer {key}"} if key else {})},
+    )
     response = conn.getresponse()
     return response.status, json.loads(response.read())
 
@@ -64,8 +76,14 @@ def test_greedy_logprobs_match_the_in_process_engine(client, model, engine):
     assert choice.logprobs.token_logprobs[0] is None and len(choice.logprobs.token_logprobs) == len(ids)
     for got, want in zip(choice.logprobs.token_logprobs[1:], ref.prompt_logprobs[1:]):
         assert got == pytest.approx(want.logprob, abs=1e-4)
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                          temperature=0, logprobs=True, top_logprobs=3)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(c.top_logprobs) == 3 and c.logprob <= 0 for c in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-6)  # greedy: the best
@@ -89,8 +107,14 @@ def test_n_choices_are_reproducible_different_and_prefilled_once(stack, client, 
             streamed[c.index] = streamed.get(c.index, "") + c.text
     assert [streamed[i] for i in range(3)] == texts
     stack.wait_for(lambda: prefilled() == before + 3, 10, "one prefill per request")
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Tell a joke"}], n=2,
-                                          max_completion_tokens=8, temperature=1.0, seed=3)
+    chat = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Tell a joke"}],
+        n=2,
+        max_completion_tokens=8,
+        temperature=1.0,
+        seed=3,
+    )
     assert len(chat.choices) == 2 and chat.choices[0].message.content != chat.choices[1].message.content
 
 
@@ -107,17 +131,24 @@ def test_sampling_parameters_each_take_effect(client, model, engine):
     assert stopped.text == engine.tokenizer.decode([stop_id]) and stopped.finish_reason == "stop"
     held = client.completions.create(**base, extra_body={"stop_token_ids": [stop_id], "min_tokens": 3}).choices[0]
     assert held.finish_reason in ("stop", "length") and len(engine.tokenizer.encode(held.text)) >= 3
-    assert client.completions.create(**{**base, "temperature": 1.0}, extra_body={"min_p": 1.0}, seed=1).choices[0].text == plain
+    assert (
+        client.completions.create(**{**base, "temperature": 1.0}, extra_body={"min_p": 1.0}, seed=1).choices[0].text
+        == plain
+    )
     seeded = [client.completions.create(**{**base, "temperature": 1.0}, seed=11).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Count to ten"}],
-                                          max_completion_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to ten"}], max_completion_tokens=5, temperature=0
+    )
     assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
 
 
 def test_streaming_usage_and_finish_reasons(client, model):
-    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
-                                            stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=5, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
 
@@ -140,9 +171,12 @@ def settled(stack, read):
 def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
     idle = settled(stack, free_blocks)
     conn = http.client.HTTPConnection("127.0.0.1", stack.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"prompt": PROMPT * 40, "max_tokens": 200, "ignore_eos": True, "stream": True}),
-        headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": PROMPT * 40, "max_tokens": 200, "ignore_eos": True, "stream": True}),
+        headers={"content-type": "application/json", "authorization": f"Bearer {KEY}"},
+    )
     response = conn.getresponse()
     for _ in range(4):  # a few tokens in: the request holds blocks on the decode worker
         response.readline()
@@ -158,8 +192,9 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):
 def test_a_stop_string_frees_the_rest_of_the_request(stack, client, model):
     idle = settled(stack, free_blocks)
     text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0).choices[0].text
-    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=200, temperature=0, stop=[text[3:7]],
-                                    extra_body={"ignore_eos": True})
+    cut = client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=200, temperature=0, stop=[text[3:7]], extra_body={"ignore_eos": True}
+    )
     assert cut.choices[0].finish_reason == "stop"
     stack.wait_for(lambda: free_blocks(stack) == idle, 10, "every block back")
 
@@ -193,24 +228,43 @@ def test_api_keys(stack, model):
     assert "kvferry:prompt_tokens_total" in stack.text("/metrics")
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"n": -1}, "n"), ({"n": 5}, "n"), ({"top_p": 1.5}, "top_p"), ({"logprobs": 21}, "logprobs"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"max_tokens": 300}, "max_tokens"), ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"frequency_penalty": 3}, "frequency_penalty"), ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
-    ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"guided_json": {}}, "guided_json"), ({"best_of": 2}, "best_of"),
-    ({"max_tokens": 0}, "max_tokens"), ({"echo": "yes"}, "echo"), ({"prompt": ["a"] * 65}, "prompt"),
-    ({"prompt": []}, "prompt"), ({"prompt": [[1], []]}, "prompt"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"n": -1}, "n"),
+        ({"n": 5}, "n"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"max_tokens": 300}, "max_tokens"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"frequency_penalty": 3}, "frequency_penalty"),
+        ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"guided_json": {}}, "guided_json"),
+        ({"best_of": 2}, "best_of"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"echo": "yes"}, "echo"),
+        ({"prompt": ["a"] * 65}, "prompt"),
+        ({"prompt": []}, "prompt"),
+        ({"prompt": [[1], []]}, "prompt"),
+    ],
+)
 def test_bad_values_name_their_field(stack, body, param):
     status, reply = authed(stack, "/v1/completions", {"prompt": PROMPT, **body})
     assert status == 400 and reply["error"]["param"] == param, reply
 
 
-@pytest.mark.parametrize("body,param", [
-    ({"top_logprobs": 3}, "top_logprobs"), ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"echo": True}, "echo"), ({"response_format": {"type": "json_object"}}, "response_format"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"echo": True}, "echo"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ],
+)
 def test_bad_chat_values_name_their_field(stack, body, param):
     status, reply = authed(stack, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
     assert status == 400 and reply["error"]["param"] == param, reply
@@ -224,8 +278,18 @@ def test_a_body_over_the_limit_gets_413(stack):
 def test_openapi_describes_every_route(stack):
     status, spec = stack.get("/openapi.json")
     assert status == 200 and spec["openapi"].startswith("3.")
-    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize",
-                 "/tokenizer_info", "/version", "/health", "/metrics", "/openapi.json"):
+    for path in (
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/v1/models",
+        "/tokenize",
+        "/detokenize",
+        "/tokenizer_info",
+        "/version",
+        "/health",
+        "/metrics",
+        "/openapi.json",
+    ):
         assert path in spec["paths"], path
     post = spec["paths"]["/v1/completions"]["post"]
     assert {"400", "401", "413", "503"} <= set(post["responses"]) and "requestBody" in post
@@ -234,9 +298,12 @@ def test_openapi_describes_every_route(stack):
 def test_an_error_after_streaming_started_is_an_sse_event_then_done(make_stack):
     s = make_stack().start_pair("prefill-b", "decode-b")
     conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps(
-        {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}),
-        headers={"content-type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=json.dumps({"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}),
+        headers={"content-type": "application/json"},
+    )
     response = conn.getresponse()
     events = []
     while True:
@@ -255,8 +322,9 @@ def test_an_error_after_streaming_started_is_an_sse_event_then_done(make_stack):
 
 def test_a_batch_of_prompts_gets_its_choices_in_order(client, model):
     prompts = [PROMPT, "Once upon a time"]
-    alone = [client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text
-             for p in prompts]
+    alone = [
+        client.completions.create(model=model, prompt=p, max_tokens=6, temperature=0).choices[0].text for p in prompts
+    ]
     batch = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, n=2)
     by_index = {c.index: c.text for c in batch.choices}
     assert by_index == {0: alone[0], 1: alone[0], 2: alone[1], 3: alone[1]}
@@ -273,8 +341,15 @@ def test_a_batch_of_prompts_gets_its_choices_in_order(client, model):
 def test_a_choice_ended_by_a_stop_string_leaves_the_decode_batch_at_once(stack, client, model):
     import threading
 
-    kwargs = dict(model=model, prompt="Once upon a time", temperature=1.0, seed=21, n=2, max_tokens=100,
-                  extra_body={"ignore_eos": True})
+    kwargs = dict(
+        model=model,
+        prompt="Once upon a time",
+        temperature=1.0,
+        seed=21,
+        n=2,
+        max_tokens=100,
+        extra_body={"ignore_eos": True},
+    )
     full = {c.index: c.text for c in client.completions.create(**kwargs).choices}
     stop = next((full[0][:k] for k in range(2, 12) if full[0][:k].strip() and full[0][:k] not in full[1]), None)
     assert stop, full  # a stop string choice 0 meets at once and choice 1 never does

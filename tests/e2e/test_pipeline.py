@@ -1,4 +1,5 @@
 """The disaggregated stack as a user runs it: real processes, real ZeroMQ sockets, real HTTP on 127.0.0.1."""
+
 import concurrent.futures
 
 import pytest
@@ -11,10 +12,21 @@ from tests.e2e.stack import Stack
 pytestmark = pytest.mark.slow
 WORKERS = {"prefill-a", "prefill-b", "decode-a", "decode-b"}
 PROMPTS = [
-    "The capital of France is", "Write a haiku about rivers.", "What is 12 times 12?", "Once upon a time, a fox",
-    "List three colours.", "Explain paged attention briefly.", "The quick brown fox", "Name a planet.",
-    "Why is the sky blue?", "Translate 'hello' into French.", "A recipe for bread starts with",
-    "Describe a cat in one sentence.", "def fibonacci(n):", "The best way to learn is", "Tell me a joke.",
+    "The capital of France is",
+    "Write a haiku about rivers.",
+    "What is 12 times 12?",
+    "Once upon a time, a fox",
+    "List three colours.",
+    "Explain paged attention briefly.",
+    "The quick brown fox",
+    "Name a planet.",
+    "Why is the sky blue?",
+    "Translate 'hello' into French.",
+    "A recipe for bread starts with",
+    "Describe a cat in one sentence.",
+    "def fibonacci(n):",
+    "The best way to learn is",
+    "Tell me a joke.",
     "In 1969, humans",
 ]
 
@@ -90,52 +102,83 @@ def test_openai_client(stack):
     [model] = [m.id for m in client.models.list().data]
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in done.choices[0].text and done.usage.completion_tokens == 8
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+        )
+        if c.choices
+    )
     assert streamed == done.choices[0].text
-    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
-                                          max_tokens=10, temperature=0)
-    parts = client.chat.completions.create(model=model, max_tokens=10, temperature=0, messages=[
-        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]}])
+    chat = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say hello"}], max_tokens=10, temperature=0
+    )
+    parts = client.chat.completions.create(
+        model=model,
+        max_tokens=10,
+        temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello"}]}],
+    )
     assert parts.choices[0].message.content == chat.choices[0].message.content
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-    pieces = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello"}],
-                                            max_tokens=10, temperature=0, stream=True,
-                                            stream_options={"include_usage": True})
+    pieces = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": "Say hello"}],
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(pieces)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
 
 
 def test_stop_strings_even_across_tokens(stack):
-    status, full = stack.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                                  "temperature": 0})
+    status, full = stack.post(
+        "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
+    )
     text = full["choices"][0]["text"]  # " Paris.\n\nThe answer is:"
     stop = text[3:7]  # "ris." starts inside the token " Paris"
-    status, cut = stack.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                                 "temperature": 0, "stop": [stop]})
+    status, cut = stack.post(
+        "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": [stop]}
+    )
     assert status == 200 and cut["choices"][0]["text"] == text[:3] and cut["choices"][0]["finish_reason"] == "stop"
-    events = stack.stream("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8,
-                                              "temperature": 0, "stop": stop})
+    events = stack.stream(
+        "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "stop": stop}
+    )
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == text[:3]
 
 
-@pytest.mark.parametrize("path,body,raw,status,code", [
-    ("/v1/completions", None, b"{not json", 400, None),
-    ("/v1/completions", {"prompt": 5}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "top_p": 7}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, None, 400, "context_length_exceeded"),
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, None, 404, "model_not_found"),
-    ("/v1/chat/completions", {"messages": "hello"}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, 400, None),
-    ("/v1/completions", {"prompt": "hi", "seed": 2**85}, None, 400, None),  # was a 500 (found by schemathesis)
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**95}, None, 400,
-     None),  # was a 500 (found by schemathesis)
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
-     None, 400, None),
-])
+@pytest.mark.parametrize(
+    "path,body,raw,status,code",
+    [
+        ("/v1/completions", None, b"{not json", 400, None),
+        ("/v1/completions", {"prompt": 5}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "top_p": 7}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 10**6}, None, 400, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-17"}, None, 404, "model_not_found"),
+        ("/v1/chat/completions", {"messages": "hello"}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "best_of": 3}, None, 400, None),
+        ("/v1/completions", {"prompt": "hi", "seed": 2**85}, None, 400, None),  # was a 500 (found by schemathesis)
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "top_k": 2**95},
+            None,
+            400,
+            None,
+        ),  # was a 500 (found by schemathesis)
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]},
+            None,
+            400,
+            None,
+        ),
+    ],
+)
 def test_bad_requests_get_openai_shaped_errors(stack, path, body, raw, status, code):
     got, reply = stack.post(path, body, raw=raw)
     assert got == status
@@ -193,8 +236,9 @@ def test_garbage_on_the_wire_is_counted_and_survived(stack):
         sock.close()
     stack.wait_for(lambda: stack.get("/v1/workers")[1]["gateway"]["protocol_errors"] >= 2, 10, "gateway count")
     stack.wait_for(lambda: stack.workers()[decode["id"]]["protocol_errors"] >= 2, 10, "decode worker count")
-    status, reply = stack.post("/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4,
-                                                   "temperature": 0})
+    status, reply = stack.post(
+        "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}
+    )
     assert status == 200 and "Paris" in reply["choices"][0]["text"]
 
 

@@ -1,5 +1,6 @@
 """Prefix caching across the stack: prompts sharing a system prompt go to the prefill worker that holds it, reuse
 its blocks there, and give the same greedy text as the in-process engine with caching off."""
+
 import concurrent.futures
 
 import pytest
@@ -9,10 +10,18 @@ from kvferry.common.engine import LLMEngine
 from kvferry.common.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
-SYSTEM = ("You are a careful assistant. Answer in one short sentence, without lists, and say when you are not "
-          "sure. ") * 6
-QUESTIONS = ["What is the capital of Italy?", "Name a large ocean.", "What do bees make?", "How many legs has a spider?",
-             "What colour is grass?", "Who wrote Hamlet?", "What is ice made of?"]
+SYSTEM = (
+    "You are a careful assistant. Answer in one short sentence, without lists, and say when you are not sure. "
+) * 6
+QUESTIONS = [
+    "What is the capital of Italy?",
+    "Name a large ocean.",
+    "What do bees make?",
+    "How many legs has a spider?",
+    "What colour is grass?",
+    "Who wrote Hamlet?",
+    "What is ice made of?",
+]
 
 
 def test_shared_prefix_routes_to_its_cache_and_matches_the_engine(make_stack):
@@ -35,8 +44,11 @@ def test_shared_prefix_routes_to_its_cache_and_matches_the_engine(make_stack):
         return reply["choices"][0]["text"]
 
     assert complete(prompts[0]) == expected[0]
-    stack.wait_for(lambda: sum(w.get("prompts_prefilled", 0) for w in stack.workers().values()) == 1, 10,
-                   "the first prompt in the heartbeats")  # stats ride on heartbeats: they lag
+    stack.wait_for(
+        lambda: sum(w.get("prompts_prefilled", 0) for w in stack.workers().values()) == 1,
+        10,
+        "the first prompt in the heartbeats",
+    )  # stats ride on heartbeats: they lag
     holder = max(stack.workers().values(), key=lambda w: w.get("prompts_prefilled", 0))["id"]
     other = ({"prefill-a", "prefill-b"} - {holder}).pop()
     with concurrent.futures.ThreadPoolExecutor(len(prompts) - 1) as pool:
@@ -61,11 +73,24 @@ def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
 
     stack = make_stack().start_pair()
     shared = list(range(1000, 1064))  # 4 blocks
-    requests = [{"id": f"r{i}", "prompt_token_ids": shared + [2000 + i] * (5 + i), "max_tokens": 3 + i,
-                 "arrival_s": 0.1 * i, "group": "first" if i == 0 else "later"} for i in range(4)]
+    requests = [
+        {
+            "id": f"r{i}",
+            "prompt_token_ids": shared + [2000 + i] * (5 + i),
+            "max_tokens": 3 + i,
+            "arrival_s": 0.1 * i,
+            "group": "first" if i == 0 else "later",
+        }
+        for i in range(4)
+    ]
     before = prefill_counters(stack.url)
-    assert before == {"prompts_prefilled": 0, "prompt_tokens_computed": 0, "prompt_tokens_cached": 0,
-                      "kv_bytes_sent": 0, "kv_bytes_skipped": 0}
+    assert before == {
+        "prompts_prefilled": 0,
+        "prompt_tokens_computed": 0,
+        "prompt_tokens_cached": 0,
+        "kv_bytes_sent": 0,
+        "kv_bytes_skipped": 0,
+    }
     model = served_model(stack.url)
     asyncio.run(replay(stack.url, model, requests[:1]))  # the first one caches the shared blocks
     report = asyncio.run(replay(stack.url, model, requests[1:]))
@@ -87,8 +112,9 @@ def test_a_second_chat_turn_ships_only_its_new_blocks(make_stack):
     stack = make_stack().start_pair()
 
     def complete(ids):
-        status, reply = stack.post("/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
-                                                       "ignore_eos": True})
+        status, reply = stack.post(
+            "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        )
         assert status == 200, reply
         return reply["choices"][0]["text"]
 
@@ -105,12 +131,16 @@ def test_a_second_chat_turn_ships_only_its_new_blocks(make_stack):
     stack.wait_for(lambda: stack.workers()["prefill-a"]["kv_bytes_skipped"] > 0, 10, "heartbeats")
     prefill = stack.workers()["prefill-a"]
     assert prefill["kv_bytes_skipped"] >= (len(first_turn) // 16) * BLOCK_BYTES
-    assert prefill["kv_bytes_sent"] - sent_first == -(-len(second_turn) // 16) * BLOCK_BYTES - prefill[
-        "kv_bytes_skipped"]
+    assert (
+        prefill["kv_bytes_sent"] - sent_first == -(-len(second_turn) // 16) * BLOCK_BYTES - prefill["kv_bytes_skipped"]
+    )
     assert prefill["kv_bytes_skipped"] <= held * BLOCK_BYTES
     # Nothing held or leaked once both turns are done.
-    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == stack.workers()["decode-a"]["num_blocks"],
-                   10, "every decode block free")
+    stack.wait_for(
+        lambda: stack.workers()["decode-a"]["free_blocks"] == stack.workers()["decode-a"]["num_blocks"],
+        10,
+        "every decode block free",
+    )
 
 
 def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_when_it_cannot(make_stack):
@@ -130,7 +160,7 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, 10_000)
     sock.connect(decode["kv_address"])
-    hashes = block_hashes(prompt[:(len(prompt) - 1) // 16 * 16], 16)
+    hashes = block_hashes(prompt[: (len(prompt) - 1) // 16 * 16], 16)
     unknown = block_hashes(list(range(5, 5 + 16 * 3)), 16)
 
     def ask(rid, message, frames=()):
@@ -139,16 +169,31 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
 
     assert ask("probe", p.KVQuery(unknown)) == p.KVHeld(0)
     assert ask("probe", p.KVQuery(hashes + unknown)) == p.KVHeld(len(hashes))
-    stack.wait_for(lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes), 10,
-                   "the held blocks in the heartbeats")
+    stack.wait_for(
+        lambda: stack.workers()["decode-a"]["free_blocks"] == decode["num_blocks"] - len(hashes),
+        10,
+        "the held blocks in the heartbeats",
+    )
 
     def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,), max_tokens=4):
-        sampling = p.Sampling(max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True,
-                              stop_token_ids=[])
+        sampling = p.Sampling(
+            max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True, stop_token_ids=[]
+        )
         shape = [layers[1] - layers[0], num_blocks, 16, 2, 3, 64]
-        message = p.KVTransfer("test", tokens, list(first_tokens), [0], sampling, len(tokens), "float32", shape,
-                               deadline_s=1e12,
-                               num_skipped_blocks=skipped, gateway_id="any", layer_start=layers[0])
+        message = p.KVTransfer(
+            "test",
+            tokens,
+            list(first_tokens),
+            [0],
+            sampling,
+            len(tokens),
+            "float32",
+            shape,
+            deadline_s=1e12,
+            num_skipped_blocks=skipped,
+            gateway_id="any",
+            layer_start=layers[0],
+        )
         return message, [bytes(p.kv_frame_bytes(message))]
 
     # More blocks left out than are held: the decode worker lets go of them and asks for every block.
@@ -201,6 +246,9 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     send("cut", (10, 20), first_tokens=(), max_tokens=4000)
     message, frames = transfer(5, 0, (20, 30), tokens, max_tokens=4000)
     assert ask("cut", message, frames) == p.KVAck(True)
-    stack.wait_for(lambda: stack.workers()["decode-a"]["running"] == 0 and free_blocks() == decode["num_blocks"],
-                   10, "nothing running for the ended choice")
+    stack.wait_for(
+        lambda: stack.workers()["decode-a"]["running"] == 0 and free_blocks() == decode["num_blocks"],
+        10,
+        "nothing running for the ended choice",
+    )
     sock.close()

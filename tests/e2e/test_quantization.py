@@ -1,5 +1,6 @@
 """--quantization int8 across real processes: both workers quantize alike, so a completion through the stack equals the
 in-process int8 engine's; a worker that computes otherwise is refused."""
+
 import pytest
 
 from kvferry.common.config import EngineConfig

@@ -1,6 +1,7 @@
 """Failures on purpose: workers killed mid-request, stuck, shut down; messages dropped, repeated and delayed;
 overload; garbage on the sockets. Real processes, real sockets, real HTTP. The worker under test is started and
 killed by the test itself (not by honcho, which stops everything when one child exits)."""
+
 import concurrent.futures
 import os
 import random
@@ -15,9 +16,29 @@ from kvferry.common import protocol as p
 from tests.e2e.stack import Stack, engine_texts
 
 pytestmark = pytest.mark.slow
-PROMPTS = [f"Story {i}: once upon a time, in a land of {thing}," for i, thing in enumerate(
-    ["rivers", "mountains", "clocks", "glass", "salt", "paper", "owls", "bells", "ice", "sand", "wool", "ink",
-     "lamps", "moss", "iron", "silk"])]
+PROMPTS = [
+    f"Story {i}: once upon a time, in a land of {thing},"
+    for i, thing in enumerate(
+        [
+            "rivers",
+            "mountains",
+            "clocks",
+            "glass",
+            "salt",
+            "paper",
+            "owls",
+            "bells",
+            "ice",
+            "sand",
+            "wool",
+            "ink",
+            "lamps",
+            "moss",
+            "iron",
+            "silk",
+        ]
+    )
+]
 BODY = {"max_tokens": 40, "temperature": 0, "ignore_eos": True}
 FAST_FAILOVER = {"KVFERRY_STEP_TIMEOUT": "10", "KVFERRY_FIRST_TOKEN_TIMEOUT": "30"}
 # The gateway routes to the decode worker with the most free blocks: one with a smaller cache gets nothing
@@ -45,9 +66,11 @@ def in_flight_on(stack: Stack, name: str) -> int:
 
 def wait_blocks_free(stack: Stack, timeout: float = 30) -> None:
     """Every live worker's heartbeat says all its blocks are free: nothing leaked."""
+
     def all_free():
         workers = stack.workers()
         return workers and all(w["free_blocks"] == w["num_blocks"] for w in workers.values())
+
     stack.wait_for(all_free, timeout, f"every block free: {stack.workers()}")
 
 
@@ -121,8 +144,13 @@ def chaos_reference():
 
 def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, chaos_reference):
     """200 requests while every process drops, repeats and delays its messages."""
-    faults = {"KVFERRY_FAULTS": "drop=0.02,dup=0.02,delay_ms=5,seed=7", "KVFERRY_STEP_TIMEOUT": "4",
-              "KVFERRY_FIRST_TOKEN_TIMEOUT": "15", "KVFERRY_REQUEST_TIMEOUT": "90", "KVFERRY_MAX_MOVES": "5"}
+    faults = {
+        "KVFERRY_FAULTS": "drop=0.02,dup=0.02,delay_ms=5,seed=7",
+        "KVFERRY_STEP_TIMEOUT": "4",
+        "KVFERRY_FIRST_TOKEN_TIMEOUT": "15",
+        "KVFERRY_REQUEST_TIMEOUT": "90",
+        "KVFERRY_MAX_MOVES": "5",
+    }
     stack = make_stack(extra_env=faults).start_pair()
     stack.start_worker("decode-b", "decode")
     stack.wait_workers({"decode-b"})
@@ -138,8 +166,11 @@ def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, ch
         results = list(pool.map(ask, prompts))
     completed = [r for r in results if r[1] == 200]
     failed = [r for r in results if r[1] != 200]
-    wrong = [(prompt, reply["choices"][0]["text"]) for prompt, _, reply, _ in completed
-             if reply["choices"][0]["text"] != chaos_reference[prompt]]
+    wrong = [
+        (prompt, reply["choices"][0]["text"])
+        for prompt, _, reply, _ in completed
+        if reply["choices"][0]["text"] != chaos_reference[prompt]
+    ]
     assert not wrong, wrong[:3]
     for _, status, reply, _ in failed:  # a clear error: a server status with a message saying what happened
         assert status in (503, 504) and reply["error"]["message"], reply
@@ -147,8 +178,10 @@ def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, ch
     assert len(completed) >= 180, [r[2] for r in failed][:5]
     wait_blocks_free(stack, 60)
     status, info = stack.get("/v1/workers")
-    print(f"\nchaos: {len(completed)} completed, {len(failed)} failed "
-          f"({sorted({r[2]['error']['message'][:60] for r in failed})}), gateway {info['gateway']}")
+    print(
+        f"\nchaos: {len(completed)} completed, {len(failed)} failed "
+        f"({sorted({r[2]['error']['message'][:60] for r in failed})}), gateway {info['gateway']}"
+    )
 
 
 def test_a_stuck_step_loop_is_reported_and_its_requests_move(make_stack):
@@ -157,8 +190,9 @@ def test_a_stuck_step_loop_is_reported_and_its_requests_move(make_stack):
     stack.start_worker("prefill-a", "prefill")
     stack.start_worker("decode-b", "decode", env=SMALL_CACHE)
     # Its loop sleeps 60 s at its 10th step: alive, heartbeating from its own thread, but stuck.
-    stack.start_worker("decode-stalls", "decode", "--stall-timeout", "2",
-                       env={"KVFERRY_FAULTS": "stall_after_steps=10,stall_s=60"})
+    stack.start_worker(
+        "decode-stalls", "decode", "--stall-timeout", "2", env={"KVFERRY_FAULTS": "stall_after_steps=10,stall_s=60"}
+    )
     stack.wait_workers({"prefill-a", "decode-b", "decode-stalls"})
     prompts = PROMPTS[:8]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # all 8 go to decode-stalls, the bigger cache
@@ -231,13 +265,28 @@ def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
             if kind == 0:  # random bytes
                 frames = [rng.randbytes(rng.randint(0, 64)) for _ in range(rng.randint(1, 3))]
             elif kind == 1:  # truncated
-                frames = [valid[:rng.randint(0, len(valid) - 1)]]
+                frames = [valid[: rng.randint(0, len(valid) - 1)]]
             elif kind == 2:  # wrong version
                 frames = [msgpack.packb([int(p.Kind.TOKENS), 99, "x", {}, {"token_ids": [1]}])]
             elif kind == 3:  # a KV transfer whose frames do not match its header
-                frames = [p.encode(p.KVTransfer("p", [1], [2], [0], p.Sampling(1, 0.0, 1.0, 0, None, False, []), 1,
-                                                "float32", [1, 1, 16, 2, 1, 64], 1e12), "x", frames=[b""])[0],
-                          b"\0" * 10]
+                frames = [
+                    p.encode(
+                        p.KVTransfer(
+                            "p",
+                            [1],
+                            [2],
+                            [0],
+                            p.Sampling(1, 0.0, 1.0, 0, None, False, []),
+                            1,
+                            "float32",
+                            [1, 1, 16, 2, 1, 64],
+                            1e12,
+                        ),
+                        "x",
+                        frames=[b""],
+                    )[0],
+                    b"\0" * 10,
+                ]
             elif i % 1000 == 4:  # an oversized header (a few: each is a megabyte)
                 frames = [b"\x95" + b"\0" * (p.MAX_HEADER_BYTES + 1)]
             else:  # an unknown kind
@@ -250,6 +299,7 @@ def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
     def counted():
         workers, gateway = stack.workers(), stack.get("/v1/workers")[1]["gateway"]
         return gateway["protocol_errors"] >= 5000 and workers["decode-a"]["protocol_errors"] >= 5000
+
     stack.wait_for(counted, 60, "protocol errors counted")
     assert completion(stack, PROMPTS[0], max_tokens=8) == reference
     assert all(proc.poll() is None for proc in stack.procs.values())
@@ -280,8 +330,9 @@ def test_with_curve_only_peers_holding_the_keys_get_in(make_stack, tmp_path):
 
     keys, other = tmp_path / "keys", tmp_path / "other-keys"
     for folder in (keys, other):
-        subprocess.run([sys.executable, "-m", "kvferry.services.cli", "keys", str(folder)], check=True,
-                       capture_output=True)
+        subprocess.run(
+            [sys.executable, "-m", "kvferry.services.cli", "keys", str(folder)], check=True, capture_output=True
+        )
     stack = make_stack(extra_env={"KVFERRY_CURVE_KEYS": str(keys)}).start_pair()
     reference = completion(stack, PROMPTS[0], max_tokens=8)
     stack.start_worker("no-keys", "decode", env={"KVFERRY_CURVE_KEYS": ""})
@@ -292,12 +343,17 @@ def test_with_curve_only_peers_holding_the_keys_get_in(make_stack, tmp_path):
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(address)
-        sock.send_multipart(p.encode(p.Register(int(p.Role.DECODE), "intruder", "m", "float32", 16, 8, 64, "tcp://x:1")))
+        sock.send_multipart(
+            p.encode(p.Register(int(p.Role.DECODE), "intruder", "m", "float32", 16, 8, 64, "tcp://x:1"))
+        )
         sock.send_multipart([b"garbage"])
         assert not sock.poll(2000), "a peer without the keys got an answer"
         sock.close()
-    stack.wait_for(lambda: "attempt 3" in stack.log("no-keys") and "attempt 3" in stack.log("wrong-keys"), 60,
-                   "the keyless workers to retry")
+    stack.wait_for(
+        lambda: "attempt 3" in stack.log("no-keys") and "attempt 3" in stack.log("wrong-keys"),
+        60,
+        "the keyless workers to retry",
+    )
     workers = stack.workers()
     assert set(workers) == {"prefill-a", "decode-a"}
     status, info = stack.get("/v1/workers")
@@ -315,8 +371,17 @@ def test_a_decode_worker_frees_a_request_the_gateway_does_not_know(make_stack, t
     decode = stack.workers()["decode-a"]
     shape = [30, 2, 16, 2, 3, 64]  # SmolLM2: layers, blocks for 20 tokens, block size, K/V, KV heads, head dim
     frame = bytes(4 * 30 * 2 * 16 * 2 * 3 * 64)
-    transfer = p.KVTransfer("nobody", list(range(300, 320)), [400], [0],
-                            p.Sampling(2000, 0.0, 1.0, 0, None, True, []), 20, "float32", shape, time.time() + 600)
+    transfer = p.KVTransfer(
+        "nobody",
+        list(range(300, 320)),
+        [400],
+        [0],
+        p.Sampling(2000, 0.0, 1.0, 0, None, True, []),
+        20,
+        "float32",
+        shape,
+        time.time() + 600,
+    )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(decode["kv_address"])
@@ -326,11 +391,18 @@ def test_a_decode_worker_frees_a_request_the_gateway_does_not_know(make_stack, t
     sock.close()
 
     def lines(role):
-        return [json.loads(line) for f in traces.glob(f"{role}*.jsonl") for line in f.read_text().splitlines()
-                if line.strip()]
+        return [
+            json.loads(line)
+            for f in traces.glob(f"{role}*.jsonl")
+            for line in f.read_text().splitlines()
+            if line.strip()
+        ]
 
     def aborted():
-        return any(r.get("kind") == "Abort" and r["rid"] == "cmpl-unknown" and r["ev"] == "recv" for r in lines("decode"))
+        return any(
+            r.get("kind") == "Abort" and r["rid"] == "cmpl-unknown" and r["ev"] == "recv" for r in lines("decode")
+        )
+
     stack.wait_for(aborted, 20, "the gateway's Abort at the decode worker")
     time.sleep(1.5)  # a few steps more would show if it still ran
     steps = [r for r in lines("decode") if r.get("name") == "decode.step" and "cmpl-unknown" in r["attrs"]["rids"]]

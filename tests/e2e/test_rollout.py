@@ -1,5 +1,6 @@
 """A gateway rollout as the Kubernetes manifests do it (strategy Recreate): the old gateway drains and exits,
 a new one takes the same address, and the running workers register with it on their own."""
+
 import signal
 
 import pytest

@@ -1,5 +1,6 @@
 """Soak: 1,000 requests over 2 prefill and 2 decode workers, about a fifth cancelled at random points (queued,
 prefilling, decoding). No block leaks, no stuck request, and no process grows by more than 10% after warm-up."""
+
 import os
 
 import pytest
@@ -15,14 +16,22 @@ def test_soak_with_cancellations_leaks_nothing(tmp_path):
     # A tiny model with the default's tokenizer: the soak is about the serving system, and SmolLM2's compute
     # took three of its four minutes. `kvferry bench soak` runs the same on the default model.
     save_tiny_chat_model(tmp_path / "tiny-chat")
-    env = {**os.environ, "KVFERRY_KV_CACHE_MEMORY": "256MiB", "KVFERRY_HEARTBEAT_INTERVAL": "0.5",
-           "KVFERRY_MODEL": str(tmp_path / "tiny-chat")}
+    env = {
+        **os.environ,
+        "KVFERRY_KV_CACHE_MEMORY": "256MiB",
+        "KVFERRY_HEARTBEAT_INTERVAL": "0.5",
+        "KVFERRY_MODEL": str(tmp_path / "tiny-chat"),
+    }
     port = free_port()
     procs = start_services("127.0.0.1", port, free_port(), 1, 1, env, num_prefill=2, num_decode=2)
     try:
         names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
-        report = soak(f"http://127.0.0.1:{port}", {n: p.pid for n, p in zip(names, procs)}, num_requests=1000,
-                      cancel_within_s=0.15)  # the tiny model's requests take about that long
+        report = soak(
+            f"http://127.0.0.1:{port}",
+            {n: p.pid for n, p in zip(names, procs)},
+            num_requests=1000,
+            cancel_within_s=0.15,
+        )  # the tiny model's requests take about that long
     finally:
         stop_all(procs)
     print(f"\nsoak: {report}")

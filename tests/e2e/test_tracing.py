@@ -1,4 +1,5 @@
 """Tracing and metrics on a real stack: trace files from three processes, `kvferry trace`, /metrics, traceparent."""
+
 import concurrent.futures
 import json
 import shutil
@@ -17,8 +18,9 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 
 def kvferry(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +29,24 @@ def traced(tmp_path_factory):
     trace_dir = folder / "traces"
     with running_pair(folder, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir), "KVFERRY_LOG_FORMAT": "json"}) as s:
         # Token-id prompts of known lengths and exact output lengths: the metrics must match them exactly.
-        asks = [({"prompt": list(range(100, 100 + 7 * (i + 1))), "max_tokens": 4 + 3 * i, "ignore_eos": True,
-                  "temperature": 0}, {}) for i in range(5)]
-        asks.append(({"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True},
-                     {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"}))
+        asks = [
+            (
+                {
+                    "prompt": list(range(100, 100 + 7 * (i + 1))),
+                    "max_tokens": 4 + 3 * i,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+                {},
+            )
+            for i in range(5)
+        ]
+        asks.append(
+            (
+                {"prompt": [5, 6, 7, 8], "max_tokens": 6, "ignore_eos": True},
+                {"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"},
+            )
+        )
         asks.append(({"prompt": [9, 10, 11], "max_tokens": 5, "ignore_eos": True}, {"traceparent": "not-a-trace"}))
         with concurrent.futures.ThreadPoolExecutor(len(asks)) as pool:
             replies = list(pool.map(lambda a: s.exchange("/v1/completions", *a), asks))
@@ -52,15 +68,24 @@ def test_trace_show_lists_every_hop_in_causal_order(traced):
         shown = kvferry("trace", "show", str(trace_dir), rid)
         assert shown.returncode == 0, shown.stderr
         lines = shown.stdout.splitlines()[2:]
-        events = [line.split()[2] + ("" if line.split()[2] not in ("send", "recv") else " " + line.split()[3])
-                  for line in lines if len(line.split()) > 2 and not line.startswith("decode steps")]
+        events = [
+            line.split()[2] + ("" if line.split()[2] not in ("send", "recv") else " " + line.split()[3])
+            for line in lines
+            if len(line.split()) > 2 and not line.startswith("decode steps")
+        ]
 
         def first(what):
             assert what in events, f"{rid}: no {what} in\n{shown.stdout}"
             return events.index(what)
 
-        order = [first("arrival"), first("send PrefillRequest"), first("recv PrefillRequest"), first("prefill"),
-                 first("send FirstToken"), first("recv FirstToken")]
+        order = [
+            first("arrival"),
+            first("send PrefillRequest"),
+            first("recv PrefillRequest"),
+            first("prefill"),
+            first("send FirstToken"),
+            first("recv FirstToken"),
+        ]
         assert order == sorted(order), shown.stdout
         kv = [first("send KVTransfer"), first("recv KVTransfer"), first("kv.transfer_in"), first("decode.step")]
         assert kv == sorted(kv), shown.stdout
@@ -77,7 +102,7 @@ def test_trace_list_export_and_plot(traced, tmp_path):
     s, trace_dir, asks, replies = traced
     listed = kvferry("trace", "list", str(trace_dir))
     assert listed.returncode == 0, listed.stderr
-    for (body, _), (_, headers, reply) in zip(asks, replies):
+    for (body, _), (_, headers, _reply) in zip(asks, replies):
         row = next(line for line in listed.stdout.splitlines() if line.startswith(headers["x-request-id"]))
         assert row.split()[3:5] == [str(len(body["prompt"])), str(body["max_tokens"])]
     out = tmp_path / "trace.json"
@@ -120,14 +145,23 @@ def test_metrics_match_what_was_sent(traced):
 
     def value(name, **labels):
         family = families[name]
-        return sum(x.value for x in family.samples
-                   if x.name in (name, name + "_total") and all(x.labels.get(k) == v for k, v in labels.items()))
+        return sum(
+            x.value
+            for x in family.samples
+            if x.name in (name, name + "_total") and all(x.labels.get(k) == v for k, v in labels.items())
+        )
 
     assert value("kvferry:prompt_tokens") == sum(len(body["prompt"]) for body, _ in asks)
     assert value("kvferry:generation_tokens") == sum(body["max_tokens"] for body, _ in asks)
     assert value("kvferry:request_success", finished_reason="length") == len(asks)
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "kv_transfer_time_seconds", "kv_transfer_bytes"):
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "kv_transfer_time_seconds",
+        "kv_transfer_bytes",
+    ):
         count = next(x.value for x in families[f"kvferry:{name}"].samples if x.name.endswith("_count"))
         assert count == len(asks), name
     itl = next(x.value for x in families["kvferry:inter_token_latency_seconds"].samples if x.name.endswith("_count"))
@@ -176,16 +210,19 @@ def test_every_log_line_is_json(traced):
 
 def test_a_batch_of_prompts_is_one_request_in_the_traces(traced):
     s, trace_dir, asks, replies = traced
-    status, headers, reply = s.exchange("/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3,
-                                                            "ignore_eos": True})
+    status, headers, reply = s.exchange(
+        "/v1/completions", {"prompt": [[5, 6, 7], [8, 9]], "max_tokens": 3, "ignore_eos": True}
+    )
     assert status == 200 and len(reply["choices"]) == 2
     rid = headers["x-request-id"]
     # Each process flushes its file within a heartbeat or so: wait for the gateway's end and the decode steps.
     names = lambda: {e.get("name") for e in load(str(trace_dir)).for_request(rid)}
     s.wait_for(lambda: {"finish", "decode.step"} <= names(), 30, "finish and decode steps in the trace")
     events = load(str(trace_dir)).for_request(rid)
-    assert {e["rid"] for e in events if e["ev"] == "send" and e["kind"] == "PrefillRequest"} == {f"{rid}/p0",
-                                                                                                  f"{rid}/p1"}
+    assert {e["rid"] for e in events if e["ev"] == "send" and e["kind"] == "PrefillRequest"} == {
+        f"{rid}/p0",
+        f"{rid}/p1",
+    }
     assert any(e.get("name") == "decode.step" for e in events)
     listed = kvferry("trace", "list", str(trace_dir)).stdout
     assert [line.split()[3:5] for line in listed.splitlines() if line.startswith(rid)] == [["5", "6"]]

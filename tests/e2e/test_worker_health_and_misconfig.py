@@ -1,5 +1,6 @@
 """What Kubernetes probes read from a worker (`--health-port`), `kvferry health`, and misconfiguration that must
 fail fast with a message naming the setting. Real processes, real ports."""
+
 import json
 import socket
 import subprocess
@@ -25,16 +26,24 @@ def probe(port: int, path: str) -> tuple[int, dict]:
 
 
 def kvferry(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 def test_worker_health_says_registered_and_stepping_and_catches_a_stuck_loop(make_stack):
     stack: Stack = make_stack()
     prefill_health, decode_health = free_port(), free_port()
     # Its first step sleeps 8 s: with --stall-timeout 2 the loop counts as stuck for about 6 s of it.
-    stack.start_worker("prefill-h", "prefill", "--health-port", str(prefill_health), "--stall-timeout", "2",
-                       env={"KVFERRY_FAULTS": "stall_after_steps=1,stall_s=8"})
+    stack.start_worker(
+        "prefill-h",
+        "prefill",
+        "--health-port",
+        str(prefill_health),
+        "--stall-timeout",
+        "2",
+        env={"KVFERRY_FAULTS": "stall_after_steps=1,stall_s=8"},
+    )
     stack.start_worker("decode-h", "decode", env={"KVFERRY_HEALTH_PORT": str(decode_health)})
     # No gateway yet: the loop turns (live) but nothing has accepted the worker (not ready).
     stack.wait_for(lambda: probe(prefill_health, "/live")[0] == 200, 180, "prefill worker live")
@@ -50,12 +59,19 @@ def test_worker_health_says_registered_and_stepping_and_catches_a_stuck_loop(mak
     # `kvferry health` (the image's HEALTHCHECK) asks the worker port first, then the gateway's.
     env = {**stack.env, "KVFERRY_HEALTH_PORT": str(decode_health), "KVFERRY_PORT": "1"}
     assert kvferry("health", env=env).returncode == 0
-    image_check = subprocess.run([sys.executable, "-m", "kvferry.services.health_probe"], capture_output=True,
-                                 text=True, timeout=60, env=env)  # the Dockerfile's HEALTHCHECK
+    image_check = subprocess.run(
+        [sys.executable, "-m", "kvferry.services.health_probe"], capture_output=True, text=True, timeout=60, env=env
+    )  # the Dockerfile's HEALTHCHECK
     assert image_check.returncode == 0 and f"{decode_health}/health: 200" in image_check.stdout
-    assert "torch" not in subprocess.run(
-        [sys.executable, "-c", "import sys, kvferry.services.health_probe; print(sorted(sys.modules))"],
-        capture_output=True, text=True, timeout=60).stdout, "the health check stays light"
+    assert (
+        "torch"
+        not in subprocess.run(
+            [sys.executable, "-c", "import sys, kvferry.services.health_probe; print(sorted(sys.modules))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+    ), "the health check stays light"
     env = {**stack.env, "KVFERRY_HEALTH_PORT": str(free_port()), "KVFERRY_PORT": str(stack.port)}
     done = kvferry("health", env=env)
     assert done.returncode == 0 and f"127.0.0.1:{stack.port}/health: 200" in done.stdout
@@ -64,8 +80,11 @@ def test_worker_health_says_registered_and_stepping_and_catches_a_stuck_loop(mak
     assert done.returncode == 1 and "nothing answers" in done.stderr
 
     reply = {}
-    request = threading.Thread(target=lambda: reply.update(
-        result=stack.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4}, timeout=120)))
+    request = threading.Thread(
+        target=lambda: reply.update(
+            result=stack.post("/v1/completions", {"prompt": "Hello", "max_tokens": 4}, timeout=120)
+        )
+    )
     request.start()
     stack.wait_for(lambda: probe(prefill_health, "/live")[0] == 503, 30, "the stuck loop to fail /live")
     status, body = probe(prefill_health, "/health")
@@ -83,12 +102,15 @@ def test_a_port_in_use_fails_at_once_naming_the_setting(tmp_path):
     taken.listen()
     port = taken.getsockname()[1]
     try:
-        for args, setting in ((["gateway", "--port", str(port), "--control", f"tcp://127.0.0.1:{free_port()}"],
-                               "--port (KVFERRY_PORT)"),
-                              (["gateway", "--port", str(free_port()), "--control", f"tcp://127.0.0.1:{port}"],
-                               "--control (KVFERRY_CONTROL)"),
-                              (["prefill", "--health-port", str(port)], "--health-port (KVFERRY_HEALTH_PORT)"),
-                              (["decode", "--kv-bind", f"tcp://127.0.0.1:{port}"], "--kv-bind (KVFERRY_KV_BIND)")):
+        for args, setting in (
+            (["gateway", "--port", str(port), "--control", f"tcp://127.0.0.1:{free_port()}"], "--port (KVFERRY_PORT)"),
+            (
+                ["gateway", "--port", str(free_port()), "--control", f"tcp://127.0.0.1:{port}"],
+                "--control (KVFERRY_CONTROL)",
+            ),
+            (["prefill", "--health-port", str(port)], "--health-port (KVFERRY_HEALTH_PORT)"),
+            (["decode", "--kv-bind", f"tcp://127.0.0.1:{port}"], "--kv-bind (KVFERRY_KV_BIND)"),
+        ):
             done = kvferry(*args)
             assert done.returncode == 2, done.stderr[-2000:]
             assert f"kvferry: error: {setting}: cannot listen on" in done.stderr

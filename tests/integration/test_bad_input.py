@@ -1,4 +1,5 @@
 """Bad input gets one clear error naming the value or limit, and never takes the engine down."""
+
 import json
 import math
 import subprocess
@@ -52,16 +53,19 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_it(engine):
     assert not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("kwargs,expected", [
-    (dict(max_num_seqs=0), "max_num_seqs must be positive"),
-    (dict(block_size=12), "block_size must be 8, 16 or 32"),
-    (dict(kv_cache_memory=1000), "holds no block"),
-    (dict(device="tpu"), "device 'tpu'"),
-    (dict(device="cuda:7"), "CUDA devices"),
-    (dict(num_threads=0), "num_threads must be at least 1"),
-    (dict(max_model_len=1), "max_model_len must be at least 2"),
-    (dict(max_model_len=10**6), "exceeds the model's limit 256"),
-])
+@pytest.mark.parametrize(
+    "kwargs,expected",
+    [
+        (dict(max_num_seqs=0), "max_num_seqs must be positive"),
+        (dict(block_size=12), "block_size must be 8, 16 or 32"),
+        (dict(kv_cache_memory=1000), "holds no block"),
+        (dict(device="tpu"), "device 'tpu'"),
+        (dict(device="cuda:7"), "CUDA devices"),
+        (dict(num_threads=0), "num_threads must be at least 1"),
+        (dict(max_model_len=1), "max_model_len must be at least 2"),
+        (dict(max_model_len=10**6), "exceeds the model's limit 256"),
+    ],
+)
 def test_bad_engine_settings_are_refused_by_name(tiny_dir, kwargs, expected):
     from kvferry.common.errors import KvferryError
 
@@ -121,16 +125,20 @@ def test_unsupported_gguf_fails_before_any_conversion(tmp_path, monkeypatch):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["--model", "/no/such/model"], "model path not found: /no/such/model"),
-    (["--temperature", "nan"], "temperature must be a finite number"),
-    (["--top-p", "0"], "top_p must be in (0, 1]"),
-    (["--max-tokens", "-2"], "max_tokens must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["--model", "/no/such/model"], "model path not found: /no/such/model"),
+        (["--temperature", "nan"], "temperature must be a finite number"),
+        (["--top-p", "0"], "top_p must be in (0, 1]"),
+        (["--max-tokens", "-2"], "max_tokens must be a positive integer"),
+    ],
+)
 def test_cli_prints_one_line_errors_without_traceback(tiny_dir, args, expected):
     base = ["generate", "--prompt", "hi", "--model", str(tiny_dir)]
     result = run_cli(*base, *args)
@@ -142,9 +150,13 @@ def test_cli_prints_one_line_errors_without_traceback(tiny_dir, args, expected):
 def test_cli_bad_environment_value_is_a_usage_error(tiny_dir):
     import os
 
-    result = subprocess.run([sys.executable, "-m", "kvferry.services.cli", "generate", "--prompt", "hi"],
-                            capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "KVFERRY_MAX_NUM_SEQS": "lots", "KVFERRY_MODEL": str(tiny_dir)})
+    result = subprocess.run(
+        [sys.executable, "-m", "kvferry.services.cli", "generate", "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVFERRY_MAX_NUM_SEQS": "lots", "KVFERRY_MODEL": str(tiny_dir)},
+    )
     assert result.returncode == 2
     assert "--max-num-seqs: invalid int value: 'lots'" in result.stderr and "Traceback" not in result.stderr
 

@@ -1,4 +1,5 @@
 """`kvferry bench step` on a tiny model: decode steps at a full batch, split into the model and the rest."""
+
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.services.bench.step import measure

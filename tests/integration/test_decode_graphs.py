@@ -1,6 +1,7 @@
 """Decode graphs' static buffers and padding, run eagerly on the CPU (capture=False): a continuous batch whose size
 moves up and down gives the eager engine's tokens and logits, and a padding row never writes the KV cache.
 The capture itself needs CUDA; everything around it is what runs here."""
+
 import torch
 
 from kvferry.common.config import EngineConfig
@@ -58,8 +59,7 @@ def test_static_buffers_and_padding_match_the_eager_step(tmp_path):
     config = EngineConfig(model=str(tmp_path), kv_cache_memory=2**20, block_size=BLOCK, max_num_seqs=16)
     eager = generate(LLMEngine(config))
     padded_engine = LLMEngine(config)
-    padded_engine.runner.use_decode_graphs(config.max_num_seqs, -(-padded_engine.max_model_len // BLOCK),
-                                           capture=False)
+    padded_engine.runner.use_decode_graphs(config.max_num_seqs, -(-padded_engine.max_model_len // BLOCK), capture=False)
     padded = generate(padded_engine, check_cache_writes=True)
     assert sorted(set(padded[2])) == [1, 2, 3, 4, 5, 6]  # the batch really moved through padded sizes
     assert padded[0] == eager[0]

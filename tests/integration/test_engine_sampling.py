@@ -1,4 +1,5 @@
 """Per-request sampling inside one batch: a seeded request gets the same tokens whatever shares its batch."""
+
 import pytest
 
 from kvferry.common.config import EngineConfig
@@ -23,8 +24,13 @@ def test_seed_reproduces_tokens_alone_and_in_a_crowd(engine):
     [alone] = engine.generate([prompt], seeded(1234))
     crowd = engine.generate(
         [[40, 41], prompt, list(range(50, 90)), [7] * 9],
-        [SamplingParams(max_tokens=5, temperature=0.9), seeded(1234), seeded(99, top_k=20),
-         SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)])
+        [
+            SamplingParams(max_tokens=5, temperature=0.9),
+            seeded(1234),
+            seeded(99, top_k=20),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+        ],
+    )
     assert crowd[1].output_token_ids == alone.output_token_ids
     [other_seed] = engine.generate([prompt], seeded(4321))
     assert other_seed.output_token_ids != alone.output_token_ids

@@ -1,5 +1,6 @@
 """--quantization int8 through the real engine: it stays close to the unquantized model (tiny random models of two
 architectures, and SmolLM2 on held-out text), and a request's greedy output does not depend on its batch."""
+
 import random
 
 import pytest
@@ -34,8 +35,9 @@ def test_int8_logits_track_the_unquantized_model(tmp_path, arch):
 
 def test_a_greedy_output_is_the_same_alone_and_in_a_batch(tmp_path):
     save_tiny_model("llama", tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), kv_cache_memory=8 * 2**20, block_size=8, num_threads=1,
-                                    quantization="int8"))
+    engine = LLMEngine(
+        EngineConfig(model=str(tmp_path), kv_cache_memory=8 * 2**20, block_size=8, num_threads=1, quantization="int8")
+    )
     rng = random.Random(1)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 60))] for _ in range(8)]
     prompts[3] = prompts[3][:1] * 50  # a degenerate, loud neighbour

@@ -1,4 +1,5 @@
 """Logprobs (generated and prompt) against transformers' log_softmax, and the logit processors' semantics."""
+
 import pytest
 import torch
 
@@ -13,8 +14,9 @@ from tests.tiny_models import VOCAB, save_tiny_model
 def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     hf = save_tiny_model("llama", folder)
-    engine = LLMEngine(EngineConfig(model=str(folder), kv_cache_memory=2**20, block_size=8,
-                                    max_num_seqs=4, max_num_batched_tokens=16))  # the 30-token prompt is prefilled in chunks
+    engine = LLMEngine(
+        EngineConfig(model=str(folder), kv_cache_memory=2**20, block_size=8, max_num_seqs=4, max_num_batched_tokens=16)
+    )  # the 30-token prompt is prefilled in chunks
     return engine, hf
 
 
@@ -26,7 +28,7 @@ def test_generated_and_prompt_logprobs_match_log_softmax(tiny):
     with torch.no_grad():
         for prompt, out in zip(prompts, outs):
             full = prompt + out.output_token_ids
-            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)   # [len, vocab]
+            ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].float(), dim=-1)  # [len, vocab]
             assert len(out.logprobs) == 5 and out.prompt_logprobs[0] is None
             for i, entry in enumerate(out.logprobs):
                 row = ref[len(prompt) - 1 + i]
@@ -78,30 +80,43 @@ def test_min_tokens_masks_stop_tokens(tiny):
     stop = plain.output_token_ids[0]
     [early] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,)))
     assert early.output_token_ids == [stop] and early.finish_reason.name == "STOP"
-    [held] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,),
-                                                          min_tokens=4))
+    [held] = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop,), min_tokens=4)
+    )
     assert len(held.output_token_ids) >= 5 and stop not in held.output_token_ids[:4]
 
 
 def test_min_p_one_is_greedy(tiny):
     engine, _ = tiny
     [plain] = engine.generate([[5, 6, 7]], greedy())
-    [sampled] = engine.generate([[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1.0, min_p=1.0, seed=3,
-                                                            ignore_eos=True))
+    [sampled] = engine.generate(
+        [[5, 6, 7]], SamplingParams(max_tokens=12, temperature=1.0, min_p=1.0, seed=3, ignore_eos=True)
+    )
     assert sampled.output_token_ids == plain.output_token_ids
 
 
-@pytest.mark.parametrize("kw,field", [({"logit_bias": ((VOCAB + 5, 1.0),)}, "logit_bias"),
-                                      ({"stop_token_ids": (VOCAB,)}, "stop_token_ids")])
+@pytest.mark.parametrize(
+    "kw,field", [({"logit_bias": ((VOCAB + 5, 1.0),)}, "logit_bias"), ({"stop_token_ids": (VOCAB,)}, "stop_token_ids")]
+)
 def test_token_ids_outside_the_vocabulary_are_refused(tiny, kw, field):
     engine, _ = tiny
     with pytest.raises(InvalidRequest, match=field):
         engine.add_request([1, 2], SamplingParams(**kw))
 
 
-@pytest.mark.parametrize("kw", [{"presence_penalty": 3}, {"frequency_penalty": -2.5}, {"repetition_penalty": 0},
-                                {"min_p": 1.5}, {"min_tokens": 20, "max_tokens": 5}, {"logprobs": 21},
-                                {"prompt_logprobs": -1}, {"logit_bias": ((3, 101.0),)}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"presence_penalty": 3},
+        {"frequency_penalty": -2.5},
+        {"repetition_penalty": 0},
+        {"min_p": 1.5},
+        {"min_tokens": 20, "max_tokens": 5},
+        {"logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"logit_bias": ((3, 101.0),)},
+    ],
+)
 def test_bad_sampling_values_are_refused(kw):
     with pytest.raises(InvalidRequest):
         SamplingParams(**kw)

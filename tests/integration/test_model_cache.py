@@ -1,4 +1,5 @@
 """The default model: converted once into the cache, then loaded from it without converting again."""
+
 import pytest
 
 from kvferry.common.model import loader

@@ -1,5 +1,6 @@
 """Tiny Llama, Mistral, Qwen2 and Qwen3 models through the engine (chunked, paged prefill and paged
 decode in one continuous batch) against the transformers model on the same weights."""
+
 import random
 
 import pytest
@@ -15,8 +16,11 @@ from tests.tiny_models import VOCAB, save_tiny_model
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_logits_match_transformers(tmp_path, arch, block_size):
     hf = save_tiny_model(arch, tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=block_size, kv_cache_memory=2**20,
-                                    max_num_seqs=8, max_num_batched_tokens=24))  # prompts get prefilled in chunks
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(tmp_path), block_size=block_size, kv_cache_memory=2**20, max_num_seqs=8, max_num_batched_tokens=24
+        )
+    )  # prompts get prefilled in chunks
     rng = random.Random(arch)
     prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 40, 9, 1)}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -42,7 +46,7 @@ def test_logits_match_transformers(tmp_path, arch, block_size):
     with torch.no_grad():
         for rid, prompt in prompts.items():
             full = prompt + outputs[rid]
-            ref = hf(torch.tensor([full[:-1]])).logits[0, len(prompt) - 1:]  # [num_generated, vocab]
+            ref = hf(torch.tensor([full[:-1]])).logits[0, len(prompt) - 1 :]  # [num_generated, vocab]
             got = torch.stack(ours[rid])
             assert got.shape == ref.shape
             assert got.abs().max() > 1.0, "logits too small for the comparison to mean anything"

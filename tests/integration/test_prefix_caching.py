@@ -1,6 +1,7 @@
 """Prefix caching and chunked prefill through the real engine: prompts sharing prefixes of every length around a
 block boundary give the same greedy tokens, and logits within float error of transformers, with each feature on and
 off."""
+
 import random
 
 import torch
@@ -37,17 +38,27 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
     base = [rng.randrange(3, VOCAB) for _ in range(5 * BLOCK)]
     first = {"warm": base + [5, 6, 7]}
     lengths = [BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK - 1, 2 * BLOCK, 2 * BLOCK + 1, 4 * BLOCK, 5 * BLOCK]
-    second = {f"share{n}": base[:n] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 12))]
-              for n in lengths}
-    second["same"] = list(base)             # exactly the cached blocks: the last one is recomputed
+    second = {f"share{n}": base[:n] + [rng.randrange(3, VOCAB) for _ in range(rng.randrange(1, 12))] for n in lengths}
+    second["same"] = list(base)  # exactly the cached blocks: the last one is recomputed
     second["same_plus_one"] = base + [9]
     waves = [first, second]
     outcomes = {}
-    settings = {"cached": {}, "cached_in_chunks_of_5": {"long_prefill_threshold": 5},
-                "not_cached_not_chunked": {"enable_prefix_caching": False, "enable_chunked_prefill": False}}
+    settings = {
+        "cached": {},
+        "cached_in_chunks_of_5": {"long_prefill_threshold": 5},
+        "not_cached_not_chunked": {"enable_prefix_caching": False, "enable_chunked_prefill": False},
+    }
     for name, overrides in settings.items():
-        engine = LLMEngine(EngineConfig(model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=16,
-                                        max_num_batched_tokens=64, **overrides))
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tmp_path),
+                block_size=BLOCK,
+                kv_cache_memory=2**20,
+                max_num_seqs=16,
+                max_num_batched_tokens=64,
+                **overrides,
+            )
+        )
         outcomes[name] = run(engine, waves)
         scheduler = engine.scheduler
         if engine.config.enable_prefix_caching:
@@ -59,7 +70,7 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
     with torch.no_grad():
         for rid, prompt in prompts.items():
             tokens = outcomes["not_cached_not_chunked"][rid][0]
-            ref = hf(torch.tensor([(prompt + tokens)[:-1]])).logits[0, len(prompt) - 1:]
+            ref = hf(torch.tensor([(prompt + tokens)[:-1]])).logits[0, len(prompt) - 1 :]
             assert tokens == ref.argmax(-1).tolist(), rid
             for name, results in outcomes.items():
                 other_tokens, rows = results[rid]
@@ -76,8 +87,9 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
     from kvferry.common.errors import InvalidRequest
 
     save_tiny_model("llama", tmp_path)
-    config = EngineConfig(model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=4,
-                          max_num_batched_tokens=64)
+    config = EngineConfig(
+        model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=4, max_num_batched_tokens=64
+    )
     prefill, decode = LLMEngine(config, keep_finished_blocks=True), LLMEngine(config)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     rng = random.Random(3)
@@ -108,17 +120,17 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
 
     seq = prefill_prompt("turn-2", second)
     bm = decode.block_manager
-    held = bm.match_prefix(block_hashes(second[:(len(second) - 1) // BLOCK * BLOCK], BLOCK))
+    held = bm.match_prefix(block_hashes(second[: (len(second) - 1) // BLOCK * BLOCK], BLOCK))
     assert len(held) == 3  # the first turn's prompt blocks (its answer differs from the second turn's text)
     bm.take_cached(held)
     # Held blocks that do not hold this prompt's start, or more than may be left out, are refused.
     other = [t + 1 for t in second]
     with pytest.raises(InvalidRequest, match="do not hold this prompt"):
-        decode.add_prefilled(["x"], other, [5], [params], prefill.runner.read_blocks(seq.block_table[3:]),
-                             held_blocks=held)
+        decode.add_prefilled(
+            ["x"], other, [5], [params], prefill.runner.read_blocks(seq.block_table[3:]), held_blocks=held
+        )
     with pytest.raises(InvalidRequest, match="can be left out"):
-        decode.add_prefilled(["x"], first[:3 * BLOCK], [5], [params], prefill.runner.read_blocks([]),
-                             held_blocks=held)
+        decode.add_prefilled(["x"], first[: 3 * BLOCK], [5], [params], prefill.runner.read_blocks([]), held_blocks=held)
     kv = prefill.runner.read_blocks(seq.block_table[3:])
     assert kv.shape[1] == len(seq.block_table) - 3
     assert decode.add_prefilled(["turn-2"], second, [seq.output_token_ids[-1]], [params], kv, held_blocks=held)

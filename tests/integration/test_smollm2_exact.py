@@ -1,5 +1,6 @@
 """SmolLM2-135M-Instruct, greedy: prompts of 5 to 400 tokens decoded together in one continuous batch
 give exactly the token ids of transformers' generate on each prompt alone, with or without preemption."""
+
 import pytest
 import torch
 
@@ -37,8 +38,9 @@ def prompts(model_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    chat = lambda text: tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                               add_generation_prompt=True, return_dict=False)
+    chat = lambda text: tok.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     ids = [
         tok.encode("Hello, my name is"),
         tok.encode("The capital of France is"),
@@ -65,7 +67,7 @@ def reference(model_dir, prompts):
     with torch.inference_mode():
         for p in prompts:  # each prompt alone
             out = hf.generate(torch.tensor([p]), max_new_tokens=MAX_NEW, do_sample=False)
-            outs.append(out[0, len(p):].tolist())
+            outs.append(out[0, len(p) :].tolist())
     return outs
 
 

@@ -1,5 +1,6 @@
 """The KV pool's memory: zeroed, on a huge-page boundary, and advised to Linux for huge pages without the
 advice reaching past it."""
+
 import re
 from pathlib import Path
 
@@ -38,8 +39,10 @@ def test_the_pool_is_zeroed_aligned_and_writable(dtype):
     assert torch.count_nonzero(pool) == pool[1, 2].numel()
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
-                    reason="no transparent huge pages in this kernel (or not Linux)")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="no transparent huge pages in this kernel (or not Linux)",
+)
 def test_the_advice_covers_the_pools_whole_huge_pages_and_nothing_past_them():
     numel = 16 * 2**20 + 3  # 64 MB and a 12-byte tail that no huge page can hold
     pool = huge_page_zeros((numel,), torch.float32)

@@ -1,6 +1,7 @@
 """The deployment files, checked offline: every Kubernetes manifest against the Kubernetes schemas (strict),
 the metrics adapter's rules against the schema kept in the repo, the Dockerfile and compose file, and how the
 pieces fit: addresses, ports, probe paths, grace periods, environment variables and autoscaling metrics."""
+
 import importlib.util
 import json
 import re
@@ -83,8 +84,9 @@ def test_every_manifest_validates_strictly_against_the_kubernetes_schemas():
     # The command line too, as an operator would run it before `kubectl apply`.
     command = Path(sys.executable).with_name("kubernetes-validate")
     files = [str(path) for path in paths if path.name != "kustomization.yaml"]
-    done = subprocess.run([str(command), "--strict", "-k", KUBERNETES_VERSIONS[0], *files], capture_output=True,
-                          text=True, timeout=120)
+    done = subprocess.run(
+        [str(command), "--strict", "-k", KUBERNETES_VERSIONS[0], *files], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     bad = {**objects()[("Service", "kvferry-gateway")], "spec": {"portz": []}}
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -117,8 +119,10 @@ def test_workers_reach_the_gateway_through_its_service_and_advertise_their_pod_i
     host, port = tcp_port(config()["KVFERRY_GATEWAY"])
     service = objects()[("Service", host)]
     gateway = container("kvferry-gateway")
-    assert service["spec"]["selector"].items() <= \
-        objects()[("Deployment", "kvferry-gateway")]["spec"]["template"]["metadata"]["labels"].items()
+    assert (
+        service["spec"]["selector"].items()
+        <= objects()[("Deployment", "kvferry-gateway")]["spec"]["template"]["metadata"]["labels"].items()
+    )
     [service_port] = [sp for sp in service["spec"]["ports"] if sp["port"] == port]
     assert named_port(gateway, service_port["targetPort"]) == tcp_port(config()["KVFERRY_CONTROL"])[1] == port
     # The gateway is ready only once workers have registered, so they must reach it before it is ready.
@@ -225,9 +229,20 @@ def gateway_api():
 
     core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
     for role in (p.Role.PREFILL, p.Role.DECODE):
-        core.registry.register(p.Register(role=int(role), worker_id=f"{role.name.lower()}-0", model="SmolLM2-135M-Instruct",
-                                          dtype="float32", block_size=16, num_blocks=100, max_model_len=2048,
-                                          kv_address="tcp://10.0.0.9:5600"), b"id", time.time())
+        core.registry.register(
+            p.Register(
+                role=int(role),
+                worker_id=f"{role.name.lower()}-0",
+                model="SmolLM2-135M-Instruct",
+                dtype="float32",
+                block_size=16,
+                num_blocks=100,
+                max_model_len=2048,
+                kv_address="tcp://10.0.0.9:5600",
+            ),
+            b"id",
+            time.time(),
+        )
     yield Api(core, AutoTokenizer.from_pretrained(resolve_model(None)), "SmolLM2-135M-Instruct", 2048)
     core.control.socket.close()
 
@@ -249,8 +264,9 @@ def test_the_autoscalers_read_metrics_the_gateway_exposes(gateway_api):
             assert rule["seriesQuery"].startswith(series + "{")
             role = re.search(r'role="(\w+)"', rule["metricsQuery"]).group(1)
             assert role == WORKERS[target["name"]], "an autoscaler reads its own role's figures"
-            assert re.search(rf'^{re.escape(series)}{{[^}}]*role="{role}"', exposition, re.M), \
+            assert re.search(rf'^{re.escape(series)}{{[^}}]*role="{role}"', exposition, re.M), (
                 f"/metrics has no {series} for {role}"
+            )
 
 
 def test_the_dockerfile_is_well_formed_and_copies_only_what_exists(monkeypatch):
@@ -265,13 +281,17 @@ def test_the_dockerfile_is_well_formed_and_copies_only_what_exists(monkeypatch):
     users = [s["value"].split(":")[0] for s in steps if s["instruction"] == "USER"]
     assert users and users[-1] not in ("root", "0"), "the image runs as a non-root user"
     [check] = [s["value"] for s in steps if s["instruction"] == "HEALTHCHECK"]
-    command = json.loads(check[check.index("CMD") + 3:])
+    command = json.loads(check[check.index("CMD") + 3 :])
     assert command[:2] == ["python", "-m"] and importlib.util.find_spec(command[2]) is not None, command
     assert command[2] == "kvferry.services.health_probe"
     assert json.loads(next(s["value"] for s in steps if s["instruction"] == "ENTRYPOINT")) == ["kvferry"]
     exposed = {int(port) for s in steps if s["instruction"] == "EXPOSE" for port in s["value"].split()}
-    assert {int(config()["KVFERRY_PORT"]), int(config()["KVFERRY_HEALTH_PORT"]),
-            tcp_port(config()["KVFERRY_CONTROL"])[1], tcp_port(config()["KVFERRY_KV_BIND"])[1]} <= exposed
+    assert {
+        int(config()["KVFERRY_PORT"]),
+        int(config()["KVFERRY_HEALTH_PORT"]),
+        tcp_port(config()["KVFERRY_CONTROL"])[1],
+        tcp_port(config()["KVFERRY_KV_BIND"])[1],
+    } <= exposed
     env = parser.envs
     from kvferry.common.model.loader import cache_root
 
@@ -315,6 +335,10 @@ def test_the_curve_secret_mounts_as_the_folder_kvferry_keys_makes(tmp_path):
             (mounted / item["path"]).parent.mkdir(parents=True, exist_ok=True)
             (mounted / item["path"]).write_bytes(secret_data[item["key"]])
         keys, expected = CurveKeys.load(mounted), CurveKeys.load(made)
-        assert (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret) == \
-            (expected.server_public, expected.server_secret, expected.client_public, expected.client_secret)
+        assert (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret) == (
+            expected.server_public,
+            expected.server_secret,
+            expected.client_public,
+            expected.client_secret,
+        )
         assert (mounted / "clients" / "client.key").read_bytes() == (made / "clients" / "client.key").read_bytes()

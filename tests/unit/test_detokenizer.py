@@ -3,6 +3,7 @@ from kvferry.services.gateway.detokenizer import IncrementalText
 
 class PieceTokenizer:
     """Token i decodes to PIECES[i]; enough to drive the incremental text logic."""
+
     PIECES = ["Hel", "lo", " wor", "ld", "!", " bye", "\ufffd"]
 
     def decode(self, ids, skip_special_tokens=True):
@@ -33,8 +34,8 @@ def test_stop_string_across_tokens_is_cut_and_never_leaked():
 def test_a_possible_stop_prefix_is_held_back_then_released():
     text = IncrementalText(PieceTokenizer(), ["ld?"])
     assert text.add([0, 1, 2]) == "Hello wor"
-    assert text.add([3]) == ""          # "ld" may become "ld?"
-    assert text.add([4]) == "ld!"       # it did not
+    assert text.add([3]) == ""  # "ld" may become "ld?"
+    assert text.add([4]) == "ld!"  # it did not
     assert not text.stopped
 
 

@@ -1,4 +1,5 @@
 """KVFERRY_FAULTS and duplicate dropping, over real ZeroMQ sockets."""
+
 import pytest
 import zmq
 

@@ -1,4 +1,5 @@
 """The gateway's per-request state: every token delivered once and in order, whatever the workers' messages do."""
+
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
@@ -19,8 +20,9 @@ def delivered(f, events):
 
 def test_in_order_messages_pass_through():
     f = flight()
-    assert delivered(f, [tokens([10], 0, decode=False), tokens([11, 12], 1), tokens([13], 3, finish=FinishReason.LENGTH)]) \
-        == [10, 11, 12, 13]
+    assert delivered(
+        f, [tokens([10], 0, decode=False), tokens([11, 12], 1), tokens([13], 3, finish=FinishReason.LENGTH)]
+    ) == [10, 11, 12, 13]
     assert f.done and f.outputs == [[10, 11, 12, 13]] and f.decode_started
 
 
@@ -39,8 +41,9 @@ def test_early_messages_wait_for_the_gap_to_fill():
 
 def test_choices_are_kept_apart_and_a_finished_choice_takes_nothing_more():
     f = flight(n=2)
-    assert delivered(f, [tokens([5], 0, choice=1, finish=FinishReason.STOP), tokens([7], 0, choice=0),
-                         tokens([6], 1, choice=1)]) == [5, 7]
+    assert delivered(
+        f, [tokens([5], 0, choice=1, finish=FinishReason.STOP), tokens([7], 0, choice=0), tokens([6], 1, choice=1)]
+    ) == [5, 7]
     assert f.finished == [False, True] and not f.done
 
 

@@ -1,4 +1,5 @@
 """Request parsing at the gateway (pure) and the API-key / body-size guard (a real ASGI app, in process)."""
+
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware

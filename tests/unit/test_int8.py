@@ -1,5 +1,6 @@
 """Int8 weights: the quantizer, the CPU product with float outlier channels, the Triton kernel (interpreter),
 calibration, and the setting."""
+
 import pytest
 import torch
 from torch import nn
@@ -45,8 +46,8 @@ def test_a_loud_row_costs_its_neighbours_no_precision():
     plain, split = Int8Linear(linear), Int8Linear(linear, outliers=torch.tensor([3, 17]))
     plain_batched, split_batched = plain(x), split(x)
     for i in range(9):
-        assert torch.equal(plain(x[i:i + 1])[0], plain_batched[i])
-        torch.testing.assert_close(split(x[i:i + 1])[0], split_batched[i], rtol=1e-6, atol=1e-6)
+        assert torch.equal(plain(x[i : i + 1])[0], plain_batched[i])
+        torch.testing.assert_close(split(x[i : i + 1])[0], split_batched[i], rtol=1e-6, atol=1e-6)
 
 
 def test_outlier_channels_stay_in_float():
@@ -64,8 +65,14 @@ def test_outlier_channels_stay_in_float():
 
 def test_quantize_linears_swaps_every_linear_and_keeps_a_tied_embedding_in_float():
     emb = nn.Embedding(50, 16)
-    model = nn.ModuleDict({"emb": emb, "a": nn.Linear(16, 8), "inner": nn.ModuleDict({"b": nn.Linear(8, 16)}),
-                           "head": nn.Linear(16, 50, bias=False)})
+    model = nn.ModuleDict(
+        {
+            "emb": emb,
+            "a": nn.Linear(16, 8),
+            "inner": nn.ModuleDict({"b": nn.Linear(8, 16)}),
+            "head": nn.Linear(16, 50, bias=False),
+        }
+    )
     model["head"].weight = emb.weight
     assert quantize_linears(model, {"inner.b": torch.tensor([1])}) == 3
     assert isinstance(model["a"], Int8Linear) and isinstance(model["head"], Int8Linear)
@@ -98,8 +105,8 @@ def test_calibration_finds_a_planted_outlier_channel(tmp_path):
     save_tiny_model("llama", tmp_path)
     model, _, _ = load_model(tmp_path, torch.float32, torch.device("cpu"))
     with torch.no_grad():
-        model.layers[1].input_layernorm.weight[37] = 60.0   # feeds layer 1's q/k/v
-        model.layers[0].mlp.gate_up_proj.weight[5] *= 40    # feeds layer 0's down_proj (through silu(gate) * up)
+        model.layers[1].input_layernorm.weight[37] = 60.0  # feeds layer 1's q/k/v
+        model.layers[0].mlp.gate_up_proj.weight[5] *= 40  # feeds layer 0's down_proj (through silu(gate) * up)
     ids = calibration_token_ids(None, VOCAB)
     assert len(ids) == 512 and ids == calibration_token_ids(None, VOCAB)  # the same in every process
     found = outlier_channels(model, ids, num_channels=4)

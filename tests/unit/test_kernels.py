@@ -1,5 +1,6 @@
 """Every Triton kernel against the PyTorch reference under TRITON_INTERPRET=1, and the reference
 against plain dense attention."""
+
 import math
 
 import pytest
@@ -11,9 +12,9 @@ from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as 
 from kvferry.kernels.triton.store_kv import store_kv as triton_store_kv
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
-    (4, 4, 16),   # MHA
-    (6, 2, 32),   # GQA, group 3
-    (4, 1, 24),   # MQA, head_dim not a power of two
+    (4, 4, 16),  # MHA
+    (6, 2, 32),  # GQA, group 3
+    (4, 1, 24),  # MQA, head_dim not a power of two
 ]
 
 
@@ -25,7 +26,7 @@ def make_paged(context_lens, block_size, num_kv_heads, head_dim, seed=0):
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, cursor = [], 0
     for n in blocks_per_seq:
-        tables.append(perm[cursor:cursor + n])
+        tables.append(perm[cursor : cursor + n])
         cursor += n
     width = max(blocks_per_seq)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -95,8 +96,8 @@ def test_decode_attention_matches_reference(block_size, shape, ragged):
     for i, n in enumerate(context_lens):  # the reference itself against dense attention
         k = reference.gather_context(k_cache, block_tables[i], n)
         v = reference.gather_context(v_cache, block_tables[i], n)
-        dense = dense_attention(q[i:i + 1], k, v, scale, q_offset=n - 1)
-        assert (ref[i:i + 1] - dense).abs().max().item() <= 1e-5
+        dense = dense_attention(q[i : i + 1], k, v, scale, q_offset=n - 1)
+        assert (ref[i : i + 1] - dense).abs().max().item() <= 1e-5
 
 
 def test_decode_passes_cover_every_sequence_in_order_within_the_byte_budget(monkeypatch):
@@ -108,14 +109,14 @@ def test_decode_passes_cover_every_sequence_in_order_within_the_byte_budget(monk
     assert [(c.start, c.end) for c in plan] == [(0, 3), (3, 4), (4, 7), (7, 9)]
     for c in plan:
         width = -(-c.longest // 4)
-        assert c.longest == max(context_lens[c.start:c.end])
-        assert c.rows.tolist() == block_tables[c.start:c.end, :width].flatten().tolist()
+        assert c.longest == max(context_lens[c.start : c.end])
+        assert c.rows.tolist() == block_tables[c.start : c.end, :width].flatten().tolist()
         assert c.end - c.start == 1 or (c.end - c.start) * width * 128 <= 1280  # padded to the longest
-        if len(set(context_lens[c.start:c.end])) == 1:
+        if len(set(context_lens[c.start : c.end])) == 1:
             assert c.mask is None
         else:
             visible = c.mask[:, 0, 0, :].sum(dim=1).tolist()
-            assert visible == context_lens[c.start:c.end]
+            assert visible == context_lens[c.start : c.end]
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
@@ -136,7 +137,7 @@ def test_decode_attention_in_many_small_passes_matches_dense_attention(interleav
     for i, n in enumerate(context_lens):
         k = reference.gather_context(k_cache, block_tables[i], n)
         v = reference.gather_context(v_cache, block_tables[i], n)
-        assert (out[i:i + 1] - dense_attention(q[i:i + 1], k, v, scale, q_offset=n - 1)).abs().max().item() <= 1e-5
+        assert (out[i : i + 1] - dense_attention(q[i : i + 1], k, v, scale, q_offset=n - 1)).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
@@ -158,8 +159,8 @@ def test_prefill_attention_over_paged_prefix_matches_reference(block_size, shape
     for i, (prefix, n) in enumerate(cases):
         k = reference.gather_context(k_cache, block_tables[i], prefix + n)
         v = reference.gather_context(v_cache, block_tables[i], prefix + n)
-        dense = dense_attention(q[cu[i]:cu[i + 1]], k, v, scale, q_offset=prefix)
-        assert (ref[cu[i]:cu[i + 1]] - dense).abs().max().item() <= 1e-5
+        dense = dense_attention(q[cu[i] : cu[i + 1]], k, v, scale, q_offset=prefix)
+        assert (ref[cu[i] : cu[i + 1]] - dense).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -169,7 +170,7 @@ def test_every_operation_takes_the_runners_interleaved_cache(shape):
     num_heads, num_kv_heads, head_dim = shape
     block_size, context_lens = 16, [1, 16, 53, 70, 2, 33, 17, 9, 64, 5]
     k_sep, v_sep, block_tables = make_paged(context_lens, block_size, num_kv_heads, head_dim)
-    kv = torch.stack((k_sep, v_sep), dim=2)            # [num_blocks, block_size, 2, kvh, d]
+    kv = torch.stack((k_sep, v_sep), dim=2)  # [num_blocks, block_size, 2, kvh, d]
     k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
     assert reference.interleaved_blocks(k_cache, v_cache) is not None
     assert reference.interleaved_blocks(k_sep, v_sep) is None and reference.interleaved_blocks(v_cache, k_cache) is None
@@ -177,16 +178,23 @@ def test_every_operation_takes_the_runners_interleaved_cache(shape):
     q = torch.randn(len(context_lens), num_heads, head_dim, generator=g)
     lens, scale = torch.tensor(context_lens, dtype=torch.int32), 1 / math.sqrt(head_dim)
     expected = reference.paged_decode_attention(q, k_sep, v_sep, block_tables, lens, scale)
-    assert (reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale) - expected).abs().max() <= 1e-6
+    assert (
+        reference.paged_decode_attention(q, k_cache, v_cache, block_tables, lens, scale) - expected
+    ).abs().max() <= 1e-6
     assert (triton_decode(q, k_cache, v_cache, block_tables, lens, scale) - expected).abs().max() <= 1e-4
     cu = torch.tensor([0] + torch.tensor(context_lens).cumsum(0).tolist(), dtype=torch.int32)
     qp = torch.randn(sum(context_lens), num_heads, head_dim, generator=g)
     expected = reference.paged_prefill_attention(qp, k_sep, v_sep, block_tables, cu, lens, scale)
-    assert (reference.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu, lens, scale) - expected).abs().max() <= 1e-6
+    assert (
+        reference.paged_prefill_attention(qp, k_cache, v_cache, block_tables, cu, lens, scale) - expected
+    ).abs().max() <= 1e-6
     assert (triton_prefill(qp, k_cache, v_cache, block_tables, cu, lens, scale) - expected).abs().max() <= 1e-4
 
     slots = torch.tensor([0, 17, 40, 5 * block_size + 3, -1])
-    key, value = torch.randn(5, num_kv_heads, head_dim, generator=g), torch.randn(5, num_kv_heads, head_dim, generator=g)
+    key, value = (
+        torch.randn(5, num_kv_heads, head_dim, generator=g),
+        torch.randn(5, num_kv_heads, head_dim, generator=g),
+    )
     for store in (reference.store_kv, triton_store_kv):
         target = torch.zeros_like(kv)
         store(key, value, target[:, :, 0], target[:, :, 1], slots)

@@ -1,4 +1,5 @@
 """A KV transfer's tensors: gathered out of scattered blocks, framed, viewed back and placed into other blocks."""
+
 import torch
 
 from kvferry.common.model.kv_blocks import as_frames, frame_tensor, gather_blocks, scatter_blocks

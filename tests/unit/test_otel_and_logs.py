@@ -1,4 +1,5 @@
 """OpenTelemetry export keeps kvferry's ids (checked against a real OTLP/HTTP receiver); JSON logs carry request ids."""
+
 import gzip
 import http.server
 import io
@@ -40,7 +41,9 @@ def test_spans_reach_an_otlp_collector_with_our_ids(tmp_path):
         endpoint = f"http://127.0.0.1:{server.server_port}"
         exporter = OtlpExporter(endpoint, "kvferry-gateway", "gateway")
         tracer = tracing.Tracer(str(tmp_path), "gateway", "gateway", exporter=exporter)
-        http_ctx = tracing.child_of(tracing.parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"))
+        http_ctx = tracing.child_of(
+            tracing.parse_traceparent("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        )
         tracer.span("http", 100.0, 100.5, "cmpl-1", http_ctx, status=200, prompt_tokens=5)
         root = tracing.child_of(None)
         tracer.span("prefill", 100.1, 100.2, "cmpl-2", root)
@@ -120,5 +123,6 @@ def test_a_failing_exporter_never_breaks_the_caller(tmp_path, caplog):
         tracer.message("send", "FirstToken", "gateway", "r1", ctx, 10)
     tracer.close()
     assert [r.message for r in caplog.records].count(
-        "OpenTelemetry export failed (reported once): invalid literal for int() with base 16: 'zz'") == 1
+        "OpenTelemetry export failed (reported once): invalid literal for int() with base 16: 'zz'"
+    ) == 1
     assert len(next(tmp_path.glob("*.jsonl")).read_text().splitlines()) == 2  # the file still has both lines

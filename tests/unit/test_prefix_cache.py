@@ -1,4 +1,5 @@
 """Prefix caching: chained block hashes, the LRU pool that keeps freed blocks' KV, and the scheduler reusing it."""
+
 import subprocess
 import sys
 
@@ -14,10 +15,17 @@ TOKENS = list(range(1000, 1040))
 
 
 def test_hashes_are_the_same_in_another_process():
-    code = ("from kvferry.common.block_hash import block_hashes; "
-            f"print(','.join(h.hex() for h in block_hashes({TOKENS!r}, 16)))")
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    code = (
+        "from kvferry.common.block_hash import block_hashes; "
+        f"print(','.join(h.hex() for h in block_hashes({TOKENS!r}, 16)))"
+    )
+    other = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={"PYTHONHASHSEED": "12345", "PATH": ""},
+    ).stdout.strip()
     assert other.split(",") == [h.hex() for h in block_hashes(TOKENS, 16)]
 
 
@@ -131,12 +139,12 @@ def test_prompts_arriving_together_compute_a_shared_prefix_once():
 def test_cached_blocks_count_as_free_and_pressure_evicts_them():
     sch = make(num_blocks=8, block_size=4, max_model_len=32)
     runner = FakeRunner(sch)
-    sch.add(prompt_seq("a", range(1, 25)))       # 6 blocks, 6 cached after
+    sch.add(prompt_seq("a", range(1, 25)))  # 6 blocks, 6 cached after
     run_to_end(sch, runner)
     assert sch.block_manager.num_free_blocks == 8 and sch.block_manager.num_cached_blocks == 6
-    sch.add(prompt_seq("b", range(500, 528)))    # needs 7 of the 8 blocks: evicts 5 of a's
+    sch.add(prompt_seq("b", range(500, 528)))  # needs 7 of the 8 blocks: evicts 5 of a's
     run_to_end(sch, runner)
-    sch.add(prompt_seq("a2", range(1, 25)))      # whatever of a survived is reused, the rest recomputed
+    sch.add(prompt_seq("a2", range(1, 25)))  # whatever of a survived is reused, the rest recomputed
     run_to_end(sch, runner)
     assert sch.block_manager.num_free_blocks == 8
 
@@ -148,9 +156,9 @@ def test_queued_prompt_tokens_leave_out_what_the_cache_holds():
     sch.add(prompt_seq("warm", range(1, 18)))
     run_to_end(sch, runner)
     for i in range(3):
-        sch.add(prompt_seq(f"q{i}", list(range(1, 17)) + [100 + i, 200 + i]))   # 16 cached, 2 to compute
+        sch.add(prompt_seq(f"q{i}", list(range(1, 17)) + [100 + i, 200 + i]))  # 16 cached, 2 to compute
     sch.add(prompt_seq("cold", range(500, 510)))
     assert sch.queued_prompt_tokens() == 3 * 2 + 10
-    plan, _ = step(sch, runner)   # budget 8: q0..q2 take 6, cold starts with 2 of its 10
+    plan, _ = step(sch, runner)  # budget 8: q0..q2 take 6, cold starts with 2 of its 10
     assert plan.num_tokens == 8 and sch.queued_prompt_tokens() == 8
     assert make(caching=False).queued_prompt_tokens() == 0

@@ -1,32 +1,59 @@
 """The wire protocol: round trips, and one ProtocolError for every kind of bad message."""
+
 import msgpack
 import pytest
 
 from kvferry.common import protocol as p
 
-SAMPLING = p.Sampling(max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=None, ignore_eos=False,
-                      stop_token_ids=[2])
+SAMPLING = p.Sampling(
+    max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=None, ignore_eos=False, stop_token_ids=[2]
+)
 
 
 def kv_message(num_blocks=2):
-    return p.KVTransfer(prefill_worker_id="p0", prompt_token_ids=[1, 2, 3], output_token_ids=[9], choices=[0], sampling=SAMPLING,
-                        num_computed_tokens=3, dtype="float32", shape=[2, num_blocks, 4, 2, 1, 2], deadline_s=1e9)
+    return p.KVTransfer(
+        prefill_worker_id="p0",
+        prompt_token_ids=[1, 2, 3],
+        output_token_ids=[9],
+        choices=[0],
+        sampling=SAMPLING,
+        num_computed_tokens=3,
+        dtype="float32",
+        shape=[2, num_blocks, 4, 2, 1, 2],
+        deadline_s=1e9,
+    )
 
 
 def test_every_kind_round_trips():
     trace = p.TraceContext("t" * 32, "s" * 16, "")
     messages = [
-        p.Register(role=p.Role.DECODE, worker_id="d0", model="m", dtype="float32", block_size=16, num_blocks=10,
-                   max_model_len=64, kv_address="tcp://127.0.0.1:6000"),
+        p.Register(
+            role=p.Role.DECODE,
+            worker_id="d0",
+            model="m",
+            dtype="float32",
+            block_size=16,
+            num_blocks=10,
+            max_model_len=64,
+            kv_address="tcp://127.0.0.1:6000",
+        ),
         p.RegisterReply(accepted=False, reason="model mismatch"),
         p.Heartbeat("d0", p.WorkerStats(1, 2, 3, 4, 5)),
         p.PrefillRequest([1, 2], SAMPLING, "d0", "tcp://x:1", 12.5),
-        p.FirstToken(7), p.KVAck(True), p.Tokens([1, 2], finish_reason=1, kv_transfer_s=0.01), p.Abort(),
+        p.FirstToken(7),
+        p.KVAck(True),
+        p.Tokens([1, 2], finish_reason=1, kv_transfer_s=0.01),
+        p.Abort(),
         p.RequestFailed("boom", 503),
-        p.Deregister("d0", final=True), p.Heartbeat("d0", p.WorkerStats(1, 2, 3, 4, 5), healthy=False),
+        p.Deregister("d0", final=True),
+        p.Heartbeat("d0", p.WorkerStats(1, 2, 3, 4, 5), healthy=False),
         p.PrefillRequest([1, 2], SAMPLING, "d0", "tcp://x:1", 12.5, attempt=2, resume_token_ids=[5, 6], choice=0),
-        p.Tokens([3], start=7, attempt=1), p.Abort(attempt=3), p.RequestFailed("gave up", 503, 1, retry=True),
-        p.KVQuery([b"\x01" * 16, b"\x02" * 16], attempt=1), p.KVHeld(2), p.KVAck(False, "gone", resend_all=True),
+        p.Tokens([3], start=7, attempt=1),
+        p.Abort(attempt=3),
+        p.RequestFailed("gave up", 503, 1, retry=True),
+        p.KVQuery([b"\x01" * 16, b"\x02" * 16], attempt=1),
+        p.KVHeld(2),
+        p.KVAck(False, "gone", resend_all=True),
     ]
     for message in messages:
         env = p.decode(p.encode(message, "req-1", trace))
@@ -40,23 +67,26 @@ def header(kind=p.Kind.ABORT, version=p.PROTOCOL_VERSION, request_id="r", trace=
     return msgpack.packb([kind, version, request_id, trace if trace is not None else {}, body or {}])
 
 
-@pytest.mark.parametrize("parts,why", [
-    ([], "empty"),
-    ([b"\xc1\xff garbage"], "undecodable"),
-    ([msgpack.packb({"kind": 1})], "header must be"),
-    ([header(kind=99)], "unknown message kind 99"),
-    ([header(kind=True)], "unknown message kind"),
-    ([header(version=p.PROTOCOL_VERSION + 1)], f"protocol version {p.PROTOCOL_VERSION + 1}"),
-    ([header(request_id=5)], "request_id"),
-    ([header(p.Kind.FIRST_TOKEN, body={"token_id": "7"})], "FirstToken.token_id: expected an int"),
-    ([header(p.Kind.FIRST_TOKEN, body={})], "missing field 'token_id'"),
-    ([header(p.Kind.FIRST_TOKEN, body={"token_id": 1, "evil": 2})], "unknown fields"),
-    ([header(p.Kind.KV_ACK, body={"accepted": 1})], "expected bool"),
-    ([header(p.Kind.TOKENS, body={"token_ids": [1, "x"]})], r"token_ids\[\]"),
-    ([header(trace={"trace_id": 1})], "trace.trace_id"),
-    ([header(), b"unexpected frame"], "carries 0 frames"),
-    ([b"x" * (p.MAX_HEADER_BYTES + 1)], "exceeds"),
-])
+@pytest.mark.parametrize(
+    "parts,why",
+    [
+        ([], "empty"),
+        ([b"\xc1\xff garbage"], "undecodable"),
+        ([msgpack.packb({"kind": 1})], "header must be"),
+        ([header(kind=99)], "unknown message kind 99"),
+        ([header(kind=True)], "unknown message kind"),
+        ([header(version=p.PROTOCOL_VERSION + 1)], f"protocol version {p.PROTOCOL_VERSION + 1}"),
+        ([header(request_id=5)], "request_id"),
+        ([header(p.Kind.FIRST_TOKEN, body={"token_id": "7"})], "FirstToken.token_id: expected an int"),
+        ([header(p.Kind.FIRST_TOKEN, body={})], "missing field 'token_id'"),
+        ([header(p.Kind.FIRST_TOKEN, body={"token_id": 1, "evil": 2})], "unknown fields"),
+        ([header(p.Kind.KV_ACK, body={"accepted": 1})], "expected bool"),
+        ([header(p.Kind.TOKENS, body={"token_ids": [1, "x"]})], r"token_ids\[\]"),
+        ([header(trace={"trace_id": 1})], "trace.trace_id"),
+        ([header(), b"unexpected frame"], "carries 0 frames"),
+        ([b"x" * (p.MAX_HEADER_BYTES + 1)], "exceeds"),
+    ],
+)
 def test_bad_messages_raise_one_protocol_error(parts, why):
     with pytest.raises(p.ProtocolError, match=why):
         p.decode(parts)

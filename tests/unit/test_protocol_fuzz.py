@@ -1,6 +1,7 @@
 """Fuzzing the decoder: whatever bytes arrive, decoding raises ProtocolError or returns a valid message; nothing
 else escapes. 4,000 + 3,000 + 2 x 3,000 examples: over 10,000 frames. The live sockets get theirs in
 tests/e2e/test_reliability.py."""
+
 import msgpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -8,12 +9,26 @@ from hypothesis import strategies as st
 from kvferry.common import protocol as p
 
 SAMPLING = p.Sampling(8, 0.0, 1.0, 0, None, False, [2])
-VALID = [p.encode(m, "r") for m in (p.Abort(), p.Tokens([1, 2], start=3), p.Heartbeat("w", p.WorkerStats(1, 2, 3, 4, 5)),
-                                    p.PrefillRequest([1, 2, 3], SAMPLING, "d", "tcp://x:1", 1.0))]
+VALID = [
+    p.encode(m, "r")
+    for m in (
+        p.Abort(),
+        p.Tokens([1, 2], start=3),
+        p.Heartbeat("w", p.WorkerStats(1, 2, 3, 4, 5)),
+        p.PrefillRequest([1, 2, 3], SAMPLING, "d", "tcp://x:1", 1.0),
+    )
+]
 
 msgpack_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8) | st.binary(max_size=8),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4), max_leaves=12)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**64 - 1)
+    | st.floats()
+    | st.text(max_size=8)
+    | st.binary(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    max_leaves=12,
+)
 
 
 def check(parts) -> None:
@@ -35,7 +50,7 @@ def test_random_bytes(parts):
 def test_mutated_and_truncated_valid_messages(which, at, patch, truncate):
     header = VALID[which][0]
     at = at % len(header)
-    mutated = header[:at] if truncate else header[:at] + patch + header[at + len(patch):]
+    mutated = header[:at] if truncate else header[:at] + patch + header[at + len(patch) :]
     check([mutated])
 
 

@@ -3,8 +3,16 @@ from kvferry.services.gateway.registry import Registry
 
 
 def register(reg, wid, role, now=0.0, **kw):
-    fields = dict(role=int(role), worker_id=wid, model="m", dtype="float32", block_size=16, num_blocks=100,
-                  max_model_len=512, kv_address="tcp://d:1" if role == p.Role.DECODE else "")
+    fields = dict(
+        role=int(role),
+        worker_id=wid,
+        model="m",
+        dtype="float32",
+        block_size=16,
+        num_blocks=100,
+        max_model_len=512,
+        kv_address="tcp://d:1" if role == p.Role.DECODE else "",
+    )
     fields.update(kw)
     return reg.register(p.Register(**fields), wid.encode(), now)
 
@@ -70,7 +78,7 @@ def test_prefill_routing_follows_cached_prefixes_balanced_against_queued_work():
     reg = Registry()
     for wid in ("p0", "p1"):
         register(reg, wid, p.Role.PREFILL)
-    system = list(range(100, 100 + 16 * 25))          # a 400-token system prompt: 25 blocks
+    system = list(range(100, 100 + 16 * 25))  # a 400-token system prompt: 25 blocks
     prompt = system + [7, 8, 9]
     hashes = block_hashes(prompt, 16)
     beat(reg, "p0", 1, queued=0)
@@ -78,7 +86,7 @@ def test_prefill_routing_follows_cached_prefixes_balanced_against_queued_work():
     reg.cache_update(p.CacheUpdate("p1", hashes[:25], full=True))
     # p1 holds the 400 prefix tokens: 100 queued + 3 to compute beats 0 queued + 403.
     assert reg.pick_prefill(hashes, len(prompt)) == (reg.workers["p1"], 25)
-    beat(reg, "p1", 2, queued=1000)                     # too busy now: computing it all on p0 is sooner
+    beat(reg, "p1", 2, queued=1000)  # too busy now: computing it all on p0 is sooner
     assert reg.pick_prefill(hashes, len(prompt))[0].worker_id == "p0"
     # Deltas: an evicted first block breaks the whole chain; a stored block counts again.
     beat(reg, "p1", 3, queued=100)

@@ -12,11 +12,23 @@ def gen(seed):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("bad", [
-    dict(temperature=-0.5), dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=0.0),
-    dict(top_p=1.5), dict(top_p=math.nan), dict(top_k=-3), dict(max_tokens=0), dict(max_tokens=-1), dict(seed=-1),
-    dict(seed=2**63), dict(top_k=2**31),
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(temperature=-0.5),
+        dict(temperature=math.nan),
+        dict(temperature=math.inf),
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(top_p=math.nan),
+        dict(top_k=-3),
+        dict(max_tokens=0),
+        dict(max_tokens=-1),
+        dict(seed=-1),
+        dict(seed=2**63),
+        dict(top_k=2**31),
+    ],
+)
 def test_bad_values_are_refused_with_their_name(bad):
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(**bad)

@@ -1,5 +1,6 @@
 """The scheduler driven by a fake model runner: joins, leaves, budgets, preemption, and a property
 test over random workloads with arrivals, finishes and aborts."""
+
 import collections
 import random
 
@@ -15,17 +16,34 @@ from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 EOS = 0
 
 
-def make(num_blocks=16, block_size=4, max_num_seqs=8, max_num_batched_tokens=32, max_model_len=64, caching=True,
-         chunked=True, threshold=0):
-    return Scheduler(BlockManager(num_blocks, block_size, caching), max_num_seqs, max_num_batched_tokens,
-                     max_model_len, eos_token_ids=(EOS,), enable_chunked_prefill=chunked,
-                     long_prefill_threshold=threshold)
+def make(
+    num_blocks=16,
+    block_size=4,
+    max_num_seqs=8,
+    max_num_batched_tokens=32,
+    max_model_len=64,
+    caching=True,
+    chunked=True,
+    threshold=0,
+):
+    return Scheduler(
+        BlockManager(num_blocks, block_size, caching),
+        max_num_seqs,
+        max_num_batched_tokens,
+        max_model_len,
+        eos_token_ids=(EOS,),
+        enable_chunked_prefill=chunked,
+        long_prefill_threshold=threshold,
+    )
 
 
 def seq(name, prompt_len, max_tokens=4, ignore_eos=True, first=1):
     """Prompts are first, first + 1, ...: with the same first token, any two share a prefix."""
-    return Sequence(name, list(range(first, first + prompt_len)),
-                    SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos))
+    return Sequence(
+        name,
+        list(range(first, first + prompt_len)),
+        SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=ignore_eos),
+    )
 
 
 class FakeRunner:
@@ -49,13 +67,14 @@ class FakeRunner:
         """A transfer's KV written into a prefilled sequence's blocks."""
         tokens = s.token_ids
         for position in range(s.num_computed_tokens):
-            self.kv[self.slot(s, position)] = tuple(tokens[:position + 1])
+            self.kv[self.slot(s, position)] = tuple(tokens[: position + 1])
 
     def execute(self, plan):
         bs = self.scheduler.block_manager.block_size
         # Over the budget only without chunking, and then alone: one prompt longer than the budget.
         assert plan.num_tokens <= self.scheduler.max_num_batched_tokens or (
-            not self.scheduler.enable_chunked_prefill and len(plan.chunks) == 1)
+            not self.scheduler.enable_chunked_prefill and len(plan.chunks) == 1
+        )
         for chunk in plan.chunks:
             s = chunk.seq
             assert s.status == SequenceStatus.RUNNING and chunk.num_new_tokens >= 1
@@ -65,14 +84,17 @@ class FakeRunner:
                 assert chunk.num_new_tokens == 1 and s.num_uncomputed_tokens == 1
             tokens = s.token_ids
             for position in range(s.num_computed_tokens):
-                assert self.kv.get(self.slot(s, position)) == tuple(tokens[:position + 1]), \
+                assert self.kv.get(self.slot(s, position)) == tuple(tokens[: position + 1]), (
                     f"{s.request_id} reads wrong KV at position {position}"
+                )
         for chunk in plan.chunks:  # written after every read: a step's reads never see its own writes' mix-ups
             s, tokens = chunk.seq, chunk.seq.token_ids
             for position in range(s.num_computed_tokens, s.num_computed_tokens + chunk.num_new_tokens):
-                self.kv[self.slot(s, position)] = tuple(tokens[:position + 1])
-        return [(EOS if self.rng.random() < self.eos_rate else self.rng.randrange(1, 100)) if c.samples else None
-                for c in plan.chunks]
+                self.kv[self.slot(s, position)] = tuple(tokens[: position + 1])
+        return [
+            (EOS if self.rng.random() < self.eos_rate else self.rng.randrange(1, 100)) if c.samples else None
+            for c in plan.chunks
+        ]
 
 
 def step(scheduler, runner):
@@ -141,8 +163,7 @@ def test_a_long_prompt_is_capped_per_step_so_short_prompts_behind_it_start_at_on
         sch.add(seq(name, 3, first=100))
     plan, _ = step(sch, runner)
     # The short prompts arrived while it ran: they finish their prefill beside its next chunk.
-    assert [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks] == [("long", 6), ("s1", 3), ("s2", 3),
-                                                                          ("s3", 3)]
+    assert [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks] == [("long", 6), ("s1", 3), ("s2", 3), ("s3", 3)]
     assert all(len(c.seq.output_token_ids) == 1 for c in plan.chunks[1:]) and not long.output_token_ids
     sch.add(seq("s4", 14, first=200))  # longer than the cap, shorter than the budget: capped as well
     plan, _ = step(sch, runner)
@@ -227,8 +248,13 @@ def test_scheduler_is_deterministic():
         trace = []
         while sch.has_unfinished:
             plan, _ = step(sch, runner)
-            trace.append((plan.is_prefill, [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks],
-                           [s.request_id for s in plan.preempted]))
+            trace.append(
+                (
+                    plan.is_prefill,
+                    [(c.seq.request_id, c.num_new_tokens) for c in plan.chunks],
+                    [s.request_id for s in plan.preempted],
+                )
+            )
         return trace
 
     assert run() == run()
@@ -236,20 +262,37 @@ def test_scheduler_is_deterministic():
 
 @pytest.mark.parametrize("caching,chunked", [(True, True), (False, True), (True, False)])
 @settings(max_examples=150, deadline=None)
-@given(data=st.data(), block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 24),
-       max_num_seqs=st.integers(1, 6), extra_budget=st.integers(0, 18), threshold=st.integers(0, 6),
-       seed=st.integers(0, 2**16))
-def test_random_workloads_keep_block_accounting_and_finish(caching, chunked, data, block_size, num_blocks,
-                                                           max_num_seqs, extra_budget, threshold, seed):
+@given(
+    data=st.data(),
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(8, 24),
+    max_num_seqs=st.integers(1, 6),
+    extra_budget=st.integers(0, 18),
+    threshold=st.integers(0, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_random_workloads_keep_block_accounting_and_finish(
+    caching, chunked, data, block_size, num_blocks, max_num_seqs, extra_budget, threshold, seed
+):
     """With caching, prompts share prefixes of every length (most start at token 1) in a small pool: the fake
     runner's KV check catches any stale or evicted block served."""
     budget = max_num_seqs + extra_budget
     max_model_len = min(24, num_blocks * block_size)
     sch = make(num_blocks, block_size, max_num_seqs, budget, max_model_len, caching, chunked, threshold)
     runner = FakeRunner(sch, seed=seed, eos_rate=0.05)
-    arrivals = data.draw(st.lists(st.tuples(st.integers(0, 30), st.integers(1, max_model_len - 1),
-                                            st.integers(1, 12), st.booleans(), st.sampled_from([1, 1, 2, 50])),
-                                  min_size=1, max_size=12))
+    arrivals = data.draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, 30),
+                st.integers(1, max_model_len - 1),
+                st.integers(1, 12),
+                st.booleans(),
+                st.sampled_from([1, 1, 2, 50]),
+            ),
+            min_size=1,
+            max_size=12,
+        )
+    )
     aborts = data.draw(st.lists(st.tuples(st.integers(0, 40), st.integers(0, 11)), max_size=4))
     seqs = []
     for t in range(400):

@@ -1,4 +1,5 @@
 """`kvferry trace` on hand-made trace folders: causal order across skewed clocks, Chrome export, bad folders."""
+
 import json
 
 import pytest
@@ -15,27 +16,61 @@ def write_request(folder, rid: str, t0: float, decode_clock_offset: float = 0.0)
     n = [0]
 
     def msg(ev, proc, kind, peer, t, span):
-        return {"ts": t + (decode_clock_offset if proc == "decode-a" else 0.0), "role": proc.split("-")[0],
-                "proc": proc, "ev": ev, "kind": kind, "peer": peer, "rid": rid, "trace_id": TRACE, "span_id": span,
-                "parent_id": "", "header_bytes": 100, "payload_bytes": 4096 if kind == "KVTransfer" else 0}
+        return {
+            "ts": t + (decode_clock_offset if proc == "decode-a" else 0.0),
+            "role": proc.split("-")[0],
+            "proc": proc,
+            "ev": ev,
+            "kind": kind,
+            "peer": peer,
+            "rid": rid,
+            "trace_id": TRACE,
+            "span_id": span,
+            "parent_id": "",
+            "header_bytes": 100,
+            "payload_bytes": 4096 if kind == "KVTransfer" else 0,
+        }
 
     def span(proc, name, t, dur, **attrs):
         n[0] += 1
-        return {"ts": t + (decode_clock_offset if proc == "decode-a" else 0.0), "dur": dur, "role": proc.split("-")[0],
-                "proc": proc, "ev": "span", "name": name, "rid": "" if "rids" in attrs else rid, "attrs": attrs}
+        return {
+            "ts": t + (decode_clock_offset if proc == "decode-a" else 0.0),
+            "dur": dur,
+            "role": proc.split("-")[0],
+            "proc": proc,
+            "ev": "span",
+            "name": name,
+            "rid": "" if "rids" in attrs else rid,
+            "attrs": attrs,
+        }
 
     hops = [
-        ("gateway", [span("gateway", "http", t0, 0.5, prompt_tokens=5, completion_tokens=3, finish_reason="length"),
-                     msg("send", "gateway", "PrefillRequest", "prefill-a", t0 + 0.001, rid + "1"),
-                     msg("recv", "gateway", "FirstToken", "prefill-a", t0 + 0.102, rid + "2"),
-                     msg("recv", "gateway", "Tokens", "decode-a", t0 + 0.302, rid + "4")]),
-        ("prefill-a", [msg("recv", "prefill-a", "PrefillRequest", "gateway", t0 + 0.002, rid + "1"),
-                       span("prefill-a", "prefill", t0 + 0.003, 0.09),
-                       msg("send", "prefill-a", "FirstToken", "gateway", t0 + 0.1, rid + "2"),
-                       msg("send", "prefill-a", "KVTransfer", "decode-a", t0 + 0.11, rid + "3")]),
-        ("decode-a", [msg("recv", "decode-a", "KVTransfer", "prefill-a", t0 + 0.12, rid + "3"),
-                      span("decode-a", "decode.step", t0 + 0.2, 0.1, step=1, batch_size=1, rids=[rid]),
-                      msg("send", "decode-a", "Tokens", "gateway", t0 + 0.3, rid + "4")]),
+        (
+            "gateway",
+            [
+                span("gateway", "http", t0, 0.5, prompt_tokens=5, completion_tokens=3, finish_reason="length"),
+                msg("send", "gateway", "PrefillRequest", "prefill-a", t0 + 0.001, rid + "1"),
+                msg("recv", "gateway", "FirstToken", "prefill-a", t0 + 0.102, rid + "2"),
+                msg("recv", "gateway", "Tokens", "decode-a", t0 + 0.302, rid + "4"),
+            ],
+        ),
+        (
+            "prefill-a",
+            [
+                msg("recv", "prefill-a", "PrefillRequest", "gateway", t0 + 0.002, rid + "1"),
+                span("prefill-a", "prefill", t0 + 0.003, 0.09),
+                msg("send", "prefill-a", "FirstToken", "gateway", t0 + 0.1, rid + "2"),
+                msg("send", "prefill-a", "KVTransfer", "decode-a", t0 + 0.11, rid + "3"),
+            ],
+        ),
+        (
+            "decode-a",
+            [
+                msg("recv", "decode-a", "KVTransfer", "prefill-a", t0 + 0.12, rid + "3"),
+                span("decode-a", "decode.step", t0 + 0.2, 0.1, step=1, batch_size=1, rids=[rid]),
+                msg("send", "decode-a", "Tokens", "gateway", t0 + 0.3, rid + "4"),
+            ],
+        ),
     ]
     for proc, records in hops:
         with open(folder / f"{proc}-1.jsonl", "a") as f:
@@ -80,8 +115,10 @@ def test_show_and_list_print_the_timeline(tmp_path, capsys):
     assert main(["trace", "show", str(tmp_path), "r1"]) == 0
     captured = capsys.readouterr()
     lines = captured.out.splitlines()
-    order = [next(i for i, line in enumerate(lines) if what in line)
-             for what in ("recv PrefillRequest", "send KVTransfer", "recv KVTransfer", "decode.step", "recv Tokens")]
+    order = [
+        next(i for i, line in enumerate(lines) if what in line)
+        for what in ("recv PrefillRequest", "send KVTransfer", "recv KVTransfer", "decode.step", "recv Tokens")
+    ]
     assert order == sorted(order)
     assert "clock skew" in captured.err and "decode-a" in captured.err
 
@@ -110,17 +147,23 @@ def test_truncated_lines_are_skipped_with_a_note(tmp_path, capsys):
     assert "skipped 1 unreadable" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("make,expected", [
-    (lambda d: d / "missing", "does not exist"),
-    (lambda d: d, "no trace files"),
-    (lambda d: (d / "x.jsonl").write_text('{"ts": 1, "ev"\n') and d, "no readable trace lines"),
-])
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda d: d / "missing", "does not exist"),
+        (lambda d: d, "no trace files"),
+        (lambda d: (d / "x.jsonl").write_text('{"ts": 1, "ev"\n') and d, "no readable trace lines"),
+    ],
+)
 def test_bad_folders_give_a_clear_message(tmp_path, capsys, make, expected):
     folder = make(tmp_path)
     with pytest.raises(TraceError, match=expected):
         load(str(folder))
-    for command in (["list", str(folder)], ["show", str(folder), "r1"], ["export", str(folder), "--chrome",
-                                                                         str(tmp_path / "o.json")]):
+    for command in (
+        ["list", str(folder)],
+        ["show", str(folder), "r1"],
+        ["export", str(folder), "--chrome", str(tmp_path / "o.json")],
+    ):
         assert main(["trace", *command]) == 2
         err = capsys.readouterr().err
         assert expected in err and "Traceback" not in err
@@ -134,10 +177,13 @@ def test_an_unknown_request_is_named(tmp_path, capsys):
 
 def test_lines_with_mistyped_fields_are_skipped_not_fatal(tmp_path, capsys):
     write_request(tmp_path, "r1", 1000.0)
-    odd = [{"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": "x"},
-           {"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": {"rids": 5}},
-           {"ts": 1000.3, "ev": "recv", "proc": "decode-a", "rid": 7},
-           {"ts": "soon", "ev": "send", "proc": "gateway"}, [1, 2]]
+    odd = [
+        {"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": "x"},
+        {"ts": 1000.3, "ev": "span", "proc": "decode-a", "dur": 0.1, "name": "decode.step", "attrs": {"rids": 5}},
+        {"ts": 1000.3, "ev": "recv", "proc": "decode-a", "rid": 7},
+        {"ts": "soon", "ev": "send", "proc": "gateway"},
+        [1, 2],
+    ]
     with open(tmp_path / "decode-a-1.jsonl", "a") as f:
         f.write("".join(json.dumps(x) + "\n" for x in odd))
     for command in (["list"], ["show", "r1"]):

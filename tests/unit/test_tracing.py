@@ -1,4 +1,5 @@
 """Trace context, W3C traceparent, the JSON-lines sink, and traced channels over real ZeroMQ sockets."""
+
 import json
 import subprocess
 import sys
@@ -25,15 +26,20 @@ def test_a_valid_traceparent_becomes_the_parent():
     assert tracing.parse_traceparent("01-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra") is not None
 
 
-@pytest.mark.parametrize("header", [
-    "", "garbage", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",  # missing flags
-    "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",               # upper case
-    "00-00000000000000000000000000000000-00f067aa0ba902b7-01",               # all-zero trace id
-    "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",               # all-zero span id
-    "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",               # forbidden version
-    "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",         # version 00 has four fields
-    "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",                # short trace id
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        "",
+        "garbage",
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",  # missing flags
+        "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",  # upper case
+        "00-00000000000000000000000000000000-00f067aa0ba902b7-01",  # all-zero trace id
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",  # all-zero span id
+        "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",  # forbidden version
+        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-extra",  # version 00 has four fields
+        "00-4bf92f3577b34da6a3ce929d0e0e473-00f067aa0ba902b7-01",  # short trace id
+    ],
+)
 def test_a_malformed_traceparent_is_ignored(header):
     assert tracing.parse_traceparent(header) is None
     assert tracing.child_of(tracing.parse_traceparent(header)).parent_id == ""  # a new trace, no parent
@@ -74,9 +80,17 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
     into = Channel(router, "in", tracer=receiver)
     parent = tracing.child_of(None)
     frame = bytes(2 * 1 * 4 * 2 * 1 * 2 * 4)
-    msg = p.KVTransfer(prefill_worker_id="prefill-a", prompt_token_ids=[1, 2], output_token_ids=[3], choices=[0],
-                       sampling=p.Sampling(4, 0.0, 1.0, 0, None, False, []), num_computed_tokens=2,
-                       dtype="float32", shape=[2, 1, 4, 2, 1, 2], deadline_s=1e12)
+    msg = p.KVTransfer(
+        prefill_worker_id="prefill-a",
+        prompt_token_ids=[1, 2],
+        output_token_ids=[3],
+        choices=[0],
+        sampling=p.Sampling(4, 0.0, 1.0, 0, None, False, []),
+        num_computed_tokens=2,
+        dtype="float32",
+        shape=[2, 1, 4, 2, 1, 2],
+        deadline_s=1e12,
+    )
     sent_ctx = out.send(msg, "r1", parent, frames=[frame])
     peer, env = into.recv()
     assert peer == b"prefill-a" and env.trace == sent_ctx
@@ -87,10 +101,8 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
     for sock in (router, dealer):
         sock.close(linger=0)
     ctx_.term()
-    (sent,) = [json.loads(x) for f in tmp_path.glob("prefill-a-*") for x in f.read_text().splitlines()
-               if '"send"' in x]
-    (got,) = [json.loads(x) for f in tmp_path.glob("decode-a-*") for x in f.read_text().splitlines()
-              if '"recv"' in x]
+    (sent,) = [json.loads(x) for f in tmp_path.glob("prefill-a-*") for x in f.read_text().splitlines() if '"send"' in x]
+    (got,) = [json.loads(x) for f in tmp_path.glob("decode-a-*") for x in f.read_text().splitlines() if '"recv"' in x]
     assert sent["span_id"] == got["span_id"] == sent_ctx.span_id
     assert sent["payload_bytes"] == got["payload_bytes"] == len(frame)
     assert sent["header_bytes"] == got["header_bytes"] > 0
@@ -98,9 +110,11 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
 
 
 def test_tracing_off_writes_nothing_and_imports_no_opentelemetry(tmp_path):
-    code = ("import sys; from kvferry.common import tracing; t = tracing.configure('gateway', 'gateway', None, None);"
-            "assert not t.enabled; t.message('send', 'Abort', 'x', 'r', tracing.child_of(None), 1); t.span('s', 0, 1);"
-            "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported opentelemetry'")
+    code = (
+        "import sys; from kvferry.common import tracing; t = tracing.configure('gateway', 'gateway', None, None);"
+        "assert not t.enabled; t.message('send', 'Abort', 'x', 'r', tracing.child_of(None), 1); t.span('s', 0, 1);"
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported opentelemetry'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
     assert list(tmp_path.iterdir()) == []
 

@@ -67,8 +67,17 @@ def test_sweep_rates_parse_and_the_curve_is_drawn(tmp_path):
     for bad in ("", "1,x", "0,2", "-1"):
         with pytest.raises(argparse.ArgumentTypeError):
             _rates(bad)
-    points = [{"rate": r, "output_tok_per_s": 10 * r, "ttft_p50_s": 0.1 * r, "ttft_p99_s": 0.2 * r,
-               "tpot_p50_ms": 20 + r, "tpot_p99_ms": 30 + r} for r in (0.5, 1, 2)]
+    points = [
+        {
+            "rate": r,
+            "output_tok_per_s": 10 * r,
+            "ttft_p50_s": 0.1 * r,
+            "ttft_p99_s": 0.2 * r,
+            "tpot_p50_ms": 20 + r,
+            "tpot_p99_ms": 30 + r,
+        }
+        for r in (0.5, 1, 2)
+    ]
     out = tmp_path / "curve.png"
     sweep.plot(points, "std-32", str(out))
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000

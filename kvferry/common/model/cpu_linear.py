@@ -4,6 +4,7 @@ PyTorch's default CPU GEMM (MKL) picks a slow path on AMD processors; oneDNN wit
 weight packed once in its blocked layout is 1.2x to 2.5x faster at decode batch sizes on
 this project's machines (`kvferry bench engine` shows the effect end to end).
 """
+
 import torch
 from torch import nn
 

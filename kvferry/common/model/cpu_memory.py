@@ -9,6 +9,7 @@ Decode attention reads each sequence's blocks from scattered places in the KV po
 pages those reads need far fewer TLB entries than on 4 KB pages (my reading of the gain below;
 not measured with counters).
 """
+
 import ctypes
 import functools
 import math
@@ -57,7 +58,7 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     # Over-allocate by one huge page so that the tensor can start on a huge-page boundary.
     raw = torch.empty(numel + _HUGE_PAGE // itemsize, dtype=dtype)
     skip = (-raw.data_ptr() % _HUGE_PAGE) // itemsize
-    tensor = raw[skip:skip + numel].view(shape)
+    tensor = raw[skip : skip + numel].view(shape)
     length = numel * itemsize // _HUGE_PAGE * _HUGE_PAGE  # whole huge pages inside the tensor, never past it
     if sys.platform.startswith("linux") and length and _libc() is not None:
         _libc().madvise(ctypes.c_void_p(tensor.data_ptr()), ctypes.c_size_t(length), _MADV_HUGEPAGE)

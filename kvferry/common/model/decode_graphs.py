@@ -11,6 +11,7 @@ token in block 0 (read, never written).
 Without capture (capture=False) the same static buffers and padding run eagerly. That is how the
 CPU tests exercise everything here except the capture itself.
 """
+
 import torch
 
 from kvferry.common.model.attention import PagedBatch
@@ -26,8 +27,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], max_num_seqs: int,
-                 max_blocks_per_seq: int, device: torch.device, capture: bool):
+    def __init__(
+        self,
+        model,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        max_num_seqs: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        capture: bool,
+    ):
         self.model = model
         self.k_caches, self.v_caches = k_caches, v_caches
         self.sizes = capture_sizes(max_num_seqs)
@@ -49,9 +58,15 @@ class DecodeGraphs:
         return batch.context_lens.shape[0] <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks_per_seq
 
     def _batch(self, size: int) -> PagedBatch:
-        return PagedBatch(self.k_caches, self.v_caches, is_prefill=False, slot_mapping=self.slot_mapping[:size],
-                          block_tables=self.block_tables[:size], context_lens=self.context_lens[:size],
-                          cu_seqlens_q=self.cu_seqlens_q[:size + 1])
+        return PagedBatch(
+            self.k_caches,
+            self.v_caches,
+            is_prefill=False,
+            slot_mapping=self.slot_mapping[:size],
+            block_tables=self.block_tables[:size],
+            context_lens=self.context_lens[:size],
+            cu_seqlens_q=self.cu_seqlens_q[: size + 1],
+        )
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self._batch(size))

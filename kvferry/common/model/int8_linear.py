@@ -15,6 +15,7 @@ fp32 floor. How the product runs depends on the device:
   LLM.int8(), with the channels fixed at load time). A row's scale is its own: a loud request
   costs the others in its batch no precision. `kvferry bench quantization` measures the accuracy.
 """
+
 import torch
 from torch import nn
 
@@ -32,9 +33,9 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def int8_rows_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] float, each row quantized with its own absmax scale, times int8 qweight [N, K] -> [M, N] fp32."""
     x = x.float()
-    row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)      # [M, 1]
+    row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # [M, 1]
     xq = torch.round(x / row_scale).to(torch.int8)
-    return torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scale)       # [M, N]
+    return torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scale)  # [M, N]
 
 
 class Int8Linear(nn.Module):
@@ -51,8 +52,8 @@ class Int8Linear(nn.Module):
         else:
             self.outliers = self.outlier_weight = None
         qweight, scale = quantize_weight(weight)
-        self.register_buffer("qweight", qweight, persistent=False)       # [N, K] int8
-        self.register_buffer("scale", scale, persistent=False)           # [N] fp32
+        self.register_buffer("qweight", qweight, persistent=False)  # [N, K] int8
+        self.register_buffer("scale", scale, persistent=False)  # [N] fp32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

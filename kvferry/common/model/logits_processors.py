@@ -5,6 +5,7 @@ Semantics follow vLLM and transformers: the repetition penalty covers prompt and
 subtracted once per occurrence in the output, the presence penalty once per distinct output
 token. Only rows that ask for any of it are touched.
 """
+
 import torch
 
 
@@ -13,18 +14,21 @@ def process_logits(logits: torch.Tensor, seqs: list, eos_token_ids: tuple[int, .
     rows = [i for i, seq in enumerate(seqs) if seq.params.needs_processing]
     if not rows:
         return logits
-    logits = logits.float().clone()                                                    # [N, vocab]
+    logits = logits.float().clone()  # [N, vocab]
     vocab = logits.shape[-1]
     for i in rows:
-        seq, row = seqs[i], logits[i]                                                  # row: [vocab]
+        seq, row = seqs[i], logits[i]  # row: [vocab]
         params = seq.params
         if params.logit_bias:
             ids = torch.tensor([t for t, _ in params.logit_bias], device=row.device)
-            row.index_add_(0, ids, torch.tensor([float(b) for _, b in params.logit_bias], dtype=row.dtype,
-                                                device=row.device))
+            row.index_add_(
+                0, ids, torch.tensor([float(b) for _, b in params.logit_bias], dtype=row.dtype, device=row.device)
+            )
         if len(seq.output_token_ids) < params.min_tokens:
             stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_token_ids))
-            row[torch.tensor(sorted(t for t in stops if t < vocab), dtype=torch.long, device=row.device)] = float("-inf")
+            row[torch.tensor(sorted(t for t in stops if t < vocab), dtype=torch.long, device=row.device)] = float(
+                "-inf"
+            )
         if params.repetition_penalty != 1:
             seen = torch.tensor(sorted(set(seq.prompt_token_ids) | set(seq.output_token_ids)), device=row.device)
             picked = row[seen]

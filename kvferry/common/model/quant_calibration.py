@@ -5,6 +5,7 @@ The text is Python's own reference documentation (the stdlib's pydoc_data), so e
 of every machine calibrates identically, with nothing downloaded; `kvferry bench quantization`
 measures accuracy on other topics of it (held out).
 """
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,6 +30,7 @@ def calibration_token_ids(tokenizer, vocab_size: int) -> list[int]:
 
 class DenseCausalBatch:
     """`attend` for one sequence computed whole, with no cache: enough for a calibration forward."""
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         group = q.shape[1] // k.shape[1]
         q, k, v = (t.transpose(0, 1)[None] for t in (q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)))
@@ -45,12 +47,13 @@ def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) 
         def hook(module, inputs, output):
             peak = inputs[0].reshape(-1, module.in_features).abs().amax(dim=0).float()
             peaks[name] = peak if name not in peaks else torch.maximum(peaks[name], peak)
+
         return hook
 
     handles = [m.register_forward_hook(recorder(name)) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
         device = model.embed_tokens.weight.device
-        ids = torch.tensor(token_ids[:model.rope_cos.shape[0]], device=device)  # no further than the model reaches
+        ids = torch.tensor(token_ids[: model.rope_cos.shape[0]], device=device)  # no further than the model reaches
         hidden = model(ids, torch.arange(len(ids), device=device), DenseCausalBatch())
         for rows in hidden.split(128):  # the lm_head's input too, a slice at a time: the logits are wide
             model.compute_logits(rows)

@@ -3,6 +3,7 @@
 It owns the model and the paged KV cache, turns a scheduler plan into tensors (token ids,
 positions, slot mapping, block tables, context lengths), runs the forward pass and samples.
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -36,13 +37,26 @@ class KVCacheLayout:
 
 
 def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
-    return KVCacheLayout(hf_config.num_hidden_layers, hf_config.num_key_value_heads, head_dim_of(hf_config),
-                         block_size, torch.empty((), dtype=dtype).element_size())
+    return KVCacheLayout(
+        hf_config.num_hidden_layers,
+        hf_config.num_key_value_heads,
+        head_dim_of(hf_config),
+        block_size,
+        torch.empty((), dtype=dtype).element_size(),
+    )
 
 
 class ModelRunner:
-    def __init__(self, model, layout: KVCacheLayout, num_blocks: int, device: torch.device, dtype: torch.dtype,
-                 seed: int | None = None, eos_token_ids: tuple[int, ...] = ()):
+    def __init__(
+        self,
+        model,
+        layout: KVCacheLayout,
+        num_blocks: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ):
         self.model = model
         self.eos_token_ids = eos_token_ids
         self.layout = layout
@@ -83,8 +97,9 @@ class ModelRunner:
     def use_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs: captured as CUDA graphs, or (capture=False) only through the
         same static buffers and padding, which is how the CPU tests exercise them."""
-        self.decode_graphs = DecodeGraphs(self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq,
-                                          self.device, capture)
+        self.decode_graphs = DecodeGraphs(
+            self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq, self.device, capture
+        )
 
     def release(self, request_id: str) -> None:
         self.seq_generators.pop(request_id, None)
@@ -98,8 +113,14 @@ class ModelRunner:
     def write_blocks(self, block_table: list[int], kv: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
         """Place received K and V ([layers, n, block_size, 2, kv_heads, head_dim]) into these blocks."""
         lo, hi = layers or (0, self.layout.num_layers)
-        expected = (hi - lo, len(block_table), self.layout.block_size, 2, self.layout.num_kv_heads,
-                    self.layout.head_dim)
+        expected = (
+            hi - lo,
+            len(block_table),
+            self.layout.block_size,
+            2,
+            self.layout.num_kv_heads,
+            self.layout.head_dim,
+        )
         assert tuple(kv.shape) == expected, (kv.shape, expected)
         scatter_blocks(self.kv_cache, block_table, kv, layers)
 
@@ -133,13 +154,15 @@ class ModelRunner:
             positions.extend(range(start, end))
             table = seq.block_table
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            tables.append(table[:-(-end // block_size)])
+            tables.append(table[: -(-end // block_size)])
             context_lens.append(end)
             cu.append(cu[-1] + chunk.num_new_tokens)
         width = max(len(t) for t in tables)
         to = dict(device=self.device)
         batch = PagedBatch(
-            k_caches=self.k_caches, v_caches=self.v_caches, is_prefill=plan.is_prefill,
+            k_caches=self.k_caches,
+            v_caches=self.v_caches,
+            is_prefill=plan.is_prefill,
             slot_mapping=torch.tensor(slots, dtype=torch.long, **to),
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, **to),
             context_lens=torch.tensor(context_lens, dtype=torch.int32, **to),
@@ -157,7 +180,7 @@ class ModelRunner:
         self.last_logprobs = [None] * len(plan.chunks)
         graphs = self.decode_graphs
         if not plan.is_prefill and graphs is not None and graphs.fits(batch):
-            logits = graphs.run(input_ids, positions, batch)              # every decode row samples
+            logits = graphs.run(input_ids, positions, batch)  # every decode row samples
         else:
             hidden = self.model(input_ids, positions, batch, after_layer)  # [T, hidden]
             if plan.is_prefill:
@@ -166,7 +189,7 @@ class ModelRunner:
                 return [None] * len(plan.chunks)
             # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
             last = batch.cu_seqlens_q[1:][sampling] - 1
-            logits = self.model.compute_logits(hidden[last])              # [num_sampling, vocab]
+            logits = self.model.compute_logits(hidden[last])  # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
         self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}
@@ -177,8 +200,9 @@ class ModelRunner:
             result[i] = token_id
         asking = [j for j, s in enumerate(seqs) if s.params.logprobs is not None]
         if asking:
-            found = token_logprobs(logits[asking], [token_ids[j] for j in asking],
-                                   [seqs[j].params.logprobs for j in asking])
+            found = token_logprobs(
+                logits[asking], [token_ids[j] for j in asking], [seqs[j].params.logprobs for j in asking]
+            )
             for j, entry in zip(asking, found):
                 self.last_logprobs[sampling[j]] = entry
         return result
@@ -187,12 +211,13 @@ class ModelRunner:
     def sample_choices(self, seq, choice_params: list) -> list[tuple[int, object]]:
         """More first tokens from the prompt just sampled in the latest step, one per extra choice (each with its
         own parameters: its own seed): (token id, TokenLogprobs or None) each."""
-        logits = self.last_logits[self.last_rows[seq.request_id]][None]              # [1, vocab]
+        logits = self.last_logits[self.last_rows[seq.request_id]][None]  # [1, vocab]
         out = []
         for params in choice_params:
             choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
-            [token_id] = sample(process_logits(logits, [choice], self.eos_token_ids), [params],
-                                [self._new_generator(params)])
+            [token_id] = sample(
+                process_logits(logits, [choice], self.eos_token_ids), [params], [self._new_generator(params)]
+            )
             found = token_logprobs(logits, [token_id], [params.logprobs])[0] if params.logprobs is not None else None
             out.append((token_id, found))
         return out
@@ -211,6 +236,6 @@ class ModelRunner:
             end = min(start + chunk.num_new_tokens, len(prompt) - 1)
             for lo in range(start, end, 256):
                 hi = min(lo + 256, end)
-                logits = self.model.compute_logits(hidden[cu[i] + lo - start:cu[i] + hi - start])  # [n, vocab]
-                found = token_logprobs(logits, prompt[lo + 1:hi + 1], [seq.params.prompt_logprobs] * (hi - lo))
-                entries[lo + 1:hi + 1] = found
+                logits = self.model.compute_logits(hidden[cu[i] + lo - start : cu[i] + hi - start])  # [n, vocab]
+                found = token_logprobs(logits, prompt[lo + 1 : hi + 1], [seq.params.prompt_logprobs] * (hi - lo))
+                entries[lo + 1 : hi + 1] = found

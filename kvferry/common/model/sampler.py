@@ -4,26 +4,26 @@ Random rows draw by the exponential race (argmax of p / Exp(1) noise), which equ
 sampling from p. A seeded row draws its noise from its own generator, so its tokens
 depend only on its seed and its logits, never on what else shares the batch.
 """
+
 import torch
 
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """logits [num_rows, vocab] -> one token id per row."""
     greedy_ids = logits.argmax(dim=-1)  # [N]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return greedy_ids.tolist()
     rows = torch.tensor(random_rows, device=logits.device)
-    sub = logits[rows].float()                                                       # [R, vocab]
+    sub = logits[rows].float()  # [R, vocab]
     sub = sub / torch.tensor([params[i].temperature for i in random_rows], device=sub.device)[:, None]
     top_ks = [params[i].top_k for i in random_rows]
     top_ps = [params[i].top_p for i in random_rows]
     if any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps):
         sub = _apply_top_k_top_p(sub, top_ks, top_ps)
-    probs = torch.softmax(sub, dim=-1)                                               # [R, vocab]
+    probs = torch.softmax(sub, dim=-1)  # [R, vocab]
     min_ps = torch.tensor([params[i].min_p for i in random_rows], device=probs.device)
     if bool((min_ps > 0).any()):
         # Relative to each row's most likely token; the race below needs no renormalisation.
@@ -37,7 +37,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
-    sorted_logits, order = logits.sort(dim=-1, descending=True)                     # [R, vocab]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
     vocab = logits.shape[-1]
     ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -53,10 +53,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[flo
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
     """logits [num_rows, vocab] (the model's, before any processing) -> each row's chosen token's
     log-probability and its num_top most likely alternatives."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)                            # [N, vocab]
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
     chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
     k = max(num_top, default=0)
-    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)           # [N, k]
+    top_values, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)  # [N, k]
     out = []
     for row, (token_id, n) in enumerate(zip(token_ids, num_top)):
         ids = tuple(top_ids[row, :n].tolist()) if n else ()

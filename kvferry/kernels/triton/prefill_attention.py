@@ -1,15 +1,35 @@
 """Triton: prefill attention of new tokens over a paged prefix (flash-attention style, causal)."""
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-                          out_ptr, scale, stride_q_t, stride_q_h, stride_bt_s, stride_o_t, stride_o_h,
-                          stride_c_block, stride_c_tok, stride_c_head,
-                          GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _paged_prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    cu_seqlens_q_ptr,
+    context_lens_ptr,
+    out_ptr,
+    scale,
+    stride_q_t,
+    stride_q_h,
+    stride_bt_s,
+    stride_o_t,
+    stride_o_h,
+    stride_c_block,
+    stride_c_tok,
+    stride_c_head,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -19,13 +39,16 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
     if tile * BLOCK_M < q_len:
         context_len = tl.load(context_lens_ptr + seq)
         prefix_len = context_len - q_len
-        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)        # [BLOCK_M] query index within the sequence
+        offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
         mask_m = offs_m < q_len
         query_pos = prefix_len + offs_m
         offs_d = tl.arange(0, HEAD_DIM_PAD)
         mask_d = offs_d < HEAD_DIM
-        q = tl.load(q_ptr + (q_start + offs_m)[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
-                    mask=mask_m[:, None] & mask_d[None, :], other=0.0).to(tl.float32)  # [BLOCK_M, D]
+        q = tl.load(
+            q_ptr + (q_start + offs_m)[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [BLOCK_M, D]
         m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -33,16 +56,17 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
         # Causality: no query in this tile sees past its last position.
         kv_end = tl.minimum(context_len, prefix_len + (tile + 1) * BLOCK_M)
         for start in range(0, kv_end, BLOCK_N):
-            key_pos = start + offs_n                           # [BLOCK_N]
+            key_pos = start + offs_n  # [BLOCK_N]
             mask_n = key_pos < kv_end
             # int64: block_id * stride overflows int32 once one layer's cache passes 2^31 elements.
-            block_id = tl.load(block_tables_ptr + seq * stride_bt_s + key_pos // BLOCK_SIZE, mask=mask_n,
-                               other=0).to(tl.int64)
+            block_id = tl.load(block_tables_ptr + seq * stride_bt_s + key_pos // BLOCK_SIZE, mask=mask_n, other=0).to(
+                tl.int64
+            )
             base = block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
             kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
             # ieee: fp32 must not silently drop to tf32 on the tensor cores.
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale      # [BLOCK_M, BLOCK_N]
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
             visible = (key_pos[None, :] <= query_pos[:, None]) & mask_n[None, :]
             scores = tl.where(visible, scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -55,13 +79,23 @@ def _paged_prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         out = acc / l_i[:, None]
-        tl.store(out_ptr + (q_start + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+        tl.store(
+            out_ptr + (q_start + offs_m)[:, None] * stride_o_t + head * stride_o_h + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=mask_m[:, None] & mask_d[None, :],
+        )
 
 
-def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, context_lens: torch.Tensor,
-                            scale: float, max_q_len: int | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    max_q_len: int | None = None,
+) -> torch.Tensor:
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     num_seqs = context_lens.shape[0]
@@ -74,9 +108,27 @@ def paged_prefill_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     block_m = 32
     grid = (num_seqs, num_heads, triton.cdiv(max_q_len, block_m))
     _paged_prefill_kernel[grid](
-        query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, scale,
-        query.stride(0), query.stride(1), block_tables.stride(0), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=32)
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        cu_seqlens_q,
+        context_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_N=32,
+    )
     return out

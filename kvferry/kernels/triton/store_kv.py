@@ -1,12 +1,23 @@
 """Triton: write each new token's K and V into its cache slot."""
+
 import torch
 import triton
 import triton.language as tl
 
 
 @triton.jit
-def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_key_t, stride_value_t, stride_slot, ROW: tl.constexpr, ROW_PAD: tl.constexpr):
+def _store_kv_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    stride_key_t,
+    stride_value_t,
+    stride_slot,
+    ROW: tl.constexpr,
+    ROW_PAD: tl.constexpr,
+):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token)
     # A negative slot marks a padding token (CUDA-graph batches): nothing to store.
@@ -19,8 +30,9 @@ def _store_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         tl.store(v_cache_ptr + slot.to(tl.int64) * stride_slot + offs, v, mask=mask)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape and k_cache.shape == v_cache.shape
     assert k_cache.shape[2:] == (num_kv_heads, head_dim) and slot_mapping.shape == (num_tokens,)
@@ -31,5 +43,15 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     # Each token's heads must be one dense row so that a flat offset addresses them.
     assert key.stride(2) == 1 and key.stride(1) == head_dim and value.stride(2) == 1 and value.stride(1) == head_dim
     row = num_kv_heads * head_dim
-    _store_kv_kernel[(num_tokens,)](key, value, k_cache, v_cache, slot_mapping, key.stride(0), value.stride(0),
-                                    k_cache.stride(1), ROW=row, ROW_PAD=triton.next_power_of_2(row))
+    _store_kv_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        value.stride(0),
+        k_cache.stride(1),
+        ROW=row,
+        ROW_PAD=triton.next_power_of_2(row),
+    )

@@ -1,4 +1,5 @@
 """`kvferry bench engine`: the std workloads through the in-process engine, against the floor and transformers."""
+
 import json
 import sys
 
@@ -11,12 +12,20 @@ def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="offline workload through the in-process engine")
     p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
-    p.add_argument("--baseline", choices=["none", "hf"], default="none",
-                   help="hf: also run transformers' own continuous batching on the same workload")
+    p.add_argument(
+        "--baseline",
+        choices=["none", "hf"],
+        default="none",
+        help="hf: also run transformers' own continuous batching on the same workload",
+    )
     p.add_argument("--no-floor", action="store_true", help="skip the compute-floor measurement")
     p.add_argument("--no-paging", action="store_true", help="skip the paged-vs-contiguous decode step")
-    p.add_argument("--repeat", type=int, default=2,
-                   help="runs of the engine and of the floor, alternated; the best of each is reported")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="runs of the engine and of the floor, alternated; the best of each is reported",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     EngineConfig.add_args(p)
     p.set_defaults(func=cmd_bench_engine)
@@ -26,12 +35,21 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help="the served model, for the floor and the baseline")
     p.add_argument("--workload", default="std-32", choices=workload.NAMES)
     p.add_argument("--rate", type=float, default=0.0, help="Poisson arrivals per second; 0: all at once")
-    p.add_argument("--sweep-rates", type=_rates, default=None, metavar="R1,R2,...",
-                   help="replay once at each rate instead: TTFT and TPOT p50/p99 against the rate")
+    p.add_argument(
+        "--sweep-rates",
+        type=_rates,
+        default=None,
+        metavar="R1,R2,...",
+        help="replay once at each rate instead: TTFT and TPOT p50/p99 against the rate",
+    )
     p.add_argument("--plot", default=None, metavar="FILE.png", help="with --sweep-rates: draw the curve")
     p.add_argument("--baseline", choices=["none", "hf"], default="none")
-    p.add_argument("--baseline-url", default=None, metavar="URL",
-                   help="another OpenAI-compatible server (llama.cpp's, vLLM): the same workload, alternating rounds")
+    p.add_argument(
+        "--baseline-url",
+        default=None,
+        metavar="URL",
+        help="another OpenAI-compatible server (llama.cpp's, vLLM): the same workload, alternating rounds",
+    )
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the floor and the baseline")
@@ -56,8 +74,11 @@ def add_bench_parser(sub) -> None:
     step.add_parser(bench)
     quantization.add_parser(bench)
 
-    p = bench.add_parser("soak", help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
-                                      "workers: leaks, stuck requests and memory growth")
+    p = bench.add_parser(
+        "soak",
+        help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
+        "workers: leaks, stuck requests and memory growth",
+    )
     p.add_argument("--requests", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--cancel-share", type=float, default=0.2)
@@ -79,8 +100,7 @@ def cmd_bench_soak(args) -> int:
 
     names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
     with fresh_stack(args.model, num_prefill=2, num_decode=2) as (url, procs):
-        report = soak(url, {n: p.pid for n, p in zip(names, procs)}, args.requests, args.concurrency,
-                      args.cancel_share)
+        report = soak(url, {n: p.pid for n, p in zip(names, procs)}, args.requests, args.concurrency, args.cancel_share)
     print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
     return 0
 
@@ -98,10 +118,12 @@ def cmd_bench_overload(args) -> int:
         print(f"capacity {report['capacity_per_s']} requests/s (32 sent at once); --max-waiting {args.max_waiting}")
         for label in ("half", "double"):
             r = report[label]
-            print(f"at {r['rate_per_s']}/s ({label}): sent {r['sent']}, completed {r['completed']}, 429 "
-                  f"{r['refused_429']} (answered in p99 {r['refusal_answered_p99_ms']} ms, Retry-After on all: "
-                  f"{r['retry_after_on_every_429']}), errors {r['errors']}; TTFT p50/p99/max {r['ttft_p50_s']}/"
-                  f"{r['ttft_p99_s']}/{r['ttft_max_s']} s")
+            print(
+                f"at {r['rate_per_s']}/s ({label}): sent {r['sent']}, completed {r['completed']}, 429 "
+                f"{r['refused_429']} (answered in p99 {r['refusal_answered_p99_ms']} ms, Retry-After on all: "
+                f"{r['retry_after_on_every_429']}), errors {r['errors']}; TTFT p50/p99/max {r['ttft_p50_s']}/"
+                f"{r['ttft_p99_s']}/{r['ttft_max_s']} s"
+            )
     return 0
 
 
@@ -121,9 +143,14 @@ def cmd_bench_engine(args) -> int:
     report = {"workload": args.workload, "threads": torch.get_num_threads()}
     hf_model = _load_hf_model(engine) if not args.no_floor or args.baseline == "hf" else None
     engine.generate([_warmup_prompt(engine.vocab_size)], None)  # warm-up: first-call allocations
-    _alternate_with_floor(args, "kvferry", lambda rnd: run_engine(engine, workload.for_round(requests, rnd,
-                                                                                              engine.vocab_size)),
-                          hf_model, requests, report)
+    _alternate_with_floor(
+        args,
+        "kvferry",
+        lambda rnd: run_engine(engine, workload.for_round(requests, rnd, engine.vocab_size)),
+        hf_model,
+        requests,
+        report,
+    )
     if not args.no_paging:
         from kvferry.services.bench.paging import paging_overhead
 
@@ -168,17 +195,32 @@ def cmd_bench_serve(args) -> int:
     else:
         baseline_once = None
     before = prefill_counters(args.url)  # kvferry's own counters; other servers have none
-    _alternate_with_floor(args, "serve", lambda rnd: asyncio.run(replay(
-        args.url, model_name, workload.for_round(requests, rnd, vocab_size))), hf_model, requests, report,
-        baseline_once)
-    report["prefill_all_runs"] = counters_delta(before, prefill_counters(args.url, (before or {}).get(
-        "prompts_prefilled", 0) + args.repeat * len(requests)))
+    _alternate_with_floor(
+        args,
+        "serve",
+        lambda rnd: asyncio.run(replay(args.url, model_name, workload.for_round(requests, rnd, vocab_size))),
+        hf_model,
+        requests,
+        report,
+        baseline_once,
+    )
+    report["prefill_all_runs"] = counters_delta(
+        before, prefill_counters(args.url, (before or {}).get("prompts_prefilled", 0) + args.repeat * len(requests))
+    )
     # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
     prompt_512 = [t for r in requests for t in r["prompt_token_ids"]][:512]
-    probe = asyncio.run(replay(args.url, model_name, [{"id": "probe-512", "prompt_token_ids": prompt_512,
-                                                       "max_tokens": 2, "arrival_s": 0.0}]))
-    report["probe_512"] = {"ttft_s": probe["ttft_p50_s"], "kv_transfer_ms": probe["kv_transfer_p50_ms"],
-                           "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4)}
+    probe = asyncio.run(
+        replay(
+            args.url,
+            model_name,
+            [{"id": "probe-512", "prompt_token_ids": prompt_512, "max_tokens": 2, "arrival_s": 0.0}],
+        )
+    )
+    report["probe_512"] = {
+        "ttft_s": probe["ttft_p50_s"],
+        "kv_transfer_ms": probe["kv_transfer_p50_ms"],
+        "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4),
+    }
     _say(args, "512-token prompt", report["probe_512"])
     if args.baseline == "hf":
         _hf_baseline(args, hf_model, requests, report)
@@ -187,33 +229,47 @@ def cmd_bench_serve(args) -> int:
     else:
         k = report["kvferry"]
         print(f"\n== {args.workload} over HTTP at {args.url} (rate {args.rate or 'all at once'}) ==")
-        print(f"output tok/s {k['output_tok_per_s']}, requests/s {k['requests_per_s']} ({k['elapsed_s']} s; runs "
-              f"{k['runs_s']} s)")
-        print(f"TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} "
-              f"ms, KV transfer per request p50/p99 {k['kv_transfer_p50_ms']}/{k['kv_transfer_p99_ms']} ms")
+        print(
+            f"output tok/s {k['output_tok_per_s']}, requests/s {k['requests_per_s']} ({k['elapsed_s']} s; runs "
+            f"{k['runs_s']} s)"
+        )
+        print(
+            f"TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} "
+            f"ms, KV transfer per request p50/p99 {k['kv_transfer_p50_ms']}/{k['kv_transfer_p99_ms']} ms"
+        )
         for g, figures in k.get("groups", {}).items():
             print(f"{g} prompts: TTFT p50/p99 {figures['ttft_p50_s']}/{figures['ttft_p99_s']} s")
         if report["prefill_all_runs"]:
             c = report["prefill_all_runs"]
-            print(f"prefill workers over the {args.repeat} runs: {c['prompts_prefilled']} prompts, "
-                  f"{c['prompt_tokens_computed']} prompt tokens computed, {c['prompt_tokens_cached']} from the cache "
-                  f"({c['cached_share']:.1%}); KV shipped {c['kv_bytes_sent'] / 2**20:.0f} MiB, "
-                  f"{c['kv_bytes_skipped'] / 2**20:.0f} MiB left out as held by decode ({c['kv_bytes_saved_share']:.1%})")
+            print(
+                f"prefill workers over the {args.repeat} runs: {c['prompts_prefilled']} prompts, "
+                f"{c['prompt_tokens_computed']} prompt tokens computed, {c['prompt_tokens_cached']} from the cache "
+                f"({c['cached_share']:.1%}); KV shipped {c['kv_bytes_sent'] / 2**20:.0f} MiB, "
+                f"{c['kv_bytes_skipped'] / 2**20:.0f} MiB left out as held by decode ({c['kv_bytes_saved_share']:.1%})"
+            )
         if "floor" in report:
             f = report["floor"]
-            print(f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "
-                  f"{k['fraction_of_floor']:.0%} of it")
+            print(
+                f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "
+                f"{k['fraction_of_floor']:.0%} of it"
+            )
         if "baseline" in report:
             b = report["baseline"]
             extra = f", {b['fraction_of_floor']:.0%} of the floor" if "fraction_of_floor" in b else ""
-            print(f"baseline {args.baseline_url}: {b['output_tok_per_s']} tok/s (runs {b['runs_s']} s; TTFT p50/p99 "
-                  f"{b['ttft_p50_s']}/{b['ttft_p99_s']} s, TPOT p50/p99 {b['tpot_p50_ms']}/{b['tpot_p99_ms']} ms{extra}); "
-                  f"the stack is {k['speedup_vs_baseline']}x")
+            print(
+                f"baseline {args.baseline_url}: {b['output_tok_per_s']} tok/s (runs {b['runs_s']} s; TTFT p50/p99 "
+                f"{b['ttft_p50_s']}/{b['ttft_p99_s']} s, TPOT p50/p99 {b['tpot_p50_ms']}/{b['tpot_p99_ms']} ms{extra}); "
+                f"the stack is {k['speedup_vs_baseline']}x"
+            )
         pr = report["probe_512"]
-        print(f"512-token prompt: {pr['ttft_s']} s to its first token, KV transfer {pr['kv_transfer_ms']} ms "
-              f"(+{pr['transfer_share']:.1%} on its way to decode)")
+        print(
+            f"512-token prompt: {pr['ttft_s']} s to its first token, KV transfer {pr['kv_transfer_ms']} ms "
+            f"(+{pr['transfer_share']:.1%} on its way to decode)"
+        )
         if "hf" in report:
-            print(f"transformers CB {report['hf']['output_tok_per_s']} tok/s: kvferry is {report['hf']['kvferry_speedup']}x")
+            print(
+                f"transformers CB {report['hf']['output_tok_per_s']} tok/s: kvferry is {report['hf']['kvferry_speedup']}x"
+            )
     return 0
 
 
@@ -236,8 +292,12 @@ def _sweep(args, model_name: str, vocab_size: int) -> int:
     from kvferry.services.bench.serve import replay
 
     asyncio.run(replay(args.url, model_name, workload.generate("std-32", vocab_size, seed=99)[:2]))  # warm-up
-    points = sweep.sweep(args.url, model_name, lambda rate, seed: workload.generate(args.workload, vocab_size, rate=rate, seed=seed),
-                         args.sweep_rates)
+    points = sweep.sweep(
+        args.url,
+        model_name,
+        lambda rate, seed: workload.generate(args.workload, vocab_size, rate=rate, seed=seed),
+        args.sweep_rates,
+    )
     if args.plot:
         sweep.plot(points, f"{args.workload} at {args.url}", args.plot)
     if args.json:
@@ -246,15 +306,18 @@ def _sweep(args, model_name: str, vocab_size: int) -> int:
     print(f"\n== {args.workload} over HTTP at {args.url}, one replay per rate ==")
     print(f"{'rate/s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
     for pt in points:
-        print(f"{pt['rate']:>7} {pt['output_tok_per_s']:>7} {pt['ttft_p50_s']:>8}s {pt['ttft_p99_s']:>8}s "
-              f"{pt['tpot_p50_ms']:>7}ms {pt['tpot_p99_ms']:>7}ms")
+        print(
+            f"{pt['rate']:>7} {pt['output_tok_per_s']:>7} {pt['ttft_p50_s']:>8}s {pt['ttft_p99_s']:>8}s "
+            f"{pt['tpot_p50_ms']:>7}ms {pt['tpot_p99_ms']:>7}ms"
+        )
     if args.plot:
         print(f"curve drawn to {args.plot}")
     return 0
 
 
-def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[dict], report: dict,
-                          baseline_once=None) -> None:
+def _alternate_with_floor(
+    args, label: str, run_once, hf_model, requests: list[dict], report: dict, baseline_once=None
+) -> None:
     """Run the workload (and baseline_once, another server, when given) and measure the floor in alternation,
     keeping the best of each: on a shared machine a slow spell then hits every side rather than one.
     run_once(round) replays workload.for_round's requests: a later round must not find the earlier rounds'
@@ -276,8 +339,9 @@ def _alternate_with_floor(args, label: str, run_once, hf_model, requests: list[d
         report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
         report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
     if baselines:
-        best = report["baseline"] = dict(min(baselines, key=lambda r: r["elapsed_s"]),
-                                         runs_s=[r["elapsed_s"] for r in baselines])
+        best = report["baseline"] = dict(
+            min(baselines, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in baselines]
+        )
         report["kvferry"]["speedup_vs_baseline"] = round(best["elapsed_s"] / report["kvferry"]["elapsed_s"], 3)
         if floors:
             best["fraction_of_floor"] = round(report["floor"]["floor_s"] / best["elapsed_s"], 3)
@@ -319,21 +383,31 @@ def _say(args, title: str, figures: dict) -> None:
 def _summary(report: dict) -> None:
     k = report["kvferry"]
     print(f"\n== {report['workload']} on {report['threads']} threads ==")
-    print(f"kvferry output tok/s        {k['output_tok_per_s']:>10}   ({k['elapsed_s']} s, {k['output_tokens']} tokens; "
-          f"runs {k['runs_s']} s; TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, "
-          f"TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} ms)")
+    print(
+        f"kvferry output tok/s        {k['output_tok_per_s']:>10}   ({k['elapsed_s']} s, {k['output_tokens']} tokens; "
+        f"runs {k['runs_s']} s; TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, "
+        f"TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} ms)"
+    )
     if "floor" in report:
         f = report["floor"]
-        print(f"compute floor               {f['floor_output_tok_per_s']:>10}   ({f['floor_s']} s; runs {f['runs_s']} s)   "
-              f"kvferry reaches {k['fraction_of_floor']:.0%} of it")
+        print(
+            f"compute floor               {f['floor_output_tok_per_s']:>10}   ({f['floor_s']} s; runs {f['runs_s']} s)   "
+            f"kvferry reaches {k['fraction_of_floor']:.0%} of it"
+        )
     if "hf" in report:
         h = report["hf"]
         extra = f", {h['fraction_of_floor']:.0%} of floor" if "fraction_of_floor" in h else ""
-        print(f"transformers CB tok/s       {h['output_tok_per_s']:>10}   ({h['elapsed_s']} s{extra})   "
-              f"kvferry is {h['kvferry_speedup']}x")
+        print(
+            f"transformers CB tok/s       {h['output_tok_per_s']:>10}   ({h['elapsed_s']} s{extra})   "
+            f"kvferry is {h['kvferry_speedup']}x"
+        )
     if "paging" in report:
         p = report["paging"]
-        print(f"paging overhead             {p['overhead']:>10}x  (decode step, batch {p['batch']}, context "
-              f"{p['context']}: paged {p['paged_step_ms']} ms, plain contiguous cache {p['plain_step_ms']} ms)")
-        print(f"  vs a preallocated buffer  {p['overhead_vs_preallocated']:>10}x  (idealised: all sequences at one "
-              f"position, attended through a view: {p['preallocated_step_ms']} ms)")
+        print(
+            f"paging overhead             {p['overhead']:>10}x  (decode step, batch {p['batch']}, context "
+            f"{p['context']}: paged {p['paged_step_ms']} ms, plain contiguous cache {p['plain_step_ms']} ms)"
+        )
+        print(
+            f"  vs a preallocated buffer  {p['overhead_vs_preallocated']:>10}x  (idealised: all sequences at one "
+            f"position, attended through a view: {p['preallocated_step_ms']} ms)"
+        )

@@ -5,6 +5,7 @@ attention work to speak of, no scheduling), in the ideal schedule: every prompt 
 in 512-token chunks, then every unfinished request decoded in every step. Same method as
 the reference measurement the project was specified with.
 """
+
 import time
 
 import numpy as np
@@ -47,9 +48,13 @@ def floor_from_costs(costs: dict[int, float], requests: list[dict]) -> dict:
     outputs = sorted(r["max_tokens"] for r in requests)
     decode = sum(cost(sum(1 for o in outputs if o > step)) for step in range(1, outputs[-1]))  # token 1: prefill
     total = prefill + decode
-    return {"floor_s": round(total, 2), "prefill_s": round(prefill, 2), "decode_s": round(decode, 2),
-            "floor_output_tok_per_s": round(sum(outputs) / total, 1),
-            "step_ms": {k: round(v * 1000, 1) for k, v in costs.items()}}
+    return {
+        "floor_s": round(total, 2),
+        "prefill_s": round(prefill, 2),
+        "decode_s": round(decode, 2),
+        "floor_output_tok_per_s": round(sum(outputs) / total, 1),
+        "step_ms": {k: round(v * 1000, 1) for k, v in costs.items()},
+    }
 
 
 def measure_floor(hf_model, requests: list[dict]) -> dict:

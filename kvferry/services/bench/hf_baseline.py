@@ -1,4 +1,5 @@
 """transformers' own continuous batching (its paged-attention manager) on the same workload."""
+
 import time
 
 import torch
@@ -8,18 +9,21 @@ import torch
 def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int = 256) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
-    generation_config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests),
-                                         eos_token_id=-1, pad_token_id=0)
+    generation_config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests), eos_token_id=-1, pad_token_id=0
+    )
     cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=None, max_batch_tokens=None)
-    manager = hf_model.init_continuous_batching(generation_config=generation_config,
-                                                continuous_batching_config=cb_config)
+    manager = hf_model.init_continuous_batching(
+        generation_config=generation_config, continuous_batching_config=cb_config
+    )
     manager.start()
     start = time.perf_counter()
     try:
         for r in requests:
             # eos_token_id=-1 never matches: the same exact output lengths as ignore_eos.
-            manager.add_request(r["prompt_token_ids"], request_id=r["id"], max_new_tokens=r["max_tokens"],
-                                eos_token_id=-1)
+            manager.add_request(
+                r["prompt_token_ids"], request_id=r["id"], max_new_tokens=r["max_tokens"], eos_token_id=-1
+            )
         num_out = {}
         while len(num_out) < len(requests):
             result = manager.get_result(timeout=600)

@@ -5,6 +5,7 @@ completes. Then Poisson arrivals at half that rate (the sustainable baseline) an
 each for the same time. Past --max-waiting the gateway answers 429 at once; the figures show
 that every request it accepts still completes, and how its TTFT compares with the baseline's.
 """
+
 import asyncio
 import json
 import random
@@ -17,15 +18,24 @@ from kvferry.services.bench.stack import served_model
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
     await asyncio.sleep(delay)
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     sent = time.perf_counter()
     first, num_tokens = None, 0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
         if response.status_code != 200:
             await response.aread()
-            return {"status": response.status_code, "retry_after": response.headers.get("retry-after"),
-                    "answered_s": time.perf_counter() - sent}
+            return {
+                "status": response.status_code,
+                "retry_after": response.headers.get("retry-after"),
+                "answered_s": time.perf_counter() - sent,
+            }
         async for line in response.aiter_lines():
             if line.startswith("data: {"):
                 chunk = json.loads(line[6:])
@@ -34,8 +44,11 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
                 if chunk["choices"]:
                     first = first or time.perf_counter()
                     num_tokens += 1
-    return {"status": 200 if num_tokens == max_tokens else 500, "ttft": first - sent if first else None,
-            "e2e": time.perf_counter() - sent}
+    return {
+        "status": 200 if num_tokens == max_tokens else 500,
+        "ttft": first - sent if first else None,
+        "e2e": time.perf_counter() - sent,
+    }
 
 
 def _requests(rng: random.Random, rate: float, duration_s: float) -> list[tuple[list[int], int, float]]:
@@ -62,11 +75,18 @@ def _figures(results: list[dict], elapsed: float) -> dict:
     ttft = np.array([r["ttft"] for r in ok]) if ok else np.zeros(1)
     refused = [r for r in results if r["status"] == 429]
     pct = lambda a, q: round(float(np.percentile(a, q)), 3)
-    return {"sent": len(results), "completed": len(ok), "refused_429": len(refused),
-            "errors": len(results) - len(ok) - len(refused), "completed_per_s": round(len(ok) / elapsed, 3),
-            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "ttft_max_s": round(float(ttft.max()), 3),
-            "refusal_answered_p99_ms": pct(np.array([r["answered_s"] for r in refused]) * 1000, 99) if refused else 0,
-            "retry_after_on_every_429": all(r.get("retry_after") for r in refused)}
+    return {
+        "sent": len(results),
+        "completed": len(ok),
+        "refused_429": len(refused),
+        "errors": len(results) - len(ok) - len(refused),
+        "completed_per_s": round(len(ok) / elapsed, 3),
+        "ttft_p50_s": pct(ttft, 50),
+        "ttft_p99_s": pct(ttft, 99),
+        "ttft_max_s": round(float(ttft.max()), 3),
+        "refusal_answered_p99_ms": pct(np.array([r["answered_s"] for r in refused]) * 1000, 99) if refused else 0,
+        "retry_after_on_every_429": all(r.get("retry_after") for r in refused),
+    }
 
 
 def overload(url: str, duration_s: float = 60.0, seed: int = 0) -> dict:

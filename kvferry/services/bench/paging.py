@@ -9,6 +9,7 @@ All run the same model; only the attention's cache differs. Two contiguous basel
 On the CPU the paged step gathers each layer's blocks once (one copy of the context), which is
 what separates it from the preallocated case; on CUDA the Triton kernel reads blocks in place.
 """
+
 import random
 import time
 from dataclasses import dataclass
@@ -24,15 +25,16 @@ from kvferry.common.model.attention import PagedBatch
 class ContiguousBatch:
     k_caches: list[torch.Tensor]  # per layer [batch, kvh, max_len, d]
     v_caches: list[torch.Tensor]
-    position: int                 # every sequence decodes at this position
+    position: int  # every sequence decodes at this position
 
     def attend(self, layer, q, k, v, scale):
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
         k_cache[:, :, self.position] = k  # [B, kvh, d]
         v_cache[:, :, self.position] = v
         ctx = self.position + 1
-        out = F.scaled_dot_product_attention(q[:, :, None, :], k_cache[:, :, :ctx], v_cache[:, :, :ctx],
-                                             scale=scale, enable_gqa=True)  # [B, H, 1, d]
+        out = F.scaled_dot_product_attention(
+            q[:, :, None, :], k_cache[:, :, :ctx], v_cache[:, :, :ctx], scale=scale, enable_gqa=True
+        )  # [B, H, 1, d]
         return out[:, :, 0, :]
 
 
@@ -43,7 +45,7 @@ class GrowingBatch:
 
     def attend(self, layer, q, k, v, scale):
         # Not stored back: every timed step appends to the same context length.
-        keys = torch.cat((self.k_caches[layer], k[:, :, None, :]), dim=2)    # [B, kvh, ctx + 1, d]
+        keys = torch.cat((self.k_caches[layer], k[:, :, None, :]), dim=2)  # [B, kvh, ctx + 1, d]
         values = torch.cat((self.v_caches[layer], v[:, :, None, :]), dim=2)
         return F.scaled_dot_product_attention(q[:, :, None, :], keys, values, scale=scale, enable_gqa=True)[:, :, 0, :]
 
@@ -67,34 +69,47 @@ def paging_overhead(engine, batch: int = 32, context: int = 256, reps: int = 10)
     bs = layout.block_size
     blocks_per_seq = -(-(context + 1) // bs)
     if batch * blocks_per_seq > runner.num_blocks:
-        raise ConfigError(f"the paging benchmark needs {batch * blocks_per_seq} KV blocks, the cache has "
-                          f"{runner.num_blocks}: raise --kv-cache-memory")
+        raise ConfigError(
+            f"the paging benchmark needs {batch * blocks_per_seq} KV blocks, the cache has "
+            f"{runner.num_blocks}: raise --kv-cache-memory"
+        )
     # Shuffled block ids: a long-running server's tables are scattered, not contiguous.
     ids = list(range(runner.num_blocks))
     random.Random(0).shuffle(ids)
-    tables = [ids[i * blocks_per_seq:(i + 1) * blocks_per_seq] for i in range(batch)]
+    tables = [ids[i * blocks_per_seq : (i + 1) * blocks_per_seq] for i in range(batch)]
     device = runner.device
     input_ids = torch.randint(1000, 2000, (batch,), device=device)
     positions = torch.full((batch,), context, device=device)
     paged = PagedBatch(
-        runner.k_caches, runner.v_caches, is_prefill=False,
+        runner.k_caches,
+        runner.v_caches,
+        is_prefill=False,
         slot_mapping=torch.tensor([t[context // bs] * bs + context % bs for t in tables], device=device),
         block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         context_lens=torch.full((batch,), context + 1, dtype=torch.int32, device=device),
-        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device))
+        cu_seqlens_q=torch.arange(batch + 1, dtype=torch.int32, device=device),
+    )
     shape = (batch, layout.num_kv_heads, context + 1, layout.head_dim)
-    contiguous = ContiguousBatch([torch.randn(shape, device=device, dtype=engine.dtype) for _ in range(layout.num_layers)],
-                                 [torch.randn(shape, device=device, dtype=engine.dtype) for _ in range(layout.num_layers)],
-                                 position=context)
+    contiguous = ContiguousBatch(
+        [torch.randn(shape, device=device, dtype=engine.dtype) for _ in range(layout.num_layers)],
+        [torch.randn(shape, device=device, dtype=engine.dtype) for _ in range(layout.num_layers)],
+        position=context,
+    )
 
-    growing = GrowingBatch([c[:, :, :context] for c in contiguous.k_caches],
-                           [c[:, :, :context] for c in contiguous.v_caches])
+    growing = GrowingBatch(
+        [c[:, :, :context] for c in contiguous.k_caches], [c[:, :, :context] for c in contiguous.v_caches]
+    )
 
     def step(attention_batch):
         return lambda: model.compute_logits(model(input_ids, positions, attention_batch))
 
     paged_s, contiguous_s, growing_s = _best_times([step(paged), step(contiguous), step(growing)], reps)
-    return {"batch": batch, "context": context, "paged_step_ms": round(paged_s * 1000, 1),
-            "plain_step_ms": round(growing_s * 1000, 1), "overhead": round(paged_s / growing_s, 3),
-            "preallocated_step_ms": round(contiguous_s * 1000, 1),
-            "overhead_vs_preallocated": round(paged_s / contiguous_s, 3)}
+    return {
+        "batch": batch,
+        "context": context,
+        "paged_step_ms": round(paged_s * 1000, 1),
+        "plain_step_ms": round(growing_s * 1000, 1),
+        "overhead": round(paged_s / growing_s, 3),
+        "preallocated_step_ms": round(contiguous_s * 1000, 1),
+        "overhead_vs_preallocated": round(paged_s / contiguous_s, 3),
+    }

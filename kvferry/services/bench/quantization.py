@@ -9,17 +9,37 @@ topics other than the calibration ones):
 Speed: the std-32 workload through each engine in alternation, best of --repeat, with the fp32
 compute floor measured in the same run.
 """
+
 import json
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.model.quant_calibration import CALIBRATION_TOPICS
 from kvferry.common.sampling import SamplingParams
 
-HELD_OUT_TOPICS = ("assert", "binary", "calls", "comparisons", "dict", "floating", "for", "lambda", "numbers",
-                   "raise", "slicings", "with")
-CHAT_PROMPTS = ("What is the capital of France?", "Write a haiku about the sea.", "Explain recursion in two sentences.",
-                "List three uses of a hash table.", "How do plants make their food?", "Give me a tip for learning Python.",
-                "What causes the seasons on Earth?", "Summarise the plot of Romeo and Juliet.")
+HELD_OUT_TOPICS = (
+    "assert",
+    "binary",
+    "calls",
+    "comparisons",
+    "dict",
+    "floating",
+    "for",
+    "lambda",
+    "numbers",
+    "raise",
+    "slicings",
+    "with",
+)
+CHAT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain recursion in two sentences.",
+    "List three uses of a hash table.",
+    "How do plants make their food?",
+    "Give me a tip for learning Python.",
+    "What causes the seasons on Earth?",
+    "Summarise the plot of Romeo and Juliet.",
+)
 assert not set(HELD_OUT_TOPICS) & set(CALIBRATION_TOPICS)
 
 
@@ -41,8 +61,11 @@ def compare_logprobs(reference: list[list], quantized: list[list]) -> dict:
         for r, q in zip(ref_text, q_text, strict=True):
             diffs.append(abs(r.logprob - q.logprob))
             agree.append(r.top_ids[0] == q.top_ids[0])
-    return {"positions": len(diffs), "logprob_mad": round(sum(diffs) / len(diffs), 4),
-            "top1_agreement": round(sum(agree) / len(agree), 4)}
+    return {
+        "positions": len(diffs),
+        "logprob_mad": round(sum(diffs) / len(diffs), 4),
+        "top1_agreement": round(sum(agree) / len(agree), 4),
+    }
 
 
 def compare_greedy(reference: list[list[int]], quantized: list[list[int]]) -> dict:
@@ -53,8 +76,14 @@ def compare_greedy(reference: list[list[int]], quantized: list[list[int]]) -> di
     return {"greedy_prefix_agreement": round(prefix / total, 4), "greedy_identical_outputs": f"{same}/{len(reference)}"}
 
 
-def accuracy(reference_engine, quantized_engine, texts: list[str], chat_prompts: list[str], max_tokens: int = 64,
-             max_text_tokens: int = 256) -> dict:
+def accuracy(
+    reference_engine,
+    quantized_engine,
+    texts: list[str],
+    chat_prompts: list[str],
+    max_tokens: int = 64,
+    max_text_tokens: int = 256,
+) -> dict:
     tokens = [reference_engine.encode(t)[:max_text_tokens] for t in texts]
     report = compare_logprobs(teacher_forced(reference_engine, tokens), teacher_forced(quantized_engine, tokens))
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
@@ -86,10 +115,15 @@ def cmd_bench_quantization(args) -> int:
 
     config = EngineConfig.from_args(args)
     config.num_threads = config.num_threads or 2
-    engines = {"unquantized": LLMEngine(replace(config, quantization=None)),
-               "int8": LLMEngine(replace(config, quantization="int8"))}
-    report = {"threads": torch.get_num_threads(), "dtype": str(engines["int8"].dtype).removeprefix("torch."),
-              "accuracy": accuracy(engines["unquantized"], engines["int8"], held_out_texts(), list(CHAT_PROMPTS))}
+    engines = {
+        "unquantized": LLMEngine(replace(config, quantization=None)),
+        "int8": LLMEngine(replace(config, quantization="int8")),
+    }
+    report = {
+        "threads": torch.get_num_threads(),
+        "dtype": str(engines["int8"].dtype).removeprefix("torch."),
+        "accuracy": accuracy(engines["unquantized"], engines["int8"], held_out_texts(), list(CHAT_PROMPTS)),
+    }
     _say(args, "accuracy", report["accuracy"])
     if not args.no_speed:
         requests = workload.generate("std-32", engines["int8"].vocab_size)
@@ -105,8 +139,10 @@ def cmd_bench_quantization(args) -> int:
             if hf_model is not None:
                 floors.append(measure_floor(hf_model, requests))
         best = {name: min(r, key=lambda x: x["elapsed_s"]) for name, r in runs.items()}
-        report["std32"] = {name: {k: b[k] for k in ("output_tok_per_s", "elapsed_s", "ttft_p50_s", "tpot_p50_ms")}
-                           for name, b in best.items()}
+        report["std32"] = {
+            name: {k: b[k] for k in ("output_tok_per_s", "elapsed_s", "ttft_p50_s", "tpot_p50_ms")}
+            for name, b in best.items()
+        }
         report["std32"]["int8_speedup"] = round(best["unquantized"]["elapsed_s"] / best["int8"]["elapsed_s"], 3)
         if floors:
             floor = min(floors, key=lambda f: f["floor_s"])
@@ -118,16 +154,24 @@ def cmd_bench_quantization(args) -> int:
         return 0
     a = report["accuracy"]
     print(f"\n== int8 against {report['dtype']}, {report['threads']} threads ==")
-    print(f"held-out text, {a['positions']} positions: logprob MAD {a['logprob_mad']}, top-1 agreement "
-          f"{a['top1_agreement']:.1%}")
-    print(f"greedy chat outputs: {a['greedy_prefix_agreement']:.1%} of tokens equal up to the first difference, "
-          f"{a['greedy_identical_outputs']} outputs identical")
+    print(
+        f"held-out text, {a['positions']} positions: logprob MAD {a['logprob_mad']}, top-1 agreement "
+        f"{a['top1_agreement']:.1%}"
+    )
+    print(
+        f"greedy chat outputs: {a['greedy_prefix_agreement']:.1%} of tokens equal up to the first difference, "
+        f"{a['greedy_identical_outputs']} outputs identical"
+    )
     if "std32" in report:
         s = report["std32"]
         for name in engines:
             extra = f", {s[name]['fraction_of_floor']:.0%} of the fp32 floor" if "fraction_of_floor" in s[name] else ""
-            print(f"std-32 {name:<12} {s[name]['output_tok_per_s']:>7} tok/s (TTFT p50 {s[name]['ttft_p50_s']} s, "
-                  f"TPOT p50 {s[name]['tpot_p50_ms']} ms{extra})")
-        print(f"int8 speed-up {s['int8_speedup']}x" + (f"; floor {s['floor_output_tok_per_s']} tok/s"
-                                                       if "floor_output_tok_per_s" in s else ""))
+            print(
+                f"std-32 {name:<12} {s[name]['output_tok_per_s']:>7} tok/s (TTFT p50 {s[name]['ttft_p50_s']} s, "
+                f"TPOT p50 {s[name]['tpot_p50_ms']} ms{extra})"
+            )
+        print(
+            f"int8 speed-up {s['int8_speedup']}x"
+            + (f"; floor {s['floor_output_tok_per_s']} tok/s" if "floor_output_tok_per_s" in s else "")
+        )
     return 0

@@ -1,4 +1,5 @@
 """Replay a workload over HTTP against a running stack: streaming completions, all at once or at a Poisson rate."""
+
 import asyncio
 import json
 import time
@@ -8,8 +9,15 @@ import numpy as np
 
 async def _one(client, url: str, model: str, request: dict, start: float) -> dict:
     await asyncio.sleep(max(0.0, request["arrival_s"] - (time.perf_counter() - start)))
-    body = {"model": model, "prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"],
-            "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": request["prompt_token_ids"],
+        "max_tokens": request["max_tokens"],
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     sent = time.perf_counter()
     token_times, num_tokens, kv_transfer_s = [], 0, 0.0
     async with client.stream("POST", url + "/v1/completions", json=body) as response:
@@ -43,20 +51,31 @@ async def replay(url: str, model: str, requests: list[dict]) -> dict:
         results = await asyncio.gather(*(_one(client, url, model, r, start) for r in requests))
         elapsed = time.perf_counter() - start
     total = sum(r["tokens"] for r in results)
-    report = {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1),
-              "requests_per_s": round(len(requests) / elapsed, 3), **_latencies(results)}
+    report = {
+        "elapsed_s": round(elapsed, 2),
+        "output_tokens": total,
+        "output_tok_per_s": round(total / elapsed, 1),
+        "requests_per_s": round(len(requests) / elapsed, 3),
+        **_latencies(results),
+    }
     groups = sorted({r["group"] for r in requests if "group" in r})
     if groups:
-        report["groups"] = {g: _latencies([res for req, res in zip(requests, results) if req.get("group") == g])
-                            for g in groups}
+        report["groups"] = {
+            g: _latencies([res for req, res in zip(requests, results) if req.get("group") == g]) for g in groups
+        }
     return report
 
 
 def _latencies(results: list[dict]) -> dict:
     pct = lambda key, q, unit=1: round(float(np.percentile([r[key] for r in results], q)) * unit, 4)
-    return {"ttft_p50_s": pct("ttft", 50), "ttft_p99_s": pct("ttft", 99), "tpot_p50_ms": round(pct("tpot", 50, 1000), 1),
-            "tpot_p99_ms": round(pct("tpot", 99, 1000), 1), "kv_transfer_p50_ms": round(pct("kv_transfer_s", 50, 1000), 2),
-            "kv_transfer_p99_ms": round(pct("kv_transfer_s", 99, 1000), 2)}
+    return {
+        "ttft_p50_s": pct("ttft", 50),
+        "ttft_p99_s": pct("ttft", 99),
+        "tpot_p50_ms": round(pct("tpot", 50, 1000), 1),
+        "tpot_p99_ms": round(pct("tpot", 99, 1000), 1),
+        "kv_transfer_p50_ms": round(pct("kv_transfer_s", 50, 1000), 2),
+        "kv_transfer_p99_ms": round(pct("kv_transfer_s", 99, 1000), 2),
+    }
 
 
 def prefill_counters(url: str, num_prompts: int = 0, timeout_s: float = 10.0) -> dict | None:
@@ -71,9 +90,16 @@ def prefill_counters(url: str, num_prompts: int = 0, timeout_s: float = 10.0) ->
                 workers = [w for w in json.loads(r.read())["workers"] if w["role"] == "prefill"]
         except (OSError, ValueError, KeyError):
             return None
-        counters = {key: sum(w[key] for w in workers)
-                    for key in ("prompts_prefilled", "prompt_tokens_computed", "prompt_tokens_cached", "kv_bytes_sent",
-                                "kv_bytes_skipped")}
+        counters = {
+            key: sum(w[key] for w in workers)
+            for key in (
+                "prompts_prefilled",
+                "prompt_tokens_computed",
+                "prompt_tokens_cached",
+                "kv_bytes_sent",
+                "kv_bytes_skipped",
+            )
+        }
         if counters["prompts_prefilled"] >= num_prompts or time.monotonic() > deadline:
             return counters
         time.sleep(0.25)
@@ -85,5 +111,8 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
     delta = {k: after[k] - before[k] for k in after}
     computed, cached = delta["prompt_tokens_computed"], delta["prompt_tokens_cached"]
     sent, skipped = delta["kv_bytes_sent"], delta["kv_bytes_skipped"]
-    return {**delta, "cached_share": round(cached / max(1, computed + cached), 4),
-            "kv_bytes_saved_share": round(skipped / max(1, sent + skipped), 4)}
+    return {
+        **delta,
+        "cached_share": round(cached / max(1, computed + cached), 4),
+        "kv_bytes_saved_share": round(skipped / max(1, sent + skipped), 4),
+    }

@@ -1,6 +1,7 @@
 """`kvferry bench soak`: many requests, a fifth of them cancelled at random points, over 2 prefill and 2 decode
 workers. Afterwards nothing may be left: every worker's blocks free, no request in flight, and no process
 grown by more than 10% in memory since warm-up."""
+
 import asyncio
 import json
 import random
@@ -28,8 +29,14 @@ def workers_state(url: str) -> dict:
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, cancel: tuple | None) -> str:
     """-> 'ok', 'cancelled' or an error. cancel: ('tokens', k) closes the stream after k tokens; ('time', s)
     closes it s seconds after sending, wherever the request is (queued, prefilling, decoding)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def stream() -> str:
         num_tokens = 0
@@ -50,13 +57,21 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     if cancel and cancel[0] == "time":
         try:
             return await asyncio.wait_for(stream(), cancel[1])
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return "cancelled"
     return await stream()
 
 
-async def _drive(url: str, model: str, num_requests: int, concurrency: int, cancel_share: float, cancel_within_s: float,
-                 seed: int, on_hundred) -> list[str]:
+async def _drive(
+    url: str,
+    model: str,
+    num_requests: int,
+    concurrency: int,
+    cancel_share: float,
+    cancel_within_s: float,
+    seed: int,
+    on_hundred,
+) -> list[str]:
     import httpx
 
     rng = random.Random(seed)
@@ -69,7 +84,11 @@ async def _drive(url: str, model: str, num_requests: int, concurrency: int, canc
         max_tokens = rng.randint(4, 24)
         cancel = None
         if rng.random() < cancel_share:
-            cancel = ("tokens", rng.randint(1, max_tokens - 1)) if rng.random() < 0.5 else ("time", rng.uniform(0, cancel_within_s))
+            cancel = (
+                ("tokens", rng.randint(1, max_tokens - 1))
+                if rng.random() < 0.5
+                else ("time", rng.uniform(0, cancel_within_s))
+            )
         async with semaphore:
             outcome = await _one(client, url, model, prompt, max_tokens, cancel)
         done += 1
@@ -77,13 +96,22 @@ async def _drive(url: str, model: str, num_requests: int, concurrency: int, canc
             on_hundred(done)
         return outcome
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=concurrency * 2)) \
-            as client:
+    async with httpx.AsyncClient(
+        timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=concurrency * 2)
+    ) as client:
         return await asyncio.gather(*(one(i) for i in range(num_requests)))
 
 
-def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: int = 16, cancel_share: float = 0.2,
-         seed: int = 0, settle_s: float = 30.0, cancel_within_s: float = 0.6) -> dict:
+def soak(
+    url: str,
+    pids: dict[str, int],
+    num_requests: int = 1000,
+    concurrency: int = 16,
+    cancel_share: float = 0.2,
+    seed: int = 0,
+    settle_s: float = 30.0,
+    cancel_within_s: float = 0.6,
+) -> dict:
     """Drive the stack at url; pids: process name -> pid, for memory. Returns the report. Half the cancellations
     close the stream after a number of tokens, half after up to cancel_within_s seconds: a request's usual
     length, so that they land while it is queued, prefilling or decoding."""
@@ -100,7 +128,9 @@ def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: 
     deadline = time.monotonic() + settle_s  # heartbeats carry the final block counts
     while True:
         state = workers_state(url)
-        leaks = {w["id"]: w["num_blocks"] - w["free_blocks"] for w in state["workers"] if w["free_blocks"] != w["num_blocks"]}
+        leaks = {
+            w["id"]: w["num_blocks"] - w["free_blocks"] for w in state["workers"] if w["free_blocks"] != w["num_blocks"]
+        }
         stuck = state["gateway"]["requests_in_flight"]
         if (not leaks and not stuck) or time.monotonic() > deadline:
             break
@@ -110,7 +140,15 @@ def soak(url: str, pids: dict[str, int], num_requests: int = 1000, concurrency: 
     counts: dict[str, int] = {}
     for outcome in outcomes:
         counts[outcome] = counts.get(outcome, 0) + 1
-    return {"requests": num_requests, "elapsed_s": round(elapsed, 1), "outcomes": counts, "blocks_leaked": leaks,
-            "requests_stuck": stuck, "workers": len(state["workers"]), "moves": state["gateway"]["moves"],
-            "rss_mib_every_100": trace, "rss_mib_final": {name: round(v, 1) for name, v in final.items()},
-            "rss_growth": {name: round(final[name] / warm[name] - 1, 4) for name in warm}}
+    return {
+        "requests": num_requests,
+        "elapsed_s": round(elapsed, 1),
+        "outcomes": counts,
+        "blocks_leaked": leaks,
+        "requests_stuck": stuck,
+        "workers": len(state["workers"]),
+        "moves": state["gateway"]["moves"],
+        "rss_mib_every_100": trace,
+        "rss_mib_final": {name: round(v, 1) for name, v in final.items()},
+        "rss_growth": {name: round(final[name] / warm[name] - 1, 4) for name in warm},
+    }

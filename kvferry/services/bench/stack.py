@@ -1,4 +1,5 @@
 """A fresh stack on free ports for benchmarks that compare settings: each side gets processes of its own."""
+
 import contextlib
 import json
 import os
@@ -7,21 +8,32 @@ import urllib.request
 from kvferry.services.launcher import free_port, start_services, stop_all
 
 # Settings the stacks of one comparison must not inherit from the caller's environment.
-COMPARED_SETTINGS = ("KVFERRY_TRACE_DIR", "KVFERRY_OTLP_ENDPOINT", "KVFERRY_NO_PREFIX_CACHING",
-                     "KVFERRY_NO_CHUNKED_PREFILL")
+COMPARED_SETTINGS = (
+    "KVFERRY_TRACE_DIR",
+    "KVFERRY_OTLP_ENDPOINT",
+    "KVFERRY_NO_PREFIX_CACHING",
+    "KVFERRY_NO_CHUNKED_PREFILL",
+)
 
 
 @contextlib.contextmanager
-def fresh_stack(model: str | None, env: dict | None = None, num_prefill: int = 1, num_decode: int = 1,
-                prefill_threads: int = 1, decode_threads: int = 1):
+def fresh_stack(
+    model: str | None,
+    env: dict | None = None,
+    num_prefill: int = 1,
+    num_decode: int = 1,
+    prefill_threads: int = 1,
+    decode_threads: int = 1,
+):
     """Yields the gateway's URL of a new gateway and workers, stopped on exit."""
     full_env = {k: v for k, v in os.environ.items() if k not in COMPARED_SETTINGS}
     full_env.update(env or {})
     if model:
         full_env["KVFERRY_MODEL"] = model
     port = free_port()
-    procs = start_services("127.0.0.1", port, free_port(), prefill_threads, decode_threads, full_env,
-                           num_prefill, num_decode)
+    procs = start_services(
+        "127.0.0.1", port, free_port(), prefill_threads, decode_threads, full_env, num_prefill, num_decode
+    )
     try:
         yield f"http://127.0.0.1:{port}", procs
     finally:

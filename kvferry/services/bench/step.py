@@ -4,6 +4,7 @@
 scheduling, building the step's tensors, the forward, sampling, bookkeeping) and, inside them, the model's
 forward and logits alone. What is left is the step's overhead.
 """
+
 import json
 import random
 import statistics
@@ -60,9 +61,15 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20) -> dic
     totals, models = totals[2:], models[2:]  # the first steps warm up
     overhead = [t - m for t, m in zip(totals, models)]
     step, outside = statistics.median(totals), statistics.median(overhead)
-    return {"batch": batch, "context": context, "steps": steps, "step_ms": round(step * 1000, 2),
-            "model_ms": round(statistics.median(models) * 1000, 2), "outside_model_ms": round(outside * 1000, 2),
-            "outside_share": round(outside / step, 4)}
+    return {
+        "batch": batch,
+        "context": context,
+        "steps": steps,
+        "step_ms": round(step * 1000, 2),
+        "model_ms": round(statistics.median(models) * 1000, 2),
+        "outside_model_ms": round(outside * 1000, 2),
+        "outside_share": round(outside / step, 4),
+    }
 
 
 def add_parser(bench) -> None:
@@ -95,8 +102,12 @@ def cmd_bench_step(args) -> int:
     if args.json:
         print(json.dumps(report))
         return 0
-    print(f"\n== decode step, batch {report['batch']}, context {report['context']}, {report['threads']} threads "
-          f"(medians of {report['steps']}) ==")
-    print(f"step {report['step_ms']} ms: model forward and logits {report['model_ms']} ms, the rest "
-          f"{report['outside_model_ms']} ms ({report['outside_share']:.1%} of the step)")
+    print(
+        f"\n== decode step, batch {report['batch']}, context {report['context']}, {report['threads']} threads "
+        f"(medians of {report['steps']}) =="
+    )
+    print(
+        f"step {report['step_ms']} ms: model forward and logits {report['model_ms']} ms, the rest "
+        f"{report['outside_model_ms']} ms ({report['outside_share']:.1%} of the step)"
+    )
     return 0

@@ -3,6 +3,7 @@
 The workload is replayed once per request rate (Poisson arrivals, the same seeded requests), and TTFT and
 TPOT p50/p99 are drawn against the achieved throughput with `--plot FILE.png`.
 """
+
 import asyncio
 
 
@@ -35,8 +36,15 @@ def plot(points: list[dict], title: str, output: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
         for p in points:  # what the server achieved at each offered rate
-            ax.annotate(f"{p['output_tok_per_s']:.0f} tok/s", (p["rate"], ax.get_ylim()[0]), fontsize=7,
-                        rotation=90, va="bottom", ha="right", alpha=0.6)
+            ax.annotate(
+                f"{p['output_tok_per_s']:.0f} tok/s",
+                (p["rate"], ax.get_ylim()[0]),
+                fontsize=7,
+                rotation=90,
+                va="bottom",
+                ha="right",
+                alpha=0.6,
+            )
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(output, dpi=110)

@@ -4,6 +4,7 @@ Each round starts the stack (gateway, 1 prefill, 1 decode worker) once without a
 --trace-dir, replays the workload against each, and stops it. Rounds alternate so that a slow
 spell on a shared machine hits both sides; the best run of each side is compared.
 """
+
 import asyncio
 import json
 import os
@@ -19,7 +20,9 @@ from kvferry.services.bench.stack import fresh_stack, served_model
 def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
     env = {"KVFERRY_TRACE_DIR": trace_dir} if trace_dir else {}
     with fresh_stack(args.model, env, prefill_threads=args.prefill_threads, decode_threads=args.decode_threads) as (
-            url, _):
+        url,
+        _,
+    ):
         model = served_model(url)
         asyncio.run(replay(url, model, requests[:2]))  # warm-up
         return asyncio.run(replay(url, model, requests))
@@ -46,15 +49,24 @@ def cmd_bench_tracing(args) -> int:
         print(f"round {i + 1} tracing on:  {on[-1]['output_tok_per_s']} tok/s", file=sys.stderr)
     best_off = max(r["output_tok_per_s"] for r in off)
     best_on = max(r["output_tok_per_s"] for r in on)
-    report = {"workload": args.workload, "off_tok_per_s": [r["output_tok_per_s"] for r in off],
-              "on_tok_per_s": [r["output_tok_per_s"] for r in on], "best_off": best_off, "best_on": best_on,
-              "overhead": round(1 - best_on / best_off, 4), "trace_lines": trace_lines, "trace_bytes": trace_bytes}
+    report = {
+        "workload": args.workload,
+        "off_tok_per_s": [r["output_tok_per_s"] for r in off],
+        "on_tok_per_s": [r["output_tok_per_s"] for r in on],
+        "best_off": best_off,
+        "best_on": best_on,
+        "overhead": round(1 - best_on / best_off, 4),
+        "trace_lines": trace_lines,
+        "trace_bytes": trace_bytes,
+    }
     if args.json:
         print(json.dumps(report))
     else:
         print(f"\n== {args.workload} over HTTP, tracing off vs on ({args.repeat} rounds, best of each) ==")
         print(f"tracing off {best_off} tok/s (runs {report['off_tok_per_s']})")
-        print(f"tracing on  {best_on} tok/s (runs {report['on_tok_per_s']}); {trace_lines} trace lines, "
-              f"{trace_bytes / 2**20:.1f} MiB per run")
+        print(
+            f"tracing on  {best_on} tok/s (runs {report['on_tok_per_s']}); {trace_lines} trace lines, "
+            f"{trace_bytes / 2**20:.1f} MiB per run"
+        )
         print(f"overhead of tracing: {report['overhead']:+.1%} of throughput")
     return 0

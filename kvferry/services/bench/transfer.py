@@ -7,6 +7,7 @@ A sink process binds a ROUTER socket on 127.0.0.1 TCP, as a decode worker's KV i
 - raw: the same number of bytes as one preallocated frame, acknowledged on arrival.
 Each figure is the time from the send (the gather included) to the acknowledgement.
 """
+
 import json
 import multiprocessing
 import random
@@ -20,8 +21,14 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
-from kvferry.common.model.kv_blocks import (LAYER_GROUPS, as_frames, frame_tensor, gather_blocks, layer_groups,
-                                            scatter_blocks)
+from kvferry.common.model.kv_blocks import (
+    LAYER_GROUPS,
+    as_frames,
+    frame_tensor,
+    gather_blocks,
+    layer_groups,
+    scatter_blocks,
+)
 from kvferry.common.transport import Channel
 
 RAW, STOP = b"raw", b"stop"
@@ -47,19 +54,27 @@ def _sink(endpoint_queue, shape: tuple) -> None:
         msg = env.message
         kv = frame_tensor(env.frames[0], msg.dtype, msg.shape)
         layers = (msg.layer_start, msg.layer_start + msg.shape[0])
-        scatter_blocks(kv_cache, block_ids[:msg.shape[1]], kv, layers)
+        scatter_blocks(kv_cache, block_ids[: msg.shape[1]], kv, layers)
         if layers[1] == shape[0]:
             channel.send(p.KVAck(True), env.request_id, to=peer)
 
 
-def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, num_blocks: int,
-            rounds: int, num_groups: int = LAYER_GROUPS) -> dict:
+def measure(
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    num_blocks: int,
+    rounds: int,
+    num_groups: int = LAYER_GROUPS,
+) -> dict:
     keep_freed_memory()
     shape = (num_layers, 4 * num_blocks, block_size, 2, num_kv_heads, head_dim)  # the runner's cache layout
     spawn = multiprocessing.get_context("spawn")
     endpoints = spawn.Queue()
-    sink = spawn.Process(target=_sink, args=(endpoints, (num_layers, num_blocks, block_size, num_kv_heads,
-                                                          head_dim)), daemon=True)
+    sink = spawn.Process(
+        target=_sink, args=(endpoints, (num_layers, num_blocks, block_size, num_kv_heads, head_dim)), daemon=True
+    )
     sink.start()
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -77,8 +92,18 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
         started = time.perf_counter()
         for lo, hi in groups:  # as PrefillWorker.send_kv does
             kv = gather_blocks(kv_cache, block_ids, (lo, hi))
-            msg = p.KVTransfer("bench", [1] * (num_blocks * block_size), [1], [0], sampling, num_blocks * block_size,
-                               "float32", list(kv.shape), deadline_s=1e12, layer_start=lo)
+            msg = p.KVTransfer(
+                "bench",
+                [1] * (num_blocks * block_size),
+                [1],
+                [0],
+                sampling,
+                num_blocks * block_size,
+                "float32",
+                list(kv.shape),
+                deadline_s=1e12,
+                layer_start=lo,
+            )
             channel.send(msg, "bench", frames=as_frames(kv))
         channel.recv()
         return time.perf_counter() - started
@@ -102,10 +127,17 @@ def measure(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, 
             sink.kill()
         sock.close()
     raw, kv = statistics.median(raw_s), statistics.median(kv_s)
-    return {"num_blocks": num_blocks, "layer_groups": len(groups), "mib": round(nbytes / 2**20, 1), "rounds": rounds,
-            "raw_ms": round(raw * 1000, 2), "kv_ms": round(kv * 1000, 2),
-            "raw_gib_per_s": round(nbytes / raw / 2**30, 2), "kv_gib_per_s": round(nbytes / kv / 2**30, 2),
-            "kv_vs_raw": round(raw / kv, 3)}
+    return {
+        "num_blocks": num_blocks,
+        "layer_groups": len(groups),
+        "mib": round(nbytes / 2**20, 1),
+        "rounds": rounds,
+        "raw_ms": round(raw * 1000, 2),
+        "kv_ms": round(kv * 1000, 2),
+        "raw_gib_per_s": round(nbytes / raw / 2**30, 2),
+        "kv_gib_per_s": round(nbytes / kv / 2**30, 2),
+        "kv_vs_raw": round(raw / kv, 3),
+    }
 
 
 def add_parser(bench) -> None:
@@ -113,8 +145,13 @@ def add_parser(bench) -> None:
     p_.add_argument("--model", default=None, help="whose KV layout to move (default: the default model)")
     p_.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 128], help="blocks of 16 tokens per transfer")
     p_.add_argument("--rounds", type=int, default=20, help="alternated kv and raw transfers; medians compared")
-    p_.add_argument("--layer-groups", type=int, nargs="+", default=[1, LAYER_GROUPS],
-                    help=f"messages per transfer (1: unpipelined; the workers send {LAYER_GROUPS})")
+    p_.add_argument(
+        "--layer-groups",
+        type=int,
+        nargs="+",
+        default=[1, LAYER_GROUPS],
+        help=f"messages per transfer (1: unpipelined; the workers send {LAYER_GROUPS})",
+    )
     p_.add_argument("--json", action="store_true")
     p_.set_defaults(func=cmd_bench_transfer)
 
@@ -136,9 +173,13 @@ def cmd_bench_transfer(args) -> int:
     if args.json:
         print(json.dumps({"layout": layout, "results": results}))
         return 0
-    print(f"\n== KV transfer vs raw ZeroMQ, tcp://127.0.0.1, float32, {layout[0]} layers x {layout[1]} kv heads x "
-          f"{layout[2]} dims, blocks of 16 (medians of {args.rounds}) ==")
+    print(
+        f"\n== KV transfer vs raw ZeroMQ, tcp://127.0.0.1, float32, {layout[0]} layers x {layout[1]} kv heads x "
+        f"{layout[2]} dims, blocks of 16 (medians of {args.rounds}) =="
+    )
     for r in results:
-        print(f"{r['num_blocks']:>4} blocks ({r['mib']:>6} MiB) in {r['layer_groups']:>2} messages: kv {r['kv_ms']:>7} ms {r['kv_gib_per_s']:>5} GiB/s, "
-              f"raw {r['raw_ms']:>7} ms {r['raw_gib_per_s']:>5} GiB/s -> {r['kv_vs_raw']:.0%} of raw")
+        print(
+            f"{r['num_blocks']:>4} blocks ({r['mib']:>6} MiB) in {r['layer_groups']:>2} messages: kv {r['kv_ms']:>7} ms {r['kv_gib_per_s']:>5} GiB/s, "
+            f"raw {r['raw_ms']:>7} ms {r['raw_gib_per_s']:>5} GiB/s -> {r['kv_vs_raw']:.0%} of raw"
+        )
     return 0

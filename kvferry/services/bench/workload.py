@@ -10,6 +10,7 @@ Scenarios that one feature is measured by:
 - head-of-line: one 4,000-token prompt, then 16 prompts of 64 tokens arriving 0.3 s later, group "short",
   whose TTFT the long one must not hold back (chunked prefill).
 """
+
 import math
 import random
 
@@ -38,8 +39,14 @@ def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, s
         prompt = [rng.randrange(256, vocab_size - 256) for _ in range(prompt_len)]
         if rate > 0:
             arrival += rng.expovariate(rate)
-        requests.append({"id": f"{name}-{i}", "prompt_token_ids": prompt,
-                         "max_tokens": _log_uniform(rng, output_lo, output_hi), "arrival_s": round(arrival, 6)})
+        requests.append(
+            {
+                "id": f"{name}-{i}",
+                "prompt_token_ids": prompt,
+                "max_tokens": _log_uniform(rng, output_lo, output_hi),
+                "arrival_s": round(arrival, 6),
+            }
+        )
     return requests
 
 
@@ -68,17 +75,37 @@ def _shared_prefix(rng: random.Random, vocab_size: int, rate: float) -> list[dic
         if rate > 0:
             arrival += rng.expovariate(rate)
         own = _tokens(rng, vocab_size, rng.randint(50, 100))
-        requests.append({"id": f"shared-prefix-{i}", "prompt_token_ids": system + own,
-                         "max_tokens": rng.randint(50, 100), "arrival_s": round(arrival, 6)})
+        requests.append(
+            {
+                "id": f"shared-prefix-{i}",
+                "prompt_token_ids": system + own,
+                "max_tokens": rng.randint(50, 100),
+                "arrival_s": round(arrival, 6),
+            }
+        )
     return requests
 
 
 def _head_of_line(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
-    requests = [{"id": "head-of-line-long", "prompt_token_ids": _tokens(rng, vocab_size, 4000), "max_tokens": 16,
-                 "arrival_s": 0.0, "group": "long"}]
+    requests = [
+        {
+            "id": "head-of-line-long",
+            "prompt_token_ids": _tokens(rng, vocab_size, 4000),
+            "max_tokens": 16,
+            "arrival_s": 0.0,
+            "group": "long",
+        }
+    ]
     for i in range(16):  # a little apart, as requests come, once the long prompt is under way
-        requests.append({"id": f"head-of-line-{i}", "prompt_token_ids": _tokens(rng, vocab_size, 64),
-                         "max_tokens": 16, "arrival_s": round(0.3 + 0.01 * i, 6), "group": "short"})
+        requests.append(
+            {
+                "id": f"head-of-line-{i}",
+                "prompt_token_ids": _tokens(rng, vocab_size, 64),
+                "max_tokens": 16,
+                "arrival_s": round(0.3 + 0.01 * i, 6),
+                "group": "short",
+            }
+        )
     return requests
 
 

@@ -1,5 +1,6 @@
 """The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches
 generation continuously, streaming each step's tokens to the gateway."""
+
 import logging
 import time
 from dataclasses import dataclass
@@ -29,10 +30,16 @@ def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None
     """Distinct choice numbers in range, each with a first token where the group carries them (the last group
     must); the last group's choices must be among those its first group announced."""
     choices, tokens = msg.choices, msg.output_token_ids
-    if (not choices or len(set(choices)) != len(choices) or not all(0 <= c < MAX_CHOICES for c in choices)
-            or (tokens or announced is not None) and len(tokens) != len(choices)):
-        raise InvalidRequest("a KV transfer needs distinct choice numbers, and its last layer group one first token "
-                             "per choice")
+    if (
+        not choices
+        or len(set(choices)) != len(choices)
+        or not all(0 <= c < MAX_CHOICES for c in choices)
+        or (tokens or announced is not None)
+        and len(tokens) != len(choices)
+    ):
+        raise InvalidRequest(
+            "a KV transfer needs distinct choice numbers, and its last layer group one first token per choice"
+        )
     if announced is not None and not set(choices) <= set(announced):
         raise InvalidRequest(f"the last layer group names choices {choices}, the first announced {announced}")
 
@@ -40,15 +47,16 @@ def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None
 @dataclass
 class Incoming:
     """A transfer whose layer groups are arriving: its blocks are allocated and filled group by group."""
+
     first: p.KVTransfer  # the first group's message: the request's fields
     link: GatewayLink
     engine_ids: list[str]  # one per choice the first group announced (cancelled ones left out)
     choices: list[int]
     params: list
-    held: list[int]      # cached blocks it leaves out, referenced for it
-    blocks: list[int]    # allocated for the rest, referenced for it
-    received_at: float   # wall clock of the first group
-    expires_at: float    # monotonic
+    held: list[int]  # cached blocks it leaves out, referenced for it
+    blocks: list[int]  # allocated for the rest, referenced for it
+    received_at: float  # wall clock of the first group
+    expires_at: float  # monotonic
     next_layer: int = 0
     num_bytes: int = 0
 
@@ -56,8 +64,15 @@ class Incoming:
 class DecodeWorker(Worker):
     role = p.Role.DECODE
 
-    def __init__(self, config, gateway, worker_id=None, kv_bind: str = "tcp://127.0.0.1:0",
-                 advertise_host: str | None = None, **kwargs):
+    def __init__(
+        self,
+        config,
+        gateway,
+        worker_id=None,
+        kv_bind: str = "tcp://127.0.0.1:0",
+        advertise_host: str | None = None,
+        **kwargs,
+    ):
         # Bound before the model loads (in Worker.__init__): a taken port fails at once.
         curve = kwargs.get("curve")
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
@@ -78,7 +93,7 @@ class DecodeWorker(Worker):
         # Keyed by attempt (attempt_key): a request moved off a failed decode worker can come back here.
         self.traces: dict[str, p.TraceContext] = {}
         self.origin: dict[str, tuple[str, int]] = {}  # attempt key -> (request id, attempt), for its messages
-        self.link_for: dict[str, GatewayLink] = {}    # attempt key -> the gateway its tokens go to
+        self.link_for: dict[str, GatewayLink] = {}  # attempt key -> the gateway its tokens go to
         # A request's choices run as sequences of their own: engine id -> (attempt key, choice), and back.
         self.choice_of: dict[str, tuple[str, int]] = {}
         self.engine_ids: dict[str, list[str]] = {}
@@ -147,7 +162,7 @@ class DecodeWorker(Worker):
         bm = self.engine.block_manager
         ids = []
         if key not in self.traces and key not in self.tombstones:
-            ids = bm.match_prefix(msg.block_hashes[:bm.num_blocks_for(self.engine.max_model_len)])
+            ids = bm.match_prefix(msg.block_hashes[: bm.num_blocks_for(self.engine.max_model_len)])
             bm.take_cached(ids)
             if ids:
                 self.held[key] = (ids, time.monotonic() + HOLD_S)
@@ -189,8 +204,9 @@ class DecodeWorker(Worker):
         rid = attempt_key(env.request_id, msg.attempt)  # this worker's key for the attempt
 
         def ack(accepted: bool, reason: str = "", retry: bool = True, resend_all: bool = False) -> None:
-            self.kv_in.send(p.KVAck(accepted, reason, retry, msg.attempt, resend_all), env.request_id, env.trace,
-                            to=peer)
+            self.kv_in.send(
+                p.KVAck(accepted, reason, retry, msg.attempt, resend_all), env.request_id, env.trace, to=peer
+            )
 
         if msg.layer_start > 0:
             self.receive_layers(rid, env, ack)
@@ -222,8 +238,9 @@ class DecodeWorker(Worker):
                 return
             engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
             choice_params = [for_choice(params, c) for c in choices]
-            blocks = self.engine.begin_prefilled(engine_ids, msg.prompt_token_ids, choice_params, msg.resume_token_ids,
-                                                 held)
+            blocks = self.engine.begin_prefilled(
+                engine_ids, msg.prompt_token_ids, choice_params, msg.resume_token_ids, held
+            )
         except (InvalidRequest, KeyError, RuntimeError) as exc:
             self.engine.block_manager.free(held)
             self.refuse(rid, msg, env, link, exc, ack)
@@ -232,8 +249,9 @@ class DecodeWorker(Worker):
             self.hold_again(rid, held)
             ack(False, "no free blocks")
             return
-        self.incoming[rid] = Incoming(msg, link, engine_ids, choices, choice_params, held, blocks,
-                                      received_at=time.time(), expires_at=0.0)
+        self.incoming[rid] = Incoming(
+            msg, link, engine_ids, choices, choice_params, held, blocks, received_at=time.time(), expires_at=0.0
+        )
         self.receive_layers(rid, env, ack)
 
     def receive_layers(self, rid: str, env: p.Envelope, ack) -> None:
@@ -280,9 +298,15 @@ class DecodeWorker(Worker):
         choices = [incoming.choices[i] for i in going_on]
         first = incoming.first
         try:
-            placed = self.engine.finish_prefilled(engine_ids, first.prompt_token_ids, [first_token[c] for c in choices],
-                                                  [incoming.params[i] for i in going_on], incoming.blocks,
-                                                  first.resume_token_ids, incoming.held)
+            placed = self.engine.finish_prefilled(
+                engine_ids,
+                first.prompt_token_ids,
+                [first_token[c] for c in choices],
+                [incoming.params[i] for i in going_on],
+                incoming.blocks,
+                first.resume_token_ids,
+                incoming.held,
+            )
         except InvalidRequest as exc:
             self.engine.block_manager.free(incoming.blocks + incoming.held)
             self.refuse(rid, msg, env, incoming.link, exc, ack)
@@ -305,9 +329,18 @@ class DecodeWorker(Worker):
         hop_s = max(0.0, placed_at - since) if since else placed_at - incoming.received_at
         self.transfer_s[rid] = (msg.gather_s + hop_s, incoming.num_bytes)
         if self.tracer.enabled:
-            self.tracer.span("kv.transfer_in", incoming.received_at, placed_at, env.request_id,
-                             tracing.child_of(env.trace), bytes=incoming.num_bytes, num_blocks=len(incoming.blocks),
-                             num_held_blocks=len(incoming.held), prefill=msg.prefill_worker_id, attempt=msg.attempt)
+            self.tracer.span(
+                "kv.transfer_in",
+                incoming.received_at,
+                placed_at,
+                env.request_id,
+                tracing.child_of(env.trace),
+                bytes=incoming.num_bytes,
+                num_blocks=len(incoming.blocks),
+                num_held_blocks=len(incoming.held),
+                prefill=msg.prefill_worker_id,
+                attempt=msg.attempt,
+            )
         ack(True)
 
     def refuse(self, rid: str, msg, env: p.Envelope, link: GatewayLink, exc: Exception, ack) -> None:
@@ -315,8 +348,9 @@ class DecodeWorker(Worker):
         self.bury(rid)
         ack(False, f"refused: {exc}", retry=False)
         code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-        link.channel.send(p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt),
-                          env.request_id, env.trace)
+        link.channel.send(
+            p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt), env.request_id, env.trace
+        )
 
     def hold_again(self, rid: str, held: list[int]) -> None:
         """Keep held blocks for a transfer's retry, which leaves them out again."""
@@ -343,8 +377,16 @@ class DecodeWorker(Worker):
             reason = int(out.finish_reason) if out.finished else -1
             transfer_s, transfer_bytes = self.transfer_s.pop(key, (0.0, 0))
             start = len(out.output_token_ids) - len(out.new_token_ids)
-            tokens = p.Tokens(out.new_token_ids, reason, transfer_s, transfer_bytes, logprobs_to_wire(out.new_logprobs),
-                              choice, attempt, start)
+            tokens = p.Tokens(
+                out.new_token_ids,
+                reason,
+                transfer_s,
+                transfer_bytes,
+                logprobs_to_wire(out.new_logprobs),
+                choice,
+                attempt,
+                start,
+            )
             link = self.link_for.get(key)
             if link is not None:
                 link.channel.send(tokens, rid, self.traces.get(key))
@@ -355,9 +397,16 @@ class DecodeWorker(Worker):
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
         keys = (self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
         rids = dict.fromkeys(self.origin.get(k, (k,))[0] for k in keys)
-        self.tracer.span("decode.step" if not plan.is_prefill else "decode.recompute", started, time.time(),
-                                 step=self.num_steps, batch_size=len(plan.chunks), num_tokens=plan.num_tokens,
-                                 num_preempted=len(plan.preempted), rids=list(rids))
+        self.tracer.span(
+            "decode.step" if not plan.is_prefill else "decode.recompute",
+            started,
+            time.time(),
+            step=self.num_steps,
+            batch_size=len(plan.chunks),
+            num_tokens=plan.num_tokens,
+            num_preempted=len(plan.preempted),
+            rids=list(rids),
+        )
 
     def close(self) -> None:
         self.kv_in.close()

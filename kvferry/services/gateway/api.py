@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP API (Starlette): completions, chat completions, models, tokenizer, health, workers,
 metrics and the OpenAPI description."""
+
 import contextlib
 import json
 import logging
@@ -34,8 +35,15 @@ def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse
 
 
 class Api:
-    def __init__(self, core: GatewayCore, tokenizer, model_name: str, max_model_len: int,
-                 limits: Limits | None = None, api_key: str | None = None):
+    def __init__(
+        self,
+        core: GatewayCore,
+        tokenizer,
+        model_name: str,
+        max_model_len: int,
+        limits: Limits | None = None,
+        api_key: str | None = None,
+    ):
         self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
         self.limits, self.api_key = limits or Limits(), api_key
         self.metrics = GatewayMetrics(core)
@@ -51,19 +59,28 @@ class Api:
 
     def routes(self) -> list[Route]:
         t = self.tokenizer_routes
-        return [Route("/v1/completions", self.completions, methods=["POST"]),
-                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
-                Route("/v1/models", self.models, methods=["GET"]),
-                Route("/tokenize", t.tokenize, methods=["POST"]), Route("/detokenize", t.detokenize, methods=["POST"]),
-                Route("/tokenizer_info", t.tokenizer_info, methods=["GET"]),
-                Route("/version", self.version, methods=["GET"]), Route("/health", self.health, methods=["GET"]),
-                Route("/v1/workers", self.workers, methods=["GET"]), Route("/metrics", self.prometheus, methods=["GET"]),
-                Route("/openapi.json", self.openapi, methods=["GET"])]
+        return [
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/tokenize", t.tokenize, methods=["POST"]),
+            Route("/detokenize", t.detokenize, methods=["POST"]),
+            Route("/tokenizer_info", t.tokenizer_info, methods=["GET"]),
+            Route("/version", self.version, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/workers", self.workers, methods=["GET"]),
+            Route("/metrics", self.prometheus, methods=["GET"]),
+            Route("/openapi.json", self.openapi, methods=["GET"]),
+        ]
 
     def app(self) -> Starlette:
         guards = Middleware(Guards, api_key=self.api_key, max_body_bytes=self.limits.max_body_bytes)
-        return Starlette(routes=self.routes(), middleware=[guards], lifespan=self.lifespan,
-                         exception_handlers={404: self._not_found, 405: self._not_allowed})
+        return Starlette(
+            routes=self.routes(),
+            middleware=[guards],
+            lifespan=self.lifespan,
+            exception_handlers={404: self._not_found, 405: self._not_allowed},
+        )
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
@@ -81,8 +98,20 @@ class Api:
 
     # -- simple routes -------------------------------------------------------------------------------------
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse({"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                                          "owned_by": "kvferry", "max_model_len": self.max_model_len}]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.model_name,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "kvferry",
+                        "max_model_len": self.max_model_len,
+                    }
+                ],
+            }
+        )
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": VERSION})
@@ -98,12 +127,20 @@ class Api:
     async def workers(self, request: Request) -> JSONResponse:
         core = self.core
         on = lambda w: sum(w.identity in (f.prefill_identity, f.decode_identity) for f in core.flights.values())
-        return JSONResponse({"workers": [{**w.as_json(), "requests_in_flight": on(w)}
-                                         for w in core.registry.workers.values()],
-                             "gateway": {"id": core.gateway_id, "protocol_errors": core.control.num_protocol_errors,
-                                         "duplicates_dropped": core.control.num_duplicates,
-                                         "requests_in_flight": len(core.flights), "requests_waiting": core.num_waiting(),
-                                         "moves": core.num_moves, "draining": core.draining}})
+        return JSONResponse(
+            {
+                "workers": [{**w.as_json(), "requests_in_flight": on(w)} for w in core.registry.workers.values()],
+                "gateway": {
+                    "id": core.gateway_id,
+                    "protocol_errors": core.control.num_protocol_errors,
+                    "duplicates_dropped": core.control.num_duplicates,
+                    "requests_in_flight": len(core.flights),
+                    "requests_waiting": core.num_waiting(),
+                    "moves": core.num_moves,
+                    "draining": core.draining,
+                },
+            }
+        )
 
     async def prometheus(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
@@ -131,21 +168,25 @@ class Api:
             return error_response(error, headers)
         if self.core.admission_full():
             # Refused at once, not queued until it times out: the client backs off and comes back.
-            error = ApiError(429, f"too many requests waiting ({self.core.max_waiting}); retry shortly",
-                             kind="rate_limit_error")
+            error = ApiError(
+                429, f"too many requests waiting ({self.core.max_waiting}); retry shortly", kind="rate_limit_error"
+            )
             trace.finish(429, error=error.message)
             return error_response(error, {**headers, "retry-after": "1"})
         try:
             body = await self.json_body(request)
             prompts = self.prompts(body, chat)
-            generations = [parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits)
-                           for ids in prompts]
+            generations = [
+                parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits) for ids in prompts
+            ]
             generation = generations[0]
             if len(prompts) == 1:
                 events = self.core.generate(prompts[0], generation.params, rid, ctx, generation.n)
             else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
-                streams = [self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
-                           for p, (ids, g) in enumerate(zip(prompts, generations))]
+                streams = [
+                    self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
+                    for p, (ids, g) in enumerate(zip(prompts, generations))
+                ]
                 events = fanout.merged(streams, await fanout.start(streams), generation.n)
             first = await events.__anext__()  # routing errors surface here, before any byte is sent
             trace.admitted(sum(len(ids) for ids in prompts), generation.n)
@@ -160,8 +201,11 @@ class Api:
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
         choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
         if generation.stream:
-            return StreamingResponse(self._stream(events, first, choices, shape, trace, generation),
-                                     media_type="text/event-stream", headers=headers)
+            return StreamingResponse(
+                self._stream(events, first, choices, shape, trace, generation),
+                media_type="text/event-stream",
+                headers=headers,
+            )
         return await self._whole(events, first, choices, shape, trace, generation, headers)
 
     def _trace_context(self, traceparent: str | None):
@@ -180,8 +224,13 @@ class Api:
             raise ApiError(400, "the body must be a JSON object")
         model = body.get("model")
         if model is not None and model != self.model_name:
-            raise ApiError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
-                           "model", "model_not_found", kind="not_found_error")
+            raise ApiError(
+                404,
+                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                "model",
+                "model_not_found",
+                kind="not_found_error",
+            )
         return body
 
     def prompts(self, body: dict, chat: bool) -> list[list[int]]:
@@ -196,8 +245,9 @@ class Api:
         elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or (is_ids(p) and p) for p in prompt):
             batch = prompt
         else:
-            raise ApiError(400, "'prompt' must be a string, a list of token ids, or a non-empty list of either",
-                           "prompt")
+            raise ApiError(
+                400, "'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt"
+            )
         if len(batch) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", "prompt")
         return [self._checked(self.tokenizer.encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]
@@ -248,12 +298,23 @@ class Api:
         event, kv_transfer_s = first, 0.0
         try:
             if shape.has_role_chunk:
-                yield sse(shape.chunk([shape.delta_choice(state.index, "", None, None, first_chunk=True)
-                                       for state in choices.states]))
+                yield sse(
+                    shape.chunk(
+                        [shape.delta_choice(state.index, "", None, None, first_chunk=True) for state in choices.states]
+                    )
+                )
             while True:
                 if event.error:
-                    yield sse({"error": {"message": event.error, "type": "server_error", "param": None,
-                                         "code": event.error_code}})
+                    yield sse(
+                        {
+                            "error": {
+                                "message": event.error,
+                                "type": "server_error",
+                                "param": None,
+                                "code": event.error_code,
+                            }
+                        }
+                    )
                     trace.finish(event.error_code, error=event.error)
                     break
                 kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)

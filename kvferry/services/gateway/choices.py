@@ -5,6 +5,7 @@ One ChoiceState per choice (`n`). Each event for a choice yields that choice's d
 reason when the choice ends. With echo the prompt comes first; with max_tokens 0 (prompt_only)
 the one token the workers generate is dropped and only the prompt is returned.
 """
+
 from dataclasses import dataclass, field
 
 from kvferry.services.gateway.detokenizer import IncrementalText
@@ -18,6 +19,7 @@ class Delta:
     reason: str | None
     logprobs: dict | None
     stopped: bool = False  # by a stop string here, while the workers would go on
+
 
 @dataclass
 class ChoiceState:
@@ -38,9 +40,16 @@ class Choices:
     def __init__(self, generations: list[Generation], tokenizer, token_text: TokenText, chat: bool):
         self.generation, self.tokenizer = generations[0], tokenizer  # what the prompts share
         builder = ChatLogprobs if chat else CompletionLogprobs
-        self.states = [ChoiceState(p * g.n + c, g, IncrementalText(tokenizer, g.stop),
-                                   builder(token_text) if g.logprobs is not None else None)
-                       for p, g in enumerate(generations) for c in range(g.n)]
+        self.states = [
+            ChoiceState(
+                p * g.n + c,
+                g,
+                IncrementalText(tokenizer, g.stop),
+                builder(token_text) if g.logprobs is not None else None,
+            )
+            for p, g in enumerate(generations)
+            for c in range(g.n)
+        ]
         self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
         self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
 
@@ -73,8 +82,11 @@ class Choices:
             text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
             if state.logprobs is not None:
                 prompt_logprobs = self.prompt_logprobs.get(id(g))
-                parts.append(state.logprobs.part([None, *prompt_logprobs[1:]] if prompt_logprobs
-                                                 else [None] * len(g.prompt_ids), g.prompt_ids))
+                parts.append(
+                    state.logprobs.part(
+                        [None, *prompt_logprobs[1:]] if prompt_logprobs else [None] * len(g.prompt_ids), g.prompt_ids
+                    )
+                )
         state.started = True
         if g.prompt_only:
             state.reason = "length"
@@ -96,6 +108,12 @@ class Choices:
         return Delta(text, state.reason, logprobs, stopped)
 
     def whole(self, shape) -> list[dict]:
-        return [shape.choice(s.index, "".join(s.pieces), s.reason,
-                             s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None)
-                for s in self.states]
+        return [
+            shape.choice(
+                s.index,
+                "".join(s.pieces),
+                s.reason,
+                s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None,
+            )
+            for s in self.states
+        ]

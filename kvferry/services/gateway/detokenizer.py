@@ -6,8 +6,8 @@ class IncrementalText:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.token_ids: list[int] = []
-        self.text = ""       # decoded so far, up to a stop string if one was hit
-        self.emitted = 0     # characters already handed out
+        self.text = ""  # decoded so far, up to a stop string if one was hit
+        self.emitted = 0  # characters already handed out
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
@@ -18,7 +18,7 @@ class IncrementalText:
         start = max(0, self.emitted - max((len(s) for s in self.stop), default=0))
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            text, self.stopped = text[:min(hits)], True
+            text, self.stopped = text[: min(hits)], True
         self.text = text
         # Hold back what may still change: a partial UTF-8 character, or the start of a stop string.
         safe = len(text) if self.stopped else len(text.rstrip("\ufffd"))
@@ -28,12 +28,12 @@ class IncrementalText:
                     if text[:safe].endswith(s[:k]):
                         safe = min(safe, len(text[:safe]) - k)
                         break
-        delta = text[self.emitted:safe] if safe > self.emitted else ""
+        delta = text[self.emitted : safe] if safe > self.emitted else ""
         self.emitted = max(self.emitted, safe)
         return delta
 
     def flush(self) -> str:
         """At the end, whatever was held back."""
-        delta = self.text[self.emitted:]
+        delta = self.text[self.emitted :]
         self.emitted = len(self.text)
         return delta

@@ -3,6 +3,7 @@
 Prompt p flies as <request id>/p<p>, and its choice c becomes choice p * n + c. Closing the merged
 stream closes every flight, which aborts whatever is still running on the workers.
 """
+
 import asyncio
 
 from kvferry.services.gateway.flight import Event

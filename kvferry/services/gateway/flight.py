@@ -6,6 +6,7 @@ choice's output, so the flight delivers every token exactly once and in order, h
 comes early, and notices a gap. When a worker fails, the flight knows what was delivered, which
 is what a new attempt resumes from.
 """
+
 import asyncio
 import time
 from dataclasses import dataclass, field
@@ -21,12 +22,12 @@ class Event:
     finish_reason: FinishReason | None = None
     error: str | None = None
     error_code: int = 500
-    queue_s: float = 0.0          # on the first token: time queued and computing on the prefill worker
+    queue_s: float = 0.0  # on the first token: time queued and computing on the prefill worker
     prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0    # on the first decode tokens: the KV hop
+    kv_transfer_s: float = 0.0  # on the first decode tokens: the KV hop
     kv_transfer_bytes: int = 0
     choice: int = 0
-    logprobs: list = field(default_factory=list)         # p.Logprob per token, when asked for
+    logprobs: list = field(default_factory=list)  # p.Logprob per token, when asked for
     prompt_logprobs: list = field(default_factory=list)  # with the first token, when asked for (echo)
     # Where the tokens start in their choice's output, and which attempt sent them.
     start: int = 0
@@ -38,6 +39,7 @@ class Event:
 @dataclass
 class Lost:
     """Something went wrong on the workers' side; the request moves to other workers, or fails."""
+
     reason: str
     attempt: int
 
@@ -54,12 +56,12 @@ class Flight:
     decode_identity: bytes = b""
     prefill_worker_id: str = ""
     pending_prefill_tokens: int = 0  # prompt tokens this attempt added to its prefill worker's queue, until prefilled
-    outputs: list[list[int]] = field(default_factory=list)   # delivered tokens, per choice
+    outputs: list[list[int]] = field(default_factory=list)  # delivered tokens, per choice
     finished: list[bool] = field(default_factory=list)
     early: dict[tuple[int, int], Event] = field(default_factory=dict)  # (choice, start) -> held back
-    early_since: float = 0.0     # monotonic time the oldest held-back event arrived
+    early_since: float = 0.0  # monotonic time the oldest held-back event arrived
     got_first_token: bool = False  # in this attempt
-    decode_started: bool = False   # this attempt's KV landed: tokens came from the decode worker
+    decode_started: bool = False  # this attempt's KV landed: tokens came from the decode worker
     last_progress: float = field(default_factory=time.monotonic)
     num_moves: int = 0
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)

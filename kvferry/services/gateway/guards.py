@@ -4,6 +4,7 @@ With an API key, every route but an allow-list (/health, /metrics, /version, /op
 `Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. A body over
 the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one.
 """
+
 import hmac
 import json
 
@@ -28,13 +29,14 @@ class Guards:
         path = scope["path"]
         root = scope.get("root_path", "")
         if root and path.startswith(root):
-            path = path[len(root):]
+            path = path[len(root) :]
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.api_key):
                 what = "missing" if not given else "incorrect"
-                return await self._reply(send, *_error(401, f"API key {what}: send 'Authorization: Bearer <key>'",
-                                                       "invalid_api_key"))
+                return await self._reply(
+                    send, *_error(401, f"API key {what}: send 'Authorization: Bearer <key>'", "invalid_api_key")
+                )
         length = headers.get(b"content-length")
         too_big = _error(413, f"the request body exceeds {self.max_body_bytes} bytes", "request_too_large")
         if length is not None:
@@ -68,6 +70,11 @@ class Guards:
 
     @staticmethod
     async def _reply(send, status: int, body: bytes) -> None:
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

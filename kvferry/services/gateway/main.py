@@ -3,6 +3,7 @@
 On SIGTERM it drains: new requests and /health get 503 (a load balancer stops sending), the requests
 in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctrl-C, stops at once.
 """
+
 import asyncio
 import logging
 import signal
@@ -55,18 +56,35 @@ def run_gateway(args) -> None:
     # Bound before the model loads: a taken port fails at once, naming the setting.
     http_socket = listen_tcp(args.host, args.port, "--port (KVFERRY_PORT)")
     name = served_model_name(args.model)
-    deadlines = Deadlines(first_token_s=args.first_token_timeout, step_s=args.step_timeout,
-                          request_s=args.request_timeout, max_moves=args.max_moves)
-    core = GatewayCore(args.control, name, args.block_size, args.heartbeat_interval, deadlines, args.max_waiting,
-                       CurveKeys.load(args.curve_keys))  # binds --control: before the tokenizer loads, too
+    deadlines = Deadlines(
+        first_token_s=args.first_token_timeout,
+        step_s=args.step_timeout,
+        request_s=args.request_timeout,
+        max_moves=args.max_moves,
+    )
+    core = GatewayCore(
+        args.control,
+        name,
+        args.block_size,
+        args.heartbeat_interval,
+        deadlines,
+        args.max_waiting,
+        CurveKeys.load(args.curve_keys),
+    )  # binds --control: before the tokenizer loads, too
     model_dir = resolve_model(args.model)
     hf_config = AutoConfig.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    limits = Limits(max_body_bytes=args.max_body_size, max_n=args.max_n, max_tokens=args.max_tokens_limit,
-                    max_stop=args.max_stop, max_prompts=args.max_prompts)
+    limits = Limits(
+        max_body_bytes=args.max_body_size,
+        max_n=args.max_n,
+        max_tokens=args.max_tokens_limit,
+        max_stop=args.max_stop,
+        max_prompts=args.max_prompts,
+    )
     api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
-    config = uvicorn.Config(api.app(), host=args.host, port=args.port, log_level="warning", log_config=None,
-                            timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        api.app(), host=args.host, port=args.port, log_level="warning", log_config=None, timeout_graceful_shutdown=5
+    )
     DrainingServer(config, core, args.drain_timeout).run(sockets=[http_socket])

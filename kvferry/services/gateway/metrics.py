@@ -4,13 +4,35 @@ Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_firs
 Worker figures are read from the registry at scrape time, so a worker that leaves leaves the
 output with it.
 """
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvferry.common import protocol as p
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0, 640.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+)
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
 disable_created_metrics()  # no `_created` series beside each counter and histogram (vLLM does the same)
@@ -24,16 +46,24 @@ class WorkerFigures:
 
     def collect(self):
         workers = list(self.core.registry.workers.values())
-        gauges = {name: GaugeMetricFamily(f"kvferry:{name}", doc, labels=["worker", "role"]) for name, doc in (
-            ("num_requests_running", "Requests in a worker's running batch."),
-            ("num_requests_waiting", "Requests queued on a worker."),
-            ("queued_prompt_tokens", "Prompt tokens routed to a worker and not yet computed (what prefill "
-                                     "autoscaling reads)."),
-            ("kv_cache_usage_perc", "Fraction of a worker's KV cache blocks in use (0 to 1)."))}
-        preemptions = CounterMetricFamily("kvferry:num_preemptions", "Sequences preempted by a worker.",
-                                          labels=["worker", "role"])
-        errors = CounterMetricFamily("kvferry:protocol_errors", "Messages that broke the wire protocol.",
-                                     labels=["process"])
+        gauges = {
+            name: GaugeMetricFamily(f"kvferry:{name}", doc, labels=["worker", "role"])
+            for name, doc in (
+                ("num_requests_running", "Requests in a worker's running batch."),
+                ("num_requests_waiting", "Requests queued on a worker."),
+                (
+                    "queued_prompt_tokens",
+                    "Prompt tokens routed to a worker and not yet computed (what prefill autoscaling reads).",
+                ),
+                ("kv_cache_usage_perc", "Fraction of a worker's KV cache blocks in use (0 to 1)."),
+            )
+        }
+        preemptions = CounterMetricFamily(
+            "kvferry:num_preemptions", "Sequences preempted by a worker.", labels=["worker", "role"]
+        )
+        errors = CounterMetricFamily(
+            "kvferry:protocol_errors", "Messages that broke the wire protocol.", labels=["process"]
+        )
         errors.add_metric(["gateway"], self.core.control.num_protocol_errors)
         for w in workers:
             labels = [w.worker_id, p.Role(w.role).name.lower()]
@@ -52,8 +82,10 @@ class WorkerFigures:
             live.add_metric([role.name.lower()], sum(1 for w in workers if w.role == role))
         in_flight = GaugeMetricFamily("kvferry:gateway_requests_in_flight", "Requests the gateway is serving.")
         in_flight.add_metric([], len(self.core.flights))
-        waiting = GaugeMetricFamily("kvferry:gateway_requests_waiting",
-                                    "Requests routed but without their first token (bounded by --max-waiting).")
+        waiting = GaugeMetricFamily(
+            "kvferry:gateway_requests_waiting",
+            "Requests routed but without their first token (bounded by --max-waiting).",
+        )
         waiting.add_metric([], self.core.num_waiting())
         moves = CounterMetricFamily("kvferry:request_moves", "Requests moved to other workers after a failure.")
         moves.add_metric([], self.core.num_moves)
@@ -67,13 +99,14 @@ class GatewayMetrics:
     def __init__(self, core):
         self.registry = registry = CollectorRegistry()
         registry.register(WorkerFigures(core))
-        self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.",
-                                     registry=registry)
+        self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.", registry=registry)
         self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
-        self.request_success = Counter("kvferry:request_success", "Requests finished, by finish reason.",
-                                       ["finished_reason"], registry=registry)
-        self.request_errors = Counter("kvferry:request_errors", "Requests that ended in an error, by HTTP status.",
-                                      ["code"], registry=registry)
+        self.request_success = Counter(
+            "kvferry:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=registry
+        )
+        self.request_errors = Counter(
+            "kvferry:request_errors", "Requests that ended in an error, by HTTP status.", ["code"], registry=registry
+        )
 
         def histogram(name, doc, buckets):
             return Histogram(f"kvferry:{name}", doc, buckets=buckets, registry=registry)

@@ -2,6 +2,7 @@
 
 Pure Python: it is told about registrations, heartbeats and the time, and answers questions.
 """
+
 import time
 from dataclasses import dataclass, field
 
@@ -44,17 +45,32 @@ class WorkerInfo:
 
     def as_json(self) -> dict:
         s = self.stats
-        return {"id": self.worker_id, "role": self.role.name.lower(), "model": self.model, "dtype": self.dtype,
-                "quantization": self.quantization,
-                "block_size": self.block_size, "num_blocks": self.num_blocks, "kv_address": self.kv_address,
-                "free_blocks": s.num_free_blocks, "running": s.num_running, "waiting": s.num_waiting,
-                "queued_prompt_tokens": self.num_queued_prompt_tokens,
-                "preemptions": s.num_preemptions, "protocol_errors": s.num_protocol_errors,
-                "prompts_prefilled": s.num_prompts_prefilled, "prompt_tokens_computed": s.num_prompt_tokens_computed,
-                "prompt_tokens_cached": s.num_prompt_tokens_cached, "cached_blocks": s.num_cached_blocks,
-                "kv_bytes_sent": s.num_kv_bytes_sent, "kv_bytes_skipped": s.num_kv_bytes_skipped,
-                "kv_bytes_sent_early": s.num_kv_bytes_sent_early,
-                "requests_served": self.num_served, "draining": self.draining, "last_seen_s_ago": round(time.time() - self.last_seen, 3)}
+        return {
+            "id": self.worker_id,
+            "role": self.role.name.lower(),
+            "model": self.model,
+            "dtype": self.dtype,
+            "quantization": self.quantization,
+            "block_size": self.block_size,
+            "num_blocks": self.num_blocks,
+            "kv_address": self.kv_address,
+            "free_blocks": s.num_free_blocks,
+            "running": s.num_running,
+            "waiting": s.num_waiting,
+            "queued_prompt_tokens": self.num_queued_prompt_tokens,
+            "preemptions": s.num_preemptions,
+            "protocol_errors": s.num_protocol_errors,
+            "prompts_prefilled": s.num_prompts_prefilled,
+            "prompt_tokens_computed": s.num_prompt_tokens_computed,
+            "prompt_tokens_cached": s.num_prompt_tokens_cached,
+            "cached_blocks": s.num_cached_blocks,
+            "kv_bytes_sent": s.num_kv_bytes_sent,
+            "kv_bytes_skipped": s.num_kv_bytes_skipped,
+            "kv_bytes_sent_early": s.num_kv_bytes_sent_early,
+            "requests_served": self.num_served,
+            "draining": self.draining,
+            "last_seen_s_ago": round(time.time() - self.last_seen, 3),
+        }
 
 
 @dataclass
@@ -72,20 +88,33 @@ class Registry:
         except ValueError:
             return f"unknown role {msg.role}"
         for what, setting, expected, got in (
-                ("model", "model", self.expected_model, msg.model),
-                ("block size", "block-size", self.expected_block_size, msg.block_size),
-                ("dtype", "dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
-                ("quantization", "quantization", self._live("quantization"), msg.quantization)):
+            ("model", "model", self.expected_model, msg.model),
+            ("block size", "block-size", self.expected_block_size, msg.block_size),
+            ("dtype", "dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
+            ("quantization", "quantization", self._live("quantization"), msg.quantization),
+        ):
             if expected is not None and expected != got:
                 env = "KVFERRY_" + setting.upper().replace("-", "_")
-                return (f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}; give every "
-                        f"gateway and worker (every pod) the same --{setting} ({env})")
+                return (
+                    f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}; give every "
+                    f"gateway and worker (every pod) the same --{setting} ({env})"
+                )
         if role == p.Role.DECODE and not msg.kv_address:
             return "a decode worker must give its KV ingress address"
-        self.workers[msg.worker_id] = WorkerInfo(msg.worker_id, role, identity, msg.model, msg.dtype, msg.block_size,
-                                                 msg.num_blocks, msg.max_model_len, msg.kv_address,
-                                                 p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0), now,
-                                                 quantization=msg.quantization)
+        self.workers[msg.worker_id] = WorkerInfo(
+            msg.worker_id,
+            role,
+            identity,
+            msg.model,
+            msg.dtype,
+            msg.block_size,
+            msg.num_blocks,
+            msg.max_model_len,
+            msg.kv_address,
+            p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0),
+            now,
+            quantization=msg.quantization,
+        )
         return None
 
     def _live(self, attr: str) -> str | None:
@@ -143,11 +172,13 @@ class Registry:
     def pick_decode(self) -> WorkerInfo | None:
         """The decode worker with the most free KV blocks, then the fewest running sequences."""
         candidates = self.routable(p.Role.DECODE)
-        return min(candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served),
-                   default=None)
+        return min(
+            candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served), default=None
+        )
 
-    def assign(self, prefill: WorkerInfo, decode: WorkerInfo, num_prompt_tokens: int, num_blocks: int,
-               hashes: list[bytes] = ()) -> None:
+    def assign(
+        self, prefill: WorkerInfo, decode: WorkerInfo, num_prompt_tokens: int, num_blocks: int, hashes: list[bytes] = ()
+    ) -> None:
         """Count a routed request against both workers until their next heartbeat reports it. The prompt's blocks
         count as cached on the prefill worker at once: a burst sharing a prefix follows the first of it there."""
         prefill.pending_prompt_tokens += num_prompt_tokens

@@ -4,27 +4,61 @@ Every field is checked, and every error names its field (`param`) as OpenAI's do
 does not know, or knows but does not honour, is refused: a client that asked for it would read a
 wrong answer otherwise.
 """
+
 import math
 from dataclasses import dataclass
 
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import MAX_LOGPROBS, SamplingParams
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
-          "frequency_penalty", "logit_bias", "seed", "user",
-          # vLLM's extra sampling parameters
-          "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids", "ignore_eos"}
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "seed",
+    "user",
+    # vLLM's extra sampling parameters
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "stop_token_ids",
+    "ignore_eos",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls", "response_format"}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "response_format",
+}
 # Known, not honoured: accepted only with the value that asks for nothing.
-NEUTRAL = {"best_of": (None, 1), "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none"),
-           "parallel_tool_calls": (None, True, False), "response_format": (None, {"type": "text"})}
+NEUTRAL = {
+    "best_of": (None, 1),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 @dataclass
 class Limits:
     """What one request may ask for; each is a gateway flag."""
+
     max_body_bytes: int = 8 * 2**20
     max_n: int = 16
     max_tokens: int = 16384
@@ -40,14 +74,20 @@ class Generation:
     stream: bool
     include_usage: bool
     n: int = 1
-    echo: bool = False          # completions: the prompt comes first, in text and in logprobs
+    echo: bool = False  # completions: the prompt comes first, in text and in logprobs
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
-    prompt_only: bool = False   # echo with max_tokens 0: the prompt and its logprobs, nothing generated
+    prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, nothing generated
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
 
@@ -77,14 +117,19 @@ def check_fields(body: dict, chat: bool) -> None:
             raise ApiError(400, f"'{name}' is not supported", name)
 
 
-def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_len: int, vocab_size: int,
-                     limits: Limits) -> Generation:
+def parse_generation(
+    body: dict, chat: bool, prompt_ids: list[int], max_model_len: int, vocab_size: int, limits: Limits
+) -> Generation:
     check_fields(body, chat)
     num_prompt = len(prompt_ids)
     if num_prompt >= max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-                            f"has {num_prompt} tokens, leaving none to generate.", "messages" if chat else "prompt",
-                       "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+            f"has {num_prompt} tokens, leaving none to generate.",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
     echo = not chat and field(body, "echo", (bool,), False)
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     lowest = 0 if echo else 1  # max_tokens 0 with echo: the prompt's logprobs alone (lm-evaluation-harness)
@@ -92,9 +137,14 @@ def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_le
     if max_tokens is None:
         max_tokens = min(max_model_len - num_prompt, limits.max_tokens) if chat else 16
     if num_prompt + max_tokens > max_model_len:
-        raise ApiError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-                            f"{max_tokens} for the completion).", name, "context_length_exceeded")
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+            f"{max_tokens} for the completion).",
+            name,
+            "context_length_exceeded",
+        )
     if max_tokens > limits.max_tokens:
         raise ApiError(400, f"'{name}' may be at most {limits.max_tokens} on this server", name)
     n = field(body, "n", (int,), 1, lambda v: 1 <= v <= limits.max_n, f"an integer from 1 to {limits.max_n}")
@@ -111,24 +161,39 @@ def parse_generation(body: dict, chat: bool, prompt_ids: list[int], max_model_le
     logprobs = _logprobs(body, chat)
     try:
         params = SamplingParams(
-            max_tokens=max(1, max_tokens), temperature=field(body, "temperature", (int, float), 1.0),
-            top_p=field(body, "top_p", (int, float), 1.0), top_k=field(body, "top_k", (int,), 0),
-            seed=field(body, "seed", (int,), None), ignore_eos=field(body, "ignore_eos", (bool,), False),
+            max_tokens=max(1, max_tokens),
+            temperature=field(body, "temperature", (int, float), 1.0),
+            top_p=field(body, "top_p", (int, float), 1.0),
+            top_k=field(body, "top_k", (int,), 0),
+            seed=field(body, "seed", (int,), None),
+            ignore_eos=field(body, "ignore_eos", (bool,), False),
             stop_token_ids=tuple(_token_ids(body, "stop_token_ids", vocab_size)),
             presence_penalty=field(body, "presence_penalty", (int, float), 0.0),
             frequency_penalty=field(body, "frequency_penalty", (int, float), 0.0),
             repetition_penalty=field(body, "repetition_penalty", (int, float), 1.0),
-            min_p=field(body, "min_p", (int, float), 0.0), min_tokens=field(body, "min_tokens", (int,), 0),
-            logit_bias=_logit_bias(body, vocab_size), logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None)
+            min_p=field(body, "min_p", (int, float), 0.0),
+            min_tokens=field(body, "min_tokens", (int,), 0),
+            logit_bias=_logit_bias(body, vocab_size),
+            logprobs=logprobs,
+            prompt_logprobs=logprobs if echo else None,
+        )
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
-    return Generation(prompt_ids, params, stop or [], stream, bool(options.get("include_usage")), n, echo, logprobs,
-                      prompt_only=echo and max_tokens == 0)
+    return Generation(
+        prompt_ids,
+        params,
+        stop or [],
+        stream,
+        bool(options.get("include_usage")),
+        n,
+        echo,
+        logprobs,
+        prompt_only=echo and max_tokens == 0,
+    )
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
-    in_range = (lambda v: 0 <= v <= MAX_LOGPROBS)
+    in_range = lambda v: 0 <= v <= MAX_LOGPROBS
     if not chat:
         return field(body, "logprobs", (int,), None, in_range, f"an integer from 0 to {MAX_LOGPROBS}")
     wanted = field(body, "logprobs", (bool,), False)

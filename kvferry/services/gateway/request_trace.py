@@ -4,6 +4,7 @@ The API calls it as the request moves: each event from the workers, each detoken
 finish. It turns that into the Prometheus histograms and counters and, with tracing on, into
 the request's `http`, `detokenize` and `finish` spans.
 """
+
 import logging
 import time
 
@@ -29,8 +30,15 @@ class RequestTrace:
         self.num_prompt, self.n = num_prompt, n
         self.metrics.prompt_tokens.inc(num_prompt)
         if self.tracer.enabled:
-            self.tracer.span("arrival", self.arrived_at, self.arrived_at, self.request_id, tracing.child_of(self.ctx),
-                             path=self.path, prompt_tokens=num_prompt)
+            self.tracer.span(
+                "arrival",
+                self.arrived_at,
+                self.arrived_at,
+                self.request_id,
+                tracing.child_of(self.ctx),
+                path=self.path,
+                prompt_tokens=num_prompt,
+            )
 
     def tokens(self, event) -> None:
         """A worker's event with tokens arrived."""
@@ -57,8 +65,9 @@ class RequestTrace:
 
     def detokenized(self, started: float, num_tokens: int) -> None:
         if self.tracer.enabled:
-            self.tracer.span("detokenize", started, time.time(), self.request_id, tracing.child_of(self.ctx),
-                             num_tokens=num_tokens)
+            self.tracer.span(
+                "detokenize", started, time.time(), self.request_id, tracing.child_of(self.ctx), num_tokens=num_tokens
+            )
 
     def finish(self, status: int, reason: str | None = None, error: str | None = None) -> None:
         """The response is complete (reason; with n choices, theirs joined by commas), failed (error), or the client
@@ -76,8 +85,14 @@ class RequestTrace:
             self.metrics.request_errors.labels(str(status)).inc()
             log.warning("request failed (%d): %s", status, error)
         if self.tracer.enabled:
-            attrs = {"path": self.path, "status": status, "prompt_tokens": self.num_prompt,
-                     "completion_tokens": self.num_out, "finish_reason": reason or "", "error": error or ""}
+            attrs = {
+                "path": self.path,
+                "status": status,
+                "prompt_tokens": self.num_prompt,
+                "completion_tokens": self.num_out,
+                "finish_reason": reason or "",
+                "error": error or "",
+            }
             # http first: a reader that sees `finish` in a file then sees the http span too.
             self.tracer.span("http", self.arrived_at, now, self.request_id, self.ctx, **attrs)
             self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)

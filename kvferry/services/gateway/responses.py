@@ -1,4 +1,5 @@
 """The OpenAI response shapes: completion and chat, whole or streamed, with usage and logprobs."""
+
 import json
 import time
 
@@ -9,8 +10,9 @@ FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", Finish
 
 def text_of(content):
     """Chat content as text: a string, or the text parts of a list of content parts."""
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
         return "".join(part["text"] for part in content)
     return content
 
@@ -37,8 +39,9 @@ class CompletionShape:
     def choice(self, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
-    def delta_choice(self, index: int, text: str, reason: str | None, logprobs: dict | None,
-                     first_chunk: bool = False) -> dict:
+    def delta_choice(
+        self, index: int, text: str, reason: str | None, logprobs: dict | None, first_chunk: bool = False
+    ) -> dict:
         return self.choice(index, text, reason, logprobs)
 
     def whole(self, choices: list[dict], use: dict) -> dict:
@@ -56,8 +59,12 @@ class ChatShape(CompletionShape):
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
     def choice(self, index, text, reason, logprobs):
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": reason}
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs,
+            "finish_reason": reason,
+        }
 
     def delta_choice(self, index, text, reason, logprobs, first_chunk=False):
         piece = {"role": "assistant", "content": ""} if first_chunk else ({"content": text} if text else {})
@@ -105,8 +112,10 @@ class CompletionLogprobs:
 
     @staticmethod
     def join(parts: list[dict]) -> dict:
-        return {key: [v for part in parts for v in part[key]] for key in
-                ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+        return {
+            key: [v for part in parts for v in part[key]]
+            for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")
+        }
 
 
 class ChatLogprobs:
@@ -118,9 +127,15 @@ class ChatLogprobs:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def part(self, entries: list, token_ids: list[int]) -> dict:
-        return {"content": [{**self._one(entry.token_id, entry.logprob),
-                             "top_logprobs": [self._one(i, v) for i, v in zip(entry.top_ids, entry.top_logprobs)]}
-                            for entry in entries]}
+        return {
+            "content": [
+                {
+                    **self._one(entry.token_id, entry.logprob),
+                    "top_logprobs": [self._one(i, v) for i, v in zip(entry.top_ids, entry.top_logprobs)],
+                }
+                for entry in entries
+            ]
+        }
 
     @staticmethod
     def join(parts: list[dict]) -> dict:

@@ -8,6 +8,7 @@ Every wait is bounded. A request whose worker dies, stalls, loses a message or g
 other workers (a new attempt that prefills the prompt plus the tokens already delivered, so the
 stream continues where it stopped), at most `max_moves` times; then it fails with a clear error.
 """
+
 import asyncio
 import logging
 import time
@@ -18,9 +19,9 @@ import zmq
 import zmq.asyncio
 
 from kvferry.common import protocol as p
-from kvferry.common.block_hash import block_hashes
 from kvferry.common import tracing
 from kvferry.common.bind_check import bind_zmq, warn_if_exposed
+from kvferry.common.block_hash import block_hashes
 from kvferry.common.curve import CurveKeys
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
@@ -40,17 +41,26 @@ class NoWorkers(Exception):
 @dataclass
 class Deadlines:
     """How long a request may wait for each thing, and how often it may move. Defaults suit a CPU."""
+
     first_token_s: float = 120.0  # routed -> first token: queueing plus prefill
-    step_s: float = 30.0          # between a decoding request's token messages
-    gap_s: float = 2.0            # tokens held back for a message that has not come
-    no_workers_s: float = 10.0    # a request that must move waits this long for a live worker
-    request_s: float = 600.0      # end to end
-    max_moves: int = 3            # moves to other workers before the request fails
+    step_s: float = 30.0  # between a decoding request's token messages
+    gap_s: float = 2.0  # tokens held back for a message that has not come
+    no_workers_s: float = 10.0  # a request that must move waits this long for a live worker
+    request_s: float = 600.0  # end to end
+    max_moves: int = 3  # moves to other workers before the request fails
 
 
 class GatewayCore:
-    def __init__(self, control_address: str, model_name: str, block_size: int, heartbeat_interval_s: float = 1.0,
-                 deadlines: Deadlines | None = None, max_waiting: int = 0, curve: CurveKeys | None = None):
+    def __init__(
+        self,
+        control_address: str,
+        model_name: str,
+        block_size: int,
+        heartbeat_interval_s: float = 1.0,
+        deadlines: Deadlines | None = None,
+        max_waiting: int = 0,
+        curve: CurveKeys | None = None,
+    ):
         self.ctx = zmq.asyncio.Context.instance()
         self.auth = curve.authenticator(self.ctx) if curve else None
         sock = self.ctx.socket(zmq.ROUTER)
@@ -117,15 +127,21 @@ class GatewayCore:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
                 log.info("worker %s joined as %s", msg.worker_id, p.Role(msg.role).name.lower())
-            await self._send(p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s,
-                                             self.gateway_id), peer, parent=env.trace)
+            await self._send(
+                p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s, self.gateway_id),
+                peer,
+                parent=env.trace,
+            )
         elif isinstance(msg, p.Heartbeat):
             if not msg.healthy and msg.worker_id in self.registry.workers:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
-                await self._send(p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s,
-                                                 self.gateway_id), peer, parent=env.trace)
+                await self._send(
+                    p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s, self.gateway_id),
+                    peer,
+                    parent=env.trace,
+                )
         elif isinstance(msg, p.CacheUpdate):
             worker = self.registry.workers.get(msg.worker_id)
             if worker is not None and worker.identity == peer:
@@ -154,15 +170,35 @@ class GatewayCore:
         if isinstance(msg, p.RequestFailed):
             return Event(error=msg.message, error_code=msg.code, retry=msg.retry, attempt=msg.attempt)
         if msg.finish_reason >= len(FinishReason) or not 0 <= msg.choice < flight.n or msg.start < 0:
-            return Event(error=f"a worker sent finish reason {msg.finish_reason}, choice {msg.choice} and start "
-                               f"{msg.start} for a request with {flight.n} choices", attempt=msg.attempt)
+            return Event(
+                error=f"a worker sent finish reason {msg.finish_reason}, choice {msg.choice} and start "
+                f"{msg.start} for a request with {flight.n} choices",
+                attempt=msg.attempt,
+            )
         reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
         if isinstance(msg, p.FirstToken):
-            return Event([msg.token_id], reason, queue_s=msg.queue_s, prefill_s=msg.prefill_s, choice=msg.choice,
-                         logprobs=msg.logprobs, prompt_logprobs=msg.prompt_logprobs, start=msg.start,
-                         attempt=msg.attempt)
-        return Event(msg.token_ids, reason, kv_transfer_s=msg.kv_transfer_s, kv_transfer_bytes=msg.kv_transfer_bytes,
-                     choice=msg.choice, logprobs=msg.logprobs, start=msg.start, attempt=msg.attempt, from_decode=True)
+            return Event(
+                [msg.token_id],
+                reason,
+                queue_s=msg.queue_s,
+                prefill_s=msg.prefill_s,
+                choice=msg.choice,
+                logprobs=msg.logprobs,
+                prompt_logprobs=msg.prompt_logprobs,
+                start=msg.start,
+                attempt=msg.attempt,
+            )
+        return Event(
+            msg.token_ids,
+            reason,
+            kv_transfer_s=msg.kv_transfer_s,
+            kv_transfer_bytes=msg.kv_transfer_bytes,
+            choice=msg.choice,
+            logprobs=msg.logprobs,
+            start=msg.start,
+            attempt=msg.attempt,
+            from_decode=True,
+        )
 
     async def _abort_unknown(self, peer: bytes, rid: str, attempt: int, trace) -> None:
         """A worker works on something this gateway no longer wants (its Abort was lost, or the request moved):
@@ -189,8 +225,14 @@ class GatewayCore:
                 self._lose_worker(worker, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       trace: p.TraceContext | None = None, n: int = 1):
+    async def generate(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        trace: p.TraceContext | None = None,
+        n: int = 1,
+    ):
         """Route one request and yield its Events, in order and each token once, until it finishes or fails.
         Raises NoWorkers when it cannot be routed at all. trace: the request's own span (the HTTP request's);
         the messages it causes are its children."""
@@ -227,19 +269,27 @@ class GatewayCore:
         """The flight's next message, or Lost when the wait for it runs past its bound."""
         d, now = self.deadlines, time.monotonic()
         if now >= deadline:
-            return Event(error=f"the request took longer than {d.request_s:.0f} s", error_code=504,
-                         attempt=flight.attempt)
+            return Event(
+                error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt
+            )
         limit, what = (d.step_s, "a decode step") if flight.got_first_token else (d.first_token_s, "the first token")
-        waits = [(flight.last_progress + limit - now, f"no word for {limit:.0f} s waiting for {what}"),
-                 (deadline - now, "")]
+        waits = [
+            (flight.last_progress + limit - now, f"no word for {limit:.0f} s waiting for {what}"),
+            (deadline - now, ""),
+        ]
         if flight.early:
             waits.append((flight.early_since + d.gap_s - now, f"a message was lost (tokens waited {d.gap_s:.0f} s)"))
         timeout, reason = min(waits)
         try:
             return await asyncio.wait_for(flight.queue.get(), max(0.0, timeout))
-        except asyncio.TimeoutError:
-            return Lost(reason, flight.attempt) if reason else Event(
-                error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt)
+        except TimeoutError:
+            return (
+                Lost(reason, flight.attempt)
+                if reason
+                else Event(
+                    error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt
+                )
+            )
 
     async def _dispatch(self, flight: Flight) -> bool:
         """Route the flight's current attempt to a prefill and a decode worker; False if none are live or the
@@ -255,12 +305,21 @@ class GatewayCore:
         if flight.attempt:
             params.prompt_logprobs = None  # given with the first attempt's first token
         flight.pending_prefill_tokens = len(tokens) - num_cached_blocks * prefill.block_size
-        self.registry.assign(prefill, decode, flight.pending_prefill_tokens, -(-len(tokens) // decode.block_size),
-                             hashes)
+        self.registry.assign(
+            prefill, decode, flight.pending_prefill_tokens, -(-len(tokens) // decode.block_size), hashes
+        )
         flight.prefill_identity, flight.decode_identity = prefill.identity, decode.identity
         flight.prefill_worker_id = prefill.worker_id
-        request = p.PrefillRequest(flight.prompt_token_ids, params, decode.worker_id, decode.kv_address,
-                                   time.time() + self.deadlines.request_s, flight.n, flight.attempt, resume)
+        request = p.PrefillRequest(
+            flight.prompt_token_ids,
+            params,
+            decode.worker_id,
+            decode.kv_address,
+            time.time() + self.deadlines.request_s,
+            flight.n,
+            flight.attempt,
+            resume,
+        )
         return await self._send(request, prefill.identity, flight.request_id, flight.trace)
 
     async def _move(self, flight: Flight, reason: str) -> Event | None:
@@ -272,14 +331,22 @@ class GatewayCore:
         await self.abort(flight)  # the old attempt, wherever it still runs
         flight.next_attempt()
         self.num_moves += 1
-        log.warning("moving request %s (attempt %d, %d tokens delivered): %s", flight.request_id, flight.attempt,
-                    sum(map(len, flight.outputs)), reason, extra={"request_id": flight.request_id})
+        log.warning(
+            "moving request %s (attempt %d, %d tokens delivered): %s",
+            flight.request_id,
+            flight.attempt,
+            sum(map(len, flight.outputs)),
+            reason,
+            extra={"request_id": flight.request_id},
+        )
         give_up_at = time.monotonic() + self.deadlines.no_workers_s
         while not await self._dispatch(flight):
             if time.monotonic() >= give_up_at:
-                return Event(error=f"{reason}; no live workers to move the request to within "
-                                   f"{self.deadlines.no_workers_s:.0f} s ({self.missing() or 'sends failed'})",
-                             error_code=503)
+                return Event(
+                    error=f"{reason}; no live workers to move the request to within "
+                    f"{self.deadlines.no_workers_s:.0f} s ({self.missing() or 'sends failed'})",
+                    error_code=503,
+                )
             await asyncio.sleep(0.1)
         return None
 

@@ -3,6 +3,7 @@
 lm-evaluation-harness's `local-completions` finds these and then tokenizes through the server
 instead of downloading the tokenizer.
 """
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
@@ -17,13 +18,19 @@ class TokenizerRoutes:
     def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
         if isinstance(messages, list):
             messages = [dict(m, content=text_of(m.get("content"))) if isinstance(m, dict) else m for m in messages]
-        if not isinstance(messages, list) or not messages or not all(
+        if (
+            not isinstance(messages, list)
+            or not messages
+            or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages):
+                for m in messages
+            )
+        ):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} with text content", "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                                     return_dict=False)
+            ids = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
+            )
         except Exception as exc:  # a template that rejects the conversation
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         return list(ids)
@@ -40,15 +47,17 @@ class TokenizerRoutes:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", (bool,), True))
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        return JSONResponse({"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids,
-                             "token_strs": None})
+        return JSONResponse(
+            {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids, "token_strs": None}
+        )
 
     async def detokenize(self, request: Request) -> JSONResponse:
         try:
             body = await self.api.json_body(request)
             tokens = body.get("tokens")
-            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                       and 0 <= t < self.api.vocab_size for t in tokens):
+            if not isinstance(tokens, list) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.api.vocab_size for t in tokens
+            ):
                 raise ApiError(400, f"'tokens' must be a list of token ids in [0, {self.api.vocab_size})", "tokens")
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
@@ -56,7 +65,16 @@ class TokenizerRoutes:
 
     async def tokenizer_info(self, request: Request) -> JSONResponse:
         t = self.tokenizer
-        return JSONResponse({"tokenizer_class": type(t).__name__, "vocab_size": self.api.vocab_size,
-                             "model_max_length": self.api.max_model_len, "eos_token": t.eos_token,
-                             "bos_token": t.bos_token, "pad_token": t.pad_token, "unk_token": t.unk_token,
-                             "add_bos_token": getattr(t, "add_bos_token", None), "chat_template": t.chat_template})
+        return JSONResponse(
+            {
+                "tokenizer_class": type(t).__name__,
+                "vocab_size": self.api.vocab_size,
+                "model_max_length": self.api.max_model_len,
+                "eos_token": t.eos_token,
+                "bos_token": t.bos_token,
+                "pad_token": t.pad_token,
+                "unk_token": t.unk_token,
+                "add_bos_token": getattr(t, "add_bos_token", None),
+                "chat_template": t.chat_template,
+            }
+        )

@@ -7,6 +7,7 @@ that worker's prefix cache holds; the transfer leaves those out (the second turn
 new turn's blocks). A transfer goes as one message per group of layers. In the step that finishes a prompt,
 each group but the last goes out as soon as its layers are computed, while the following layers compute;
 the last group follows the first tokens. Resends gather each group while the one before is on the wire."""
+
 import dataclasses
 import logging
 import time
@@ -26,10 +27,10 @@ from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
 
 log = logging.getLogger("kvferry.prefill")
 RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
-MAX_CHOICES = 128         # n per request: a bound on what one message can make this worker do
-ACK_TIMEOUT_S = 10.0       # a transfer not acknowledged by then is sent again
+MAX_CHOICES = 128  # n per request: a bound on what one message can make this worker do
+ACK_TIMEOUT_S = 10.0  # a transfer not acknowledged by then is sent again
 GIVE_UP_TRANSFER_S = 60.0  # a transfer no decode worker took by then is dropped; the gateway moves the request
-HELD_ANSWER_WAIT_S = 0.1   # a finished prompt's transfer waits this long at most for the decode worker's KVHeld
+HELD_ANSWER_WAIT_S = 0.1  # a finished prompt's transfer waits this long at most for the decode worker's KVHeld
 
 
 def attempt_key(request_id: str, attempt: int) -> str:
@@ -46,7 +47,7 @@ class Transfer:
     trace: p.TraceContext
     first_token_ids: list[int]  # of the choices that go on to decode
     choices: list[int]
-    sent_at: float = 0.0     # monotonic time of the latest send; 0: not in flight
+    sent_at: float = 0.0  # monotonic time of the latest send; 0: not in flight
     retry_at: float = 0.0
     first_sent_at: float = 0.0  # wall clock, for the transfer's span
     num_sends: int = 0
@@ -54,9 +55,9 @@ class Transfer:
     ready: bool = False  # whether the blocks to send are settled (the decode worker's KVHeld came, or is late)
     num_skipped_blocks: int = 0  # leading blocks the decode worker holds: not sent
     parts: dict = dataclasses.field(default_factory=dict)  # layer start -> its K and V gathered, kept for resends
-    gather_s: float = 0.0    # copying the blocks out after the compute (the part a transfer adds to decode's wait)
+    gather_s: float = 0.0  # copying the blocks out after the compute (the part a transfer adds to decode's wait)
     early_answer: p.KVAck | None = None  # the decode worker's answer to groups sent during the compute, if any
-    num_bytes: int = 0       # of one send
+    num_bytes: int = 0  # of one send
 
 
 @dataclasses.dataclass
@@ -65,8 +66,8 @@ class Arrival:
     link: GatewayLink
     request: p.PrefillRequest
     trace: p.TraceContext
-    arrived_at: float          # wall clock
-    started_at: float = 0.0    # wall clock of its first scheduled chunk
+    arrived_at: float  # wall clock
+    started_at: float = 0.0  # wall clock of its first scheduled chunk
 
 
 class PrefillWorker(Worker):
@@ -75,7 +76,7 @@ class PrefillWorker(Worker):
     def __init__(self, config, gateway, worker_id=None, **kwargs):
         super().__init__(config, gateway, worker_id, keep_finished_blocks=True, **kwargs)
         self.requests: dict[str, Arrival] = {}
-        self.transfers: dict[str, Transfer] = {}   # sent (or waiting to be sent), not yet acknowledged
+        self.transfers: dict[str, Transfer] = {}  # sent (or waiting to be sent), not yet acknowledged
         self.decode_channels: dict[str, Channel] = {}
         self.decode_held: dict[str, int] = {}  # attempt key -> leading blocks its decode worker holds (KVHeld)
         self.asked: set[str] = set()  # attempt keys whose KVQuery went out
@@ -84,8 +85,10 @@ class PrefillWorker(Worker):
 
     def next_transfer_due(self) -> float:
         """Monotonic time at which some transfer needs sending again (inf: none)."""
-        return min((t.retry_at if not t.sent_at else t.sent_at + ACK_TIMEOUT_S for t in self.transfers.values()),
-                   default=float("inf"))
+        return min(
+            (t.retry_at if not t.sent_at else t.sent_at + ACK_TIMEOUT_S for t in self.transfers.values()),
+            default=float("inf"),
+        )
 
     def holds_requests(self) -> bool:
         return bool(self.engine.has_unfinished() or self.requests or self.transfers)
@@ -134,10 +137,12 @@ class PrefillWorker(Worker):
                 params = sampling_from_wire(msg.sampling)
                 # The prefill worker samples only the next token; the decode worker does the rest.
                 num_done = len(msg.resume_token_ids)
-                next_only = dataclasses.replace(params, max_tokens=num_done + 1,
-                                                min_tokens=min(params.min_tokens, num_done + 1))
-                self.engine.add_request(msg.prompt_token_ids, next_only, request_id=key,
-                                        resume_token_ids=msg.resume_token_ids)
+                next_only = dataclasses.replace(
+                    params, max_tokens=num_done + 1, min_tokens=min(params.min_tokens, num_done + 1)
+                )
+                self.engine.add_request(
+                    msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids
+                )
             except InvalidRequest as exc:
                 link.channel.send(p.RequestFailed(str(exc), 400, msg.attempt), rid, env.trace)
                 return
@@ -179,7 +184,7 @@ class PrefillWorker(Worker):
             return
         bm = self.engine.block_manager
         tokens = request.prompt_token_ids + request.resume_token_ids
-        hashes = block_hashes(tokens[:bm.num_cacheable_blocks(len(tokens)) * bm.block_size], bm.block_size)
+        hashes = block_hashes(tokens[: bm.num_cacheable_blocks(len(tokens)) * bm.block_size], bm.block_size)
         if hashes:
             channel = self.decode_channel(request.decode_address, request.decode_worker_id)
             channel.send(p.KVQuery(hashes, request.attempt), rid, trace)
@@ -199,11 +204,18 @@ class PrefillWorker(Worker):
                 sampled = self.engine.runner.execute(plan, after_layer=self.layer_shipper(plan))
                 logprobs = {id(c.seq): lp for c, lp in zip(plan.chunks, self.engine.runner.last_logprobs)}
                 if self.tracer.enabled:
-                    self.tracer.span("prefill.step", started, time.time(), batch_size=len(plan.chunks),
-                                             num_tokens=plan.num_tokens,
-                                             rids=[c.seq.request_id for c in plan.chunks])
-                done = [(seq, self.send_first_tokens(seq, logprobs.get(id(seq))))
-                        for seq in self.engine.scheduler.update(plan, sampled)]
+                    self.tracer.span(
+                        "prefill.step",
+                        started,
+                        time.time(),
+                        batch_size=len(plan.chunks),
+                        num_tokens=plan.num_tokens,
+                        rids=[c.seq.request_id for c in plan.chunks],
+                    )
+                done = [
+                    (seq, self.send_first_tokens(seq, logprobs.get(id(seq))))
+                    for seq in self.engine.scheduler.update(plan, sampled)
+                ]
                 for channel in list(self.decode_channels.values()):
                     self.drain(channel.socket)  # the KVHeld answers that came during the compute
                 # Every first token of the step goes out before the gathers that follow the compute: TTFT waits
@@ -247,8 +259,9 @@ class PrefillWorker(Worker):
                 return
             request = arrival.request
             announced = [request.choice] if request.resume_token_ids else list(range(request.n))
-            t = self.shipping[key] = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace, [],
-                                              announced)
+            t = self.shipping[key] = Transfer(
+                arrival.request_id, arrival.link, seq, request, arrival.trace, [], announced
+            )
             self.asked.discard(key)
             self.settle(key, t)
         self.send_group(t, lo, hi, early=True)
@@ -263,9 +276,16 @@ class PrefillWorker(Worker):
         tracer = self.tracer
         if tracer.enabled:
             tracer.span("queue", arrival.arrived_at, arrival.started_at, rid, tracing.child_of(trace))
-            tracer.span("prefill", arrival.started_at, done_at, rid, tracing.child_of(trace),
-                        num_prompt_tokens=len(seq.prompt_token_ids), num_resumed_tokens=num_done,
-                        attempt=request.attempt)
+            tracer.span(
+                "prefill",
+                arrival.started_at,
+                done_at,
+                rid,
+                tracing.child_of(trace),
+                num_prompt_tokens=len(seq.prompt_token_ids),
+                num_resumed_tokens=num_done,
+                attempt=request.attempt,
+            )
         self.num_prompts_prefilled += 1
         params = sampling_from_wire(request.sampling)
         # Choice 0 was sampled with the prompt; the others draw from the same logits, each with its own seed.
@@ -278,11 +298,17 @@ class PrefillWorker(Worker):
             # Judged with the request's own parameters: the engine ran the prompt for its next token alone.
             ended = self.engine.scheduler.finish_reason(params, token, num_done + 1, seq.num_tokens)
             reason = -1 if ended is None else int(ended)
-            first = p.FirstToken(token, reason, queue_s=arrival.started_at - arrival.arrived_at,
-                                 prefill_s=done_at - arrival.started_at,
-                                 logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
-                                 prompt_logprobs=prompt_logprobs if choice == 0 else [], choice=choice,
-                                 attempt=request.attempt, start=num_done)
+            first = p.FirstToken(
+                token,
+                reason,
+                queue_s=arrival.started_at - arrival.arrived_at,
+                prefill_s=done_at - arrival.started_at,
+                logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
+                prompt_logprobs=prompt_logprobs if choice == 0 else [],
+                choice=choice,
+                attempt=request.attempt,
+                start=num_done,
+            )
             arrival.link.channel.send(first, rid, trace)
             if reason < 0:
                 continuing.append((choice, token))
@@ -304,8 +330,15 @@ class PrefillWorker(Worker):
             self.engine.scheduler.release(seq)
             self.engine.forget(key)
             return
-        transfer = Transfer(arrival.request_id, arrival.link, seq, request, arrival.trace,
-                            [t for _, t in continuing], [c for c, _ in continuing])
+        transfer = Transfer(
+            arrival.request_id,
+            arrival.link,
+            seq,
+            request,
+            arrival.trace,
+            [t for _, t in continuing],
+            [c for c, _ in continuing],
+        )
         self.transfers[key] = transfer
         if answer_due:
             transfer.retry_at = time.monotonic() + HELD_ANSWER_WAIT_S
@@ -342,9 +375,17 @@ class PrefillWorker(Worker):
         t = self.transfers.pop(key)
         self.engine.scheduler.release(t.seq)
         if self.tracer.enabled:
-            self.tracer.span("kv.transfer_out", t.first_sent_at, time.time(), t.request_id, tracing.child_of(t.trace),
-                             bytes=t.num_bytes, sends=t.num_sends, accepted=accepted,
-                             decode=t.request.decode_worker_id)
+            self.tracer.span(
+                "kv.transfer_out",
+                t.first_sent_at,
+                time.time(),
+                t.request_id,
+                tracing.child_of(t.trace),
+                bytes=t.num_bytes,
+                sends=t.num_sends,
+                accepted=accepted,
+                decode=t.request.decode_worker_id,
+            )
 
     def send_again(self, key: str, t: Transfer, resend_all: bool) -> None:
         """After a failure answer: every block at once if the decode worker let go of those it held, else the same
@@ -359,8 +400,9 @@ class PrefillWorker(Worker):
     def settle(self, key: str, t: Transfer) -> None:
         """Fix which blocks go: those the decode worker does not hold. They are gathered as they are sent."""
         num_kv_tokens = len(t.request.prompt_token_ids) + len(t.request.resume_token_ids)
-        t.num_skipped_blocks = min(self.decode_held.pop(key, 0),
-                                   self.engine.block_manager.num_cacheable_blocks(num_kv_tokens))
+        t.num_skipped_blocks = min(
+            self.decode_held.pop(key, 0), self.engine.block_manager.num_cacheable_blocks(num_kv_tokens)
+        )
         t.parts, t.ready = {}, True
         block_bytes = self.engine.runner.layout.bytes_per_block
         t.num_bytes = (len(t.seq.block_table) - t.num_skipped_blocks) * block_bytes
@@ -377,23 +419,42 @@ class PrefillWorker(Worker):
         the prompt computes, so without first tokens."""
         runner, resumed = self.engine.runner, t.request.resume_token_ids
         if lo not in t.parts:
-            blocks = t.seq.block_table[t.num_skipped_blocks:]
+            blocks = t.seq.block_table[t.num_skipped_blocks :]
             started = time.time()
             t.parts[lo] = runner.read_blocks(blocks, (lo, hi))
             if not early:  # a gather during the compute delays the first token instead, as part of the step
                 t.gather_s += time.time() - started
             if self.tracer.enabled:
-                self.tracer.span("kv.gather", started, time.time(), t.request_id, tracing.child_of(t.trace),
-                                 num_blocks=len(blocks), num_held_by_decode=t.num_skipped_blocks, layers=[lo, hi],
-                                 during_compute=early)
+                self.tracer.span(
+                    "kv.gather",
+                    started,
+                    time.time(),
+                    t.request_id,
+                    tracing.child_of(t.trace),
+                    num_blocks=len(blocks),
+                    num_held_by_decode=t.num_skipped_blocks,
+                    layers=[lo, hi],
+                    during_compute=early,
+                )
         kv = t.parts[lo]  # [layers, blocks, block_size, 2, kvh, d]
-        msg = p.KVTransfer(prefill_worker_id=self.worker_id, prompt_token_ids=t.request.prompt_token_ids,
-                           output_token_ids=t.first_token_ids, choices=t.choices, sampling=t.request.sampling,
-                           num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
-                           dtype=str(kv.dtype).removeprefix("torch."), shape=list(kv.shape),
-                           deadline_s=t.request.deadline_s, gather_s=t.gather_s, sent_at=time.time(),
-                           attempt=t.request.attempt, resume_token_ids=resumed, gateway_id=t.link.gateway_id,
-                           num_skipped_blocks=t.num_skipped_blocks, layer_start=lo)
+        msg = p.KVTransfer(
+            prefill_worker_id=self.worker_id,
+            prompt_token_ids=t.request.prompt_token_ids,
+            output_token_ids=t.first_token_ids,
+            choices=t.choices,
+            sampling=t.request.sampling,
+            num_computed_tokens=len(t.request.prompt_token_ids) + len(resumed),
+            dtype=str(kv.dtype).removeprefix("torch."),
+            shape=list(kv.shape),
+            deadline_s=t.request.deadline_s,
+            gather_s=t.gather_s,
+            sent_at=time.time(),
+            attempt=t.request.attempt,
+            resume_token_ids=resumed,
+            gateway_id=t.link.gateway_id,
+            num_skipped_blocks=t.num_skipped_blocks,
+            layer_start=lo,
+        )
         channel = self.decode_channel(t.request.decode_address, t.request.decode_worker_id)
         channel.send(msg, t.request_id, t.trace, frames=as_frames(kv))
         t.first_sent_at = t.first_sent_at or msg.sent_at
@@ -410,9 +471,16 @@ class PrefillWorker(Worker):
                 self.settle(key, t)
             rid, attempt = t.request_id, t.request.attempt
             if now > t.ready_at + GIVE_UP_TRANSFER_S or time.time() > t.request.deadline_s:
-                t.link.channel.send(p.RequestFailed(f"decode worker {t.request.decode_worker_id} did not take the KV "
-                                                  f"in {GIVE_UP_TRANSFER_S:.0f} s", 503, attempt, retry=True),
-                                  rid, t.trace)
+                t.link.channel.send(
+                    p.RequestFailed(
+                        f"decode worker {t.request.decode_worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s",
+                        503,
+                        attempt,
+                        retry=True,
+                    ),
+                    rid,
+                    t.trace,
+                )
                 self.engine.scheduler.release(self.transfers.pop(key).seq)
                 continue
             self.send_kv(t)

@@ -5,6 +5,7 @@ track of its own (its spans and messages), and messages with no request (registr
 heartbeats) go on a "control" track. Every message whose both ends were traced becomes a flow
 arrow from the send to the receive.
 """
+
 import json
 
 from kvferry.services.trace.reader import BATCH_SPANS, TraceSet
@@ -43,23 +44,56 @@ def chrome_trace(traces: TraceSet) -> dict:
             events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": r["rid"]}})
         if r["ev"] == "span":
             args = {"request_id": r.get("rid", ""), **r.get("attrs", {})}
-            events.append({"ph": "X", "name": r.get("name", "?"), "cat": "span", "pid": pid, "tid": tid,
-                           "ts": us(r["t"]), "dur": round(r["dur"] * 1e6, 3), "args": args})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": r.get("name", "?"),
+                    "cat": "span",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": us(r["t"]),
+                    "dur": round(r["dur"] * 1e6, 3),
+                    "args": args,
+                }
+            )
         else:
-            events.append({"ph": "X", "name": f"{r['ev']} {r.get('kind', '?')}", "cat": "message", "pid": pid,
-                           "tid": tid, "ts": us(r["t"]), "dur": MESSAGE_US,
-                           "args": {"request_id": r.get("rid", ""), "peer": r.get("peer", ""),
-                                    "bytes": r.get("header_bytes", 0) + r.get("payload_bytes", 0),
-                                    "span_id": r.get("span_id", ""), "trace_id": r.get("trace_id", "")}})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"{r['ev']} {r.get('kind', '?')}",
+                    "cat": "message",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": us(r["t"]),
+                    "dur": MESSAGE_US,
+                    "args": {
+                        "request_id": r.get("rid", ""),
+                        "peer": r.get("peer", ""),
+                        "bytes": r.get("header_bytes", 0) + r.get("payload_bytes", 0),
+                        "span_id": r.get("span_id", ""),
+                        "trace_id": r.get("trace_id", ""),
+                    },
+                }
+            )
     for flow_id, (send, recv) in enumerate(traces.message_pairs(), start=1):
         for r, phase in ((send, "s"), (recv, "f")):
-            event = {"ph": phase, "id": flow_id, "name": r.get("kind", "?"), "cat": "message", "pid": pids[r["proc"]],
-                     "tid": tid_of(r), "ts": us(r["t"])}
+            event = {
+                "ph": phase,
+                "id": flow_id,
+                "name": r.get("kind", "?"),
+                "cat": "message",
+                "pid": pids[r["proc"]],
+                "tid": tid_of(r),
+                "ts": us(r["t"]),
+            }
             if phase == "f":
                 event["bp"] = "e"  # bind to the receive slice that encloses this point
             events.append(event)
-    return {"traceEvents": events, "displayTimeUnit": "ms",
-            "otherData": {"clock_offsets_ms": {p: round(o * 1000, 3) for p, o in traces.offsets.items()}}}
+    return {
+        "traceEvents": events,
+        "displayTimeUnit": "ms",
+        "otherData": {"clock_offsets_ms": {p: round(o * 1000, 3) for p, o in traces.offsets.items()}},
+    }
 
 
 def write_json(document: dict, path: str) -> None:

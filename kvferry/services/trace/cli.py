@@ -1,4 +1,5 @@
 """`kvferry trace list|show|export|plot`: read a trace folder written with --trace-dir."""
+
 import sys
 
 from kvferry.services.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order
@@ -39,7 +40,9 @@ def _request(traces: TraceSet, request_id: str) -> list[dict]:
     if not events:
         known = [r.request_id for r in traces.requests()]
         close = [rid for rid in known if request_id in rid or rid in request_id][:5]
-        hint = f"; did you mean {', '.join(close)}?" if close else f"; `kvferry trace list` shows the {len(known)} traced"
+        hint = (
+            f"; did you mean {', '.join(close)}?" if close else f"; `kvferry trace list` shows the {len(known)} traced"
+        )
         raise TraceError(f"no request {request_id!r} in the traces{hint}")
     return events
 
@@ -56,8 +59,10 @@ def cmd_list(args) -> int:
         latency = f"{r.latency_s * 1000:.1f}" if r.latency_s is not None else "-"
         prompt = "-" if r.prompt_tokens is None else r.prompt_tokens
         output = "-" if r.completion_tokens is None else r.completion_tokens
-        print(f"{r.request_id:<42} {r.start - t0:>8.3f} {latency:>10} {prompt:>6} {output:>6}  {r.finish_reason:<8} "
-              f"{','.join(r.processes)}")
+        print(
+            f"{r.request_id:<42} {r.start - t0:>8.3f} {latency:>10} {prompt:>6} {output:>6}  {r.finish_reason:<8} "
+            f"{','.join(r.processes)}"
+        )
     print(f"{len(rows)} requests")
     return 0
 
@@ -79,8 +84,10 @@ def describe(r: dict, traces: TraceSet) -> tuple[str, str, str, str]:
     elif name in BATCH_SPANS:
         detail = f"step {attrs.get('step', '?')}, batch {attrs.get('batch_size', '?')}"
     elif name in ("finish", "http"):
-        detail = (f"{attrs.get('status', '')} {attrs.get('finish_reason') or attrs.get('error') or ''} "
-                  f"{attrs.get('prompt_tokens', '?')}+{attrs.get('completion_tokens', '?')} tokens")
+        detail = (
+            f"{attrs.get('status', '')} {attrs.get('finish_reason') or attrs.get('error') or ''} "
+            f"{attrs.get('prompt_tokens', '?')}+{attrs.get('completion_tokens', '?')} tokens"
+        )
     else:
         detail = ", ".join(f"{k}={v}" for k, v in attrs.items() if k != "rids")
     size = str(attrs.get("bytes", "")) if "bytes" in attrs else ""
@@ -119,8 +126,10 @@ def cmd_export(args) -> int:
     except OSError as exc:
         raise TraceError(f"cannot write {args.chrome}: {exc.strerror}") from None
     num_flows = sum(1 for e in document["traceEvents"] if e["ph"] == "s")
-    print(f"wrote {args.chrome}: {len(document['traceEvents'])} events, {len(traces.processes)} processes, "
-          f"{num_flows} message flows (open it in https://ui.perfetto.dev)")
+    print(
+        f"wrote {args.chrome}: {len(document['traceEvents'])} events, {len(traces.processes)} processes, "
+        f"{num_flows} message flows (open it in https://ui.perfetto.dev)"
+    )
     return 0
 
 

@@ -6,6 +6,7 @@ messages it exchanged with processes already placed; when no offset of 0 keeps e
 before its receive, the clock looks skewed: the offset is estimated (NTP-style, from the
 fastest message each way), applied, and reported.
 """
+
 import glob
 import json
 import math
@@ -25,9 +26,9 @@ class TraceError(KvferryError):
 
 @dataclass
 class TraceSet:
-    records: list[dict]                                  # every line, each with "t": its time on the reference clock
+    records: list[dict]  # every line, each with "t": its time on the reference clock
     offsets: dict[str, float] = field(default_factory=dict)  # seconds added to a process's clock
-    notes: list[str] = field(default_factory=list)       # skewed clocks, unreadable lines
+    notes: list[str] = field(default_factory=list)  # skewed clocks, unreadable lines
     _sends: dict | None = field(default=None, repr=False)  # (span id, kind) -> send line, built on first use
 
     @property
@@ -39,8 +40,12 @@ class TraceSet:
         steps it rode in."""
         if not request_id:
             return []
-        mine = [r for r in self.records if request_of(r.get("rid", "")) == request_id
-                or any(request_of(x) == request_id for x in r.get("attrs", {}).get("rids", ()))]
+        mine = [
+            r
+            for r in self.records
+            if request_of(r.get("rid", "")) == request_id
+            or any(request_of(x) == request_id for x in r.get("attrs", {}).get("rids", ()))
+        ]
         return sorted(mine, key=causal_key)
 
     def requests(self) -> list["RequestSummary"]:
@@ -54,8 +59,9 @@ class TraceSet:
     def send_of(self, recv: dict) -> dict | None:
         """The send line of a received message (same span id and kind), when it was traced."""
         if self._sends is None:
-            self._sends = {(r.get("span_id"), r.get("kind")): r for r in self.records
-                           if r["ev"] == "send" and r.get("span_id")}
+            self._sends = {
+                (r.get("span_id"), r.get("kind")): r for r in self.records if r["ev"] == "send" and r.get("span_id")
+            }
         return self._sends.get((recv.get("span_id"), recv.get("kind")))
 
     def message_pairs(self) -> list[tuple[dict, dict]]:
@@ -74,7 +80,7 @@ class RequestSummary:
     request_id: str
     trace_id: str
     start: float
-    latency_s: float | None      # the HTTP span, when the gateway recorded one
+    latency_s: float | None  # the HTTP span, when the gateway recorded one
     prompt_tokens: int | None
     completion_tokens: int | None
     finish_reason: str
@@ -87,9 +93,16 @@ class RequestSummary:
         trace_id = next((e["trace_id"] for e in events if e.get("trace_id")), "")
         count = lambda v: v if isinstance(v, int) else None  # noqa: E731 - whatever a line holds, never a crash
         finish = str(attrs.get("finish_reason") or attrs.get("error") or "")[:40] or ("" if http else "(no http span)")
-        return cls(rid, trace_id, min(e["t"] for e in events), http["dur"] if http else None,
-                   count(attrs.get("prompt_tokens")), count(attrs.get("completion_tokens")), finish,
-                   sorted({e["proc"] for e in events}, key=process_order))
+        return cls(
+            rid,
+            trace_id,
+            min(e["t"] for e in events),
+            http["dur"] if http else None,
+            count(attrs.get("prompt_tokens")),
+            count(attrs.get("completion_tokens")),
+            finish,
+            sorted({e["proc"] for e in events}, key=process_order),
+        )
 
 
 def request_of(flight_id: str) -> str:
@@ -99,7 +112,9 @@ def request_of(flight_id: str) -> str:
 
 def process_order(proc: str):
     """Gateway first, then prefill, then decode workers: the way a request travels."""
-    rank = 0 if proc.startswith("gateway") else 1 if proc.startswith("prefill") else 2 if proc.startswith("decode") else 3
+    rank = (
+        0 if proc.startswith("gateway") else 1 if proc.startswith("prefill") else 2 if proc.startswith("decode") else 3
+    )
     return rank, proc
 
 
@@ -113,11 +128,15 @@ def _valid(record) -> bool:
     if not isinstance(record, dict) or record.get("ev") not in EVENT_KINDS:
         return False
     attrs = record.get("attrs", {})
-    return (_finite(record.get("ts")) and isinstance(record.get("proc"), str)
-            and all(isinstance(record.get(k, ""), str) for k in ("rid", "kind", "name", "span_id", "trace_id", "peer"))
-            and all(isinstance(record.get(k, 0), (int, float)) for k in ("header_bytes", "payload_bytes"))
-            and isinstance(attrs, dict) and isinstance(attrs.get("rids", []), list)
-            and (record["ev"] != "span" or _finite(record.get("dur"))))
+    return (
+        _finite(record.get("ts"))
+        and isinstance(record.get("proc"), str)
+        and all(isinstance(record.get(k, ""), str) for k in ("rid", "kind", "name", "span_id", "trace_id", "peer"))
+        and all(isinstance(record.get(k, 0), (int, float)) for k in ("header_bytes", "payload_bytes"))
+        and isinstance(attrs, dict)
+        and isinstance(attrs.get("rids", []), list)
+        and (record["ev"] != "span" or _finite(record.get("dur")))
+    )
 
 
 def _finite(value) -> bool:
@@ -126,8 +145,10 @@ def _finite(value) -> bool:
 
 def load(trace_dir: str) -> TraceSet:
     if not os.path.isdir(trace_dir):
-        raise TraceError(f"the trace folder {trace_dir!r} does not exist (start the services with --trace-dir "
-                         f"{trace_dir} to write one)")
+        raise TraceError(
+            f"the trace folder {trace_dir!r} does not exist (start the services with --trace-dir "
+            f"{trace_dir} to write one)"
+        )
     paths = sorted(glob.glob(os.path.join(trace_dir, "*.jsonl")))
     if not paths:
         raise TraceError(f"no trace files (*.jsonl) in {trace_dir!r}: start the services with --trace-dir {trace_dir}")
@@ -189,9 +210,11 @@ def _reconcile_clocks(traces: TraceSet) -> None:
         offsets[proc] = offset
         if offset:
             way = "behind" if offset > 0 else "ahead of"
-            traces.notes.append(f"clock skew: {proc}'s clock looks {abs(offset) * 1000:.1f} ms {way} {reference}'s "
-                                f"(messages arrived before they were sent); its times were shifted to keep every "
-                                f"send before its receive")
+            traces.notes.append(
+                f"clock skew: {proc}'s clock looks {abs(offset) * 1000:.1f} ms {way} {reference}'s "
+                f"(messages arrived before they were sent); its times were shifted to keep every "
+                f"send before its receive"
+            )
     for r in traces.records:
         r["t"] = r["ts"] + offsets.get(r["proc"], 0.0)
     # An offset cannot absorb clocks that drift; the last word is causality, message by message.
