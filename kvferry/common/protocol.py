@@ -16,18 +16,19 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
-PROTOCOL_VERSION = 9  # 2: timings on FirstToken and Tokens; 3: logprobs, penalties, n; 4: attempts, resume, drain;
-#                        5: prefix caching (CacheUpdate, cache figures in WorkerStats);
-#                        6: transfers skip the blocks the decode worker holds (KVQuery, KVHeld);
-#                        7: Register.quantization;
-#                        8: a transfer's groups before the last may go out during the compute, without first tokens;
-#                        9: a KVTransfer's K and V are one frame, a token's K and V side by side (the cache's layout)
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.sampling import SamplingParams, TokenLogprobs
+
+PROTOCOL_VERSION = 10  # 10: SamplingParams and TokenLogprobs travel as themselves, field by name
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
 
 class ProtocolError(Exception):
     """A message that does not follow the protocol; the receiver counts it, logs it and moves on."""
+
+
+UNKNOWN_WORKER = "unknown worker: register again"  # a gateway's RegisterReply to a worker it does not know
 
 
 class Kind(enum.IntEnum):
@@ -59,38 +60,6 @@ class TraceContext:
     trace_id: str = ""
     span_id: str = ""
     parent_id: str = ""
-
-
-@dataclass
-class Sampling:
-    """SamplingParams as they travel; rebuilt (and validated) on the worker."""
-
-    max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    ignore_eos: bool
-    stop_token_ids: list[int]
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    min_p: float = 0.0
-    min_tokens: int = 0
-    logit_bias_ids: list[int] = field(default_factory=list)
-    logit_bias_values: list[float] = field(default_factory=list)
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-
-@dataclass
-class Logprob:
-    """A token's log-probability and its top alternatives (TokenLogprobs on the wire)."""
-
-    token_id: int
-    logprob: float
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -170,7 +139,7 @@ class CacheUpdate:
 class PrefillRequest:
     KIND: typing.ClassVar[Kind] = Kind.PREFILL_REQUEST
     prompt_token_ids: list[int]
-    sampling: Sampling
+    sampling: SamplingParams
     decode_worker_id: str
     decode_address: str
     deadline_s: float  # wall-clock time after which the request is given up
@@ -189,8 +158,8 @@ class FirstToken:
     finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
     queue_s: float = 0.0  # arrival at the prefill worker to its first scheduled chunk
     prefill_s: float = 0.0  # first chunk to the sampled first token
-    logprobs: list[Logprob] = field(default_factory=list)  # the token's, when asked for
-    prompt_logprobs: list[Logprob | None] = field(default_factory=list)  # when asked for (echo); entry 0 is None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # the token's, when asked for
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # when asked for (echo); entry 0 is None
     choice: int = 0
     attempt: int = 0
     start: int = 0  # the token's index in its choice's output (more than 0 on a resume)
@@ -209,7 +178,7 @@ class KVTransfer:
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # one first token per choice still to decode
     choices: list[int]  # which choices those are
-    sampling: Sampling
+    sampling: SamplingParams
     num_computed_tokens: int
     dtype: str
     shape: list[int]  # of the one frame: [layers, blocks, block_size, 2 (K, V), kv_heads, head_dim]
@@ -259,7 +228,7 @@ class Tokens:
     finish_reason: int = -1
     kv_transfer_s: float = 0.0  # on a sequence's first Tokens message only
     kv_transfer_bytes: int = 0
-    logprobs: list[Logprob] = field(default_factory=list)  # one per token, when asked for
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # one per token, when asked for
     choice: int = 0
     attempt: int = 0
     start: int = 0  # the first token's index in its choice's output: the gateway drops repeats, spots gaps
@@ -366,6 +335,15 @@ def _check(value, annotation, where: str):
             except ProtocolError:
                 pass
         raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
+    if origin is tuple:  # tuple[X, ...] or a fixed tuple[X, Y]; msgpack carries both as lists
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+        args = typing.get_args(annotation)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_check(v, args[0], f"{where}[]") for v in value)
+        if len(value) != len(args):
+            raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
+        return tuple(_check(v, a, f"{where}[]") for v, a in zip(value, args))
     if origin is list:
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
@@ -407,7 +385,10 @@ def _build(cls, body, where: str):
                 raise ProtocolError(f"{where}: missing field {name!r}")
             continue
         values[name] = _check(body[name], hints[name], f"{where}.{name}")
-    return cls(**values)
+    try:
+        return cls(**values)
+    except InvalidRequest as exc:  # a type that validates itself (SamplingParams): out-of-range values
+        raise ProtocolError(f"{where}: {exc}") from None
 
 
 def decode(parts: list) -> Envelope:

@@ -27,66 +27,13 @@ from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import InvalidRequest, KvferryError
+from kvferry.common.errors import KvferryError
 from kvferry.common.model.loader import served_model_name
-from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
-UNKNOWN_WORKER = "unknown worker: register again"
 CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
-
-
-def sampling_to_wire(params: SamplingParams) -> p.Sampling:
-    return p.Sampling(
-        params.max_tokens,
-        float(params.temperature),
-        float(params.top_p),
-        params.top_k,
-        params.seed,
-        params.ignore_eos,
-        list(params.stop_token_ids),
-        float(params.presence_penalty),
-        float(params.frequency_penalty),
-        float(params.repetition_penalty),
-        float(params.min_p),
-        params.min_tokens,
-        [t for t, _ in params.logit_bias],
-        [float(b) for _, b in params.logit_bias],
-        params.logprobs,
-        params.prompt_logprobs,
-    )
-
-
-def sampling_from_wire(s: p.Sampling) -> SamplingParams:
-    """Validated again here: a worker trusts no peer."""
-    if len(s.logit_bias_ids) != len(s.logit_bias_values):
-        raise InvalidRequest("logit_bias ids and values differ in length")
-    return SamplingParams(
-        max_tokens=s.max_tokens,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        seed=s.seed,
-        ignore_eos=s.ignore_eos,
-        stop_token_ids=tuple(s.stop_token_ids),
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty,
-        min_p=s.min_p,
-        min_tokens=s.min_tokens,
-        logit_bias=tuple(zip(s.logit_bias_ids, s.logit_bias_values)),
-        logprobs=s.logprobs,
-        prompt_logprobs=s.prompt_logprobs,
-    )
-
-
-def logprobs_to_wire(entries) -> list:
-    return [
-        None if e is None else p.Logprob(e.token_id, e.logprob, list(e.top_ids), list(e.top_logprobs))
-        for e in entries or ()
-    ]
 
 
 def advertised_host(explicit: str | None = None) -> str:
@@ -167,7 +114,7 @@ class Worker:
         if reply.accepted:
             link.accepted(reply)
             self.heartbeat_interval_s = reply.heartbeat_interval_s  # gateways sharing workers set the same
-        elif reply.reason == UNKNOWN_WORKER:
+        elif reply.reason == p.UNKNOWN_WORKER:
             link.must_register()  # it forgot us (a restart, or a silence it took for death)
         else:
             raise KvferryError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
@@ -243,7 +190,7 @@ class Worker:
                         if (
                             received
                             and isinstance(received[1].message, p.RegisterReply)
-                            and received[1].message.reason == UNKNOWN_WORKER
+                            and received[1].message.reason == p.UNKNOWN_WORKER
                         ):
                             link.must_register()
         finally:

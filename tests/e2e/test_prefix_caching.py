@@ -176,9 +176,7 @@ def test_decode_worker_holds_queried_blocks_until_the_transfer_and_asks_for_all_
     )
 
     def transfer(num_blocks, skipped, layers=(0, 30), tokens=prompt + [7] * 40, first_tokens=(9,), max_tokens=4):
-        sampling = p.Sampling(
-            max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True, stop_token_ids=[]
-        )
+        sampling = SamplingParams(max_tokens=max_tokens, temperature=0, top_p=1.0, top_k=0, seed=None, ignore_eos=True)
         shape = [layers[1] - layers[0], num_blocks, 16, 2, 3, 64]
         message = p.KVTransfer(
             "test",

@@ -13,6 +13,7 @@ import pytest
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common.sampling import SamplingParams
 from tests.e2e.stack import Stack, engine_texts
 
 pytestmark = pytest.mark.slow
@@ -276,7 +277,9 @@ def test_garbage_on_every_socket_is_counted_and_serving_goes_on(make_stack):
                             [1],
                             [2],
                             [0],
-                            p.Sampling(1, 0.0, 1.0, 0, None, False, []),
+                            SamplingParams(
+                                max_tokens=1, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False
+                            ),
                             1,
                             "float32",
                             [1, 1, 16, 2, 1, 64],
@@ -376,7 +379,7 @@ def test_a_decode_worker_frees_a_request_the_gateway_does_not_know(make_stack, t
         list(range(300, 320)),
         [400],
         [0],
-        p.Sampling(2000, 0.0, 1.0, 0, None, True, []),
+        SamplingParams(max_tokens=2000, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=True),
         20,
         "float32",
         shape,

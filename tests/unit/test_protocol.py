@@ -1,12 +1,15 @@
 """The wire protocol: round trips, and one ProtocolError for every kind of bad message."""
 
+import dataclasses
+
 import msgpack
 import pytest
 
 from kvferry.common import protocol as p
+from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
-SAMPLING = p.Sampling(
-    max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=None, ignore_eos=False, stop_token_ids=[2]
+SAMPLING = SamplingParams(
+    max_tokens=8, temperature=0.5, top_p=0.9, top_k=0, seed=None, ignore_eos=False, stop_token_ids=(2,)
 )
 
 
@@ -113,3 +116,27 @@ def test_kv_frames_must_match_their_description():
 def test_encode_refuses_a_wrong_frame_count():
     with pytest.raises(p.ProtocolError):
         p.encode(p.Abort(), "r", frames=[b"x"])
+
+
+def test_sampling_params_and_logprobs_travel_field_by_field():
+    """Every SamplingParams field set away from its default comes back the same: the wire carries the dataclass by
+    field name, so a field added anywhere cannot shift the others."""
+    params = SamplingParams(
+        max_tokens=9, temperature=0.7, top_p=0.8, top_k=5, seed=2**63 - 1, ignore_eos=True, stop_token_ids=(3, 4),
+        presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_p=0.1, min_tokens=2,
+        logit_bias=((7, -3.5), (8, 100.0)), logprobs=3, prompt_logprobs=2,
+    )  # fmt: skip
+    assert all(getattr(params, f.name) != f.default for f in dataclasses.fields(SamplingParams))
+    request = p.PrefillRequest([1, 2], params, "d0", "tcp://127.0.0.1:1", 1e9)
+    assert p.decode(p.encode(request, "r")).message.sampling == params
+    entry = TokenLogprobs(5, -0.25, (5, 6), (-0.25, -1.5))
+    tokens = p.Tokens([5], logprobs=[entry])
+    assert p.decode(p.encode(tokens, "r")).message.logprobs == [entry]
+
+
+def test_sampling_params_out_of_range_on_the_wire_is_a_protocol_error():
+    body = p._to_wire(p.PrefillRequest([1], SAMPLING, "d0", "tcp://127.0.0.1:1", 1e9))
+    body["sampling"]["top_p"] = 7.0
+    header = msgpack.packb([int(p.Kind.PREFILL_REQUEST), p.PROTOCOL_VERSION, "r", p._to_wire(p.TraceContext()), body])
+    with pytest.raises(p.ProtocolError, match="top_p"):
+        p.decode([header])

@@ -7,8 +7,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.common import protocol as p
+from kvferry.common.sampling import SamplingParams
 
-SAMPLING = p.Sampling(8, 0.0, 1.0, 0, None, False, [2])
+SAMPLING = SamplingParams(
+    max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False, stop_token_ids=(2,)
+)
 VALID = [
     p.encode(m, "r")
     for m in (

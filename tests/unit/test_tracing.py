@@ -9,6 +9,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
+from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
 
 VALID = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -85,7 +86,7 @@ def test_channels_trace_both_ends_of_a_message(tmp_path):
         prompt_token_ids=[1, 2],
         output_token_ids=[3],
         choices=[0],
-        sampling=p.Sampling(4, 0.0, 1.0, 0, None, False, []),
+        sampling=SamplingParams(max_tokens=4, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False),
         num_computed_tokens=2,
         dtype="float32",
         shape=[2, 1, 4, 2, 1, 2],

@@ -29,6 +29,7 @@ from kvferry.common.model.kv_blocks import (
     layer_groups,
     scatter_blocks,
 )
+from kvferry.common.sampling import SamplingParams
 from kvferry.common.transport import Channel
 
 RAW, STOP = b"raw", b"stop"
@@ -86,7 +87,7 @@ def measure(
     nbytes = 2 * num_layers * num_blocks * block_size * num_kv_heads * head_dim * 4
     raw_frames = [np.ones(nbytes, dtype=np.uint8)]
     groups = layer_groups(num_layers, num_groups)
-    sampling = p.Sampling(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=None, ignore_eos=True, stop_token_ids=[])
+    sampling = SamplingParams(max_tokens=1, temperature=0, top_p=1, top_k=0, seed=None, ignore_eos=True)
 
     def kv_once() -> float:
         started = time.perf_counter()

@@ -16,7 +16,7 @@ from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.prefill.worker import attempt_key
-from kvferry.services.worker import Worker, advertised_host, logprobs_to_wire, sampling_from_wire
+from kvferry.services.worker import Worker, advertised_host
 
 log = logging.getLogger("kvferry.decode")
 MAX_CHOICES = 128
@@ -228,7 +228,7 @@ class DecodeWorker(Worker):
             return
         try:
             check_choices(msg)
-            params = sampling_from_wire(msg.sampling)
+            params = msg.sampling
             cancelled = self.cancelled_choices.get(rid, set())
             choices = [c for c in msg.choices if c not in cancelled]
             if not choices:  # every choice ended before its KV came
@@ -382,7 +382,7 @@ class DecodeWorker(Worker):
                 reason,
                 transfer_s,
                 transfer_bytes,
-                logprobs_to_wire(out.new_logprobs),
+                list(out.new_logprobs),
                 choice,
                 attempt,
                 start,

@@ -10,6 +10,7 @@ stream continues where it stopped), at most `max_moves` times; then it fails wit
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -28,7 +29,6 @@ from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, peer_label
 from kvferry.services.gateway.flight import Event, Flight, Lost
 from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, WorkerInfo
-from kvferry.services.worker import UNKNOWN_WORKER, sampling_to_wire
 
 log = logging.getLogger("kvferry.gateway")
 __all__ = ["Event", "GatewayCore", "NoWorkers", "Deadlines"]
@@ -138,7 +138,7 @@ class GatewayCore:
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
                 await self._send(
-                    p.RegisterReply(False, UNKNOWN_WORKER, self.registry.heartbeat_interval_s, self.gateway_id),
+                    p.RegisterReply(False, p.UNKNOWN_WORKER, self.registry.heartbeat_interval_s, self.gateway_id),
                     peer,
                     parent=env.trace,
                 )
@@ -301,9 +301,9 @@ class GatewayCore:
         decode = self.registry.pick_decode()
         if prefill is None or decode is None:
             return False
-        params = sampling_to_wire(flight.params)
+        params = flight.params
         if flight.attempt:
-            params.prompt_logprobs = None  # given with the first attempt's first token
+            params = dataclasses.replace(params, prompt_logprobs=None)  # given with the first attempt's first token
         flight.pending_prefill_tokens = len(tokens) - num_cached_blocks * prefill.block_size
         self.registry.assign(
             prefill, decode, flight.pending_prefill_tokens, -(-len(tokens) // decode.block_size), hashes

@@ -23,7 +23,7 @@ from kvferry.common.sampling import for_choice
 from kvferry.common.sequence import Sequence
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink
-from kvferry.services.worker import Worker, logprobs_to_wire, sampling_from_wire
+from kvferry.services.worker import Worker
 
 log = logging.getLogger("kvferry.prefill")
 RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
@@ -134,7 +134,7 @@ class PrefillWorker(Worker):
                     raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
                 if msg.resume_token_ids and (msg.n != 1 or msg.choice < 0):
                     raise InvalidRequest("a resumed request continues exactly one choice")
-                params = sampling_from_wire(msg.sampling)
+                params = msg.sampling
                 # The prefill worker samples only the next token; the decode worker does the rest.
                 num_done = len(msg.resume_token_ids)
                 next_only = dataclasses.replace(
@@ -287,11 +287,11 @@ class PrefillWorker(Worker):
                 attempt=request.attempt,
             )
         self.num_prompts_prefilled += 1
-        params = sampling_from_wire(request.sampling)
+        params = request.sampling
         # Choice 0 was sampled with the prompt; the others draw from the same logits, each with its own seed.
         extra = [dataclasses.replace(for_choice(seq.params, i), logprobs=params.logprobs) for i in range(1, request.n)]
         firsts = [(seq.output_token_ids[-1], logprobs), *self.engine.runner.sample_choices(seq, extra)]
-        prompt_logprobs = logprobs_to_wire(self.engine.runner.prompt_logprobs.get(key))
+        prompt_logprobs = list(self.engine.runner.prompt_logprobs.get(key) or ())
         continuing = []
         for i, (token, token_logprobs) in enumerate(firsts):
             choice = request.choice if request.resume_token_ids else i
@@ -303,7 +303,7 @@ class PrefillWorker(Worker):
                 reason,
                 queue_s=arrival.started_at - arrival.arrived_at,
                 prefill_s=done_at - arrival.started_at,
-                logprobs=logprobs_to_wire([token_logprobs] if token_logprobs else []),
+                logprobs=[token_logprobs] if token_logprobs else [],
                 prompt_logprobs=prompt_logprobs if choice == 0 else [],
                 choice=choice,
                 attempt=request.attempt,
