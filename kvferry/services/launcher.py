@@ -16,7 +16,7 @@ READY_TIMEOUT_S = 300.0
 
 
 def spawn(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvferry.services.cli", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "kvferry.services.commands", *args], env=env)
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:

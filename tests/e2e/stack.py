@@ -44,7 +44,7 @@ class Stack:
         """prefix: a command that runs the process (`ip netns exec NS`); it must exec, so that the pid is ours."""
         log = open(self.log_dir / f"{name}.log", "w")
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "kvferry.services.cli", *args],
+            [*prefix, sys.executable, "-m", "kvferry.tools.cli", *args],
             env={**self.env, **(env or {})},
             stdout=log,
             stderr=subprocess.STDOUT,

@@ -68,8 +68,8 @@ def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
     and the prefill workers' computed and cached prompt tokens from /v1/workers."""
     import asyncio
 
-    from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
-    from kvferry.services.bench.stack import served_model
+    from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
+    from kvferry.tools.bench.stack import served_model
 
     stack = make_stack().start_pair()
     shared = list(range(1000, 1064))  # 4 blocks

@@ -334,7 +334,7 @@ def test_with_curve_only_peers_holding_the_keys_get_in(make_stack, tmp_path):
     keys, other = tmp_path / "keys", tmp_path / "other-keys"
     for folder in (keys, other):
         subprocess.run(
-            [sys.executable, "-m", "kvferry.services.cli", "keys", str(folder)], check=True, capture_output=True
+            [sys.executable, "-m", "kvferry.tools.cli", "keys", str(folder)], check=True, capture_output=True
         )
     stack = make_stack(extra_env={"KVFERRY_CURVE_KEYS": str(keys)}).start_pair()
     reference = completion(stack, PROMPTS[0], max_tokens=8)

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from kvferry.services.bench.soak import soak
 from kvferry.services.launcher import free_port, start_services, stop_all
+from kvferry.tools.bench.soak import soak
 from tests.tiny_models import save_tiny_chat_model
 
 pytestmark = pytest.mark.slow

@@ -9,7 +9,7 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvferry.services.trace.reader import load
+from kvferry.tools.trace.reader import load
 from tests.e2e.stack import running_pair
 
 pytestmark = pytest.mark.slow
@@ -19,7 +19,7 @@ CLIENT_SPAN = "00f067aa0ba902b7"
 
 def kvferry(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "kvferry.tools.cli", *args], capture_output=True, text=True, timeout=120
     )
 
 

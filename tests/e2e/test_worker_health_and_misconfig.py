@@ -27,7 +27,7 @@ def probe(port: int, path: str) -> tuple[int, dict]:
 
 def kvferry(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "kvferry.tools.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 

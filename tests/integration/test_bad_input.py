@@ -126,7 +126,7 @@ def test_unsupported_gguf_fails_before_any_conversion(tmp_path, monkeypatch):
 
 def run_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "kvferry.services.cli", *args], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "kvferry.tools.cli", *args], capture_output=True, text=True, timeout=300
     )
 
 
@@ -151,7 +151,7 @@ def test_cli_bad_environment_value_is_a_usage_error(tiny_dir):
     import os
 
     result = subprocess.run(
-        [sys.executable, "-m", "kvferry.services.cli", "generate", "--prompt", "hi"],
+        [sys.executable, "-m", "kvferry.tools.cli", "generate", "--prompt", "hi"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -2,7 +2,7 @@
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
-from kvferry.services.bench.step import measure
+from kvferry.tools.bench.step import measure
 from tests.tiny_models import save_tiny_model
 
 

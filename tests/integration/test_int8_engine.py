@@ -51,7 +51,7 @@ def test_a_greedy_output_is_the_same_alone_and_in_a_batch(tmp_path):
 def test_smollm2_int8_accuracy_on_held_out_text():
     """The figures `kvferry bench quantization` prints, on a smaller sample. Per-row int8 activations without the
     float outlier channels measure about 0.20 and 89% here: the bounds catch that."""
-    from kvferry.services.bench.quantization import CHAT_PROMPTS, accuracy, held_out_texts
+    from kvferry.tools.bench.quantization import CHAT_PROMPTS, accuracy, held_out_texts
 
     config = dict(kv_cache_memory=128 * 2**20, num_threads=2)
     fp32, int8 = LLMEngine(EngineConfig(**config)), LLMEngine(EngineConfig(**config, quantization="int8"))

@@ -177,7 +177,7 @@ def test_grace_periods_cover_the_prestop_pause_and_the_drain():
 
 def reads(role: str, name: str, value: str, monkeypatch) -> bool:
     """Whether `kvferry ROLE` takes the variable, and takes it exactly as the matching flag."""
-    from kvferry.services.cli import build_parser
+    from kvferry.tools.cli import build_parser
 
     for key in [k for k in __import__("os").environ if k.startswith("KVFERRY_")]:
         monkeypatch.delenv(key)

@@ -28,7 +28,7 @@ def test_blocks_round_trip_through_a_raw_frame_into_other_block_ids():
 
 
 def test_the_transfer_benchmark_measures_both_paths_over_real_sockets():
-    from kvferry.services.bench.transfer import measure
+    from kvferry.tools.bench.transfer import measure
 
     result = measure(num_layers=2, num_kv_heads=1, head_dim=8, block_size=4, num_blocks=3, rounds=2)
     assert result["mib"] == round(2 * 2 * 3 * 4 * 8 * 4 / 2**20, 1)

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from kvferry.services.cli import main
-from kvferry.services.trace.chrome import chrome_trace
-from kvferry.services.trace.reader import TraceError, load
+from kvferry.tools.cli import main
+from kvferry.tools.trace.chrome import chrome_trace
+from kvferry.tools.trace.reader import TraceError, load
 
 TRACE = "ab" * 16
 

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from kvferry.services.bench import workload
-from kvferry.services.bench.floor import GRID, floor_from_costs
+from kvferry.tools.bench import workload
+from kvferry.tools.bench.floor import GRID, floor_from_costs
 
 REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "workload.py"
 
@@ -60,8 +60,8 @@ def test_head_of_line_sends_short_prompts_once_the_long_one_is_under_way():
 def test_sweep_rates_parse_and_the_curve_is_drawn(tmp_path):
     import argparse
 
-    from kvferry.services.bench import sweep
-    from kvferry.services.bench.cli import _rates
+    from kvferry.tools.bench import sweep
+    from kvferry.tools.bench.cli import _rates
 
     assert _rates("0.5,1, 4") == [0.5, 1.0, 4.0]
     for bad in ("", "1,x", "0,2", "-1"):

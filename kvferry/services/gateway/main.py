@@ -50,7 +50,7 @@ class DrainingServer(uvicorn.Server):
 def run_gateway(args) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from kvferry.services.cli import observe
+    from kvferry.common.observability import observe
 
     observe(args, "gateway", "gateway")
     # Bound before the model loads: a taken port fails at once, naming the setting.

@@ -10,7 +10,7 @@ import asyncio
 def sweep(url: str, model: str, requests_at, rates: list[float]) -> list[dict]:
     """requests_at(rate, seed) -> the workload at that rate; one replay each, lowest rate first. Each rate gets
     its own seed: replaying the same prompts would find them in the server's prefix cache."""
-    from kvferry.services.bench.serve import replay
+    from kvferry.tools.bench.serve import replay
 
     points = []
     for i, rate in enumerate(sorted(rates)):

@@ -8,9 +8,9 @@ import asyncio
 import json
 import sys
 
-from kvferry.services.bench import workload
-from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
-from kvferry.services.bench.stack import fresh_stack, served_model
+from kvferry.tools.bench import workload
+from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
+from kvferry.tools.bench.stack import fresh_stack, served_model
 
 FEATURES = {  # name: (the environment setting that turns it off, the workload that measures it)
     "prefix-caching": ("KVFERRY_NO_PREFIX_CACHING", "shared-prefix"),

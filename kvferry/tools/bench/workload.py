@@ -109,5 +109,10 @@ def _head_of_line(rng: random.Random, vocab_size: int, rate: float) -> list[dict
     return requests
 
 
+def warmup_prompt(vocab_size: int) -> list[int]:
+    """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
+    return generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
+
+
 SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line}
 NAMES = [*WORKLOADS, *SCENARIOS]

@@ -8,7 +8,7 @@ import random
 import time
 import urllib.request
 
-from kvferry.services.bench.stack import served_model
+from kvferry.tools.bench.stack import served_model
 
 WARM_UP = 200  # requests before the memory baseline is taken (a multiple of 100)
 

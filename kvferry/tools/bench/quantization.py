@@ -108,10 +108,11 @@ def cmd_bench_quantization(args) -> int:
     import torch
 
     from kvferry.common.engine import LLMEngine
-    from kvferry.services.bench import workload
-    from kvferry.services.bench.cli import _load_hf_model, _say, _warmup_prompt
-    from kvferry.services.bench.floor import measure_floor
-    from kvferry.services.bench.offline import run_engine
+    from kvferry.tools.bench import workload
+    from kvferry.tools.bench.floor import measure_floor
+    from kvferry.tools.bench.hf_baseline import load_hf_model
+    from kvferry.tools.bench.offline import run_engine
+    from kvferry.tools.bench.report import say
 
     config = EngineConfig.from_args(args)
     config.num_threads = config.num_threads or 2
@@ -124,18 +125,18 @@ def cmd_bench_quantization(args) -> int:
         "dtype": str(engines["int8"].dtype).removeprefix("torch."),
         "accuracy": accuracy(engines["unquantized"], engines["int8"], held_out_texts(), list(CHAT_PROMPTS)),
     }
-    _say(args, "accuracy", report["accuracy"])
+    say(args, "accuracy", report["accuracy"])
     if not args.no_speed:
         requests = workload.generate("std-32", engines["int8"].vocab_size)
         runs = {name: [] for name in engines}
         floors = []
-        hf_model = None if args.no_floor else _load_hf_model(engines["int8"])
+        hf_model = None if args.no_floor else load_hf_model(engines["int8"])
         for engine in engines.values():
-            engine.generate([_warmup_prompt(engine.vocab_size)], None)  # warm-up
+            engine.generate([workload.warmup_prompt(engine.vocab_size)], None)  # warm-up
         for i in range(args.repeat):
             for name, engine in engines.items():
                 runs[name].append(run_engine(engine, workload.for_round(requests, i, engine.vocab_size)))
-                _say(args, f"{name} run {i + 1}", runs[name][-1])
+                say(args, f"{name} run {i + 1}", runs[name][-1])
             if hf_model is not None:
                 floors.append(measure_floor(hf_model, requests))
         best = {name: min(r, key=lambda x: x["elapsed_s"]) for name, r in runs.items()}

@@ -1,6 +1,6 @@
 """`kvferry trace plot`: one request's timeline as a PNG, a lane per process, arrows for messages."""
 
-from kvferry.services.trace.reader import BATCH_SPANS, TraceSet, process_order
+from kvferry.tools.trace.reader import BATCH_SPANS, TraceSet, process_order
 
 COLORS = {
     "http": "#c7d7ef",

@@ -8,7 +8,7 @@ arrow from the send to the receive.
 
 import json
 
-from kvferry.services.trace.reader import BATCH_SPANS, TraceSet
+from kvferry.tools.trace.reader import BATCH_SPANS, TraceSet
 
 STEPS_TID, CONTROL_TID = 1, 2
 MESSAGE_US = 1.0  # messages are drawn as 1 us slices so that flow arrows have a slice to bind to

@@ -2,7 +2,7 @@
 
 import sys
 
-from kvferry.services.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order
+from kvferry.tools.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order
 
 
 def add_trace_parser(sub) -> None:
@@ -117,7 +117,7 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kvferry.services.trace.chrome import chrome_trace, write_json
+    from kvferry.tools.trace.chrome import chrome_trace, write_json
 
     traces = _load(args.trace_dir)
     document = chrome_trace(traces)
@@ -134,7 +134,7 @@ def cmd_export(args) -> int:
 
 
 def cmd_plot(args) -> int:
-    from kvferry.services.trace.plot import plot_request
+    from kvferry.tools.trace.plot import plot_request
 
     traces = _load(args.trace_dir)
     events = _request(traces, args.request_id)

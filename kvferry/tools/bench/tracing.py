@@ -12,9 +12,9 @@ import shutil
 import sys
 import tempfile
 
-from kvferry.services.bench import workload
-from kvferry.services.bench.serve import replay
-from kvferry.services.bench.stack import fresh_stack, served_model
+from kvferry.tools.bench import workload
+from kvferry.tools.bench.serve import replay
+from kvferry.tools.bench.stack import fresh_stack, served_model
 
 
 def _run(requests: list[dict], trace_dir: str | None, args) -> dict:

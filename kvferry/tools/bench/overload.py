@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from kvferry.services.bench.stack import served_model
+from kvferry.tools.bench.stack import served_model
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:

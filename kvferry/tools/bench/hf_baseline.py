@@ -1,4 +1,5 @@
-"""transformers' own continuous batching (its paged-attention manager) on the same workload."""
+"""transformers as the baseline: its model for the compute floor, and its own continuous batching (its
+paged-attention manager) on the same workload."""
 
 import time
 
@@ -36,3 +37,16 @@ def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int =
         manager.stop(block=True, timeout=30)
     total = sum(num_out.values())
     return {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1)}
+
+
+def load_hf_model_dir(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def load_hf_model(engine):
+    """transformers' model of the engine's own weights."""
+    from kvferry.common.model.loader import resolve_model
+
+    return load_hf_model_dir(resolve_model(engine.config.model))

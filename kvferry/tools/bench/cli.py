@@ -1,11 +1,11 @@
 """`kvferry bench engine`: the std workloads through the in-process engine, against the floor and transformers."""
 
 import json
-import sys
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
-from kvferry.services.bench import workload
+from kvferry.tools.bench import workload
+from kvferry.tools.bench.report import say
 
 
 def add_bench_parser(sub) -> None:
@@ -56,7 +56,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_serve)
 
-    from kvferry.services.bench.tracing import cmd_bench_tracing
+    from kvferry.tools.bench.tracing import cmd_bench_tracing
 
     p = bench.add_parser("tracing", help="std-32 over HTTP with message tracing off and on: what tracing costs")
     p.add_argument("--model", default=None)
@@ -67,7 +67,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_tracing)
 
-    from kvferry.services.bench import feature, quantization, step, transfer
+    from kvferry.tools.bench import feature, quantization, step, transfer
 
     feature.add_parser(bench)
     transfer.add_parser(bench)
@@ -95,8 +95,8 @@ def add_bench_parser(sub) -> None:
 
 
 def cmd_bench_soak(args) -> int:
-    from kvferry.services.bench.soak import soak
-    from kvferry.services.bench.stack import fresh_stack
+    from kvferry.tools.bench.soak import soak
+    from kvferry.tools.bench.stack import fresh_stack
 
     names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
     with fresh_stack(args.model, num_prefill=2, num_decode=2) as (url, procs):
@@ -106,8 +106,8 @@ def cmd_bench_soak(args) -> int:
 
 
 def cmd_bench_overload(args) -> int:
-    from kvferry.services.bench.overload import overload
-    from kvferry.services.bench.stack import fresh_stack
+    from kvferry.tools.bench.overload import overload
+    from kvferry.tools.bench.stack import fresh_stack
 
     with fresh_stack(args.model, {"KVFERRY_MAX_WAITING": str(args.max_waiting)}) as (url, _):
         report = overload(url, args.duration)
@@ -131,7 +131,8 @@ def cmd_bench_engine(args) -> int:
     import torch
 
     from kvferry.common.engine import LLMEngine
-    from kvferry.services.bench.offline import run_engine
+    from kvferry.tools.bench import hf_baseline
+    from kvferry.tools.bench.offline import run_engine
 
     config = EngineConfig.from_args(args)
     config.num_threads = config.num_threads or 2
@@ -141,8 +142,8 @@ def cmd_bench_engine(args) -> int:
     if longest > engine.max_model_len:
         raise ConfigError(f"{args.workload} needs max_model_len >= {longest}, the engine has {engine.max_model_len}")
     report = {"workload": args.workload, "threads": torch.get_num_threads()}
-    hf_model = _load_hf_model(engine) if not args.no_floor or args.baseline == "hf" else None
-    engine.generate([_warmup_prompt(engine.vocab_size)], None)  # warm-up: first-call allocations
+    hf_model = hf_baseline.load_hf_model(engine) if not args.no_floor or args.baseline == "hf" else None
+    engine.generate([workload.warmup_prompt(engine.vocab_size)], None)  # warm-up: first-call allocations
     _alternate_with_floor(
         args,
         "kvferry",
@@ -152,10 +153,10 @@ def cmd_bench_engine(args) -> int:
         report,
     )
     if not args.no_paging:
-        from kvferry.services.bench.paging import paging_overhead
+        from kvferry.tools.bench.paging import paging_overhead
 
         report["paging"] = paging_overhead(engine)
-        _say(args, "paging overhead", report["paging"])
+        say(args, "paging overhead", report["paging"])
     if args.baseline == "hf":
         _hf_baseline(args, hf_model, requests, report)
     if args.json:
@@ -172,8 +173,9 @@ def cmd_bench_serve(args) -> int:
     from transformers import AutoConfig
 
     from kvferry.common.model.loader import resolve_model
-    from kvferry.services.bench.serve import counters_delta, prefill_counters, replay
-    from kvferry.services.bench.stack import served_model
+    from kvferry.tools.bench import hf_baseline
+    from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
+    from kvferry.tools.bench.stack import served_model
 
     torch.set_num_threads(args.threads)
     model_name = served_model(args.url)
@@ -183,7 +185,7 @@ def cmd_bench_serve(args) -> int:
         return _sweep(args, model_name, vocab_size)
     requests = workload.generate(args.workload, vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
-    hf_model = _load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
+    hf_model = hf_baseline.load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
     warmup = workload.generate("std-32", vocab_size, seed=99)[:2]  # shares no prefix with the workload
     asyncio.run(replay(args.url, model_name, warmup))
     if args.baseline_url:
@@ -221,7 +223,7 @@ def cmd_bench_serve(args) -> int:
         "kv_transfer_ms": probe["kv_transfer_p50_ms"],
         "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4),
     }
-    _say(args, "512-token prompt", report["probe_512"])
+    say(args, "512-token prompt", report["probe_512"])
     if args.baseline == "hf":
         _hf_baseline(args, hf_model, requests, report)
     if args.json:
@@ -288,8 +290,8 @@ def _rates(text: str) -> list[float]:
 def _sweep(args, model_name: str, vocab_size: int) -> int:
     import asyncio
 
-    from kvferry.services.bench import sweep
-    from kvferry.services.bench.serve import replay
+    from kvferry.tools.bench import sweep
+    from kvferry.tools.bench.serve import replay
 
     asyncio.run(replay(args.url, model_name, workload.generate("std-32", vocab_size, seed=99)[:2]))  # warm-up
     points = sweep.sweep(
@@ -322,18 +324,18 @@ def _alternate_with_floor(
     keeping the best of each: on a shared machine a slow spell then hits every side rather than one.
     run_once(round) replays workload.for_round's requests: a later round must not find the earlier rounds'
     prompts in the prefix cache."""
-    from kvferry.services.bench.floor import measure_floor
+    from kvferry.tools.bench.floor import measure_floor
 
     runs, floors, baselines = [], [], []
     for i in range(args.repeat):
         runs.append(run_once(i))
-        _say(args, f"{label} run {i + 1}", runs[-1])
+        say(args, f"{label} run {i + 1}", runs[-1])
         if baseline_once is not None:
             baselines.append(baseline_once(i))
-            _say(args, f"baseline run {i + 1}", baselines[-1])
+            say(args, f"baseline run {i + 1}", baselines[-1])
         if not args.no_floor:
             floors.append(measure_floor(hf_model, requests))
-            _say(args, f"floor run {i + 1}", floors[-1])
+            say(args, f"floor run {i + 1}", floors[-1])
     report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
     if floors:
         report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
@@ -348,36 +350,13 @@ def _alternate_with_floor(
 
 
 def _hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
-    from kvferry.services.bench.hf_baseline import run_hf_continuous_batching
+    from kvferry.tools.bench.hf_baseline import run_hf_continuous_batching
 
     hf = report["hf"] = run_hf_continuous_batching(hf_model, requests)
     hf["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / hf["output_tok_per_s"], 2)
     if "floor" in report:
         hf["fraction_of_floor"] = round(report["floor"]["floor_s"] / hf["elapsed_s"], 3)
-    _say(args, "transformers continuous batching", hf)
-
-
-def _warmup_prompt(vocab_size: int) -> list[int]:
-    """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
-    return workload.generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
-
-
-def _load_hf_model_dir(model_dir):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
-def _load_hf_model(engine):
-    from kvferry.common.model.loader import resolve_model
-
-    return _load_hf_model_dir(resolve_model(engine.config.model))
-
-
-def _say(args, title: str, figures: dict) -> None:
-    if not args.json:
-        print(f"{title}: " + ", ".join(f"{k}={v}" for k, v in figures.items() if k != "step_ms"), file=sys.stderr)
+    say(args, "transformers continuous batching", hf)
 
 
 def _summary(report: dict) -> None:

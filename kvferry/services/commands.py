@@ -1,4 +1,8 @@
-"""The `kvferry` command: one entry point, one subcommand per role or tool."""
+"""The long-running roles' subcommands: gateway, prefill, decode, serve (the three as child processes) and health.
+
+`kvferry` (kvferry.tools.cli) adds these beside its tools; `kvferry serve` starts its children through this
+module's own main, so that the services never reach up into the tools.
+"""
 
 import argparse
 import os
@@ -6,46 +10,7 @@ import sys
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import KvferryError
-
-
-def cmd_prepare(args) -> int:
-    from kvferry.common.model.loader import resolve_model
-
-    print(resolve_model(args.model))
-    return 0
-
-
-def cmd_generate(args) -> int:
-    from kvferry.common.engine import LLMEngine
-    from kvferry.common.sampling import SamplingParams
-
-    params = SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        ignore_eos=args.ignore_eos,
-    )
-    engine = LLMEngine(EngineConfig.from_args(args))
-    request_id = engine.add_request(args.prompt, params, chat=args.chat)
-    printed = ""
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.request_id != request_id:
-                continue
-            text = engine.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
-            # Hold back a trailing replacement char: the next token may complete a multi-byte character.
-            stable = text.rstrip("\ufffd") if not out.finished else text
-            if stable.startswith(printed):
-                sys.stdout.write(stable[len(printed) :])
-                sys.stdout.flush()
-                printed = stable
-            if out.finished:
-                print(
-                    f"\n[{len(out.output_token_ids)} tokens, finish: {out.finish_reason.name.lower()}]", file=sys.stderr
-                )
-    return 0
+from kvferry.common.observability import add_observability_args, observe
 
 
 def cmd_gateway(args) -> int:
@@ -55,33 +20,6 @@ def cmd_gateway(args) -> int:
     return 0
 
 
-def observe(args, role: str, process: str) -> None:
-    """Logs, the trace folder and OpenTelemetry export for this process, from its flags."""
-    from kvferry.common import tracing
-    from kvferry.common.logs import setup_logging
-
-    setup_logging(args.log_format, process)
-    tracing.configure(role, process, args.trace_dir, args.otlp_endpoint)
-
-
-def add_observability_args(parser: argparse.ArgumentParser) -> None:
-    from kvferry.common.logs import FORMATS
-
-    env = os.environ.get
-    g = parser.add_argument_group("observability (each also read from KVFERRY_<NAME>)")
-    g.add_argument(
-        "--trace-dir",
-        default=env("KVFERRY_TRACE_DIR") or None,
-        help="append one JSON line per message and span to files in this folder (read with kvferry trace)",
-    )
-    g.add_argument(
-        "--otlp-endpoint",
-        default=env("KVFERRY_OTLP_ENDPOINT") or None,
-        help="also export spans to this OpenTelemetry collector (OTLP/HTTP), e.g. http://localhost:4318",
-    )
-    g.add_argument("--log-format", default=env("KVFERRY_LOG_FORMAT", "text"), choices=FORMATS)
-
-
 def add_security_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--curve-keys",
@@ -89,14 +27,6 @@ def add_security_args(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="encrypt and authenticate every ZeroMQ socket with the keys in DIR (kvferry keys DIR)",
     )
-
-
-def cmd_keys(args) -> int:
-    from kvferry.common.curve import generate
-
-    for path in generate(args.folder):
-        print(path)
-    return 0
 
 
 def add_api_args(parser: argparse.ArgumentParser) -> None:
@@ -238,25 +168,9 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvferry", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("prepare", help="convert the model once into the cache and print its folder")
-    p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL"))
-    p.set_defaults(func=cmd_prepare)
-
-    p = sub.add_parser("generate", help="offline, in-process generation")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--ignore-eos", action="store_true")
-    EngineConfig.add_args(p)
-    p.set_defaults(func=cmd_generate)
+def add_service_parsers(sub) -> None:
+    """`kvferry gateway`, `prefill`, `decode`, `health` and `serve`, on the subparsers of a `kvferry` parser."""
+    from kvferry.services.health_probe import cmd_health
 
     env = os.environ.get
     p = sub.add_parser("gateway", help="the HTTP API and the worker registry")
@@ -321,8 +235,6 @@ def build_parser() -> argparse.ArgumentParser:
         add_observability_args(p)
         p.set_defaults(func=func)
 
-    from kvferry.services.health_probe import cmd_health
-
     p = sub.add_parser("health", help="exit 0 when this container's gateway or worker is healthy (for HEALTHCHECK)")
     p.add_argument(
         "--url",
@@ -331,10 +243,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="probe this URL instead (repeatable; the first that answers decides)",
     )
     p.set_defaults(func=cmd_health)
-
-    p = sub.add_parser("keys", help="write CURVE key pairs into a folder, for --curve-keys")
-    p.add_argument("folder")
-    p.set_defaults(func=cmd_keys)
 
     p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
     p.add_argument("--host", default=env("KVFERRY_HOST", "127.0.0.1"))
@@ -357,20 +265,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_observability_args(p)
     p.set_defaults(func=cmd_serve)
 
-    from kvferry.services.bench.cli import add_bench_parser
-    from kvferry.services.trace.cli import add_trace_parser
 
-    add_bench_parser(sub)
-    add_trace_parser(sub)
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvferry", description="kvferry's long-running roles")
+    add_service_parsers(parser.add_subparsers(dest="command", required=True))
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command in ("generate", "bench", "prepare", "keys"):  # services set up their own logs (observe)
-        from kvferry.common.logs import setup_logging
-
-        setup_logging("text", args.command)
+def run(args) -> int:
+    """Run a parsed command: a KvferryError is one line and exit status 2, Ctrl-C is 130."""
     try:
         return args.func(args)
     except KvferryError as exc:
@@ -378,6 +281,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":
