@@ -91,7 +91,7 @@ def save_tiny_chat_model(folder, seed: int = 0):
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     default = resolve_model(None)
     config = AutoConfig.from_pretrained(default)

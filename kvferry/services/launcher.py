@@ -121,7 +121,7 @@ def start_services(
 
 
 def serve(args) -> int:
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     resolve_model(args.model)  # convert once here, not in three processes at the same time
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:

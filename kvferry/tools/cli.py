@@ -9,7 +9,7 @@ from kvferry.services.commands import add_service_parsers, run
 
 
 def cmd_prepare(args) -> int:
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     print(resolve_model(args.model))
     return 0

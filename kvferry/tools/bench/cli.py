@@ -172,7 +172,7 @@ def cmd_bench_serve(args) -> int:
     import torch
     from transformers import AutoConfig
 
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
     from kvferry.tools.bench import hf_baseline
     from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
     from kvferry.tools.bench.stack import served_model

@@ -57,7 +57,7 @@ def _ratio(off: float, on: float) -> float:
 def cmd_bench_feature(args) -> int:
     from transformers import AutoConfig
 
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     name = args.workload or FEATURES[args.feature][1]
     vocab_size = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size

@@ -47,6 +47,6 @@ def load_hf_model_dir(model_dir):
 
 def load_hf_model(engine):
     """transformers' model of the engine's own weights."""
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     return load_hf_model_dir(resolve_model(engine.config.model))

