@@ -221,10 +221,8 @@ def secret_name() -> str:
 @pytest.fixture(scope="module")
 def gateway_api():
     """The real gateway API over a real core, with one live worker of each role registered."""
-    from transformers import AutoTokenizer
-
-    from kvferry.common.model.loader import resolve_model
     from kvferry.services.gateway.api import Api
+    from kvferry.services.gateway.main import load_text_side
     from kvferry.services.gateway.server import GatewayCore
 
     core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
@@ -243,7 +241,7 @@ def gateway_api():
             b"id",
             time.time(),
         )
-    yield Api(core, AutoTokenizer.from_pretrained(resolve_model(None)), "SmolLM2-135M-Instruct", 2048)
+    yield Api(core, load_text_side(None)[0], "SmolLM2-135M-Instruct", 2048)
     core.control.socket.close()
 
 

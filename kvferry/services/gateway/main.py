@@ -12,7 +12,8 @@ import uvicorn
 
 from kvferry.common.bind_check import listen_tcp
 from kvferry.common.curve import CurveKeys
-from kvferry.common.model.loader import max_model_len_of, resolve_model, served_model_name
+from kvferry.common.model_files import max_model_len_of, read_config, resolve_model, served_model_name
+from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import Deadlines, GatewayCore
@@ -47,9 +48,22 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def run_gateway(args) -> None:
-    from transformers import AutoConfig, AutoTokenizer
+def load_text_side(model) -> tuple[TextTokenizer, int]:
+    """What the gateway knows of the model: its tokenizer with the chat template, and its length limit. Without
+    torch, nor transformers, which imports it."""
+    model_dir = resolve_model(model)
+    tokenizer = TextTokenizer(model_dir)
+    if not tokenizer.generic:
+        log.warning(
+            "%s's tokenizer_class is %s: transformers rebuilds that one's pipeline, while the gateway encodes with "
+            "tokenizer.json as saved; the two may differ",
+            model_dir,
+            tokenizer.tokenizer_class,
+        )
+    return tokenizer, max_model_len_of(read_config(model_dir))
 
+
+def run_gateway(args) -> None:
     from kvferry.common.observability import observe
 
     observe(args, "gateway", "gateway")
@@ -71,9 +85,7 @@ def run_gateway(args) -> None:
         args.max_waiting,
         CurveKeys.load(args.curve_keys),
     )  # binds --control: before the tokenizer loads, too
-    model_dir = resolve_model(args.model)
-    hf_config = AutoConfig.from_pretrained(model_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer, model_max_len = load_text_side(args.model)
     limits = Limits(
         max_body_bytes=args.max_body_size,
         max_n=args.max_n,
@@ -81,7 +93,7 @@ def run_gateway(args) -> None:
         max_stop=args.max_stop,
         max_prompts=args.max_prompts,
     )
-    api = Api(core, tokenizer, name, args.max_model_len or max_model_len_of(hf_config), limits, args.api_key)
+    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
     config = uvicorn.Config(

@@ -28,9 +28,7 @@ class TokenizerRoutes:
         ):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} with text content", "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, add_generation_prompt=add_generation_prompt, return_dict=False
-            )
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
         except Exception as exc:  # a template that rejects the conversation
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         return list(ids)
@@ -67,14 +65,14 @@ class TokenizerRoutes:
         t = self.tokenizer
         return JSONResponse(
             {
-                "tokenizer_class": type(t).__name__,
+                "tokenizer_class": t.tokenizer_class,
                 "vocab_size": self.api.vocab_size,
                 "model_max_length": self.api.max_model_len,
                 "eos_token": t.eos_token,
                 "bos_token": t.bos_token,
                 "pad_token": t.pad_token,
                 "unk_token": t.unk_token,
-                "add_bos_token": getattr(t, "add_bos_token", None),
+                "add_bos_token": t.add_bos_token,
                 "chat_template": t.chat_template,
             }
         )
