@@ -29,6 +29,7 @@ test: model
 lint: $(STAMP)
 	$(VENV)/bin/ruff check kvferry tests
 	$(VENV)/bin/ruff format --check kvferry tests
+	$(VENV)/bin/lint-imports
 
 bench: model
 	$(VENV)/bin/kvferry bench engine --baseline hf
