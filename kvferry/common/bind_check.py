@@ -42,7 +42,7 @@ def _cannot_bind(address: str, setting: str, reason: str, in_use: bool) -> Confi
 
 
 def bind_zmq(sock: zmq.Socket, address: str, setting: str) -> None:
-    """sock.bind, with a ConfigError naming the setting (a flag and its KVFERRY_ variable) when it fails."""
+    """sock.bind, with a ConfigError naming the setting (its flag and variable: settings.label) when it fails."""
     try:
         sock.bind(address)
     except zmq.ZMQError as exc:

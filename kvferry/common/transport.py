@@ -9,7 +9,7 @@ recorded (with the receive on the other side) by the process's tracer when traci
 That span id is also the message's id: a receiver drops a message whose id it has just seen
 (a duplicate), so resending is always safe.
 
-KVFERRY_FAULTS (common/faults.py) makes send drop, duplicate and delay messages, for tests.
+The fault-injection hook (common/faults.py, for tests) makes send drop, duplicate and delay messages.
 """
 
 import asyncio

@@ -10,6 +10,7 @@ import logging
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common import settings
 from kvferry.common.curve import CurveKeys
 from kvferry.common.transport import Channel
 
@@ -43,11 +44,12 @@ class GatewayLink:
         if self.num_attempts:
             log.warning(
                 "%s: no answer from the gateway at %s (attempt %d); trying again in %.1f s. If this goes "
-                "on, check --gateway (KVFERRY_GATEWAY): is the gateway up, and reachable from here?",
+                "on, check %s: is the gateway up, and reachable from here?",
                 message.worker_id,
                 self.address,
                 self.num_attempts,
                 REGISTER_RETRY_S[min(self.num_attempts + 1, len(REGISTER_RETRY_S)) - 1],
+                settings.label("gateway"),
             )
         self.channel.send(message)
         self.num_attempts += 1

@@ -1,21 +1,22 @@
 """`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK).
 
-One image runs every role, so the probe asks the worker health port first (KVFERRY_HEALTH_PORT) and
-then the gateway's HTTP port (KVFERRY_PORT); the first that answers decides. Nothing listening on the
+One image runs every role, so the probe asks the worker health port first (the health_port setting) and
+then the gateway's HTTP port (port); the first that answers decides. Nothing listening on the
 health port means this container is not a worker, or it is still loading its model.
 """
 
-import os
 import sys
 import urllib.error
 import urllib.request
 
+from kvferry.common import settings
+from kvferry.common.errors import ConfigError
+
 
 def default_urls() -> list[str]:
-    urls = []
-    if os.environ.get("KVFERRY_HEALTH_PORT"):
-        urls.append(f"http://127.0.0.1:{os.environ['KVFERRY_HEALTH_PORT']}/health")
-    urls.append(f"http://127.0.0.1:{os.environ.get('KVFERRY_PORT', '8000')}/health")
+    health_port = settings.from_env("health_port")
+    urls = [f"http://127.0.0.1:{health_port}/health"] if health_port is not None else []
+    urls.append(f"http://127.0.0.1:{settings.from_env('port')}/health")
     return urls
 
 
@@ -33,7 +34,10 @@ def probe(urls: list[str], timeout_s: float = 4.0) -> tuple[int, str]:
 
 
 def check(urls: list[str] | None = None) -> int:
-    code, text = probe(urls or default_urls())
+    try:
+        code, text = probe(urls or default_urls())
+    except ConfigError as exc:  # a port variable that is not a port
+        code, text = 1, str(exc)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
 

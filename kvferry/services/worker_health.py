@@ -14,6 +14,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from kvferry.common import settings
 from kvferry.common.bind_check import listen_tcp
 
 PATHS = ("/health", "/live")
@@ -71,7 +72,7 @@ class WorkerHealthServer:
             def log_message(self, *args):  # probes every few seconds would flood the log
                 pass
 
-        sock = listen_tcp(host, port, "--health-port (KVFERRY_HEALTH_PORT)")
+        sock = listen_tcp(host, port, settings.label("health_port"))
         self.server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
         self.server.socket.close()
         self.server.socket = sock

@@ -56,7 +56,7 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_it(engine):
 @pytest.mark.parametrize(
     "kwargs,expected",
     [
-        (dict(max_num_seqs=0), "max_num_seqs must be positive"),
+        (dict(max_num_seqs=0), "max_num_seqs must be at least 1"),
         (dict(block_size=12), "block_size must be 8, 16 or 32"),
         (dict(kv_cache_memory=1000), "holds no block"),
         (dict(device="tpu"), "device 'tpu'"),

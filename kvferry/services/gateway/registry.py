@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvferry.common import protocol as p
+from kvferry.common import settings
 
 MISSED_HEARTBEATS = 3  # a worker silent for this many intervals is dropped
 
@@ -89,15 +90,14 @@ class Registry:
             return f"unknown role {msg.role}"
         for what, setting, expected, got in (
             ("model", "model", self.expected_model, msg.model),
-            ("block size", "block-size", self.expected_block_size, msg.block_size),
+            ("block size", "block_size", self.expected_block_size, msg.block_size),
             ("dtype", "dtype", self.expected_dtype or self._live("dtype"), msg.dtype),
             ("quantization", "quantization", self._live("quantization"), msg.quantization),
         ):
             if expected is not None and expected != got:
-                env = "KVFERRY_" + setting.upper().replace("-", "_")
                 return (
                     f"{what} mismatch: the gateway serves {expected!r}, the worker has {got!r}; give every "
-                    f"gateway and worker (every pod) the same --{setting} ({env})"
+                    f"gateway and worker (every pod) the same {settings.label(setting)}"
                 )
         if role == p.Role.DECODE and not msg.kv_address:
             return "a decode worker must give its KV ingress address"

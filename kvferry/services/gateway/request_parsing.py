@@ -8,6 +8,7 @@ wrong answer otherwise.
 import math
 from dataclasses import dataclass
 
+from kvferry.common import settings
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import MAX_LOGPROBS, SamplingParams
 
@@ -57,13 +58,13 @@ NEUTRAL = {
 
 @dataclass
 class Limits:
-    """What one request may ask for; each is a gateway flag."""
+    """What one request may ask for; each is a gateway setting (defaults from common/settings.py)."""
 
-    max_body_bytes: int = 8 * 2**20
-    max_n: int = 16
-    max_tokens: int = 16384
-    max_stop: int = 16
-    max_prompts: int = 64  # prompts in one completions request
+    max_body_bytes: int = settings.default("max_body_size")
+    max_n: int = settings.default("max_n")
+    max_tokens: int = settings.default("max_tokens_limit")
+    max_stop: int = settings.default("max_stop")
+    max_prompts: int = settings.default("max_prompts")  # prompts in one completions request
 
 
 @dataclass

@@ -20,7 +20,7 @@ import zmq
 import zmq.asyncio
 
 from kvferry.common import protocol as p
-from kvferry.common import tracing
+from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, warn_if_exposed
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.curve import CurveKeys
@@ -42,12 +42,12 @@ class NoWorkers(Exception):
 class Deadlines:
     """How long a request may wait for each thing, and how often it may move. Defaults suit a CPU."""
 
-    first_token_s: float = 120.0  # routed -> first token: queueing plus prefill
-    step_s: float = 30.0  # between a decoding request's token messages
+    first_token_s: float = settings.default("first_token_timeout")  # routed -> first token: queueing plus prefill
+    step_s: float = settings.default("step_timeout")  # between a decoding request's token messages
     gap_s: float = 2.0  # tokens held back for a message that has not come
     no_workers_s: float = 10.0  # a request that must move waits this long for a live worker
-    request_s: float = 600.0  # end to end
-    max_moves: int = 3  # moves to other workers before the request fails
+    request_s: float = settings.default("request_timeout")  # end to end
+    max_moves: int = settings.default("max_moves")  # moves to other workers before the request fails
 
 
 class GatewayCore:
@@ -56,7 +56,7 @@ class GatewayCore:
         control_address: str,
         model_name: str,
         block_size: int,
-        heartbeat_interval_s: float = 1.0,
+        heartbeat_interval_s: float = settings.default("heartbeat_interval"),
         deadlines: Deadlines | None = None,
         max_waiting: int = 0,
         curve: CurveKeys | None = None,
@@ -68,7 +68,7 @@ class GatewayCore:
             curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
-        bind_zmq(sock, control_address, "--control (KVFERRY_CONTROL)")
+        bind_zmq(sock, control_address, settings.label("control"))
         warn_if_exposed(control_address, "the gateway's control socket", curve=curve is not None)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async

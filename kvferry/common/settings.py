@@ -1,0 +1,732 @@
+"""Every kvferry setting, defined once: its name, type, default, bounds, help and the commands that take it.
+
+From this table come each command's flags (`--max-num-seqs`), the environment variables (`KVFERRY_` plus the
+upper-case name, written nowhere else), what `kvferry serve` passes to its child processes, the EngineConfig
+defaults, and the settings table in docs/operations.md. A flag overrides the environment, and the environment
+overrides the default. An empty variable counts as unset.
+
+To add a setting: add one Setting to SPEC below (name, type, default, help, the commands that take it), read it
+as `args.<name>` in the command, then run `python -m kvferry.common.settings --write-docs docs/operations.md`.
+
+Standard library only: the gateway and the image's health check import this.
+"""
+
+import argparse
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvferry.common.errors import ConfigError
+from kvferry.common.logs import FORMATS
+
+ENV_PREFIX = "KVFERRY_"
+
+# The commands that take settings. "bench" is each benchmark that runs the engine in process
+# (bench engine, bench step, bench quantization).
+PREPARE, GENERATE, GATEWAY, PREFILL, DECODE, SERVE, BENCH = (
+    "prepare",
+    "generate",
+    "gateway",
+    "prefill",
+    "decode",
+    "serve",
+    "bench",
+)
+COMMANDS = (GATEWAY, PREFILL, DECODE, SERVE, GENERATE, BENCH, PREPARE)
+ENGINE = (GENERATE, PREFILL, DECODE, BENCH)  # the commands that run an engine: EngineConfig's settings
+WORKERS = (PREFILL, DECODE)
+SERVICES = (GATEWAY, PREFILL, DECODE, SERVE)  # long-running processes
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "kib": 2**10,
+    "m": 10**6,
+    "mb": 10**6,
+    "mib": 2**20,
+    "g": 10**9,
+    "gb": 10**9,
+    "gib": 2**30,
+}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def parse_size(text: str | int) -> int:
+    """'1GiB', '512MiB', '2g', '1048576' -> bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def parse_bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    if text.strip().lower() in _TRUE:
+        return True
+    if text.strip().lower() in _FALSE:
+        return False
+    raise ValueError(f"not a yes or no: {text!r} (try {', '.join(_TRUE)} or {', '.join(_FALSE)})")
+
+
+def _parse_int(text: str | int) -> int:
+    if isinstance(text, int) and not isinstance(text, bool):
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"invalid int value: {text!r}") from None
+
+
+def _parse_float(text: str | float) -> float:
+    if isinstance(text, int | float) and not isinstance(text, bool):
+        return float(text)
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"invalid float value: {text!r}") from None
+
+
+# A setting's kind: how its text becomes a value, and how a value goes back into the environment.
+STR, INT, FLOAT, SIZE, PATH, SWITCH = "str", "int", "float", "size", "path", "switch"
+_PARSERS: dict[str, Callable[[Any], Any]] = {
+    STR: str,
+    INT: _parse_int,
+    FLOAT: _parse_float,
+    SIZE: parse_size,
+    PATH: str,
+    SWITCH: parse_bool,
+}
+
+
+class EnvText(str):
+    """A value read from the environment, which remembers its variable for error messages."""
+
+    variable: str
+
+    def __new__(cls, text: str, variable: str):
+        self = super().__new__(cls, text)
+        self.variable = variable
+        return self
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # snake_case; the flag is --name-with-dashes, the variable KVFERRY_NAME
+    kind: str
+    default: Any  # text as a user would write it ("1GiB"), a value, or None
+    help: str
+    commands: tuple[str, ...]
+    group: str
+    choices: tuple | None = None
+    min: float | None = None  # inclusive
+    above: float | None = None  # exclusive (for a float that must be positive)
+    max: float | None = None  # inclusive, given with min
+    flag: str | None = None  # a flag other than --name-with-dashes; "" for a setting read from the environment only
+    dest: str | None = None  # the attribute in the parsed arguments, when it is not the name
+    negate: bool = False  # a switch whose attribute is its opposite (--no-prefix-caching -> enable_prefix_caching)
+    metavar: str | None = None
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    @property
+    def option(self) -> str | None:
+        """The flag, or None for a setting read from the environment only."""
+        if self.flag == "":
+            return None
+        return self.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def attr(self) -> str:
+        return self.dest or self.name
+
+    @property
+    def label(self) -> str:
+        """How messages name the setting: '--port (KVFERRY_PORT)'."""
+        return f"{self.option} ({self.env})" if self.option else self.env
+
+    def bounds(self) -> str | None:
+        """What a valid value is, as words, or None when anything of the type goes."""
+        if self.choices:
+            words = [str(c) for c in self.choices]
+            return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
+        if self.min is not None and self.max is not None:
+            return f"between {self.min:g} and {self.max:g}"
+        if self.min is not None:
+            return f"at least {self.min:g}"
+        return f"more than {self.above:g}" if self.above is not None else None
+
+    def problem(self, value: Any) -> str | None:
+        """Why a value (of the setting's type) is out of bounds, or None. None itself always passes."""
+        if value is None or self.kind == SWITCH:
+            return None
+        bad = (
+            (self.choices is not None and value not in self.choices)
+            or (self.min is not None and not value >= self.min)
+            or (self.above is not None and not value > self.above)
+            or (self.max is not None and not value <= self.max)
+        )
+        return f"must be {self.bounds()}, got {value!r}" if bad else None
+
+    def check(self, value: Any) -> Any:
+        """The value, or a ConfigError naming the setting (for values set in code, e.g. EngineConfig's)."""
+        problem = self.problem(value)
+        if problem:
+            raise ConfigError(f"{self.name} {problem}")
+        return value
+
+    def parse(self, text: Any) -> Any:
+        """A flag's or variable's text -> the setting's value (a negated switch's opposite included).
+
+        Raises ValueError whose message says what is wrong and, for a variable's text, which variable."""
+        source = f" (from {text.variable})" if isinstance(text, EnvText) else ""
+        try:
+            value = _PARSERS[self.kind](text)
+        except ValueError as exc:
+            raise ValueError(f"{exc}{source}") from None
+        problem = self.problem(value)
+        if problem:
+            raise ValueError(f"{problem}{source}")
+        return (not value) if self.negate else value
+
+    @property
+    def value_default(self) -> Any:
+        """The default as the parsed arguments hold it."""
+        if self.default is None:
+            return None
+        return self.parse(self.default) if isinstance(self.default, str) or self.kind == SWITCH else self.default
+
+    def from_env(self, environ: Mapping[str, str] | None = None) -> Any:
+        """The value from the environment, or the default: for what reads a setting without a command line."""
+        text = (os.environ if environ is None else environ).get(self.env, "")
+        if not text:
+            return self.value_default
+        try:
+            return self.parse(EnvText(text, self.env))
+        except ValueError as exc:
+            raise ConfigError(f"{self.label}: {exc}") from None
+
+    def to_env(self, value: Any) -> str | None:
+        """A parsed value as a variable's text, which parses back to it; None: leave the variable unset."""
+        if self.kind == SWITCH:
+            return "1" if bool(value) != self.negate else "0"
+        if value is None:
+            return None
+        if self.kind == PATH:
+            return os.path.abspath(value)
+        return repr(value) if self.kind == FLOAT else str(value)
+
+
+SPEC: tuple[Setting, ...] = (
+    # The model and the engine.
+    Setting(
+        "model",
+        STR,
+        None,
+        "Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+        (*COMMANDS,),
+        "model and engine",
+    ),
+    Setting(
+        "device", STR, "auto", "auto (cuda when present, else cpu), cpu, cuda or cuda:N", ENGINE, "model and engine"
+    ),
+    Setting(
+        "dtype",
+        STR,
+        "auto",
+        "the weights' and KV cache's type; auto: float32 on the CPU, bfloat16 on CUDA",
+        ENGINE,
+        "model and engine",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Setting(
+        "quantization",
+        STR,
+        "none",
+        "int8: every linear layer's weights in int8 with one scale per output channel (a tied lm_head gets its "
+        "own int8 copy; the embedding stays in float); slightly less accurate: `kvferry bench quantization` "
+        "measures it. `kvferry serve` gives it to both workers",
+        (*ENGINE, SERVE),
+        "model and engine",
+        choices=("int8", "none"),
+    ),
+    Setting(
+        "block_size",
+        INT,
+        "16",
+        "tokens per KV cache block; the gateway and every worker must have the same",
+        (*ENGINE, GATEWAY),
+        "model and engine",
+        choices=(8, 16, 32),
+    ),
+    Setting(
+        "kv_cache_memory",
+        SIZE,
+        "1GiB",
+        "memory budget of the paged KV cache, e.g. 512MiB",
+        ENGINE,
+        "model and engine",
+        min=1,
+    ),
+    Setting("max_num_seqs", INT, "128", "the most sequences in one step", ENGINE, "model and engine", min=1),
+    Setting(
+        "max_num_batched_tokens", INT, "2048", "the most tokens one step computes", ENGINE, "model and engine", min=1
+    ),
+    Setting(
+        "max_model_len",
+        INT,
+        None,
+        "the longest prompt plus output a request may have; default: the model's own limit",
+        (*ENGINE, GATEWAY),
+        "model and engine",
+        min=2,
+    ),
+    Setting(
+        "num_threads",
+        INT,
+        None,
+        "torch CPU threads of this process; default: torch's own choice",
+        ENGINE,
+        "model and engine",
+        min=1,
+    ),
+    Setting(
+        "seed",
+        INT,
+        None,
+        "seed of the shared generator used by requests without a seed",
+        ENGINE,
+        "model and engine",
+        flag="--engine-seed",
+    ),
+    Setting(
+        "no_prefix_caching",
+        SWITCH,
+        False,
+        "compute every prompt in full instead of reusing cached KV blocks of its prefix",
+        ENGINE,
+        "model and engine",
+        dest="enable_prefix_caching",
+        negate=True,
+    ),
+    Setting(
+        "no_chunked_prefill",
+        SWITCH,
+        False,
+        "compute each prompt in one step, however long, instead of in chunks beside other prompts",
+        ENGINE,
+        "model and engine",
+        dest="enable_chunked_prefill",
+        negate=True,
+    ),
+    Setting(
+        "long_prefill_threshold",
+        INT,
+        "512",
+        "with chunked prefill, the most tokens of one prompt in a step; the rest of the step's budget goes to "
+        "the prompts behind it (0: no cap)",
+        ENGINE,
+        "model and engine",
+        min=0,
+    ),
+    Setting(
+        "enforce_eager",
+        SWITCH,
+        False,
+        "on CUDA, run every decode step eagerly instead of replaying captured CUDA graphs (saves their capture "
+        "time and memory; the CPU never uses them)",
+        ENGINE,
+        "model and engine",
+    ),
+    # Where the gateway listens; what `kvferry serve` starts.
+    Setting("host", STR, "127.0.0.1", "the HTTP API's address (0.0.0.0: every interface)", (GATEWAY, SERVE), "gateway"),
+    Setting("port", INT, "8000", "the HTTP API's port", (GATEWAY, SERVE), "gateway", min=0, max=65535),
+    Setting(
+        "control",
+        STR,
+        "tcp://127.0.0.1:5557",
+        "where workers register (binding beyond 127.0.0.1 lets any host on the network talk to it)",
+        (GATEWAY,),
+        "gateway",
+    ),
+    Setting(
+        "heartbeat_interval",
+        FLOAT,
+        "1.0",
+        "seconds between a worker's heartbeats (the gateway tells each worker as it registers); a worker that "
+        "misses several is taken off the registry",
+        (GATEWAY,),
+        "gateway",
+        above=0,
+    ),
+    Setting(
+        "control_port",
+        INT,
+        "5557",
+        "the port on 127.0.0.1 where serve's workers register at its gateway",
+        (SERVE,),
+        "gateway",
+        min=1,
+        max=65535,
+    ),
+    # On two cores: the decode worker is busy all the time, the prefill worker in bursts (measured with
+    # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
+    Setting("prefill_threads", INT, "1", "torch threads of serve's prefill worker", (SERVE,), "gateway", min=1),
+    Setting("decode_threads", INT, "2", "torch threads of serve's decode worker", (SERVE,), "gateway", min=1),
+    # Workers.
+    Setting(
+        "gateway",
+        STR,
+        "tcp://127.0.0.1:5557",
+        "the gateway's control address; several, comma-separated, to serve gateways that share this worker",
+        WORKERS,
+        "worker",
+    ),
+    Setting(
+        "worker_id",
+        STR,
+        None,
+        "this worker's name in logs, traces and /v1/workers; default: the role and a random suffix",
+        WORKERS,
+        "worker",
+    ),
+    Setting(
+        "stall_timeout",
+        FLOAT,
+        "30",
+        "report unhealthy (the gateway moves the requests) when the step loop is stuck this long",
+        WORKERS,
+        "worker",
+        above=0,
+    ),
+    Setting(
+        "health_port",
+        INT,
+        None,
+        "serve GET /health (registered and stepping) and /live (loop not stuck) on this port, on every "
+        "interface: the kubelet probes the pod's address (default: off)",
+        WORKERS,
+        "worker",
+        min=1,
+        max=65535,
+    ),
+    Setting(
+        "kv_bind",
+        STR,
+        "tcp://127.0.0.1:0",
+        "where prefill workers send KV (port 0: any free port)",
+        (DECODE,),
+        "worker",
+    ),
+    Setting(
+        "advertise_host",
+        STR,
+        None,
+        "the address prefill workers reach a 0.0.0.0 --kv-bind at (default: this host's IP; in Kubernetes, "
+        "give the pod IP)",
+        (DECODE,),
+        "worker",
+    ),
+    # Deadlines and overload.
+    Setting(
+        "max_waiting",
+        INT,
+        "256",
+        "requests waiting for their first token; past this, new ones get 429 (0: no bound)",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        min=0,
+    ),
+    Setting(
+        "drain_timeout",
+        FLOAT,
+        "30",
+        "on SIGTERM, stop taking new work and finish what is in flight for at most this long (a worker then "
+        "hands the rest back)",
+        SERVICES,
+        "deadlines and overload",
+        min=0,
+    ),
+    Setting(
+        "first_token_timeout",
+        FLOAT,
+        "120",
+        "a request without its first token this long moves to other workers",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        above=0,
+    ),
+    Setting(
+        "step_timeout",
+        FLOAT,
+        "30",
+        "a decoding request without new tokens this long moves to other workers",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        above=0,
+    ),
+    Setting(
+        "request_timeout",
+        FLOAT,
+        "600",
+        "a request not finished this long after it arrived fails with 504",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        above=0,
+    ),
+    Setting(
+        "max_moves",
+        INT,
+        "3",
+        "how often a request may move off a failed worker before it fails",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        min=0,
+    ),
+    # The HTTP API.
+    Setting(
+        "api_key",
+        STR,
+        None,
+        "require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version, /openapi.json",
+        (GATEWAY, SERVE),
+        "API",
+    ),
+    Setting("max_body_size", SIZE, "8MiB", "larger request bodies get 413", (GATEWAY, SERVE), "API", min=1),
+    Setting("max_n", INT, "16", "the largest n a request may ask for", (GATEWAY, SERVE), "API", min=1),
+    Setting(
+        "max_tokens_limit", INT, "16384", "the largest max_tokens a request may ask for", (GATEWAY, SERVE), "API", min=1
+    ),
+    Setting("max_stop", INT, "16", "the most stop strings a request may send", (GATEWAY, SERVE), "API", min=0),
+    Setting(
+        "max_prompts", INT, "64", "the most prompts one completions request may carry", (GATEWAY, SERVE), "API", min=1
+    ),
+    # Security.
+    Setting(
+        "curve_keys",
+        PATH,
+        None,
+        "encrypt and authenticate every ZeroMQ socket with the keys in DIR (kvferry keys DIR)",
+        SERVICES,
+        "security",
+        metavar="DIR",
+    ),
+    # Observability.
+    Setting(
+        "trace_dir",
+        PATH,
+        None,
+        "append one JSON line per message and span to files in this folder (read with kvferry trace)",
+        SERVICES,
+        "observability",
+    ),
+    Setting(
+        "otlp_endpoint",
+        STR,
+        None,
+        "also export spans to this OpenTelemetry collector (OTLP/HTTP), e.g. http://localhost:4318",
+        SERVICES,
+        "observability",
+    ),
+    Setting("log_format", STR, "text", "the log lines' format", SERVICES, "observability", choices=FORMATS),
+    # Read from the environment only.
+    Setting(
+        "cache_dir",
+        PATH,
+        "~/.cache/kvferry",
+        "where converted models live (a .gguf file is converted once, into this folder)",
+        COMMANDS,
+        "files",
+        flag="",
+    ),
+)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in SPEC}
+
+
+def get(name: str) -> Setting:
+    return SETTINGS[name]
+
+
+def env_name(name: str) -> str:
+    """'max_waiting' -> 'KVFERRY_MAX_WAITING'."""
+    return SETTINGS[name].env
+
+
+def label(name: str) -> str:
+    """'port' -> '--port (KVFERRY_PORT)': how a message names a setting."""
+    return SETTINGS[name].label
+
+
+def default(name: str) -> Any:
+    return SETTINGS[name].value_default
+
+
+def from_env(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    return SETTINGS[name].from_env(environ)
+
+
+def for_command(command: str) -> list[Setting]:
+    """The settings a command takes on its command line, in the spec's order."""
+    if command not in COMMANDS:
+        raise KeyError(f"no command {command!r}; the commands with settings are {', '.join(COMMANDS)}")
+    return [s for s in SPEC if command in s.commands and s.option]
+
+
+class _ArgType:
+    """argparse's `type` for a setting: flag and environment text go through the same parse and bounds."""
+
+    def __init__(self, setting: Setting):
+        self.setting = setting
+        self.__name__ = setting.kind  # argparse names the type in a few messages
+
+    def __call__(self, text: str) -> Any:
+        try:
+            return self.setting.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+class _Switch(argparse.Action):
+    """A flag without a value (--enforce-eager). Its default may be a variable's text, which argparse parses
+    with `type` like any other text default; the flag itself stores `const`."""
+
+    def __init__(self, option_strings, dest, const, default=None, type=None, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=const, default=default, type=type, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const)
+
+
+def add_arguments(
+    parser: argparse.ArgumentParser, command: str, environ: Mapping[str, str] | None = None
+) -> list[Setting]:
+    """The command's settings as flags, each defaulting to its variable, else to its default."""
+    environ = os.environ if environ is None else environ
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    added = for_command(command)
+    for s in added:
+        if s.group not in groups:
+            groups[s.group] = parser.add_argument_group(f"{s.group} (each also read from {ENV_PREFIX}<NAME>)")
+        text = environ.get(s.env, "")
+        # Text defaults go through `type` once parsing is done, and only when the flag is absent: a bad
+        # variable then gets the same one-line usage error as a bad flag, and a flag overrides it.
+        value = EnvText(text, s.env) if text else s.default
+        if s.kind == SWITCH:
+            value = value if isinstance(value, str) else s.value_default
+        kwargs: dict[str, Any] = dict(dest=s.attr, default=value, type=_ArgType(s), help=s.help)
+        if s.kind == SWITCH:
+            kwargs.update(action=_Switch, const=not s.negate)
+        else:
+            kwargs.update(choices=s.choices, metavar=s.metavar)
+        groups[s.group].add_argument(s.option, **kwargs)
+    return added
+
+
+def child_environment(args: argparse.Namespace, command: str, children: Iterable[str]) -> dict[str, str | None]:
+    """What a launcher sets in its children's environment so that they run with its settings: each setting
+    `command` and a child both take, as variable -> text (None: unset it)."""
+    children = set(children)
+    return {s.env: s.to_env(getattr(args, s.attr)) for s in for_command(command) if children & set(s.commands)}
+
+
+def apply_environment(env: dict[str, str], changes: Mapping[str, str | None]) -> dict[str, str]:
+    for name, text in changes.items():
+        if text is None:
+            env.pop(name, None)
+        else:
+            env[name] = text
+    return env
+
+
+# The settings table in docs/operations.md.
+
+DOCS_BEGIN, DOCS_END = "<!-- settings-table:begin -->", "<!-- settings-table:end -->"
+DOCS_COMMAND = "python -m kvferry.common.settings --write-docs docs/operations.md"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default_text(s: Setting) -> str:
+    if s.kind == SWITCH:
+        return "off"
+    return "" if s.default is None else f"`{s.default}`"
+
+
+def markdown_table() -> str:
+    lines = [
+        f"<!-- Generated from kvferry/common/settings.py by `{DOCS_COMMAND}`; edit the spec, not this table. -->",
+        "",
+        "| setting | flag | environment variable | default | commands | what it does |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for s in SPEC:
+        bounds = s.bounds()
+        what = s.help + (f" ({'one of ' if s.choices else ''}{bounds})" if bounds and s.kind != SWITCH else "")
+        flag = f"`{s.option}`" if s.option else "(environment only)"
+        commands = "all" if set(s.commands) == set(COMMANDS) else ", ".join(s.commands)
+        lines.append(f"| {s.name} | {flag} | `{s.env}` | {_default_text(s)} | {commands} | {_cell(what)} |")
+    lines += [
+        "",
+        "`bench` is each benchmark that runs the engine in process: `bench engine`, `bench step` and "
+        "`bench quantization`. A flag overrides its variable; an empty variable counts as unset. A switch's "
+        f"variable takes {', '.join(_TRUE)} or {', '.join(_FALSE)}.",
+    ]
+    return "\n".join(lines)
+
+
+def _split_docs(text: str, path: Path) -> tuple[str, str, str]:
+    if text.count(DOCS_BEGIN) != 1 or text.count(DOCS_END) != 1 or text.index(DOCS_BEGIN) > text.index(DOCS_END):
+        raise ConfigError(f"{path}: needs one {DOCS_BEGIN} line and, after it, one {DOCS_END} line")
+    head, rest = text.split(DOCS_BEGIN)
+    body, tail = rest.split(DOCS_END)
+    return head, body, tail
+
+
+def docs_table_of(path: Path) -> str:
+    """The table now between the markers of a Markdown file."""
+    return _split_docs(Path(path).read_text(), Path(path))[1].strip("\n")
+
+
+def write_docs(path: Path) -> bool:
+    """Writes the table between the markers; returns whether the file changed."""
+    path = Path(path)
+    text = path.read_text()
+    head, _, tail = _split_docs(text, path)
+    new = f"{head}{DOCS_BEGIN}\n{markdown_table()}\n{DOCS_END}{tail}"
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvferry.common.settings", description=__doc__.split("\n")[0])
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write-docs", metavar="MARKDOWN", help="write the settings table between its markers")
+    action.add_argument("--check-docs", metavar="MARKDOWN", help="exit 1 when the table there is out of date")
+    action.add_argument("--table", action="store_true", help="print the table")
+    args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table())
+    elif args.write_docs:
+        print(f"{args.write_docs}: {'updated' if write_docs(args.write_docs) else 'already up to date'}")
+    elif docs_table_of(args.check_docs) != markdown_table():
+        print(f"{args.check_docs}: the settings table is out of date; run {DOCS_COMMAND}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,198 @@
+"""The settings spec (kvferry/common/settings.py): variables, flags, bounds, the parsers made from it, what
+`kvferry serve` hands its children, EngineConfig, and the settings table in docs/operations.md."""
+
+import argparse
+import dataclasses
+import re
+
+import pytest
+
+from kvferry.common import settings
+from kvferry.common.config import EngineConfig
+from kvferry.common.errors import ConfigError
+
+
+def parser_for(command: str, environ: dict) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"kvferry {command}", exit_on_error=True)
+    settings.add_arguments(parser, command, environ)
+    return parser
+
+
+def parse_error(parser: argparse.ArgumentParser, argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exited:
+        parser.parse_args(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def sample_text(s: settings.Setting) -> str:
+    """A valid value other than the default, as a user would write it."""
+    if s.kind == settings.SWITCH:
+        return "1"
+    if s.choices:
+        return str(next(c for c in reversed(s.choices) if c != s.value_default))
+    return {
+        settings.INT: str(int(s.max if s.max is not None else (s.min or 0) + 7)),
+        settings.FLOAT: "2.5",
+        settings.SIZE: "3MiB",
+    }.get(s.kind, f"/some/{s.name}")
+
+
+def test_each_variable_is_derived_from_the_name_and_unique():
+    names = [s.name for s in settings.SPEC]
+    assert len(names) == len(set(names))
+    for s in settings.SPEC:
+        assert re.fullmatch(r"[a-z][a-z0-9_]*", s.name), s.name
+        assert s.env == "KVFERRY_" + s.name.upper()
+        assert s.commands and set(s.commands) <= set(settings.COMMANDS), s.name
+        assert s.help and s.group
+    options = [s.option for s in settings.SPEC if s.option]
+    assert len(options) == len(set(options))
+    assert settings.label("port") == "--port (KVFERRY_PORT)"
+    assert settings.get("seed").option == "--engine-seed"  # `generate --seed` is the request's sampling seed
+
+
+def test_every_default_is_valid_and_goes_through_the_environment_unchanged():
+    for s in settings.SPEC:
+        value = s.value_default  # parses, and within bounds
+        text = s.to_env(value)
+        if text is None:
+            assert value is None
+        else:
+            assert s.parse(text) == (value if s.kind != settings.PATH else text), s.name
+
+
+@pytest.mark.parametrize("command", settings.COMMANDS)
+def test_a_variable_is_read_and_a_flag_overrides_it(command):
+    for s in settings.for_command(command):
+        text = sample_text(s)
+        from_env = vars(parser_for(command, {s.env: text}).parse_args([]))
+        by_flag = vars(parser_for(command, {}).parse_args([s.option] + ([] if s.kind == settings.SWITCH else [text])))
+        unset = vars(parser_for(command, {s.env: ""}).parse_args([]))  # empty counts as unset
+        assert from_env == by_flag, s.name
+        assert from_env[s.attr] == s.parse(text) != s.value_default, s.name
+        assert unset[s.attr] == s.value_default == vars(parser_for(command, {}).parse_args([]))[s.attr]
+    parser = parser_for(settings.GATEWAY, {"KVFERRY_MAX_N": "3", "KVFERRY_PORT": "not a port"})
+    args = parser.parse_args(["--max-n", "5", "--port", "9000"])  # the flag wins, and a bad variable it covers
+    assert (args.max_n, args.port) == (5, 9000)
+    assert parser.parse_args(["--port", "9000"]).max_n == 3
+
+
+def test_switches_read_yes_and_no_and_negated_ones_store_their_opposite():
+    for text, on in (("1", True), ("yes", True), ("TRUE", True), ("on", True), ("0", False), ("no", False)):
+        args = parser_for(settings.GENERATE, {"KVFERRY_NO_PREFIX_CACHING": text, "KVFERRY_ENFORCE_EAGER": text})
+        parsed = args.parse_args([])
+        assert parsed.enable_prefix_caching is (not on) and parsed.enforce_eager is on
+    parsed = parser_for(settings.GENERATE, {}).parse_args(["--no-chunked-prefill", "--enforce-eager"])
+    assert parsed.enable_chunked_prefill is False and parsed.enforce_eager is True
+
+
+@pytest.mark.parametrize(
+    "command,environ,argv,message",
+    [
+        (
+            "generate",
+            {"KVFERRY_MAX_NUM_SEQS": "lots"},
+            [],
+            "argument --max-num-seqs: invalid int value: 'lots' (from KVFERRY_MAX_NUM_SEQS)",
+        ),
+        ("generate", {}, ["--max-num-seqs", "lots"], "argument --max-num-seqs: invalid int value: 'lots'"),
+        ("generate", {}, ["--block-size", "12"], "argument --block-size: must be 8, 16 or 32, got 12"),
+        (
+            "gateway",
+            {"KVFERRY_BLOCK_SIZE": "12"},
+            [],
+            "argument --block-size: must be 8, 16 or 32, got 12 (from KVFERRY_BLOCK_SIZE)",
+        ),
+        ("gateway", {}, ["--port", "70000"], "argument --port: must be between 0 and 65535, got 70000"),
+        ("gateway", {}, ["--max-waiting", "-1"], "argument --max-waiting: must be at least 0, got -1"),
+        ("gateway", {}, ["--step-timeout", "0"], "argument --step-timeout: must be more than 0, got 0.0"),
+        ("gateway", {}, ["--step-timeout", "nan"], "argument --step-timeout: must be more than 0, got nan"),
+        (
+            "gateway",
+            {"KVFERRY_LOG_FORMAT": "xml"},
+            [],
+            "argument --log-format: must be text or json, got 'xml' (from KVFERRY_LOG_FORMAT)",
+        ),
+        ("serve", {}, ["--max-body-size", "lots"], "argument --max-body-size: not a size: 'lots'"),
+        (
+            "decode",
+            {"KVFERRY_ENFORCE_EAGER": "maybe"},
+            [],
+            "argument --enforce-eager: not a yes or no: 'maybe' (try 1, true, yes, on or 0, false, no, off) "
+            "(from KVFERRY_ENFORCE_EAGER)",
+        ),
+    ],
+)
+def test_a_bad_value_is_a_usage_error_naming_the_setting(command, environ, argv, message, capsys):
+    err = parse_error(parser_for(command, environ), argv, capsys)
+    assert message in err and "Traceback" not in err
+
+
+def test_settings_read_without_a_command_line_name_their_variable():
+    assert settings.from_env("port", {}) == 8000
+    assert settings.from_env("port", {"KVFERRY_PORT": "9001"}) == 9001
+    assert settings.from_env("health_port", {"KVFERRY_HEALTH_PORT": ""}) is None
+    with pytest.raises(ConfigError, match=r"--port \(KVFERRY_PORT\): invalid int value: 'http' \(from KVFERRY_PORT\)"):
+        settings.from_env("port", {"KVFERRY_PORT": "http"})
+    assert settings.get("cache_dir").option is None and settings.from_env("cache_dir", {}) == "~/.cache/kvferry"
+
+
+def test_engine_config_is_the_engine_commands_settings():
+    engine = settings.for_command(settings.GENERATE)
+    assert {s.attr for s in engine} == {f.name for f in dataclasses.fields(EngineConfig)}
+    assert settings.for_command(settings.BENCH) == engine
+    for command in settings.ENGINE:  # the workers take more
+        assert all(s in settings.for_command(command) for s in engine)
+    config = EngineConfig()
+    for s in engine:
+        expected = None if s.name == "quantization" else s.value_default  # "none" is held as None
+        assert getattr(config, s.attr) == expected, s.name
+    args = parser_for(settings.GENERATE, {"KVFERRY_KV_CACHE_MEMORY": "64MiB", "KVFERRY_QUANTIZATION": "int8"})
+    config = EngineConfig.from_args(args.parse_args(["--engine-seed", "7", "--no-prefix-caching"]))
+    assert (config.kv_cache_memory, config.quantization, config.seed) == (64 * 2**20, "int8", 7)
+    assert config.enable_prefix_caching is False
+    with pytest.raises(ConfigError, match="block_size must be 8, 16 or 32, got 12"):
+        EngineConfig(block_size=12)
+    with pytest.raises(ConfigError, match="kv_cache_memory must be at least 1, got 0"):
+        EngineConfig(kv_cache_memory=0)
+
+
+def test_serve_hands_its_children_every_setting_they_share(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    args = parser_for(settings.SERVE, {"KVFERRY_MAX_N": "3"}).parse_args(
+        ["--trace-dir", "traces", "--max-waiting", "0", "--quantization", "int8", "--max-body-size", "1KiB"]
+    )
+    env = settings.child_environment(args, settings.SERVE, (settings.GATEWAY, settings.PREFILL, settings.DECODE))
+    shared = {
+        s.env
+        for s in settings.for_command(settings.SERVE)
+        if {settings.GATEWAY, settings.PREFILL, settings.DECODE} & set(s.commands)
+    }
+    assert set(env) == shared
+    assert "KVFERRY_PREFILL_THREADS" not in env and "KVFERRY_CONTROL_PORT" not in env  # serve's own
+    assert env["KVFERRY_TRACE_DIR"] == str(tmp_path / "traces")  # children may start elsewhere
+    assert (env["KVFERRY_MAX_WAITING"], env["KVFERRY_MAX_N"], env["KVFERRY_QUANTIZATION"]) == ("0", "3", "int8")
+    assert env["KVFERRY_MAX_BODY_SIZE"] == "1024" and env["KVFERRY_API_KEY"] is None
+    child = settings.apply_environment({"KVFERRY_API_KEY": "stale", "PATH": "/bin"}, env)
+    assert "KVFERRY_API_KEY" not in child and child["PATH"] == "/bin"
+    for command in (settings.GATEWAY, settings.PREFILL, settings.DECODE):  # each child parses the same values
+        parsed = vars(parser_for(command, child).parse_args([]))
+        for s in settings.for_command(command):
+            if s.env in env:
+                assert parsed[s.attr] == (str(tmp_path / "traces") if s.name == "trace_dir" else vars(args)[s.attr])
+
+
+def test_write_docs_fills_the_markers_and_check_docs_notices_a_stale_table(tmp_path, capsys):
+    doc = tmp_path / "ops.md"
+    doc.write_text(f"# Ops\n\n{settings.DOCS_BEGIN}\nold\n{settings.DOCS_END}\n\nafter\n")
+    assert settings.main(["--check-docs", str(doc)]) == 1
+    assert "--write-docs docs/operations.md" in capsys.readouterr().err
+    assert settings.main(["--write-docs", str(doc)]) == 0
+    text = doc.read_text()
+    assert text.startswith("# Ops\n\n") and text.endswith(f"{settings.DOCS_END}\n\nafter\n")
+    assert settings.main(["--check-docs", str(doc)]) == 0
+    assert not settings.write_docs(doc)  # nothing to change
+    doc.write_text("no markers")
+    with pytest.raises(ConfigError, match="settings-table:begin"):
+        settings.write_docs(doc)
