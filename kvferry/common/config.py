@@ -1,11 +1,10 @@
-"""The engine's settings (EngineConfig). Their defaults, bounds, flags and KVFERRY_* variables are in
+"""The engine's settings (EngineConfig). Their defaults, bounds, flags and environment variables are in
 kvferry/common/settings.py, each defined once."""
 
 import argparse
 from dataclasses import dataclass, fields
 
 from kvferry.common import settings
-from kvferry.common.settings import parse_size  # noqa: F401  (kept importable from here)
 
 _d = settings.default
 
@@ -37,11 +36,6 @@ class EngineConfig:
             setting.check(getattr(self, setting.attr))  # a ConfigError naming the setting
         if self.quantization == "none":
             self.quantization = None
-
-    @classmethod
-    def add_args(cls, parser: argparse.ArgumentParser, command: str = settings.BENCH) -> None:
-        """The engine's flags (and every other setting the command takes), from the settings spec."""
-        settings.add_arguments(parser, command)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from kvferry.common import settings
 from kvferry.common.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -39,7 +40,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("KVFERRY_CACHE_DIR", Path.home() / ".cache" / "kvferry"))
+    return Path(settings.from_env("cache_dir")).expanduser()
 
 
 def default_gguf_path() -> Path:

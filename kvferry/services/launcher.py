@@ -10,6 +10,7 @@ import sys
 import time
 import urllib.request
 
+from kvferry.common import settings
 from kvferry.common.errors import KvferryError
 
 READY_TIMEOUT_S = 300.0
@@ -111,7 +112,7 @@ def start_services(
         if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
             raise KvferryError("the services did not become healthy")
         if num_prefill + num_decode > 2 and not wait_registered(
-            f"http://{host}:{port}", num_prefill + num_decode, env.get("KVFERRY_API_KEY"), READY_TIMEOUT_S
+            f"http://{host}:{port}", num_prefill + num_decode, env.get(settings.env_name("api_key")), READY_TIMEOUT_S
         ):
             raise KvferryError("not every worker registered")
     except BaseException:
@@ -128,33 +129,10 @@ def serve(args) -> int:
     # a shell starts background jobs with it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    env = dict(os.environ)
-    if args.model:
-        env["KVFERRY_MODEL"] = args.model
-    # The children read these from the environment, like every other setting.
-    for name in (
-        "trace_dir",
-        "otlp_endpoint",
-        "log_format",
-        "api_key",
-        "max_body_size",
-        "max_n",
-        "max_tokens_limit",
-        "max_stop",
-        "max_prompts",
-        "max_waiting",
-        "drain_timeout",
-        "first_token_timeout",
-        "step_timeout",
-        "request_timeout",
-        "max_moves",
-        "curve_keys",
-        "quantization",
-    ):
-        value = getattr(args, name)
-        if value:
-            folder = name in ("trace_dir", "curve_keys")
-            env[f"KVFERRY_{name.upper()}"] = os.path.abspath(value) if folder else str(value)
+    # The children read serve's settings from the environment, like every other setting: each one that
+    # serve and a child both take, as serve got it (flag, variable or default).
+    children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
+    env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
     procs = []
     try:
         procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)

@@ -1,9 +1,9 @@
 """The `kvferry` command: one entry point, one subcommand per role or tool."""
 
 import argparse
-import os
 import sys
 
+from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.services.commands import add_service_parsers, run
 
@@ -24,7 +24,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature,
         top_p=args.top_p,
         top_k=args.top_k,
-        seed=args.seed,
+        seed=args.sampling_seed,
         ignore_eos=args.ignore_eos,
     )
     engine = LLMEngine(EngineConfig.from_args(args))
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("prepare", help="convert the model once into the cache and print its folder")
-    p.add_argument("--model", default=os.environ.get("KVFERRY_MODEL"))
+    settings.add_arguments(p, settings.PREPARE)
     p.set_defaults(func=cmd_prepare)
 
     p = sub.add_parser("generate", help="offline, in-process generation")
@@ -71,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", dest="sampling_seed", type=int, default=None, help="the request's own seed")
     p.add_argument("--ignore-eos", action="store_true")
-    EngineConfig.add_args(p)
+    settings.add_arguments(p, settings.GENERATE)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("keys", help="write CURVE key pairs into a folder, for --curve-keys")

@@ -196,3 +196,31 @@ def test_write_docs_fills_the_markers_and_check_docs_notices_a_stale_table(tmp_p
     doc.write_text("no markers")
     with pytest.raises(ConfigError, match="settings-table:begin"):
         settings.write_docs(doc)
+
+
+def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_each_command_of_kvferry_takes_exactly_its_settings(monkeypatch):
+    from kvferry.services.commands import build_parser as services_parser
+    from kvferry.tools.cli import build_parser
+
+    for key in [k for k in __import__("os").environ if k.startswith(settings.ENV_PREFIX)]:
+        monkeypatch.delenv(key)
+    commands = subcommands(build_parser())
+    parsers = {command: [commands[command]] for command in settings.COMMANDS if command != settings.BENCH}
+    parsers[settings.BENCH] = [subcommands(commands["bench"])[name] for name in ("engine", "step", "quantization")]
+    for command, parser in subcommands(services_parser()).items():  # what `kvferry serve` starts its children with
+        parsers.get(command, []).append(parser)
+    by_option = {s.option: s for s in settings.SPEC if s.option}
+    for command, found in parsers.items():
+        expected = {s.option for s in settings.for_command(command)}
+        for parser in found:
+            actions = {option: a for a in parser._actions for option in a.option_strings}
+            taken = {o for o, a in actions.items() if o in by_option and a.dest == by_option[o].attr}
+            assert taken == expected, f"{command}: {sorted(taken ^ expected)}"
+            dests = [a.dest for a in parser._actions]
+            assert len(dests) == len(set(dests)), f"{command}: two flags write one attribute"
+            args = parser.parse_args(["--prompt", "hi"] if command == settings.GENERATE else [])
+            assert all(getattr(args, s.attr) == s.value_default for s in settings.for_command(command))

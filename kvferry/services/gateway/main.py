@@ -10,6 +10,7 @@ import signal
 
 import uvicorn
 
+from kvferry.common import settings
 from kvferry.common.bind_check import listen_tcp
 from kvferry.common.curve import CurveKeys
 from kvferry.common.model_files import max_model_len_of, read_config, resolve_model, served_model_name
@@ -68,7 +69,7 @@ def run_gateway(args) -> None:
 
     observe(args, "gateway", "gateway")
     # Bound before the model loads: a taken port fails at once, naming the setting.
-    http_socket = listen_tcp(args.host, args.port, "--port (KVFERRY_PORT)")
+    http_socket = listen_tcp(args.host, args.port, settings.label("port"))
     name = served_model_name(args.model)
     deadlines = Deadlines(
         first_token_s=args.first_token_timeout,

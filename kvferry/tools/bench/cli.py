@@ -2,6 +2,7 @@
 
 import json
 
+from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.tools.bench import workload
@@ -27,7 +28,7 @@ def add_bench_parser(sub) -> None:
         help="runs of the engine and of the floor, alternated; the best of each is reported",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    EngineConfig.add_args(p)
+    settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=cmd_bench_engine)
 
     p = bench.add_parser("serve", help="the workload over HTTP against a running stack, streaming")
@@ -109,7 +110,7 @@ def cmd_bench_overload(args) -> int:
     from kvferry.tools.bench.overload import overload
     from kvferry.tools.bench.stack import fresh_stack
 
-    with fresh_stack(args.model, {"KVFERRY_MAX_WAITING": str(args.max_waiting)}) as (url, _):
+    with fresh_stack(args.model, {settings.env_name("max_waiting"): str(args.max_waiting)}) as (url, _):
         report = overload(url, args.duration)
     report["max_waiting"] = args.max_waiting
     if args.json:

@@ -8,13 +8,14 @@ import asyncio
 import json
 import sys
 
+from kvferry.common import settings
 from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
 
 FEATURES = {  # name: (the environment setting that turns it off, the workload that measures it)
-    "prefix-caching": ("KVFERRY_NO_PREFIX_CACHING", "shared-prefix"),
-    "chunked-prefill": ("KVFERRY_NO_CHUNKED_PREFILL", "head-of-line"),
+    "prefix-caching": (settings.env_name("no_prefix_caching"), "shared-prefix"),
+    "chunked-prefill": (settings.env_name("no_chunked_prefill"), "head-of-line"),
 }
 
 

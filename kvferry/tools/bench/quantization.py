@@ -12,6 +12,7 @@ compute floor measured in the same run.
 
 import json
 
+from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.model.quant_calibration import CALIBRATION_TOPICS
 from kvferry.common.sampling import SamplingParams
@@ -98,7 +99,7 @@ def add_parser(bench) -> None:
     p.add_argument("--no-speed", action="store_true", help="accuracy only")
     p.add_argument("--no-floor", action="store_true")
     p.add_argument("--json", action="store_true")
-    EngineConfig.add_args(p)
+    settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=cmd_bench_quantization)
 
 

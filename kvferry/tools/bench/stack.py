@@ -5,14 +5,12 @@ import json
 import os
 import urllib.request
 
+from kvferry.common import settings
 from kvferry.services.launcher import free_port, start_services, stop_all
 
 # Settings the stacks of one comparison must not inherit from the caller's environment.
-COMPARED_SETTINGS = (
-    "KVFERRY_TRACE_DIR",
-    "KVFERRY_OTLP_ENDPOINT",
-    "KVFERRY_NO_PREFIX_CACHING",
-    "KVFERRY_NO_CHUNKED_PREFILL",
+COMPARED_SETTINGS = tuple(
+    settings.env_name(name) for name in ("trace_dir", "otlp_endpoint", "no_prefix_caching", "no_chunked_prefill")
 )
 
 
@@ -29,7 +27,7 @@ def fresh_stack(
     full_env = {k: v for k, v in os.environ.items() if k not in COMPARED_SETTINGS}
     full_env.update(env or {})
     if model:
-        full_env["KVFERRY_MODEL"] = model
+        full_env[settings.env_name("model")] = model
     port = free_port()
     procs = start_services(
         "127.0.0.1", port, free_port(), prefill_threads, decode_threads, full_env, num_prefill, num_decode

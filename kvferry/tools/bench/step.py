@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 
@@ -79,7 +80,7 @@ def add_parser(bench) -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="also print the top functions outside the model (cProfile)")
     p.add_argument("--json", action="store_true")
-    EngineConfig.add_args(p)
+    settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=cmd_bench_step)
 
 

@@ -12,13 +12,14 @@ import shutil
 import sys
 import tempfile
 
+from kvferry.common import settings
 from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
 
 
 def _run(requests: list[dict], trace_dir: str | None, args) -> dict:
-    env = {"KVFERRY_TRACE_DIR": trace_dir} if trace_dir else {}
+    env = {settings.env_name("trace_dir"): trace_dir} if trace_dir else {}
     with fresh_stack(args.model, env, prefill_threads=args.prefill_threads, decode_threads=args.decode_threads) as (
         url,
         _,

@@ -1,0 +1,45 @@
+"""`kvferry serve`: its children (gateway, prefill, decode) run with serve's settings, from its flags and its
+environment (the flag winning), as the settings spec hands them on."""
+
+import os
+
+from tests.e2e.stack import Stack
+from tests.tiny_models import save_tiny_chat_model
+
+KEY = "serve-key"
+
+
+def test_serve_hands_its_flags_and_variables_to_its_children(make_stack, tmp_path, monkeypatch):
+    save_tiny_chat_model(tmp_path / "tiny-chat")
+    monkeypatch.chdir(tmp_path)  # the relative --trace-dir below lands here
+    # A variable serve's flag overrides (a bad one: serve's children must get the flag's value, not this), one
+    # that only serve's children read, and the API key, which serve reads and hands on.
+    stack: Stack = make_stack(
+        model=str(tmp_path / "tiny-chat"),
+        extra_env={"KVFERRY_MAX_TOKENS_LIMIT": "lots", "KVFERRY_MAX_STOP": "1", "KVFERRY_API_KEY": KEY},
+    )
+    stack.start(
+        "serve",
+        "serve",
+        *("--port", str(stack.port), "--control-port", str(stack.control_port)),
+        *("--prefill-threads", "1", "--decode-threads", "1"),
+        *("--max-tokens-limit", "8", "--max-n", "1", "--trace-dir", "traces", "--log-format", "json"),
+    )
+    stack.wait_for(lambda: stack.get("/health")[0] == 200, 240, "serve's stack healthy")
+    assert {w["role"] for w in stack.workers().values()} == {"prefill", "decode"}
+
+    body = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, reply = stack.post("/v1/completions", body, timeout=120)
+    assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+    status, reply = stack.post("/v1/completions", {**body, "max_tokens": 9})  # --max-tokens-limit 8
+    assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+    status, reply = stack.post("/v1/completions", {**body, "n": 2})  # --max-n 1
+    assert status == 400 and reply["error"]["param"] == "n", reply
+    status, reply = stack.post("/v1/completions", {**body, "stop": ["a", "b"]})  # KVFERRY_MAX_STOP=1
+    assert status == 400 and reply["error"]["param"] == "stop", reply
+    stack.auth = {}
+    assert stack.post("/v1/completions", body)[0] == 401  # KVFERRY_API_KEY
+
+    traces = tmp_path / "traces"
+    assert traces.is_dir() and len(os.listdir(traces)) >= 3, os.listdir(traces)  # each child writes its own
+    assert any(line.startswith('{"ts"') for line in stack.log("serve").splitlines())  # --log-format json
