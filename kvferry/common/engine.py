@@ -1,7 +1,12 @@
-"""The offline engine: prefill and decode in one loop, in one process.
+"""The engine core: one `step()` (schedule, run the model, record the sampled tokens) for every role.
 
-It is also the oracle for the distributed pipeline: the same request with greedy sampling
-gives the same tokens through both.
+Offline, with the null connector, it runs prefill and decode in one loop, in one process, and it is the oracle
+for the distributed pipeline: the same request with greedy sampling gives the same tokens through both. A
+prefill or decode worker drives the same step with its own KV connector (common/kv_connector.py) plugged in,
+and reaches the engine only through the public methods below.
+
+A step's failure stays with that step's requests: an exception while computing or sampling it ends each of
+them with an error output, and the engine goes on. Only a FatalError (a broken device) ends the caller.
 """
 
 import itertools
@@ -12,11 +17,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvferry.common import faults
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
-from kvferry.common.errors import ConfigError, InvalidRequest
+from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
+from kvferry.common.kv_connector import KVConnector
 from kvferry.common.model.int8_linear import quantize_model
+from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import ModelRunner, kv_cache_layout
@@ -39,6 +47,22 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the new token's, when asked for
     logprobs: list[TokenLogprobs] | None = None  # every output token's so far, when asked for
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for (echo)
+    error: str = ""  # set when the step that served it failed: the request ended (finish_reason ABORT)
+
+
+@dataclass
+class EngineStats:
+    """Counters a worker reports in its heartbeats."""
+
+    num_free_blocks: int
+    num_blocks: int
+    num_running: int
+    num_waiting: int
+    num_queued_prompt_tokens: int
+    num_preemptions: int
+    num_prompt_tokens_computed: int
+    num_prompt_tokens_cached: int
+    num_cached_blocks: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,8 +86,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, keep_finished_blocks: bool = False):
+    def __init__(self, config: EngineConfig | None = None, connector: KVConnector | None = None):
         self.config = config = config or EngineConfig()
+        self.connector = connector = connector or KVConnector()
+        keep_finished_blocks = connector.keeps_finished_blocks
         if config.num_threads is not None:
             if config.num_threads < 1:
                 raise ConfigError(f"num_threads must be at least 1, got {config.num_threads}")
@@ -140,8 +166,14 @@ class LLMEngine:
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
+        self._kept: dict[str, Sequence] = {}  # finished, blocks kept for the connector until release()
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_plan: StepPlan | None = None
+        self.layer_groups = layer_groups(layout.num_layers)
+        spec = faults.from_env()
+        self._injected_failing_step = spec.fail_step if spec else 0  # a test's injected step failure (common/faults.py)
+        self.num_steps = 0
+        connector.bind(self)
 
     # -- requests -----------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:
@@ -182,7 +214,7 @@ class LLMEngine:
     ) -> str:
         """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._live:
+        if request_id in self._live or request_id in self._kept:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         # Outputs with nothing computed: the scheduler runs it like a preempted sequence, all tokens as one prompt.
         seq = Sequence(request_id, token_ids, params, output_token_ids=list(resume_token_ids))
@@ -208,34 +240,6 @@ class LLMEngine:
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
-
-    def add_prefilled(
-        self,
-        request_ids: list[str],
-        prompt_token_ids: list[int],
-        first_token_ids: list[int],
-        params: list[SamplingParams],
-        kv,
-        resume_token_ids: list[int] = (),
-        held_blocks: list[int] = (),
-    ) -> bool:
-        """A whole transfer in one go (begin_prefilled, write_prefilled, finish_prefilled): kv holds every layer
-        of the prompt's blocks after the held ones. False when there is no room now."""
-        blocks = self.begin_prefilled(request_ids, prompt_token_ids, params, resume_token_ids, held_blocks)
-        if blocks is None:
-            return False
-        placed = False
-        try:
-            if kv.dim() != 6 or kv.shape[0] != self.runner.layout.num_layers:
-                raise InvalidRequest(f"KV of shape {tuple(kv.shape)}: one message must carry every layer here")
-            self.write_prefilled(blocks, kv)
-            placed = self.finish_prefilled(
-                request_ids, prompt_token_ids, first_token_ids, params, blocks, resume_token_ids, held_blocks
-            )
-            return placed
-        finally:
-            if not placed:
-                self.block_manager.free(blocks)
 
     def begin_prefilled(
         self,
@@ -296,7 +300,7 @@ class LLMEngine:
                 f"blocks; this worker has {layout.num_layers} layers of "
                 f"{expected[2:]} per block"
             )
-        self.runner.write_blocks(blocks, kv, (layer_start, layer_start + num_layers))
+        self.connector.place_blocks(blocks, kv, layer_start)
 
     def finish_prefilled(
         self,
@@ -344,9 +348,11 @@ class LLMEngine:
         return True
 
     def abort(self, request_id: str) -> bool:
+        """End a request wherever it is: waiting, running, or finished with its blocks kept."""
         seq = self.scheduler.abort(request_id)
-        self.forget(request_id)
-        return seq is not None
+        kept = request_id in self._kept
+        self.release(request_id)
+        return seq is not None or kept
 
     def forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
@@ -358,18 +364,32 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns an output for every sequence that got a token in it."""
+        """Run one scheduler step; returns an output for every sequence that got a token in it, or that the step's
+        failure ended."""
         self.last_plan = plan = self.scheduler.schedule()  # what ran, for a worker's trace of the step
         if not plan.chunks:
             return []
-        sampled = self.runner.execute(plan)
-        finished = {id(s) for s in self.scheduler.update(plan, sampled)}
+        self.num_steps += 1
+        try:
+            if self.num_steps == self._injected_failing_step:
+                raise RuntimeError(f"{faults.ENV}: step {self.num_steps} fails, as a kernel error would")
+            self.connector.on_step_start(plan)
+            sampled = self.runner.execute(plan, after_layer=self._layer_hook(plan))
+            finished = {id(s) for s in self.scheduler.update(plan, sampled)}
+        except FatalError:
+            raise
+        except Exception as exc:
+            if _is_device_failure(exc):
+                raise FatalError(f"the device failed: {exc}") from exc
+            return self._fail_step(plan, exc)
         outputs = []
         for chunk, token_id, logprobs in zip(plan.chunks, sampled, self.runner.last_logprobs):
             if token_id is None:
                 continue
             seq = chunk.seq
             done = id(seq) in finished
+            if seq.is_finished and not done:
+                continue  # aborted while the step ran (by a connector's hook)
             out = RequestOutput(
                 seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id], done, seq.finish_reason
             )
@@ -381,8 +401,127 @@ class LLMEngine:
                 out.prompt_logprobs = self.runner.prompt_logprobs.get(seq.request_id)
             outputs.append(out)
             if done:
-                self.forget(seq.request_id)
+                if self.connector.keeps_finished_blocks and seq.finish_reason != FinishReason.ABORT:
+                    self._kept[seq.request_id] = seq
+                    self._live.pop(seq.request_id, None)  # its generator and logits stay until release()
+                else:
+                    self.forget(seq.request_id)
         return outputs
+
+    def _layer_hook(self, plan: StepPlan):
+        """The runner's after_layer callback: tells the connector as each group of layers lands in the cache."""
+        if not self.connector.wants_layer_events:
+            return None
+        ending = {hi: (lo, hi) for lo, hi in self.layer_groups}
+
+        def after_layer(layer: int) -> None:
+            group = ending.get(layer + 1)
+            if group is not None:
+                self.connector.layers_stored(plan, group)
+
+        return after_layer
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> list[RequestOutput]:
+        """A step that raised belongs to no single request: each of its requests ends with the error, their blocks
+        are freed, and the engine stays usable for the others."""
+        log.exception("a step of %d sequences failed; ending them", len(plan.chunks))
+        outputs = []
+        for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
+            self.scheduler.abort(seq.request_id)
+            self.forget(seq.request_id)
+            outputs.append(
+                RequestOutput(
+                    seq.request_id,
+                    seq.prompt_token_ids,
+                    list(seq.output_token_ids),
+                    [],
+                    True,
+                    FinishReason.ABORT,
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            )
+        return outputs
+
+    # -- what a connector's role reads and releases ---------------------------------------------------------
+    def release(self, request_id: str) -> None:
+        """Free what a finished sequence kept (keeps_finished_blocks): its blocks, generator and logits."""
+        seq = self._kept.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.release(seq)
+        self.forget(request_id)
+
+    def kept_block_ids(self, request_id: str) -> list[int]:
+        return list(self._kept[request_id].block_table)
+
+    def read_kv(self, block_ids: list[int], layers: tuple[int, int]):
+        """K and V of these blocks in layers [lo, hi): [layers, blocks, block_size, 2, kvh, d], contiguous on the
+        CPU, ready to go out as one raw frame."""
+        return self.runner.read_blocks(block_ids, layers)
+
+    def sample_choices(self, request_id: str, choice_params: list[SamplingParams]) -> list[tuple[int, object]]:
+        """More first tokens from the logits of a prompt finished in the latest step, one per extra choice."""
+        return self.runner.sample_choices(self._kept.get(request_id) or self._live[request_id], choice_params)
+
+    def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:
+        return list(self.runner.prompt_logprobs.get(request_id) or ())
+
+    def finish_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int):
+        return self.scheduler.finish_reason(params, token_id, num_output_tokens, num_tokens)
+
+    def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
+        """The ids of the leading cached blocks that hold these hashes, referenced for the caller (free_blocks
+        lets go of them)."""
+        bm = self.block_manager
+        ids = bm.match_prefix(block_hashes[: bm.num_blocks_for(self.max_model_len)])
+        bm.take_cached(ids)
+        return ids
+
+    def free_blocks(self, block_ids: list[int]) -> None:
+        self.block_manager.free(block_ids)
+
+    def num_cacheable_blocks(self, num_tokens: int) -> int:
+        return self.block_manager.num_cacheable_blocks(num_tokens)
+
+    @property
+    def block_size(self) -> int:
+        return self.block_manager.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_manager.num_blocks
+
+    @property
+    def num_layers(self) -> int:
+        return self.runner.layout.num_layers
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.runner.layout.bytes_per_block
+
+    @property
+    def caching_enabled(self) -> bool:
+        return self.block_manager.enable_caching
+
+    def cached_block_hashes(self) -> list[bytes]:
+        return list(self.block_manager.cached)
+
+    def take_cache_events(self) -> tuple[list[bytes], list[bytes]]:
+        """Hashes the prefix cache stored and evicted since the last call."""
+        return self.block_manager.take_cache_events()
+
+    def stats(self) -> EngineStats:
+        sch, bm = self.scheduler, self.block_manager
+        return EngineStats(
+            num_free_blocks=bm.num_free_blocks,
+            num_blocks=bm.num_blocks,
+            num_running=len(sch.running),
+            num_waiting=len(sch.waiting),
+            num_queued_prompt_tokens=sch.queued_prompt_tokens(),
+            num_preemptions=sch.num_preemptions,
+            num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
+            num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
+            num_cached_blocks=bm.num_cached_blocks,
+        )
 
     def generate(
         self,
@@ -407,6 +546,12 @@ class LLMEngine:
                         out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+
+def _is_device_failure(exc: Exception) -> bool:
+    """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
 
 
 def load_tokenizer(model_dir):

@@ -15,3 +15,8 @@ class ModelLoadError(KvferryError):
 
 class ConfigError(KvferryError, ValueError):
     """Settings that cannot work together."""
+
+
+class FatalError(KvferryError):
+    """What ends a worker: a broken device, or settings that cannot work, found at startup. Nothing a single
+    request does may raise it."""

@@ -7,7 +7,9 @@
 - delay_ms: each message waits up to this long before it leaves;
 - seed: the same seed gives the same faults for the same sequence of sends on a channel;
 - stall_after_steps, stall_s: a worker's step loop sleeps stall_s once, after that many steps (a stuck engine
-  whose process stays alive).
+  whose process stays alive);
+- fail_step: the engine's step of that number (counting from 1) raises inside its compute, as a kernel or sampler
+  error would (the step's requests fail; the process must live).
 
 Off by default: unset, nothing here runs on the send path.
 """
@@ -30,6 +32,7 @@ class FaultSpec:
     seed: int = 0
     stall_after_steps: int = 0
     stall_s: float = 0.0
+    fail_step: int = 0
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -41,7 +44,7 @@ class FaultSpec:
                 raise ConfigError(
                     f"{ENV}: {item!r} is not one of {', '.join(n + '=' for n in cls.__dataclass_fields__)}"
                 )
-            kind = int if name in ("seed", "stall_after_steps") else float
+            kind = int if name in ("seed", "stall_after_steps", "fail_step") else float
             try:
                 values[name] = kind(raw)
             except ValueError:

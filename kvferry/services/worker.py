@@ -15,6 +15,7 @@ holds within `drain_timeout_s`, then deregisters for good, and the gateway moves
 """
 
 import logging
+import re
 import socket
 import threading
 import time
@@ -27,13 +28,16 @@ from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import KvferryError
+from kvferry.common.errors import FatalError, InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
-CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
+MAX_CHOICES = 128  # n per request: a bound on what one message can make a worker do
+PEER_ADDRESS = re.compile(r"tcp://[^\s:/]+:(?P<port>\d{1,5})|ipc://\S+|inproc://\S+")
+CACHE_SYNC_S = 30.0
+MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
 
 
 def advertised_host(explicit: str | None = None) -> str:
@@ -47,33 +51,38 @@ def advertised_host(explicit: str | None = None) -> str:
         return "127.0.0.1"
 
 
+def check_peer_address(address: str) -> None:
+    """A peer's ZeroMQ endpoint as a request names it: refused here, with the request, rather than in a step."""
+    match = PEER_ADDRESS.fullmatch(address) if isinstance(address, str) else None
+    if match is None or match["port"] is not None and not 0 < int(match["port"]) < 65536:
+        raise InvalidRequest(f"{address!r} is not a tcp://host:port, ipc:// or inproc:// address")
+
+
 class Worker:
     role: p.Role
-    num_prompts_prefilled = 0
-    # Prefill workers: KV shipped, left out as held by decode, and shipped while the prompt was still computing.
-    num_kv_bytes_sent = num_kv_bytes_skipped = num_kv_bytes_sent_early = 0
 
     def __init__(
         self,
         config: EngineConfig,
         gateway: str | list[str],
         worker_id: str | None = None,
-        keep_finished_blocks: bool = False,
+        connector=None,
         stall_timeout_s: float = 30.0,
         drain_timeout_s: float = 30.0,
         curve: CurveKeys | None = None,
     ):
-        self.engine = LLMEngine(config, keep_finished_blocks=keep_finished_blocks)
+        """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.Context.instance()
         self.curve = curve
+        self.tracer = tracing.tracer()
+        self.engine = LLMEngine(config, connector(self.worker_id) if connector else None)
         self.links = [GatewayLink(self.ctx, address, self.worker_id, curve) for address in parse_gateways(gateway)]
         if not self.links:
             raise KvferryError("a worker needs at least one gateway address (--gateway)")
         self.poller = zmq.Poller()
         for link in self.links:
             self.poller.register(link.channel.socket, zmq.POLLIN)
-        self.tracer = tracing.tracer()
         self.heartbeat_interval_s = 1.0
         self.running = True
         self.latest_stats: p.WorkerStats | None = None
@@ -82,6 +91,7 @@ class Worker:
         self.stop_requested = False  # set by SIGTERM: drain, then exit
         self.fault_spec = faults.from_env()
         self.num_loop_steps = 0
+        self.num_failed_steps = 0
 
     # -- gateways ------------------------------------------------------------------------------------------
     def kv_address(self) -> str:
@@ -94,8 +104,8 @@ class Worker:
             worker_id=self.worker_id,
             model=served_model_name(engine.config.model),
             dtype=str(engine.dtype).removeprefix("torch."),
-            block_size=engine.config.block_size,
-            num_blocks=engine.block_manager.num_blocks,
+            block_size=engine.block_size,
+            num_blocks=engine.num_blocks,
             max_model_len=engine.max_model_len,
             kv_address=self.kv_address(),
             quantization=engine.config.quantization or "none",
@@ -117,40 +127,41 @@ class Worker:
         elif reply.reason == p.UNKNOWN_WORKER:
             link.must_register()  # it forgot us (a restart, or a silence it took for death)
         else:
-            raise KvferryError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
+            raise FatalError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
 
     def stats(self) -> p.WorkerStats:
-        sch = self.engine.scheduler
+        e = self.engine.stats()
         return p.WorkerStats(
-            num_free_blocks=self.engine.block_manager.num_free_blocks,
-            num_total_blocks=self.engine.block_manager.num_blocks,
-            num_running=len(sch.running),
-            num_waiting=len(sch.waiting),
-            queued_prompt_tokens=sch.queued_prompt_tokens(),
-            num_preemptions=sch.num_preemptions,
+            num_free_blocks=e.num_free_blocks,
+            num_total_blocks=e.num_blocks,
+            num_running=e.num_running,
+            num_waiting=e.num_waiting,
+            queued_prompt_tokens=e.num_queued_prompt_tokens,
+            num_preemptions=e.num_preemptions,
             num_protocol_errors=self.num_protocol_errors(),
-            num_prompts_prefilled=self.num_prompts_prefilled,
-            num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
-            num_prompt_tokens_cached=sch.num_cached_prompt_tokens,
-            num_cached_blocks=self.engine.block_manager.num_cached_blocks,
-            num_kv_bytes_sent=self.num_kv_bytes_sent,
-            num_kv_bytes_skipped=self.num_kv_bytes_skipped,
-            num_kv_bytes_sent_early=self.num_kv_bytes_sent_early,
+            num_prompt_tokens_computed=e.num_prompt_tokens_computed,
+            num_prompt_tokens_cached=e.num_prompt_tokens_cached,
+            num_cached_blocks=e.num_cached_blocks,
+            **self.kv_counters(),
         )
+
+    def kv_counters(self) -> dict:
+        """A role's own WorkerStats counters (the prefill worker's KV bytes and prompts)."""
+        return {}
 
     def send_cache_updates(self) -> None:
         """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached
         prefixes; now and then (and after each registration) everything it holds, which heals lost updates."""
-        bm = self.engine.block_manager
-        if not bm.enable_caching:
+        engine = self.engine
+        if not engine.caching_enabled:
             return
-        stored, evicted = bm.take_cache_events()
+        stored, evicted = engine.take_cache_events()
         now = time.monotonic()
         for link in self.links:
             if not link.registered:
                 continue
             if now >= link.cache_sync_at:
-                link.channel.send(p.CacheUpdate(self.worker_id, list(bm.cached), full=True))
+                link.channel.send(p.CacheUpdate(self.worker_id, engine.cached_block_hashes(), full=True))
                 link.cache_sync_at = now + CACHE_SYNC_S
             elif stored or evicted:
                 link.channel.send(p.CacheUpdate(self.worker_id, stored, evicted))
@@ -223,7 +234,7 @@ class Worker:
                 for sock, _ in self.poller.poll(timeout):
                     self.drain(sock)
                 if self.has_work():
-                    self.step()
+                    self.step_isolated()
                     self.maybe_stall()
                 self.send_cache_updates()
                 self.tidy()
@@ -245,6 +256,20 @@ class Worker:
             heartbeats.join(timeout=5)
             self.close()
 
+    def step_isolated(self) -> None:
+        """A step whose failure escaped the engine's and the records' own handling (a bug in the worker's code):
+        logged, and the loop goes on; only a FatalError, or the same failure step after step, ends the worker."""
+        try:
+            self.step()
+            self.num_failed_steps = 0
+        except FatalError:
+            raise
+        except Exception as exc:
+            self.num_failed_steps += 1
+            log.exception("%s: a step failed (%d in a row)", self.worker_id, self.num_failed_steps)
+            if self.num_failed_steps >= MAX_FAILED_STEPS:
+                raise FatalError(f"{MAX_FAILED_STEPS} steps in a row failed; the last: {exc!r}") from exc
+
     def tell_gateways(self, message) -> None:
         for link in self.links:
             if link.registered:
@@ -263,7 +288,10 @@ class Worker:
             time.sleep(spec.stall_s)
 
     def drain(self, sock) -> None:
-        """Handle every message waiting on sock."""
+        """Handle every message waiting on sock. A message's failure stays with its request: the request fails
+        with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
+        if self.drain_other(sock):
+            return
         channel = self.channel_for(sock)
         while sock.poll(0):
             received = channel.recv()
@@ -277,15 +305,30 @@ class Worker:
                         self.on_register_reply(link, env.message)
                     continue
                 self.handle(channel, peer, env)
-            except KvferryError:
+            except FatalError:
                 raise
-            except Exception:  # one bad message must not take the worker down
-                log.exception(
-                    "%s: while handling %s",
-                    self.worker_id,
-                    type(env.message).__name__,
-                    extra={"request_id": env.request_id},
-                )
+            except Exception as exc:
+                self.on_message_failed(channel, env, exc)
+
+    def drain_other(self, sock) -> bool:
+        """A role's own file descriptors in the poller (the prefill worker's sender); True when sock was one."""
+        return False
+
+    def on_message_failed(self, channel: Channel, env: p.Envelope, exc: Exception) -> None:
+        """A message whose handling raised: logged, and when it came from a gateway about a request, that request
+        fails (400 for what the request got wrong, 500 for what this worker did)."""
+        name = type(env.message).__name__
+        log.exception("%s: while handling %s", self.worker_id, name, extra={"request_id": env.request_id})
+        link = self.link_of(channel)
+        if link is None or not env.request_id or isinstance(env.message, (p.Abort, p.RequestFailed)):
+            return
+        code = 400 if isinstance(exc, InvalidRequest) else 500
+        attempt = getattr(env.message, "attempt", 0)
+        link.channel.send(p.RequestFailed(f"{self.worker_id} failed on {name}: {exc}", code, attempt), env.request_id)
+        self.forget_request(env.request_id, attempt)
+
+    def forget_request(self, request_id: str, attempt: int) -> None:
+        """End whatever this worker holds for an attempt that failed."""
 
     def channel_for(self, sock) -> Channel:
         return next(link.channel for link in self.links if link.channel.socket is sock)

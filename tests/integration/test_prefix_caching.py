@@ -85,24 +85,36 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
 
     from kvferry.common.block_hash import block_hashes
     from kvferry.common.errors import InvalidRequest
+    from kvferry.common.kv_connector import KVConnector
+
+    class KeepingConnector(KVConnector):
+        keeps_finished_blocks = True  # as the prefill worker's: blocks stay until released
 
     save_tiny_model("llama", tmp_path)
     config = EngineConfig(
         model=str(tmp_path), block_size=BLOCK, kv_cache_memory=2**20, max_num_seqs=4, max_num_batched_tokens=64
     )
-    prefill, decode = LLMEngine(config, keep_finished_blocks=True), LLMEngine(config)
+    prefill, decode = LLMEngine(config, KeepingConnector()), LLMEngine(config)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     rng = random.Random(3)
     first = [rng.randrange(3, VOCAB) for _ in range(3 * BLOCK + 2)]
     second = first + [rng.randrange(3, VOCAB) for _ in range(BLOCK + 3)]
+    all_layers = (0, prefill.num_layers)
 
     def prefill_prompt(rid, prompt):
+        """The prompt's first token, as a prefill worker's engine computes it; its blocks stay kept."""
         prefill.add_request(prompt, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True), request_id=rid)
         while True:
-            plan = prefill.scheduler.schedule()
-            for seq in prefill.scheduler.update(plan, prefill.runner.execute(plan)):
-                prefill.forget(rid)
-                return seq
+            for out in prefill.step():
+                assert out.finished and not out.error
+                return out.new_token_ids[0]
+
+    def place(rid, prompt, first_token, kv, held=()):
+        """What a decode worker does with a transfer: allocate, write every layer, admit."""
+        blocks = decode.begin_prefilled([rid], prompt, [params], held_blocks=held)
+        assert blocks is not None
+        decode.write_prefilled(blocks, kv)
+        assert decode.finish_prefilled([rid], prompt, [first_token], [params], blocks, held_blocks=held)
 
     def decode_all():
         outputs = {}
@@ -112,28 +124,25 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
                     outputs[out.request_id] = out.output_token_ids
         return outputs
 
-    seq = prefill_prompt("turn-1", first)
-    kv = prefill.runner.read_blocks(seq.block_table)
-    assert decode.add_prefilled(["turn-1"], first, [seq.output_token_ids[-1]], [params], kv)
-    prefill.scheduler.release(seq)
+    token = prefill_prompt("turn-1", first)
+    place("turn-1", first, token, prefill.read_kv(prefill.kept_block_ids("turn-1"), all_layers))
+    prefill.release("turn-1")
     assert decode_all()["turn-1"] == LLMEngine(config).generate([first], params)[0].output_token_ids
 
-    seq = prefill_prompt("turn-2", second)
-    bm = decode.block_manager
-    held = bm.match_prefix(block_hashes(second[: (len(second) - 1) // BLOCK * BLOCK], BLOCK))
+    token = prefill_prompt("turn-2", second)
+    kept = prefill.kept_block_ids("turn-2")
+    held = decode.hold_prefix(block_hashes(second[: (len(second) - 1) // BLOCK * BLOCK], BLOCK))
     assert len(held) == 3  # the first turn's prompt blocks (its answer differs from the second turn's text)
-    bm.take_cached(held)
     # Held blocks that do not hold this prompt's start, or more than may be left out, are refused.
     other = [t + 1 for t in second]
     with pytest.raises(InvalidRequest, match="do not hold this prompt"):
-        decode.add_prefilled(
-            ["x"], other, [5], [params], prefill.runner.read_blocks(seq.block_table[3:]), held_blocks=held
-        )
+        decode.begin_prefilled(["x"], other, [params], held_blocks=held)
     with pytest.raises(InvalidRequest, match="can be left out"):
-        decode.add_prefilled(["x"], first[: 3 * BLOCK], [5], [params], prefill.runner.read_blocks([]), held_blocks=held)
-    kv = prefill.runner.read_blocks(seq.block_table[3:])
-    assert kv.shape[1] == len(seq.block_table) - 3
-    assert decode.add_prefilled(["turn-2"], second, [seq.output_token_ids[-1]], [params], kv, held_blocks=held)
-    prefill.scheduler.release(seq)
+        decode.begin_prefilled(["x"], first[: 3 * BLOCK], [params], held_blocks=held)
+    kv = prefill.read_kv(kept[3:], all_layers)
+    assert kv.shape[1] == len(kept) - 3
+    place("turn-2", second, token, kv, held)
+    prefill.release("turn-2")
     assert decode_all()["turn-2"] == LLMEngine(config).generate([second], params)[0].output_token_ids
-    assert bm.num_free_blocks == bm.num_blocks and prefill.block_manager.num_free_blocks == bm.num_blocks
+    assert decode.stats().num_free_blocks == decode.num_blocks
+    assert prefill.stats().num_free_blocks == prefill.num_blocks

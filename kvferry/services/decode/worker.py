@@ -1,29 +1,31 @@
-"""The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches
-generation continuously, streaming each step's tokens to the gateway."""
+"""The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches generation
+continuously, streaming each step's tokens to the gateway.
+
+Each request attempt is one DecodeAttempt record (services/decode/record.py); each of its choices runs as an
+engine sequence keyed by ChoiceKey. A step is `engine.step()` with the DecodeConnector plugged in.
+"""
 
 import logging
 import time
-from dataclasses import dataclass
 
 import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.bind_check import bind_zmq, warn_if_exposed
-from kvferry.common.errors import InvalidRequest
+from kvferry.common.errors import FatalError, InvalidRequest
 from kvferry.common.model.kv_blocks import frame_tensor
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
+from kvferry.services.decode.connector import DecodeConnector
+from kvferry.services.decode.record import INCOMING_S, DecodeAttempt, DecodeState, Incoming
 from kvferry.services.gateway_link import GatewayLink
-from kvferry.services.prefill.worker import attempt_key
-from kvferry.services.worker import Worker, advertised_host
+from kvferry.services.request_keys import AttemptKey
+from kvferry.services.worker import MAX_CHOICES, Worker, advertised_host
 
 log = logging.getLogger("kvferry.decode")
-MAX_CHOICES = 128
-TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
-HOLD_S = 20.0  # how long cached blocks stay held for a transfer announced by a KVQuery (a lost Abort
-#                must not pin them for long; a later transfer is asked for every block)
-INCOMING_S = 10.0  # a transfer whose next layer group has not come this long after the one before is dropped
+S = DecodeState
+TIDY_EVERY_S = 0.25  # how often expired holds, stalled transfers and old tombstones are looked for
 
 
 def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None:
@@ -42,23 +44,6 @@ def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None
         )
     if announced is not None and not set(choices) <= set(announced):
         raise InvalidRequest(f"the last layer group names choices {choices}, the first announced {announced}")
-
-
-@dataclass
-class Incoming:
-    """A transfer whose layer groups are arriving: its blocks are allocated and filled group by group."""
-
-    first: p.KVTransfer  # the first group's message: the request's fields
-    link: GatewayLink
-    engine_ids: list[str]  # one per choice the first group announced (cancelled ones left out)
-    choices: list[int]
-    params: list
-    held: list[int]  # cached blocks it leaves out, referenced for it
-    blocks: list[int]  # allocated for the rest, referenced for it
-    received_at: float  # wall clock of the first group
-    expires_at: float  # monotonic
-    next_layer: int = 0
-    num_bytes: int = 0
 
 
 class DecodeWorker(Worker):
@@ -81,7 +66,7 @@ class DecodeWorker(Worker):
         if curve:
             curve.serve(sock)
         bind_zmq(sock, kv_bind, "--kv-bind (KVFERRY_KV_BIND)")
-        super().__init__(config, gateway, worker_id, **kwargs)
+        super().__init__(config, gateway, worker_id, connector=lambda _: DecodeConnector(), **kwargs)
         warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
@@ -90,23 +75,10 @@ class DecodeWorker(Worker):
         self.advertised_kv = f"{host}:{port}"
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
-        # Keyed by attempt (attempt_key): a request moved off a failed decode worker can come back here.
-        self.traces: dict[str, p.TraceContext] = {}
-        self.origin: dict[str, tuple[str, int]] = {}  # attempt key -> (request id, attempt), for its messages
-        self.link_for: dict[str, GatewayLink] = {}  # attempt key -> the gateway its tokens go to
-        # A request's choices run as sequences of their own: engine id -> (attempt key, choice), and back.
-        self.choice_of: dict[str, tuple[str, int]] = {}
-        self.engine_ids: dict[str, list[str]] = {}
-        self.cancelled_choices: dict[str, set[int]] = {}  # ended before their KV arrived
-        self.transfer_s: dict[str, tuple[float, int]] = {}  # (seconds, bytes), told with the first Tokens
+        # Keyed by attempt: a request moved off a failed decode worker can come back here as a new attempt.
+        self.records: dict[AttemptKey, DecodeAttempt] = {}
         self.num_steps = 0
-        # Requests finished or aborted here, with when to forget them: KV for one of them that arrives
-        # late (an Abort can overtake its transfer; a resend can follow an ack) is acknowledged and dropped.
-        self.tombstones: dict[str, float] = {}
-        # Cached blocks a prefill worker was told this worker holds (KVHeld), kept from eviction until the
-        # request's KV comes, which leaves them out: attempt key -> (block ids, monotonic expiry).
-        self.held: dict[str, tuple[list[int], float]] = {}
-        self.incoming: dict[str, Incoming] = {}  # attempt key -> a transfer whose layer groups are arriving
+        self.tidy_at = 0.0
 
     def kv_address(self) -> str:
         return self.advertised_kv
@@ -117,217 +89,188 @@ class DecodeWorker(Worker):
     def num_protocol_errors(self) -> int:
         return super().num_protocol_errors() + self.kv_in.num_protocol_errors
 
+    def record_for(self, key: AttemptKey) -> DecodeAttempt:
+        record = self.records.get(key)
+        if record is None:
+            record = self.records[key] = DecodeAttempt(key)
+        return record
+
+    def end_record(self, record: DecodeAttempt) -> None:
+        if record.state is not S.DONE:
+            record.end(self.engine)
+
+    def forget_request(self, request_id: str, attempt: int) -> None:
+        record = self.records.get(AttemptKey(request_id, attempt))
+        if record is not None:
+            self.end_record(record)
+
+    # -- messages -------------------------------------------------------------------------------------------
     def handle(self, channel, peer, env: p.Envelope) -> None:
         msg = env.message
+        key = AttemptKey(env.request_id, getattr(msg, "attempt", 0))
         if isinstance(msg, p.KVTransfer):
-            self.receive_kv(peer, env)
+            try:
+                self.receive_kv(key, peer, env)
+            except FatalError:
+                raise
+            except Exception as exc:  # a bug or a message this code did not foresee: this transfer alone fails
+                log.exception("%s: KV transfer", self.worker_id, extra={"request_id": env.request_id})
+                self.refuse(self.record_for(key), env, peer, self.link_named(msg.gateway_id), exc)
         elif isinstance(msg, p.KVQuery):
-            self.hold_blocks(peer, env)
+            self.hold_blocks(key, peer, env)
         elif isinstance(msg, p.Abort):
-            key = attempt_key(env.request_id, msg.attempt)
             if msg.choice >= 0:
                 self.abort_choice(key, msg.choice)
-                return
-            for engine_id in self.engine_ids.get(key, [key]):
-                self.engine.abort(engine_id)
-            self.bury(key)
+            else:
+                self.end_record(self.record_for(key))
 
-    def abort_choice(self, rid: str, choice: int) -> None:
+    def abort_choice(self, key: AttemptKey, choice: int) -> None:
         """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
         it is left out when it does."""
-        if rid in self.tombstones:
+        record = self.record_for(key)
+        if record.state is S.DONE:
             return
-        if rid not in self.engine_ids:
-            self.cancelled_choices.setdefault(rid, set()).add(choice)
+        if record.state is not S.RUNNING:
+            record.cancelled.add(choice)
             return
-        engine_id = next((e for e in self.engine_ids[rid] if self.choice_of.get(e) == (rid, choice)), None)
-        if engine_id is None:
+        choice_key = record.running.get(choice)
+        if choice_key is None:
             return  # finished already
-        self.engine.abort(engine_id)
-        self.drop_choice(rid, engine_id)
+        self.engine.abort(choice_key)
+        if record.choice_ended(choice):
+            self.end_record(record)
 
-    def drop_choice(self, rid: str, engine_id: str) -> None:
-        """A choice's sequence ended here (finished or aborted); the request is buried with its last choice."""
-        self.choice_of.pop(engine_id, None)
-        self.engine_ids[rid] = [e for e in self.engine_ids.get(rid, []) if e != engine_id]
-        if not self.engine_ids[rid]:
-            self.bury(rid)
-
-    def hold_blocks(self, peer: bytes, env: p.Envelope) -> None:
+    def hold_blocks(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
         """Answer a KVQuery: how many of its leading blocks sit in this worker's prefix cache, held from now on
         for the request's transfer."""
-        msg = env.message
-        key = attempt_key(env.request_id, msg.attempt)
-        self.let_go(key)
-        bm = self.engine.block_manager
+        record = self.record_for(key)
         ids = []
-        if key not in self.traces and key not in self.tombstones:
-            ids = bm.match_prefix(msg.block_hashes[: bm.num_blocks_for(self.engine.max_model_len)])
-            bm.take_cached(ids)
+        if record.state in (S.NEW, S.HOLDING):
+            record.let_go(self.engine)
+            ids = self.engine.connector.matched_blocks(env.message.block_hashes)
             if ids:
-                self.held[key] = (ids, time.monotonic() + HOLD_S)
-        self.kv_in.send(p.KVHeld(len(ids), msg.attempt), env.request_id, env.trace, to=peer)
+                record.hold(ids)
+        self.kv_in.send(p.KVHeld(len(ids), key.attempt), env.request_id, env.trace, to=peer)
 
-    def let_go(self, key: str, keep: int = 0) -> list[int]:
-        """Stop holding a request's blocks but its first `keep`, which are returned: their references pass to
-        the caller."""
-        ids, _ = self.held.pop(key, ([], 0.0))
-        self.engine.block_manager.free(ids[keep:])
-        return ids[:keep]
+    def ack(self, env: p.Envelope, peer: bytes, accepted: bool, reason="", retry=True, resend_all=False) -> None:
+        msg = env.message
+        reply = p.KVAck(accepted, reason, retry, msg.attempt, resend_all)
+        self.kv_in.send(reply, env.request_id, env.trace, to=peer)
 
-    def tidy(self) -> None:
-        now = time.monotonic()
-        for key in [k for k, incoming in self.incoming.items() if incoming.expires_at < now]:
-            self.drop_incoming(key)
-        for key in [k for k, (_, until) in self.held.items() if until < now]:
-            self.let_go(key)  # its transfer, if it ever comes, is asked to send every block
-
-    def bury(self, rid: str) -> None:
-        self.drop_incoming(rid)
-        self.let_go(rid)
-        self.cancelled_choices.pop(rid, None)
-        for engine_id in self.engine_ids.pop(rid, []):
-            self.choice_of.pop(engine_id, None)
-        self.traces.pop(rid, None)
-        self.origin.pop(rid, None)
-        self.link_for.pop(rid, None)
-        self.transfer_s.pop(rid, None)
-        now = time.monotonic()
-        self.tombstones[rid] = now + TOMBSTONE_S
-        if len(self.tombstones) > 1024:
-            self.tombstones = {r: t for r, t in self.tombstones.items() if t > now}
-
-    def receive_kv(self, peer: bytes, env: p.Envelope) -> None:
+    def receive_kv(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
         """One layer group of a transfer. The first checks the request and allocates its blocks; each group is
         placed into them as it comes; the last admits the sequences and is acknowledged."""
         msg = env.message
-        rid = attempt_key(env.request_id, msg.attempt)  # this worker's key for the attempt
-
-        def ack(accepted: bool, reason: str = "", retry: bool = True, resend_all: bool = False) -> None:
-            self.kv_in.send(
-                p.KVAck(accepted, reason, retry, msg.attempt, resend_all), env.request_id, env.trace, to=peer
-            )
-
         if msg.layer_start > 0:
-            self.receive_layers(rid, env, ack)
+            self.receive_layers(key, peer, env)
             return
-        self.drop_incoming(rid)  # a resend starts over
-        if rid in self.traces or rid in self.tombstones:  # placed already, or no longer wanted
-            self.let_go(rid)
-            ack(True)
+        record = self.record_for(key)
+        if record.state in (S.RUNNING, S.DONE):  # placed already, or no longer wanted
+            self.ack(env, peer, True)
             return
-        held = self.let_go(rid, keep=msg.num_skipped_blocks)
+        if record.state is S.RECEIVING:
+            record.put_back(self.engine)  # a resend starts over
+        held = record.let_go(self.engine, keep=msg.num_skipped_blocks)
         if len(held) < msg.num_skipped_blocks:  # the hold expired, or this worker restarted meanwhile
-            self.engine.block_manager.free(held)
-            ack(False, "the blocks the transfer leaves out are no longer held here", resend_all=True)
+            self.engine.free_blocks(held)
+            self.ack(env, peer, False, "the blocks the transfer leaves out are no longer held here", resend_all=True)
             return
         link = self.link_named(msg.gateway_id)
         if link is None:  # a gateway this worker does not serve: nobody would read the tokens
-            self.engine.block_manager.free(held)
-            ack(False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", retry=False)
+            self.engine.free_blocks(held)
+            self.ack(env, peer, False, f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}", False)
             return
         try:
             check_choices(msg)
-            params = msg.sampling
-            cancelled = self.cancelled_choices.get(rid, set())
-            choices = [c for c in msg.choices if c not in cancelled]
+            choices = [c for c in msg.choices if c not in record.cancelled]
             if not choices:  # every choice ended before its KV came
-                self.engine.block_manager.free(held)
-                self.bury(rid)
-                ack(True)
+                self.engine.free_blocks(held)
+                self.end_record(record)
+                self.ack(env, peer, True)
                 return
-            engine_ids = [rid] if choices == [0] else [f"{rid}#{c}" for c in choices]
-            choice_params = [for_choice(params, c) for c in choices]
+            params = [for_choice(msg.sampling, c) for c in choices]
             blocks = self.engine.begin_prefilled(
-                engine_ids, msg.prompt_token_ids, choice_params, msg.resume_token_ids, held
+                [key.choice(c) for c in choices], msg.prompt_token_ids, params, msg.resume_token_ids, held
             )
-        except (InvalidRequest, KeyError, RuntimeError) as exc:
-            self.engine.block_manager.free(held)
-            self.refuse(rid, msg, env, link, exc, ack)
+        except Exception as exc:  # InvalidRequest: the request's fault (400); anything else is ours (500)
+            self.engine.free_blocks(held)
+            self.refuse(record, env, peer, link, exc)
             return
         if blocks is None:
-            self.hold_again(rid, held)
-            ack(False, "no free blocks")
+            if held:
+                record.hold(held)
+            self.ack(env, peer, False, "no free blocks")
             return
-        self.incoming[rid] = Incoming(
-            msg, link, engine_ids, choices, choice_params, held, blocks, received_at=time.time(), expires_at=0.0
-        )
-        self.receive_layers(rid, env, ack)
+        record.start_receiving(Incoming(msg, link, choices, params, blocks), held)
+        self.receive_layers(key, peer, env)
 
-    def receive_layers(self, rid: str, env: p.Envelope, ack) -> None:
+    def receive_layers(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
         msg = env.message
-        incoming = self.incoming.get(rid)
-        last = msg.layer_start + (msg.shape[0] if msg.shape else 0) >= self.engine.runner.layout.num_layers
+        record = self.records.get(key)
+        incoming = record.incoming if record is not None and record.state is S.RECEIVING else None
+        last = msg.layer_start + (msg.shape[0] if msg.shape else 0) >= self.engine.num_layers
         if incoming is None or msg.layer_start != incoming.next_layer:
             # After a refused first group, or a group lost on the way: the sender's resend starts over. Its last
             # group is answered, so that the sender need not wait for its ack timeout: done if the request ended
             # here meanwhile, else send again.
-            self.drop_incoming(rid)
-            if last and (rid in self.tombstones or rid in self.traces):
-                ack(True)
+            if incoming is not None:
+                record.put_back(self.engine)
+            if last and record is not None and record.state in (S.RUNNING, S.DONE):
+                self.ack(env, peer, True)
             elif last:
-                ack(False, "the transfer's first layer groups were not placed here")
+                self.ack(env, peer, False, "the transfer's first layer groups were not placed here")
             return
         try:
             kv = frame_tensor(env.frames[0], msg.dtype, msg.shape)  # [layers, blocks, block_size, 2, kvh, d]
             self.engine.write_prefilled(incoming.blocks, kv, msg.layer_start)
             if last:
                 check_choices(msg, announced=incoming.first.choices)
-        except (InvalidRequest, KeyError, RuntimeError) as exc:
-            del self.incoming[rid]
-            self.engine.block_manager.free(incoming.blocks + incoming.held)
-            self.refuse(rid, msg, env, incoming.link, exc, ack)
+        except Exception as exc:
+            self.refuse(record, env, peer, incoming.link, exc)
             return
         incoming.next_layer += msg.shape[0]
         incoming.num_bytes += kv.nbytes
         incoming.expires_at = time.monotonic() + INCOMING_S
-        if not last:
-            return
-        del self.incoming[rid]
-        # The last group names the choices that go on (those whose first token did not end them) and their tokens;
-        # the gateway may have ended more since the first group came (a stop string in a first token).
+        if last:
+            self.admit(record, peer, env)
+
+    def admit(self, record: DecodeAttempt, peer: bytes, env: p.Envelope) -> None:
+        """The last group came: the choices that go on (those whose first token did not end them, and that the
+        gateway has not ended since) join the running batch."""
+        msg, incoming = env.message, record.incoming
         first_token = dict(zip(msg.choices, msg.output_token_ids))
-        cancelled = self.cancelled_choices.get(rid, set())
-        going_on = [i for i, c in enumerate(incoming.choices) if c in first_token and c not in cancelled]
+        going_on = [i for i, c in enumerate(incoming.choices) if c in first_token and c not in record.cancelled]
         if not going_on:
-            self.engine.block_manager.free(incoming.blocks + incoming.held)
-            self.bury(rid)
-            ack(True)
+            self.end_record(record)
+            self.ack(env, peer, True)
             return
-        engine_ids = [incoming.engine_ids[i] for i in going_on]
         choices = [incoming.choices[i] for i in going_on]
         first = incoming.first
         try:
             placed = self.engine.finish_prefilled(
-                engine_ids,
+                [record.key.choice(c) for c in choices],
                 first.prompt_token_ids,
                 [first_token[c] for c in choices],
                 [incoming.params[i] for i in going_on],
                 incoming.blocks,
                 first.resume_token_ids,
-                incoming.held,
+                record.held,
             )
         except InvalidRequest as exc:
-            self.engine.block_manager.free(incoming.blocks + incoming.held)
-            self.refuse(rid, msg, env, incoming.link, exc, ack)
+            self.refuse(record, env, peer, incoming.link, exc)
             return
         if not placed:
-            self.engine.block_manager.free(incoming.blocks)
-            self.hold_again(rid, incoming.held)
-            ack(False, "no free blocks")
+            record.put_back(self.engine)
+            self.ack(env, peer, False, "no free blocks")
             return
-        self.traces[rid] = env.trace
-        self.origin[rid] = (env.request_id, msg.attempt)
-        self.link_for[rid] = incoming.link
-        self.engine_ids[rid] = engine_ids
-        self.choice_of.update({e: (rid, c) for e, c in zip(engine_ids, choices)})
-        self.cancelled_choices.pop(rid, None)
         placed_at = time.time()
-        # What the transfer adds after the prompt's compute: copy-out on the prefill worker, then the wire and placing
-        # the blocks here, from the first group, or from the last one when the others came during the compute.
+        # What the transfer adds after the prompt's compute: copy-out on the prefill worker, then the wire and
+        # placing the blocks here, from the first group, or from the last one when the others came during the compute.
         since = first.sent_at if first.output_token_ids else msg.sent_at
         hop_s = max(0.0, placed_at - since) if since else placed_at - incoming.received_at
-        self.transfer_s[rid] = (msg.gather_s + hop_s, incoming.num_bytes)
+        num_held = len(record.held)
+        running = {c: record.key.choice(c) for c in choices}
+        record.start_running(incoming.link, env.trace, running, (msg.gather_s + hop_s, incoming.num_bytes))
         if self.tracer.enabled:
             self.tracer.span(
                 "kv.transfer_in",
@@ -337,33 +280,37 @@ class DecodeWorker(Worker):
                 tracing.child_of(env.trace),
                 bytes=incoming.num_bytes,
                 num_blocks=len(incoming.blocks),
-                num_held_blocks=len(incoming.held),
+                num_held_blocks=num_held,
                 prefill=msg.prefill_worker_id,
                 attempt=msg.attempt,
             )
-        ack(True)
+        self.ack(env, peer, True)
 
-    def refuse(self, rid: str, msg, env: p.Envelope, link: GatewayLink, exc: Exception, ack) -> None:
+    def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc) -> None:
         """A transfer that can never be placed: the request ends here, and its gateway is told why."""
-        self.bury(rid)
-        ack(False, f"refused: {exc}", retry=False)
-        code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-        link.channel.send(
-            p.RequestFailed(f"decode worker refused the KV: {exc}", code, msg.attempt), env.request_id, env.trace
-        )
+        self.end_record(record)
+        self.ack(env, peer, False, f"refused: {exc}", retry=False)
+        if link is not None:
+            code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
+            failed = p.RequestFailed(f"decode worker refused the KV: {exc}", code, env.message.attempt)
+            link.channel.send(failed, env.request_id, env.trace)
 
-    def hold_again(self, rid: str, held: list[int]) -> None:
-        """Keep held blocks for a transfer's retry, which leaves them out again."""
-        if held:
-            self.held[rid] = (held, time.monotonic() + HOLD_S)
+    def tidy(self) -> None:
+        now = time.monotonic()
+        if now < self.tidy_at:
+            return
+        self.tidy_at = now + TIDY_EVERY_S
+        for key, record in list(self.records.items()):
+            if record.state is S.RECEIVING and record.incoming.expires_at < now:
+                record.put_back(self.engine)  # its groups stopped coming
+            elif record.state is S.HOLDING and record.held_until < now:
+                record.let_go(self.engine)  # its transfer, if it ever comes, is asked to send every block
+            elif record.state is S.DONE and record.tombstone_until < now:
+                del self.records[key]
+            elif record.state is S.NEW and not record.cancelled:
+                del self.records[key]  # nothing held, nothing to remember
 
-    def drop_incoming(self, rid: str) -> None:
-        """Forget a transfer whose groups stopped coming (or start again): free its blocks, keep its held ones."""
-        incoming = self.incoming.pop(rid, None)
-        if incoming is not None:
-            self.engine.block_manager.free(incoming.blocks)
-            self.hold_again(rid, incoming.held)
-
+    # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
         started = time.time()
         outputs = self.engine.step()
@@ -372,11 +319,20 @@ class DecodeWorker(Worker):
             if self.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         for out in outputs:
-            key, choice = self.choice_of.get(out.request_id, (out.request_id, 0))
-            rid, attempt = self.origin.get(key, (key, 0))
+            key = out.request_id.attempt_key
+            record = self.records.get(key)
+            if record is None or record.state is not S.RUNNING:
+                continue
+            if out.error:
+                failed = p.RequestFailed(f"the decode step failed: {out.error}", 500, key.attempt)
+                record.link.channel.send(failed, key.request_id, record.trace)
+                self.end_record(record)
+                continue
             reason = int(out.finish_reason) if out.finished else -1
-            transfer_s, transfer_bytes = self.transfer_s.pop(key, (0.0, 0))
+            transfer_s, transfer_bytes = record.transfer or (0.0, 0)
+            record.transfer = None
             start = len(out.output_token_ids) - len(out.new_token_ids)
+            choice = out.request_id.choice
             tokens = p.Tokens(
                 out.new_token_ids,
                 reason,
@@ -384,19 +340,16 @@ class DecodeWorker(Worker):
                 transfer_bytes,
                 list(out.new_logprobs),
                 choice,
-                attempt,
+                key.attempt,
                 start,
             )
-            link = self.link_for.get(key)
-            if link is not None:
-                link.channel.send(tokens, rid, self.traces.get(key))
-            if out.finished:
-                self.drop_choice(key, out.request_id)
+            record.link.channel.send(tokens, key.request_id, record.trace)
+            if out.finished and record.choice_ended(choice):
+                self.end_record(record)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
-        keys = (self.choice_of.get(c.seq.request_id, (c.seq.request_id,))[0] for c in plan.chunks)
-        rids = dict.fromkeys(self.origin.get(k, (k,))[0] for k in keys)
+        rids = dict.fromkeys(c.seq.request_id.request_id for c in plan.chunks)
         self.tracer.span(
             "decode.step" if not plan.is_prefill else "decode.recompute",
             started,

@@ -1,0 +1,50 @@
+"""The seam between the one engine core and a worker's role: what differs between prefill, decode and offline.
+
+Every role drives the same `LLMEngine.step()`. What a role adds to it sits behind this interface, in the
+spirit of vLLM V1's KV connector, in two halves:
+
+- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), what happens as a
+  step's prompts start (`on_step_start`), and what to keep when a sequence finishes (`keeps_finished_blocks`);
+- worker side: a group of layers of the step's KV has been stored (`layers_stored`), and received blocks are
+  placed into the cache (`place_blocks`).
+
+The base class is the null connector of the offline engine: nothing is kept, nothing shipped, nothing held.
+A connector never touches a socket: a hook that has something to send queues it for the role's sender.
+"""
+
+from __future__ import annotations
+
+import typing
+
+if typing.TYPE_CHECKING:
+    from kvferry.common.engine import LLMEngine
+    from kvferry.common.scheduler import StepPlan
+
+
+class KVConnector:
+    # Scheduler side: a finished sequence keeps its blocks until `LLMEngine.release` (a prefill worker ships them).
+    keeps_finished_blocks: bool = False
+    # Worker side: whether `layers_stored` wants each layer group of a step as it lands (costs a hook per layer).
+    wants_layer_events: bool = False
+
+    def bind(self, engine: LLMEngine) -> None:
+        """Called once by the engine that plugs this connector in, before its first step."""
+        self.engine = engine
+
+    # -- scheduler side ---------------------------------------------------------------------------------------
+    def matched_blocks(self, block_hashes: list[bytes]) -> list[int]:
+        """Of a prompt's leading full blocks (chained hashes), the ids of those already here, referenced for the
+        caller; none for the null connector."""
+        return []
+
+    def on_step_start(self, plan: StepPlan) -> None:
+        """A step was scheduled and is about to compute."""
+
+    # -- worker side ------------------------------------------------------------------------------------------
+    def layers_stored(self, plan: StepPlan, layers: tuple[int, int]) -> None:
+        """Layers [lo, hi) of the step's K/V are in the cache (only with wants_layer_events, and eager steps)."""
+
+    def place_blocks(self, block_ids: list[int], kv, layer_start: int) -> None:
+        """Write received K and V ([layers, blocks, block_size, 2, kvh, d]) of layers from layer_start into blocks
+        that the engine allocated for a transfer."""
+        self.engine.runner.write_blocks(block_ids, kv, (layer_start, layer_start + kv.shape[0]))

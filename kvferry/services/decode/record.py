@@ -1,0 +1,127 @@
+"""One decode worker's record of one request attempt: blocks held for its transfer, the transfer arriving layer
+group by layer group, its choices running, and a tombstone once it ended.
+
+    NEW ──hold──▶ HOLDING ──start_receiving──▶ RECEIVING ──start_running──▶ RUNNING
+     │  ◀─let_go── │  ▲                           │  │                       │
+     │             │  └────── put_back (no room, or groups stopped) ─────────┘  │
+     └─────────────┴──────────── end (finished, aborted, refused) ──────────────┴──▶ DONE
+
+NEW also takes a transfer whose prompt asked nothing (start_receiving), and choices that end before their KV
+comes (cancelled). DONE is kept as a tombstone for a while: KV that arrives late for it (an Abort can overtake
+its transfer; a resend can follow an ack) is acknowledged and dropped.
+"""
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvferry.common import protocol as p
+from kvferry.services.gateway_link import GatewayLink
+from kvferry.services.record_state import move
+from kvferry.services.request_keys import AttemptKey, ChoiceKey
+
+TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
+HOLD_S = 20.0  # held blocks are let go after this (a lost Abort must not pin them; a later transfer sends all)
+INCOMING_S = 10.0  # a transfer whose next layer group has not come this long after the one before is dropped
+
+
+class DecodeState(enum.Enum):
+    NEW = "new"
+    HOLDING = "holding"
+    RECEIVING = "receiving"
+    RUNNING = "running"
+    DONE = "done"
+
+
+S = DecodeState
+ALLOWED = {
+    S.NEW: (S.HOLDING, S.RECEIVING, S.DONE),
+    S.HOLDING: (S.HOLDING, S.NEW, S.RECEIVING, S.DONE),  # to itself: held again after a refusal
+    S.RECEIVING: (S.NEW, S.HOLDING, S.RUNNING, S.DONE),
+    S.RUNNING: (S.DONE,),
+    S.DONE: (),
+}
+
+
+@dataclass
+class Incoming:
+    """A transfer whose layer groups are arriving: its blocks are allocated and filled group by group."""
+
+    first: p.KVTransfer  # the first group's message: the request's fields
+    link: GatewayLink
+    choices: list[int]  # announced by the first group, cancelled ones left out
+    params: list  # each choice's SamplingParams
+    blocks: list[int]  # allocated for the KV that comes, referenced for it
+    received_at: float = field(default_factory=time.time)
+    expires_at: float = 0.0  # monotonic
+    next_layer: int = 0
+    num_bytes: int = 0
+
+
+@dataclass
+class DecodeAttempt:
+    key: AttemptKey
+    state: DecodeState = DecodeState.NEW
+    held: list[int] = field(default_factory=list)  # cached blocks held for the transfer (it leaves them out)
+    held_until: float = 0.0  # monotonic
+    incoming: Incoming | None = None
+    cancelled: set[int] = field(default_factory=set)  # choices ended before their KV came
+    link: GatewayLink | None = None  # where its tokens go, once running
+    trace: p.TraceContext | None = None
+    running: dict[int, ChoiceKey] = field(default_factory=dict)  # choice -> the engine's id for its sequence
+    transfer: tuple[float, int] | None = None  # (seconds, bytes), told with the first Tokens, then cleared
+    tombstone_until: float = 0.0
+
+    def hold(self, block_ids: list[int]) -> None:
+        move(self, ALLOWED, S.HOLDING)
+        self.held, self.held_until = block_ids, time.monotonic() + HOLD_S
+
+    def let_go(self, engine, keep: int = 0) -> list[int]:
+        """Stop holding blocks but the first `keep`, which are returned: their references pass to the caller."""
+        kept, rest = self.held[:keep], self.held[keep:]
+        self.held = []
+        engine.free_blocks(rest)
+        if self.state is S.HOLDING:
+            move(self, ALLOWED, S.NEW)
+        return kept
+
+    def start_receiving(self, incoming: Incoming, held: list[int]) -> None:
+        """The first group came and its blocks are allocated; held: the cached blocks it leaves out, referenced."""
+        move(self, ALLOWED, S.RECEIVING)
+        self.incoming, self.held = incoming, held
+        incoming.expires_at = time.monotonic() + INCOMING_S
+
+    def put_back(self, engine) -> None:
+        """A transfer that could not be placed now, or whose groups stopped coming: the blocks allocated for it are
+        freed, the held ones kept (for a while) for its retry, which leaves them out again."""
+        if self.incoming is not None:
+            engine.free_blocks(self.incoming.blocks)
+            self.incoming = None
+        if self.held:
+            move(self, ALLOWED, S.HOLDING)
+            self.held_until = time.monotonic() + HOLD_S
+        else:
+            move(self, ALLOWED, S.NEW)
+
+    def start_running(self, link: GatewayLink, trace, running: dict[int, ChoiceKey], transfer: tuple[float, int]):
+        move(self, ALLOWED, S.RUNNING)
+        self.incoming, self.held = None, []
+        self.link, self.trace, self.running, self.transfer = link, trace, running, transfer
+        self.cancelled = set()
+
+    def choice_ended(self, choice: int) -> bool:
+        """A running choice finished or was aborted; True when it was the last."""
+        self.running.pop(choice, None)
+        return not self.running
+
+    def end(self, engine) -> None:
+        """The attempt is over here: its running choices stop, every block it held or was filling is freed, and
+        it stays as a tombstone."""
+        for choice_key in self.running.values():
+            engine.abort(choice_key)
+        if self.incoming is not None:
+            engine.free_blocks(self.incoming.blocks)
+        engine.free_blocks(self.held)
+        self.running, self.incoming, self.held, self.cancelled = {}, None, [], set()
+        move(self, ALLOWED, S.DONE)
+        self.tombstone_until = time.monotonic() + TOMBSTONE_S

@@ -1,0 +1,153 @@
+"""The prefill worker's sockets to decode workers, on a thread of their own.
+
+The engine's layer hook runs inside the model's forward pass, where no socket may be touched. So every message
+for a decode worker (KVQuery, the KV groups, Abort) is queued here with `send`, which only appends to a queue and
+writes a byte to a pipe, and this thread puts it on the wire while the next layers compute. Answers from decode
+workers come back the same way: the thread queues them, and the worker's loop, which polls `wake_fd`, takes
+them with `received()`. ZeroMQ sockets are not thread-safe; these are used by this thread alone.
+"""
+
+import collections
+import logging
+import os
+import queue
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.transport import Channel
+
+log = logging.getLogger("kvferry.prefill")
+
+
+@dataclass
+class Outgoing:
+    address: str
+    peer: str  # the decode worker's id, for traces
+    message: object
+    request_id: str
+    trace: p.TraceContext
+    frames: list | None = None
+
+
+@dataclass
+class SendFailed:
+    """A message that could not go out (the decode worker's address does not connect): its request fails."""
+
+    outgoing: Outgoing
+    error: str
+
+
+def _pipe() -> tuple[int, int]:
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(read_fd, False)
+    os.set_blocking(write_fd, False)
+    return read_fd, write_fd
+
+
+def _signal(fd: int) -> None:
+    try:
+        os.write(fd, b"\0")
+    except BlockingIOError:
+        pass  # the pipe is full of wake-ups already: the reader wakes anyway
+
+
+def _clear(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
+
+
+class KVSender:
+    def __init__(self, ctx: zmq.Context, worker_id: str, curve=None):
+        self.ctx, self.worker_id, self.curve = ctx, worker_id, curve
+        self._outbox: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
+        self._inbox: collections.deque = collections.deque()  # (address, Envelope) or SendFailed
+        self._outbox_read, self._outbox_write = _pipe()
+        self.wake_fd, self._inbox_write = _pipe()  # readable when received() has something
+        self._channels: dict[str, Channel] = {}
+        self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
+        self._thread.start()
+
+    # -- any thread -------------------------------------------------------------------------------------------
+    def send(self, outgoing: Outgoing) -> None:
+        self._outbox.put(outgoing)
+        _signal(self._outbox_write)
+
+    def received(self) -> list:
+        """What came back from decode workers since the last call, in order."""
+        _clear(self.wake_fd)
+        items = []
+        while self._inbox:
+            items.append(self._inbox.popleft())
+        return items
+
+    @property
+    def num_protocol_errors(self) -> int:
+        return sum(c.num_protocol_errors for c in list(self._channels.values()))
+
+    def close(self) -> None:
+        self._outbox.put(None)
+        _signal(self._outbox_write)
+        self._thread.join(timeout=5)
+        for fd in (self._outbox_read, self._outbox_write, self.wake_fd, self._inbox_write):
+            os.close(fd)
+
+    # -- the sender thread ------------------------------------------------------------------------------------
+    def _channel(self, address: str, peer: str, poller: zmq.Poller) -> Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+            if self.curve:
+                self.curve.connect(sock)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            poller.register(sock, zmq.POLLIN)
+            channel = self._channels[address] = Channel(sock, f"{self.worker_id}->{address}", peer_name=peer)
+        return channel
+
+    def _deliver(self, item) -> None:
+        self._inbox.append(item)
+        _signal(self._inbox_write)
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._outbox_read, zmq.POLLIN)
+        address_of: dict = {}
+        try:
+            while True:
+                for sock, _ in poller.poll():
+                    if sock == self._outbox_read:
+                        _clear(self._outbox_read)
+                        while True:
+                            try:
+                                out = self._outbox.get_nowait()
+                            except queue.Empty:
+                                break
+                            if out is None:
+                                return
+                            try:
+                                channel = self._channel(out.address, out.peer, poller)
+                                address_of[channel.socket] = out.address
+                                channel.send(out.message, out.request_id, out.trace, frames=out.frames)
+                            except Exception as exc:  # one request's bad address must not stop the others'
+                                log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
+                                self._deliver(SendFailed(out, str(exc)))
+                        continue
+                    channel = self._channels[address_of[sock]]
+                    while sock.poll(0):
+                        received = channel.recv()
+                        if received is not None:
+                            self._deliver((address_of[sock], received[1]))
+        finally:
+            for channel in self._channels.values():
+                channel.close()
