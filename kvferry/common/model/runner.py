@@ -67,9 +67,8 @@ class ModelRunner:
         if can_pack(device, dtype):
             pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
         # K and V of a token side by side: a block's K and V are one contiguous run of memory, so the CPU's
-        # decode attention gathers both with one copy of whole blocks (kernels/reference.py). Scattered blocks
-        # cost a little less that way: a decode step at batch 32 was 1.05-1.18x a contiguous cache's, against
-        # 1.12-1.18x with K and V apart, in the same 5 alternated rounds.
+        # decode attention gathers both with one copy of whole blocks (kernels/reference.py), which makes scattered
+        # blocks cheaper to read (docs/benchmarks.md, paging overhead).
         shape = (layout.num_layers, num_blocks, layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
         if device.type == "cpu":
             # Zeroed here, so every page is touched now. The OS hands out fresh memory lazily, so the pool's resident

@@ -296,7 +296,7 @@ class GatewayCore:
         send failed."""
         resume = flight.resume_token_ids() if flight.attempt else []
         tokens = flight.prompt_token_ids + resume
-        hashes = block_hashes(tokens, self.registry.expected_block_size)  # a few microseconds per block
+        hashes = block_hashes(tokens, self.registry.expected_block_size)  # cheap next to a step (docs/benchmarks.md)
         prefill, num_cached_blocks = self.registry.pick_prefill(hashes, len(tokens))
         decode = self.registry.pick_decode()
         if prefill is None or decode is None:
