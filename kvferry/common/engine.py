@@ -11,23 +11,30 @@ them with an error output, and the engine goes on. Only a FatalError (a broken d
 
 import itertools
 import logging
-import os
-import time
-from dataclasses import dataclass, field
 
 import torch
 
 from kvferry.common import faults
-from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
+from kvferry.common.engine_setup import (
+    build_runner,
+    capture_decode_graphs,
+    eos_token_ids,
+    is_device_failure,
+    load_tokenizer,
+    resolve_device,
+    resolve_dtype,
+)
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
-from kvferry.common.model.runner import ModelRunner, kv_cache_layout
+from kvferry.common.model.runner import kv_cache_layout
+from kvferry.common.received_kv import ReceivedKV
+from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
 from kvferry.common.sequence import FinishReason, Sequence
@@ -35,57 +42,7 @@ from kvferry.common.sequence import FinishReason, Sequence
 log = logging.getLogger("kvferry.engine")
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    text: str = ""
-    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the new token's, when asked for
-    logprobs: list[TokenLogprobs] | None = None  # every output token's so far, when asked for
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first token, when asked for (echo)
-    error: str = ""  # set when the step that served it failed: the request ended (finish_reason ABORT)
-
-
-@dataclass
-class EngineStats:
-    """Counters a worker reports in its heartbeats."""
-
-    num_free_blocks: int
-    num_blocks: int
-    num_running: int
-    num_waiting: int
-    num_queued_prompt_tokens: int
-    num_preemptions: int
-    num_prompt_tokens_computed: int
-    num_prompt_tokens_cached: int
-    num_cached_blocks: int
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
-        raise ConfigError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-class LLMEngine:
+class LLMEngine(ReceivedKV):
     def __init__(self, config: EngineConfig | None = None, connector: KVConnector | None = None):
         self.config = config = config or EngineConfig()
         self.connector = connector = connector or KVConnector()
@@ -132,37 +89,10 @@ class LLMEngine:
         )
         if config.quantization == "int8":  # before the cache: its errors are not the cache's
             quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.hf_config.vocab_size))
-        try:
-            self.runner = ModelRunner(
-                self.model,
-                layout,
-                num_blocks,
-                self.device,
-                self.dtype,
-                seed=config.seed,
-                eos_token_ids=self.scheduler.eos_token_ids,
-            )
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            if "memory" not in str(exc).lower():
-                raise
-            raise ConfigError(
-                f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {self.device}: lower it"
-            ) from None
+        self.runner = build_runner(self.model, layout, num_blocks, self.device, self.dtype, config, self.scheduler)
         # A prefill worker's engine (keep_finished_blocks) never runs a decode step: no graphs to keep for it.
         if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
-            started = time.perf_counter()
-            try:
-                self.runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
-            except torch.OutOfMemoryError:
-                raise ConfigError(
-                    "no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
-                    "--max-num-seqs, or pass --enforce-eager"
-                ) from None
-            log.info(
-                "decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
-                self.runner.decode_graphs.sizes,
-                time.perf_counter() - started,
-            )
+            capture_decode_graphs(self.runner, config, max_model_len)
         self.vocab_size = self.hf_config.vocab_size
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
@@ -241,112 +171,6 @@ class LLMEngine:
             if bad is not None:
                 raise InvalidRequest(f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
-    def begin_prefilled(
-        self,
-        request_ids: list[str],
-        prompt_token_ids: list[int],
-        params: list[SamplingParams],
-        resume_token_ids: list[int] = (),
-        held_blocks: list[int] = (),
-    ) -> list[int] | None:
-        """Check a transfer of sequences (one per choice) whose prompt KV was computed elsewhere, and allocate
-        the blocks its KV fills: the prompt's blocks after held_blocks (cached blocks holding the first full
-        blocks' KV, referenced by the caller for this transfer). None when there is no room now. The caller owns
-        the blocks until finish_prefilled admits the sequences. resume_token_ids: outputs from before a move,
-        whose KV comes with the prompt's (one choice only). The first tokens are not needed yet: the sender may
-        still be computing them."""
-        if resume_token_ids and len(request_ids) != 1:
-            raise InvalidRequest("a resumed request continues exactly one choice")
-        if not request_ids or len(request_ids) != len(params):
-            raise InvalidRequest("a KV transfer needs one set of parameters per choice")
-        tokens = list(prompt_token_ids) + list(resume_token_ids)  # those whose KV comes
-        self.validate_prompt(tokens)
-        for request_id, choice_params in zip(request_ids, params):
-            self.validate_params(choice_params)
-            if request_id in self._live:
-                raise InvalidRequest(f"request id {request_id!r} is already in use")
-        num_prompt, bm = len(tokens), self.block_manager
-        num_held = len(held_blocks)
-        if num_held > bm.num_cacheable_blocks(num_prompt):
-            raise InvalidRequest(
-                f"{num_held} held blocks for {num_prompt} prompt tokens: only full blocks before "
-                f"the last token's can be left out"
-            )
-        if [bm.hash_of.get(b) for b in held_blocks] != block_hashes(tokens[: num_held * bm.block_size], bm.block_size):
-            raise InvalidRequest("the held blocks do not hold this prompt's first tokens")
-        if not self.scheduler.could_ever_admit_prefilled(num_prompt + 1, len(request_ids)):
-            raise InvalidRequest(
-                f"{len(request_ids)} choices of {num_prompt + 1} tokens exceed what this worker can "
-                f"run at once (max_num_seqs {self.scheduler.max_num_seqs}, {bm.num_blocks} blocks)"
-            )
-        if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), num_held):
-            return None
-        return bm.allocate(bm.num_blocks_for(num_prompt) - num_held)
-
-    def write_prefilled(self, blocks: list[int], kv, layer_start: int = 0) -> None:
-        """Place received K and V ([layers, blocks, block_size, 2, kvh, d]) of layers [layer_start, layer_start +
-        kv.shape[0]) into a transfer's blocks."""
-        layout = self.runner.layout
-        num_layers = kv.shape[0] if kv.dim() == 6 else 0
-        expected = (num_layers, len(blocks), layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
-        if (
-            num_layers < 1
-            or layer_start < 0
-            or layer_start + num_layers > layout.num_layers
-            or tuple(kv.shape) != expected
-        ):
-            raise InvalidRequest(
-                f"KV of shape {tuple(kv.shape)} from layer {layer_start} into {len(blocks)} "
-                f"blocks; this worker has {layout.num_layers} layers of "
-                f"{expected[2:]} per block"
-            )
-        self.connector.place_blocks(blocks, kv, layer_start)
-
-    def finish_prefilled(
-        self,
-        request_ids: list[str],
-        prompt_token_ids: list[int],
-        first_token_ids: list[int],
-        params: list[SamplingParams],
-        blocks: list[int],
-        resume_token_ids: list[int] = (),
-        held_blocks: list[int] = (),
-    ) -> bool:
-        """Admit a transfer's sequences once every layer of its blocks is written. The first choice takes over the
-        references to held_blocks and blocks; the choices share the prompt's full blocks (ref counts), and each
-        gets its own copy of a partly filled last block, since each appends its own tokens there. False when
-        there is no room now (the caller still owns the blocks). request_ids may be fewer than begin_prefilled's:
-        the choices that ended at their first token are left out."""
-        if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
-            raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
-        for first_token_id in first_token_ids:
-            if not 0 <= first_token_id < self.vocab_size:
-                raise InvalidRequest(f"token id {first_token_id} is outside the vocabulary [0, {self.vocab_size})")
-        num_prompt = len(prompt_token_ids) + len(resume_token_ids)
-        size = self.block_manager.block_size
-        if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), len(held_blocks) + len(blocks)):
-            return False
-        num_full = num_prompt // size
-        first = None
-        for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
-            seq = Sequence(
-                request_id,
-                list(prompt_token_ids),
-                choice_params,
-                output_token_ids=[*resume_token_ids, first_token_id],
-                num_computed_tokens=num_prompt,
-            )
-            if first is None:
-                self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
-                first = seq
-            else:
-                self.block_manager.share(first.block_table[:num_full])
-                self.scheduler.admit_prefilled(seq, first.block_table[:num_full])
-                if num_prompt % size:
-                    self.runner.copy_block(first.block_table[num_full], seq.block_table[num_full])
-            self._live[request_id] = seq
-        return True
-
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is: waiting, running, or finished with its blocks kept."""
         seq = self.scheduler.abort(request_id)
@@ -379,7 +203,7 @@ class LLMEngine:
         except FatalError:
             raise
         except Exception as exc:
-            if _is_device_failure(exc):
+            if is_device_failure(exc):
                 raise FatalError(f"the device failed: {exc}") from exc
             return self._fail_step(plan, exc)
         outputs = []
@@ -546,32 +370,3 @@ class LLMEngine:
                         out.text = self.tokenizer.decode(out.output_token_ids, skip_special_tokens=True)
                     done[out.request_id] = out
         return [done[i] for i in ids]
-
-
-def _is_device_failure(exc: Exception) -> bool:
-    """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
-
-
-def load_tokenizer(model_dir):
-    """The folder's tokenizer, or None for a weights-only folder (tests' tiny models): such an engine takes token ids."""
-    from transformers import AutoTokenizer
-
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-        return None
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:
-    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json."""
-    from transformers import GenerationConfig
-
-    eos = None
-    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    if eos is None:
-        eos = hf_config.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

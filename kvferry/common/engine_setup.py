@@ -1,0 +1,93 @@
+"""What an engine is built from: the device and dtype a config names, the tokenizer and EOS ids of a model folder,
+and which errors mean the device itself is broken."""
+
+import logging
+import os
+import time
+
+import torch
+
+from kvferry.common.errors import ConfigError
+
+log = logging.getLogger("kvferry.engine")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"unknown device {name!r}: use auto, cpu, cuda or cuda:N") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"device {name!r} is not supported: use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"device {name!r} asked for, but this machine has {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def is_device_failure(exc: Exception) -> bool:
+    """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
+
+
+def load_tokenizer(model_dir):
+    """The folder's tokenizer, or None for a weights-only folder (tests' tiny models): such an engine takes token ids."""
+    from transformers import AutoTokenizer
+
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+        return None
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json."""
+    from transformers import GenerationConfig
+
+    eos = None
+    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    if eos is None:
+        eos = hf_config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
+def build_runner(model, layout, num_blocks: int, device, dtype, config, scheduler):
+    """The model runner with its KV cache; a cache that does not fit is a ConfigError naming the setting."""
+    from kvferry.common.model.runner import ModelRunner
+
+    try:
+        return ModelRunner(
+            model, layout, num_blocks, device, dtype, seed=config.seed, eos_token_ids=scheduler.eos_token_ids
+        )
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if "memory" not in str(exc).lower():
+            raise
+        raise ConfigError(
+            f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {device}: lower it"
+        ) from None
+
+
+def capture_decode_graphs(runner, config, max_model_len: int) -> None:
+    started = time.perf_counter()
+    try:
+        runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
+    except torch.OutOfMemoryError:
+        raise ConfigError(
+            "no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
+            "--max-num-seqs, or pass --enforce-eager"
+        ) from None
+    log.info(
+        "decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
+        runner.decode_graphs.sizes,
+        time.perf_counter() - started,
+    )
