@@ -33,10 +33,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 
 # K and V bytes gathered per pass in decode: small enough that the gathered copy is still in the
-# last-level cache (32 MB here) when SDPA reads it, large enough to keep op counts low. A decode step at
-# batch 32, against a contiguous cache: at context 512, 1.05x with 8 MB passes, 1.17x with 16 MB; at
-# context 1,024, 1.10x with 6 MB, 1.27x with 12 MB, 3.3x with 48 MB; at context 256, 1.11x with 8 MB,
-# 1.10x with 16 MB (one pass). Medians of 4 or 5 alternated rounds.
+# last-level cache when SDPA reads it, large enough to keep op counts low. A pass that outgrows the cache
+# slows the step sharply at long contexts (docs/benchmarks.md, "Decode pass size").
 DECODE_GATHER_BYTES = 8 * 2**20
 
 
@@ -151,7 +149,7 @@ def paged_prefill_attention(
             mask = torch.arange(context_len, device=query.device)[None, :] <= query_pos[:, None]  # [q_len, ctx]
             causal = False
         # With a batch dimension the CPU takes its flash kernel; 3-D inputs fall back to the math path, which
-        # materialises every score (6x slower on a 4,000-token prompt).
+        # materialises every score and is far slower on long prompts (docs/benchmarks.md, "Chunked prefill").
         o = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True
         )[0]  # [H, q_len, d]

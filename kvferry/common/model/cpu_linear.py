@@ -1,8 +1,8 @@
 """Linear layers with weights pre-packed for oneDNN, for fp32 on the CPU.
 
 PyTorch's default CPU GEMM (MKL) picks a slow path on AMD processors; oneDNN with a
-weight packed once in its blocked layout is 1.2x to 2.5x faster at decode batch sizes on
-this project's machines (`kvferry bench engine` shows the effect end to end).
+weight packed once in its blocked layout is faster at decode batch sizes on this project's
+machines (`kvferry bench engine` shows the effect end to end; figures in docs/benchmarks.md).
 """
 
 import torch

@@ -6,8 +6,8 @@ faulted in again next step. Raising both thresholds keeps that memory in the hea
 reuse, which makes a decode step markedly cheaper (see `kvferry bench engine`).
 
 Decode attention reads each sequence's blocks from scattered places in the KV pool. On 2 MB
-pages those reads need far fewer TLB entries than on 4 KB pages (my reading of the gain below;
-not measured with counters).
+pages those reads need far fewer TLB entries than on 4 KB pages (a reading of the gain measured
+in docs/benchmarks.md, "Paging overhead"; not checked with counters).
 """
 
 import ctypes
@@ -50,9 +50,8 @@ def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     transparent huge pages, where the system's THP mode allows it. Every page is touched here, so none
     faults inside a step.
 
-    Measured with the pool on huge pages and decode passes of 8 MB (kernels/reference.py): a decode step
-    at batch 32, context 256, was 1.106x a contiguous cache's (mean of 6 alternated rounds) against 1.143x
-    on 4 KB pages with passes of 8 sequences."""
+    Huge pages and byte-sized decode passes (kernels/reference.py) were measured together; the figures are
+    in docs/benchmarks.md, "Paging overhead"."""
     itemsize = dtype.itemsize
     numel = math.prod(shape)
     # Over-allocate by one huge page so that the tensor can start on a huge-page boundary.

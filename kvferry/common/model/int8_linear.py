@@ -9,11 +9,11 @@ fp32 floor. How the product runs depends on the device:
 - CPU: PyTorch's weight-only kernel (aten._weight_int8pack_mm) is a matrix-vector loop, far
   slower than fp32 from a few rows up. So each activation row is quantized to int8 with its
   own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm,
-  VNNI). A few input channels of every layer carry activations 10 to 100 times the others
-  (SmolLM2's do); they would wipe out the other channels' precision, so the `outliers` found
-  by calibration stay in float and go through a thin fp32 matmul of their own (as in
-  LLM.int8(), with the channels fixed at load time). A row's scale is its own: a loud request
-  costs the others in its batch no precision. `kvferry bench quantization` measures the accuracy.
+  VNNI). A few input channels of every layer carry activations far larger than the others
+  (SmolLM2's do; docs/benchmarks.md); they would wipe out the other channels' precision, so
+  the `outliers` found by calibration stay in float and go through a thin fp32 matmul of their
+  own (as in LLM.int8(), with the channels fixed at load time). A row's scale is its own: a loud
+  request costs the others in its batch no precision. `kvferry bench quantization` measures the accuracy.
 """
 
 import torch

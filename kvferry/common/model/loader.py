@@ -75,7 +75,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 @contextlib.contextmanager
 def skip_weight_init():
     """Build layers without random initialisation: every weight is overwritten by the checkpoint at once.
-    (The meta device would do too, but initialising on it pulls in torch's compiler stack: a second more.)"""
+    (The meta device would do too, but initialising on it pulls in torch's compiler stack, which slows every
+    start.)"""
     from torch import nn
 
     saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}
