@@ -18,7 +18,7 @@ from kvferry.common.model.kv_blocks import frame_tensor
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel
 from kvferry.services.decode.connector import DecodeConnector
-from kvferry.services.decode.record import INCOMING_S, DecodeAttempt, DecodeState, Incoming
+from kvferry.services.decode.record import INCOMING_S, TOMBSTONE_S, DecodeAttempt, DecodeState, Incoming
 from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker import MAX_CHOICES, Worker, advertised_host
@@ -132,6 +132,7 @@ class DecodeWorker(Worker):
             return
         if record.state is not S.RUNNING:
             record.cancelled.add(choice)
+            record.tombstone_until = record.tombstone_until or time.monotonic() + TOMBSTONE_S  # its KV may never come
             return
         choice_key = record.running.get(choice)
         if choice_key is None:
@@ -307,8 +308,8 @@ class DecodeWorker(Worker):
                 record.let_go(self.engine)  # its transfer, if it ever comes, is asked to send every block
             elif record.state is S.DONE and record.tombstone_until < now:
                 del self.records[key]
-            elif record.state is S.NEW and not record.cancelled:
-                del self.records[key]  # nothing held, nothing to remember
+            elif record.state is S.NEW and (not record.cancelled or record.tombstone_until < now):
+                del self.records[key]  # nothing held, and nothing (or nothing recent) to remember
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
