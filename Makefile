@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install model serve test lint bench clean
+.PHONY: install model serve test lint docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check kvferry tests
 	$(VENV)/bin/ruff format --check kvferry tests
 	$(VENV)/bin/lint-imports
+
+# The settings table in docs/operations.md, from kvferry/common/settings.py (a unit test checks it).
+docs: $(STAMP)
+	$(PY) -m kvferry.common.settings --write-docs docs/operations.md
 
 bench: model
 	$(VENV)/bin/kvferry bench engine --baseline hf

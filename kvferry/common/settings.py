@@ -6,7 +6,7 @@ defaults, and the settings table in docs/operations.md. A flag overrides the env
 overrides the default. An empty variable counts as unset.
 
 To add a setting: add one Setting to SPEC below (name, type, default, help, the commands that take it), read it
-as `args.<name>` in the command, then run `python -m kvferry.common.settings --write-docs docs/operations.md`.
+as `args.<name>` in the command, then run `make docs` (it writes the table into docs/operations.md).
 
 Standard library only: the gateway and the image's health check import this.
 """
@@ -667,7 +667,7 @@ def _default_text(s: Setting) -> str:
 
 def markdown_table() -> str:
     lines = [
-        f"<!-- Generated from kvferry/common/settings.py by `{DOCS_COMMAND}`; edit the spec, not this table. -->",
+        "<!-- Generated from kvferry/common/settings.py by `make docs`; edit the spec, not this table. -->",
         "",
         "| setting | flag | environment variable | default | commands | what it does |",
         "| --- | --- | --- | --- | --- | --- |",
@@ -723,7 +723,9 @@ def main(argv: list[str] | None = None) -> int:
     elif args.write_docs:
         print(f"{args.write_docs}: {'updated' if write_docs(args.write_docs) else 'already up to date'}")
     elif docs_table_of(args.check_docs) != markdown_table():
-        print(f"{args.check_docs}: the settings table is out of date; run {DOCS_COMMAND}", file=sys.stderr)
+        print(
+            f"{args.check_docs}: the settings table is out of date; run `make docs` ({DOCS_COMMAND})", file=sys.stderr
+        )
         return 1
     return 0
 
