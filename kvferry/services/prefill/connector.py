@@ -14,6 +14,7 @@ import time
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.block_hash import block_hashes
+from kvferry.common.errors import FatalError
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.model.kv_blocks import as_frames
 from kvferry.services.prefill.kv_sender import KVSender, Outgoing
@@ -98,14 +99,24 @@ class PrefillConnector(KVConnector):
         for item in items:
             if during_forward and not (isinstance(item, tuple) and isinstance(item[1].message, p.KVHeld)):
                 self.deferred.append(item)
-            elif isinstance(item, tuple):
-                _, env = item
-                self.on_reply(env)
-            else:
-                out = item.outgoing
-                record = self.records.get(AttemptKey(out.request_id, getattr(out.message, "attempt", 0)))
-                if record is not None:
+                continue
+            request_id, message = (item[1].request_id, item[1].message) if isinstance(item, tuple) else (
+                item.outgoing.request_id, item.outgoing.message)  # fmt: skip
+            record = self.records.get(AttemptKey(request_id, getattr(message, "attempt", 0)))
+            try:
+                if isinstance(item, tuple):
+                    self.on_reply(item[1])
+                elif record is not None:
+                    out = item.outgoing
                     self.end(record, f"cannot reach decode worker {out.peer} at {out.address}: {item.error}", 503, True)
+            except FatalError:
+                raise
+            except Exception as exc:  # this request's transfer alone fails; during a forward, once it is over
+                if during_forward:
+                    self.deferred.append(item)
+                elif record is not None and record.state is not PrefillState.DONE:
+                    log.exception("%s: a reply about %s", self.worker_id, request_id)
+                    self.end(record, f"{type(exc).__name__}: {exc}", 500)
 
     def on_reply(self, env: p.Envelope) -> None:
         msg = env.message
@@ -254,21 +265,31 @@ class PrefillConnector(KVConnector):
         return min(due, default=float("inf"))
 
     def send_due_transfers(self) -> None:
-        now = time.monotonic()
         for record in list(self.records.values()):
-            if record.state is PrefillState.AWAITING_ACK and now >= record.sent_at + ACK_TIMEOUT_S:
-                record.send_again(0.0)  # not acknowledged in time: lost on the way, or the peer restarted
-            if record.state is not PrefillState.SHIPPING or now < record.retry_at:
-                continue
-            if now > record.ready_at + GIVE_UP_TRANSFER_S or time.time() > record.request.deadline_s:
-                message = (
-                    f"decode worker {record.request.decode_worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s"
-                )
-                self.end(record, message, 503, True)
-                continue
-            block_ids = self.engine.kept_block_ids(record.key)
-            if not record.settled:
-                self.settle(record, block_ids)
-            for lo, hi in self.engine.layer_groups:
-                self.send_group(record, lo, hi, block_ids)
-            record.all_sent()
+            try:
+                self._send_if_due(record, time.monotonic())
+            except FatalError:
+                raise
+            except Exception as exc:  # this transfer alone fails
+                log.exception("%s: sending the KV of %s", self.worker_id, record.key.request_id)
+                if record.state is not PrefillState.DONE:
+                    self.end(record, f"{type(exc).__name__}: {exc}", 500)
+
+    def _send_if_due(self, record: PrefillAttempt, now: float) -> None:
+        """Send a transfer whose time came: due, or not acknowledged in time; give it up past its bounds."""
+        if record.state is PrefillState.AWAITING_ACK and now >= record.sent_at + ACK_TIMEOUT_S:
+            record.send_again(0.0)  # not acknowledged in time: lost on the way, or the peer restarted
+        if record.state is not PrefillState.SHIPPING or now < record.retry_at:
+            return
+        if now > record.ready_at + GIVE_UP_TRANSFER_S or time.time() > record.request.deadline_s:
+            message = (
+                f"decode worker {record.request.decode_worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s"
+            )
+            self.end(record, message, 503, True)
+            return
+        block_ids = self.engine.kept_block_ids(record.key)
+        if not record.settled:
+            self.settle(record, block_ids)
+        for lo, hi in self.engine.layer_groups:
+            self.send_group(record, lo, hi, block_ids)
+        record.all_sent()

@@ -168,8 +168,12 @@ class PrefillWorker(Worker):
             for record, continuing in finished:
                 if record.state is PrefillState.DONE:
                     continue
-                if not self.connector.start_transfer(record, self.engine.kept_block_ids(record.key), continuing):
-                    self.end_request(record)
+                try:
+                    if not self.connector.start_transfer(record, self.engine.kept_block_ids(record.key), continuing):
+                        self.end_request(record)
+                except Exception as exc:  # this transfer alone fails
+                    log.exception("%s: starting a transfer", self.worker_id, extra={"request_id": record.key[0]})
+                    self.end_request(record, f"{type(exc).__name__}: {exc}", 500)
         self.connector.send_due_transfers()
 
     def send_first_tokens(self, record: PrefillAttempt, out) -> list[tuple[int, int]]:
