@@ -4,12 +4,16 @@
 import argparse
 import dataclasses
 import re
+from pathlib import Path
 
 import pytest
 
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+OPERATIONS = ROOT / "docs" / "operations.md"
 
 
 def parser_for(command: str, environ: dict) -> argparse.ArgumentParser:
@@ -181,6 +185,19 @@ def test_serve_hands_its_children_every_setting_they_share(tmp_path, monkeypatch
         for s in settings.for_command(command):
             if s.env in env:
                 assert parsed[s.attr] == (str(tmp_path / "traces") if s.name == "trace_dir" else vars(args)[s.attr])
+
+
+def test_the_settings_table_in_docs_operations_is_the_spec():
+    """docs/operations.md's settings table is generated from the spec. When this fails, run `make docs`
+    (`.venv/bin/python -m kvferry.common.settings --write-docs docs/operations.md`) and commit the file."""
+    assert OPERATIONS.is_file(), f"{OPERATIONS} is missing"
+    table = settings.docs_table_of(OPERATIONS)
+    assert table == settings.markdown_table(), (
+        f"the settings table in {OPERATIONS.relative_to(ROOT)} is out of date: run `make docs` "
+        f"(.venv/bin/python -m kvferry.common.settings --write-docs docs/operations.md)"
+    )
+    for s in settings.SPEC:
+        assert f"`{s.env}`" in table
 
 
 def test_write_docs_fills_the_markers_and_check_docs_notices_a_stale_table(tmp_path, capsys):
