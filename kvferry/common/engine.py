@@ -47,9 +47,7 @@ class LLMEngine(ReceivedKV):
         self.config = config = config or EngineConfig()
         self.connector = connector = connector or KVConnector()
         keep_finished_blocks = connector.keeps_finished_blocks
-        if config.num_threads is not None:
-            if config.num_threads < 1:
-                raise ConfigError(f"num_threads must be at least 1, got {config.num_threads}")
+        if config.num_threads is not None:  # EngineConfig checked its bound
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -41,7 +41,7 @@ MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken
 
 
 def advertised_host(explicit: str | None = None) -> str:
-    """The address other machines reach this worker at: --advertise-host (KVFERRY_ADVERTISE_HOST; in
+    """The address other machines reach this worker at: the advertise_host setting (in
     Kubernetes, the pod IP), else this host's IP as its own name resolves."""
     if explicit:
         return explicit
@@ -280,11 +280,11 @@ class Worker:
         return self.engine.has_unfinished()
 
     def maybe_stall(self) -> None:
-        """KVFERRY_FAULTS stall_after_steps/stall_s: a stuck engine, in tests."""
+        """The fault hook's (faults.ENV) stall_after_steps and stall_s: a stuck engine, in tests."""
         self.num_loop_steps += 1
         spec = self.fault_spec
         if spec and spec.stall_s and self.num_loop_steps == spec.stall_after_steps:
-            log.warning("%s: KVFERRY_FAULTS: stalling the step loop for %.1f s", self.worker_id, spec.stall_s)
+            log.warning("%s: %s: stalling the step loop for %.1f s", self.worker_id, faults.ENV, spec.stall_s)
             time.sleep(spec.stall_s)
 
     def drain(self, sock) -> None:

@@ -11,7 +11,7 @@ import time
 import zmq
 
 from kvferry.common import protocol as p
-from kvferry.common import tracing
+from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, warn_if_exposed
 from kvferry.common.errors import FatalError, InvalidRequest
 from kvferry.common.model.kv_blocks import frame_tensor
@@ -65,7 +65,7 @@ class DecodeWorker(Worker):
         sock.setsockopt(zmq.LINGER, 0)
         if curve:
             curve.serve(sock)
-        bind_zmq(sock, kv_bind, "--kv-bind (KVFERRY_KV_BIND)")
+        bind_zmq(sock, kv_bind, settings.label("kv_bind"))
         super().__init__(config, gateway, worker_id, connector=lambda _: DecodeConnector(), **kwargs)
         warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
