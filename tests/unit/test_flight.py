@@ -11,7 +11,8 @@ def flight(n=1):
 
 
 def tokens(ids, start, choice=0, finish=None, decode=True):
-    return Event(list(ids), finish, start=start, choice=choice, from_decode=decode)
+    message = p.Tokens(list(ids), start=start, choice=choice) if decode else p.FirstToken(ids[0], choice=choice)
+    return Event(list(ids), finish, start=start, choice=choice, message=message)
 
 
 def delivered(f, events):

@@ -280,7 +280,7 @@ class Api:
                 if event.error:
                     trace.finish(event.error_code, error=event.error)
                     return error_response(ApiError(event.error_code, event.error, kind="server_error"), headers)
-                kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
+                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
                 await self._apply(event, choices, trace)
                 if choices.done:
                     break
@@ -317,7 +317,7 @@ class Api:
                     )
                     trace.finish(event.error_code, error=event.error)
                     break
-                kv_transfer_s = max(kv_transfer_s, event.kv_transfer_s)
+                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
                 delta = await self._apply(event, choices, trace)
                 if delta is not None:
                     # One chunk per token event, even when the text is held back: clients time tokens by chunks.
@@ -335,3 +335,9 @@ class Api:
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
             trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
+
+
+def kv_hop_s(event) -> float:
+    """The KV transfer time a decode worker reported with a choice's first tokens (0 for any other event)."""
+    decoded = event.decode_tokens
+    return decoded.kv_transfer_s if decoded is not None else 0.0

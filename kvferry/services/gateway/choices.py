@@ -76,8 +76,9 @@ class Choices:
         state = self.states[event.choice]
         g = state.generation
         text, parts, stopped = "", [], False
-        if event.prompt_logprobs:
-            self.prompt_logprobs[id(g)] = event.prompt_logprobs
+        first = event.first_token
+        if first is not None and first.prompt_logprobs:
+            self.prompt_logprobs[id(g)] = first.prompt_logprobs
         if g.echo and not state.started:
             text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
             if state.logprobs is not None:

@@ -18,22 +18,35 @@ from kvferry.common.sequence import FinishReason
 
 @dataclass
 class Event:
+    """What a request's loop consumes: new tokens of one choice, or an error.
+
+    Tokens come from a FirstToken or a Tokens message, in one shape for both; the fields here are what the flight
+    trims and renumbers (a repeat, a fan-out's choice offset). What only one kind carries (the prefill timings,
+    the prompt's logprobs, the KV hop) is read from the message itself: `first_token`, `decode_tokens`. Errors
+    come from a RequestFailed or from the gateway itself (a deadline, a lost worker)."""
+
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
+    choice: int = 0
+    start: int = 0  # where the tokens start in their choice's output
+    attempt: int = 0  # which attempt sent them
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per token, when asked for
+    message: p.FirstToken | p.Tokens | None = None  # the message the tokens came in
     error: str | None = None
     error_code: int = 500
-    queue_s: float = 0.0  # on the first token: time queued and computing on the prefill worker
-    prefill_s: float = 0.0
-    kv_transfer_s: float = 0.0  # on the first decode tokens: the KV hop
-    kv_transfer_bytes: int = 0
-    choice: int = 0
-    logprobs: list = field(default_factory=list)  # p.Logprob per token, when asked for
-    prompt_logprobs: list = field(default_factory=list)  # with the first token, when asked for (echo)
-    # Where the tokens start in their choice's output, and which attempt sent them.
-    start: int = 0
-    attempt: int = 0
-    from_decode: bool = False
     retry: bool = False  # an error that another attempt may get past
+
+    @property
+    def first_token(self) -> p.FirstToken | None:
+        return self.message if isinstance(self.message, p.FirstToken) else None
+
+    @property
+    def decode_tokens(self) -> p.Tokens | None:
+        return self.message if isinstance(self.message, p.Tokens) else None
+
+    @property
+    def from_decode(self) -> bool:
+        return self.decode_tokens is not None
 
 
 @dataclass

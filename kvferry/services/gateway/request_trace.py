@@ -48,17 +48,19 @@ class RequestTrace:
         m = self.metrics
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
-        if event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
-            m.queue.observe(event.queue_s)  # each prompt's first token: one prefill per prompt of a batch
-            m.prefill.observe(event.prefill_s)
+        first = event.first_token
+        if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
+            m.queue.observe(first.queue_s)  # each prompt's first token: one prefill per prompt of a batch
+            m.prefill.observe(first.prefill_s)
         previous = self.last_token_at_by_choice.get(event.choice)
         if previous is not None:
             for _ in range(n):
                 m.itl.observe((now - previous) / n)
         self.last_token_at_by_choice[event.choice] = now
-        if event.kv_transfer_bytes:
-            m.kv_time.observe(event.kv_transfer_s)
-            m.kv_bytes.observe(event.kv_transfer_bytes)
+        decoded = event.decode_tokens
+        if decoded is not None and decoded.kv_transfer_bytes:
+            m.kv_time.observe(decoded.kv_transfer_s)
+            m.kv_bytes.observe(decoded.kv_transfer_bytes)
         self.last_token_at = now
         self.num_out += n
         m.generation_tokens.inc(n)

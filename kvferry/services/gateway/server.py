@@ -176,29 +176,8 @@ class GatewayCore:
                 attempt=msg.attempt,
             )
         reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
-        if isinstance(msg, p.FirstToken):
-            return Event(
-                [msg.token_id],
-                reason,
-                queue_s=msg.queue_s,
-                prefill_s=msg.prefill_s,
-                choice=msg.choice,
-                logprobs=msg.logprobs,
-                prompt_logprobs=msg.prompt_logprobs,
-                start=msg.start,
-                attempt=msg.attempt,
-            )
-        return Event(
-            msg.token_ids,
-            reason,
-            kv_transfer_s=msg.kv_transfer_s,
-            kv_transfer_bytes=msg.kv_transfer_bytes,
-            choice=msg.choice,
-            logprobs=msg.logprobs,
-            start=msg.start,
-            attempt=msg.attempt,
-            from_decode=True,
-        )
+        token_ids = [msg.token_id] if isinstance(msg, p.FirstToken) else list(msg.token_ids)
+        return Event(token_ids, reason, msg.choice, msg.start, msg.attempt, list(msg.logprobs), message=msg)
 
     async def _abort_unknown(self, peer: bytes, rid: str, attempt: int, trace) -> None:
         """A worker works on something this gateway no longer wants (its Abort was lost, or the request moved):
