@@ -197,7 +197,10 @@ class LLMEngine(ReceivedKV):
                 raise RuntimeError(f"{faults.ENV}: step {self.num_steps} fails, as a kernel error would")
             self.connector.on_step_start(plan)
             sampled = self.runner.execute(plan, after_layer=self._layer_hook(plan))
-            finished = {id(s) for s in self.scheduler.update(plan, sampled)}
+            finished_seqs = self.scheduler.update(plan, sampled)
+            finished = {id(s) for s in finished_seqs}
+            if self.connector.keeps_finished_blocks:  # at once: a failure below must not lose their blocks
+                self._kept.update((s.request_id, s) for s in finished_seqs if s.finish_reason != FinishReason.ABORT)
         except FatalError:
             raise
         except Exception as exc:
@@ -223,8 +226,7 @@ class LLMEngine(ReceivedKV):
                 out.prompt_logprobs = self.runner.prompt_logprobs.get(seq.request_id)
             outputs.append(out)
             if done:
-                if self.connector.keeps_finished_blocks and seq.finish_reason != FinishReason.ABORT:
-                    self._kept[seq.request_id] = seq
+                if seq.request_id in self._kept:
                     self._live.pop(seq.request_id, None)  # its generator and logits stay until release()
                 else:
                     self.forget(seq.request_id)
@@ -249,8 +251,9 @@ class LLMEngine(ReceivedKV):
         log.exception("a step of %d sequences failed; ending them", len(plan.chunks))
         outputs = []
         for seq in {id(c.seq): c.seq for c in plan.chunks}.values():
-            self.scheduler.abort(seq.request_id)
-            self.forget(seq.request_id)
+            self.abort(seq.request_id)  # waiting, running, or finished with its blocks kept
+            if seq.is_finished and seq.block_table:  # finished by the step before it failed: blocks not kept
+                self.scheduler.release(seq)
             outputs.append(
                 RequestOutput(
                     seq.request_id,

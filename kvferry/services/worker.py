@@ -290,7 +290,13 @@ class Worker:
     def drain(self, sock) -> None:
         """Handle every message waiting on sock. A message's failure stays with its request: the request fails
         with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
-        if self.drain_other(sock):
+        try:
+            if self.drain_other(sock):
+                return
+        except FatalError:
+            raise
+        except Exception:  # what it could pin on a request, it failed alone already; this is a bug: the loop goes on
+            log.exception("%s: while draining", self.worker_id)
             return
         channel = self.channel_for(sock)
         while sock.poll(0):

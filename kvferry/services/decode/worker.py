@@ -320,33 +320,41 @@ class DecodeWorker(Worker):
             if self.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         for out in outputs:
-            key = out.request_id.attempt_key
-            record = self.records.get(key)
+            record = self.records.get(out.request_id.attempt_key)
             if record is None or record.state is not S.RUNNING:
                 continue
-            if out.error:
-                failed = p.RequestFailed(f"the decode step failed: {out.error}", 500, key.attempt)
-                record.link.channel.send(failed, key.request_id, record.trace)
-                self.end_record(record)
-                continue
-            reason = int(out.finish_reason) if out.finished else -1
-            transfer_s, transfer_bytes = record.transfer or (0.0, 0)
-            record.transfer = None
-            start = len(out.output_token_ids) - len(out.new_token_ids)
-            choice = out.request_id.choice
-            tokens = p.Tokens(
-                out.new_token_ids,
-                reason,
-                transfer_s,
-                transfer_bytes,
-                list(out.new_logprobs),
-                choice,
-                key.attempt,
-                start,
-            )
-            record.link.channel.send(tokens, key.request_id, record.trace)
-            if out.finished and record.choice_ended(choice):
-                self.end_record(record)
+            try:
+                self.deliver(record, out)
+            except FatalError:
+                raise
+            except Exception as exc:  # this request alone fails; the batch's other outputs still go out
+                log.exception("%s: an output", self.worker_id, extra={"request_id": record.key.request_id})
+                self.fail(record, f"{type(exc).__name__}: {exc}")
+
+    def deliver(self, record: DecodeAttempt, out) -> None:
+        """One choice's new tokens to its gateway; the record ends with its last choice."""
+        key, choice = record.key, out.request_id.choice
+        if out.error:
+            self.fail(record, f"the decode step failed: {out.error}")
+            return
+        reason = int(out.finish_reason) if out.finished else -1
+        transfer_s, transfer_bytes = record.transfer or (0.0, 0)
+        record.transfer = None
+        start = len(out.output_token_ids) - len(out.new_token_ids)
+        tokens = p.Tokens(
+            out.new_token_ids, reason, transfer_s, transfer_bytes, list(out.new_logprobs), choice, key.attempt, start
+        )
+        record.link.channel.send(tokens, key.request_id, record.trace)
+        if out.finished and record.choice_ended(choice):
+            self.end_record(record)
+
+    def fail(self, record: DecodeAttempt, error: str) -> None:
+        if record.state is S.DONE:
+            return
+        failed = p.RequestFailed(error, 500, record.key.attempt)
+        link, trace = record.link, record.trace
+        self.end_record(record)
+        link.channel.send(failed, record.key.request_id, trace)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""

@@ -17,7 +17,7 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import FatalError
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.model.kv_blocks import as_frames
-from kvferry.services.prefill.kv_sender import KVSender, Outgoing
+from kvferry.services.prefill.kv_sender import KVSender, Outgoing, SenderDied
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.request_keys import AttemptKey
 
@@ -78,18 +78,22 @@ class PrefillConnector(KVConnector):
         self.take_replies(during_forward=True)  # KVHeld answers settle which blocks go
         for chunk in plan.chunks:
             record = self.records.get(chunk.seq.request_id)
-            if record is None or not chunk.samples or record.early_layers != lo:
+            if record is None or not chunk.samples or record.early_layers != lo or record.error:
                 continue
-            if lo == 0:
-                if record.answer_due:
-                    continue
-                announced = (
-                    [record.request.choice] if record.request.resume_token_ids else list(range(record.request.n))
-                )
-                record.choices = announced
-                self.settle(record, chunk.seq.block_table)
-            self.send_group(record, lo, hi, chunk.seq.block_table, early=True)
-            record.early_layers = hi
+            try:
+                if lo == 0:
+                    if record.answer_due:
+                        continue
+                    request = record.request
+                    record.choices = [request.choice] if request.resume_token_ids else list(range(request.n))
+                    self.settle(record, chunk.seq.block_table)
+                self.send_group(record, lo, hi, chunk.seq.block_table, early=True)
+                record.early_layers = hi
+            except FatalError:
+                raise
+            except Exception as exc:  # this request alone fails, once the step is over; the batch computes on
+                log.exception("%s: shipping layers %d-%d of %s", self.worker_id, lo, hi, record.key.request_id)
+                record.error = f"{type(exc).__name__}: {exc}"
 
     def take_replies(self, during_forward: bool = False) -> None:
         """Act on what decode workers sent back (KVHeld, KVAck), and on messages that could not go out. During a
@@ -97,6 +101,8 @@ class PrefillConnector(KVConnector):
         on it may mean telling a gateway."""
         items, self.deferred = self.deferred + self.sender.received(), []
         for item in items:
+            if isinstance(item, SenderDied):
+                raise FatalError(f"{self.worker_id}: the KV sender thread failed: {item.error}")
             if during_forward and not (isinstance(item, tuple) and isinstance(item[1].message, p.KVHeld)):
                 self.deferred.append(item)
                 continue

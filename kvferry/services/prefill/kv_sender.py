@@ -40,6 +40,13 @@ class SendFailed:
     error: str
 
 
+@dataclass
+class SenderDied:
+    """The sender thread ended on an error of its own: no KV can leave any more, so the worker must end."""
+
+    error: str
+
+
 def _pipe() -> tuple[int, int]:
     read_fd, write_fd = os.pipe()
     os.set_blocking(read_fd, False)
@@ -94,8 +101,9 @@ class KVSender:
         self._outbox.put(None)
         _signal(self._outbox_write)
         self._thread.join(timeout=5)
-        for fd in (self._outbox_read, self._outbox_write, self.wake_fd, self._inbox_write):
-            os.close(fd)
+        if not self._thread.is_alive():  # a thread still in a send must not find its pipes gone
+            for fd in (self._outbox_read, self._outbox_write, self.wake_fd, self._inbox_write):
+                os.close(fd)
 
     # -- the sender thread ------------------------------------------------------------------------------------
     def _channel(self, address: str, peer: str, poller: zmq.Poller) -> Channel:
@@ -124,30 +132,37 @@ class KVSender:
         poller.register(self._outbox_read, zmq.POLLIN)
         address_of: dict = {}
         try:
-            while True:
-                for sock, _ in poller.poll():
-                    if sock == self._outbox_read:
-                        _clear(self._outbox_read)
-                        while True:
-                            try:
-                                out = self._outbox.get_nowait()
-                            except queue.Empty:
-                                break
-                            if out is None:
-                                return
-                            try:
-                                channel = self._channel(out.address, out.peer, poller)
-                                address_of[channel.socket] = out.address
-                                channel.send(out.message, out.request_id, out.trace, frames=out.frames)
-                            except Exception as exc:  # one request's bad address must not stop the others'
-                                log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
-                                self._deliver(SendFailed(out, str(exc)))
-                        continue
-                    channel = self._channels[address_of[sock]]
-                    while sock.poll(0):
-                        received = channel.recv()
-                        if received is not None:
-                            self._deliver((address_of[sock], received[1]))
+            self._loop(poller, address_of)
+        except Exception as exc:  # not one message's fault (those are caught below): the worker is told, and ends
+            log.exception("%s: the KV sender thread failed", self.worker_id)
+            self._deliver(SenderDied(f"{type(exc).__name__}: {exc}"))
         finally:
             for channel in self._channels.values():
                 channel.close()
+
+    def _loop(self, poller: zmq.Poller, address_of: dict) -> None:
+        """Until close(): send what is queued, and hand on what decode workers answer."""
+        while True:
+            for sock, _ in poller.poll():
+                if sock == self._outbox_read:
+                    _clear(self._outbox_read)
+                    while True:
+                        try:
+                            out = self._outbox.get_nowait()
+                        except queue.Empty:
+                            break
+                        if out is None:
+                            return
+                        try:
+                            channel = self._channel(out.address, out.peer, poller)
+                            address_of[channel.socket] = out.address
+                            channel.send(out.message, out.request_id, out.trace, frames=out.frames)
+                        except Exception as exc:  # one request's bad address must not stop the others'
+                            log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
+                            self._deliver(SendFailed(out, str(exc)))
+                    continue
+                channel = self._channels[address_of[sock]]
+                while sock.poll(0):
+                    received = channel.recv()
+                    if received is not None:
+                        self._deliver((address_of[sock], received[1]))

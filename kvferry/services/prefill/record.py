@@ -63,6 +63,7 @@ class PrefillAttempt:
     num_sends: int = 0
     num_bytes: int = 0  # of one whole send
     gather_s: float = 0.0  # copying blocks out after the compute: what the transfer adds to decode's wait
+    error: str = ""  # a failure while shipping during the compute: the request fails once the step is over
 
     @property
     def num_kv_tokens(self) -> int:

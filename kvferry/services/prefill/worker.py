@@ -152,8 +152,8 @@ class PrefillWorker(Worker):
                 record = self.records.get(out.request_id)
                 if record is None:
                     continue
-                if out.error:
-                    self.end_request(record, f"the prefill step failed: {out.error}", 500)
+                if out.error or record.error:
+                    self.end_request(record, f"the prefill step failed: {out.error or record.error}", 500)
                     continue
                 try:
                     finished.append((record, self.send_first_tokens(record, out)))
