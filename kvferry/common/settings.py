@@ -379,8 +379,8 @@ SPEC: tuple[Setting, ...] = (
         min=1,
         max=65535,
     ),
-    # On two cores: the decode worker is busy all the time, the prefill worker in bursts (measured with
-    # `kvferry bench serve`: 1+2 threads beat 1+1, and 2+2 oversubscribes badly).
+    # The decode worker is busy all the time, the prefill worker in bursts: the decode worker gets the larger
+    # share of a small machine's cores (the split measured in docs/benchmarks.md).
     Setting("prefill_threads", INT, "1", "torch threads of serve's prefill worker", (SERVE,), "gateway", min=1),
     Setting("decode_threads", INT, "2", "torch threads of serve's decode worker", (SERVE,), "gateway", min=1),
     # Workers.

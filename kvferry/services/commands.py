@@ -29,8 +29,8 @@ def _run_worker(args, cls, **kwargs) -> int:
 
     worker_id = args.worker_id or f"{cls.role.name.lower()}-{uuid.uuid4().hex[:8]}"
     # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
-    # worker sees a new token count at almost every step, so its memory would climb by hundreds of MB over
-    # thousands of requests (found by `kvferry bench soak`). 64 still holds every shape a decode batch cycles
+    # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
+    # of requests (found by `kvferry bench soak`; docs/benchmarks.md). 64 still holds every shape a decode batch cycles
     # through. Both are read at the first matmul, so setting them here works.
     for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(cache, "64")
