@@ -96,22 +96,36 @@ class ReceivedKV:
         if not self.scheduler.can_admit_prefilled(num_prompt + 1, len(request_ids), len(held_blocks) + len(blocks)):
             return False
         num_full = num_prompt // size
-        first = None
-        for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
-            seq = Sequence(
-                request_id,
-                list(prompt_token_ids),
-                choice_params,
-                output_token_ids=[*resume_token_ids, first_token_id],
-                num_computed_tokens=num_prompt,
-            )
-            if first is None:
-                self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
-                first = seq
-            else:
-                self.block_manager.share(first.block_table[:num_full])
-                self.scheduler.admit_prefilled(seq, first.block_table[:num_full])
-                if num_prompt % size:
-                    self.runner.copy_block(first.block_table[num_full], seq.block_table[num_full])
-            self._live[request_id] = seq
+        admitted: list[Sequence] = []
+        shared_for_next = False  # references taken for a choice not yet admitted
+        try:
+            for request_id, first_token_id, choice_params in zip(request_ids, first_token_ids, params):
+                seq = Sequence(
+                    request_id,
+                    list(prompt_token_ids),
+                    choice_params,
+                    output_token_ids=[*resume_token_ids, first_token_id],
+                    num_computed_tokens=num_prompt,
+                )
+                if not admitted:
+                    self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
+                    admitted.append(seq)
+                else:
+                    first = admitted[0]
+                    self.block_manager.share(first.block_table[:num_full])
+                    shared_for_next = True
+                    self.scheduler.admit_prefilled(seq, first.block_table[:num_full])
+                    shared_for_next = False
+                    admitted.append(seq)
+                    if num_prompt % size:
+                        self.runner.copy_block(first.block_table[num_full], seq.block_table[num_full])
+                self._live[request_id] = seq
+        except Exception:
+            # All or nothing: the caller still owns held_blocks and blocks, and frees them as after a refusal.
+            if shared_for_next:
+                self.block_manager.free(admitted[0].block_table[:num_full])
+            for i, seq in reversed(list(enumerate(admitted))):
+                self.scheduler.withdraw_prefilled(seq, len(held_blocks) + len(blocks) if i == 0 else 0)
+                self.forget(seq.request_id)
+            raise
         return True

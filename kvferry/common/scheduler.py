@@ -141,6 +141,15 @@ class Scheduler:
         self.running.append(seq)  # the newest arrival: running stays sorted
         self._register_full_blocks(seq)  # the caller writes their KV before anything can read it
 
+    def withdraw_prefilled(self, seq: Sequence, num_lent: int) -> None:
+        """Undo admit_prefilled for a sequence that has not run yet: it leaves the running queue and frees what it
+        referenced, but its first num_lent blocks, whose references stay with the caller that lent them."""
+        assert seq.num_uncomputed_tokens == 1 and seq.status == SequenceStatus.RUNNING
+        self.running.remove(seq)
+        self.block_manager.free(seq.block_table[num_lent:])
+        seq.block_table = []
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.ABORT
+
     def release(self, seq: Sequence) -> None:
         """Free the blocks a finished sequence kept (keep_finished_blocks)."""
         assert seq.is_finished

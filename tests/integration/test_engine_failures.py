@@ -71,3 +71,25 @@ def test_a_hook_failing_inside_the_forward_frees_even_kept_blocks(folder):
     assert not served.error and engine.stats().num_free_blocks < engine.num_blocks
     engine.release(served.request_id)
     assert engine.stats().num_free_blocks == engine.num_blocks
+
+
+def test_admitting_received_kv_is_all_or_nothing(folder, monkeypatch):
+    """The second choice's copy of the shared partial block fails: no choice is admitted, and the blocks stay the
+    caller's to free, as after a refusal (a decode worker's transfer refused with a 500)."""
+    engine = LLMEngine(config(folder))
+    prompt = list(range(40, 61))  # 21 tokens: 2 full blocks of 8 and a partial one
+    layers = (0, engine.num_layers)
+    kv_blocks = engine.begin_prefilled(["c0", "c1"], prompt, [GREEDY, GREEDY])
+    engine.write_prefilled(kv_blocks, engine.read_kv(kv_blocks, layers))
+    monkeypatch.setattr(engine.runner, "copy_block", lambda src, dst: (_ for _ in ()).throw(RuntimeError("copy")))
+    with pytest.raises(RuntimeError, match="copy"):
+        engine.finish_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
+    assert not engine.has_unfinished()
+    engine.free_blocks(kv_blocks)
+    assert engine.stats().num_free_blocks == engine.num_blocks
+    monkeypatch.undo()  # and the same transfer admits whole afterwards
+    kv_blocks = engine.begin_prefilled(["c0", "c1"], prompt, [GREEDY, GREEDY])
+    assert engine.finish_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats().num_free_blocks == engine.num_blocks

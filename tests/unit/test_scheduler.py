@@ -392,3 +392,18 @@ def test_choices_share_their_prompts_full_blocks_on_admission():
         step(sch, runner)
         check_accounting(sch)
     assert bm.num_free_blocks == 8 and not any(bm.ref_counts)
+
+
+def test_a_withdrawn_prefilled_sequence_gives_back_its_blocks_but_the_lent_ones():
+    sch = make(num_blocks=8, block_size=4, max_model_len=32)
+    bm = sch.block_manager
+    lent = bm.allocate(1)  # the caller's: a held block, say
+    arrived = seq("kv", 6, max_tokens=3)
+    arrived.output_token_ids, arrived.num_computed_tokens = [42], 6
+    sch.admit_prefilled(arrived, lent)
+    assert len(arrived.block_table) == 2 and bm.num_free_blocks == 6
+    sch.withdraw_prefilled(arrived, num_lent=1)
+    assert bm.num_free_blocks == 7 and arrived.block_table == [] and arrived.status == SequenceStatus.FINISHED
+    assert not sch.has_unfinished and arrived.finish_reason == FinishReason.ABORT
+    bm.free(lent)  # the caller's reference, still its own
+    assert bm.num_free_blocks == 8

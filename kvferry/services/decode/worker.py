@@ -257,7 +257,7 @@ class DecodeWorker(Worker):
                 first.resume_token_ids,
                 record.held,
             )
-        except InvalidRequest as exc:
+        except Exception as exc:  # admission is all or nothing: the record still owns every block
             self.refuse(record, env, peer, incoming.link, exc)
             return
         if not placed:
