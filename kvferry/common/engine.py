@@ -98,6 +98,7 @@ class LLMEngine(ReceivedKV):
         self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_plan: StepPlan | None = None
         self.layer_groups = layer_groups(layout.num_layers)
+        self._group_ending_at = {hi: (lo, hi) for lo, hi in self.layer_groups}  # a group's last layer + 1 -> it
         spec = faults.from_env()
         self._injected_failing_step = spec.fail_step if spec else 0  # a test's injected step failure (common/faults.py)
         self.num_steps = 0
@@ -236,10 +237,9 @@ class LLMEngine(ReceivedKV):
         """The runner's after_layer callback: tells the connector as each group of layers lands in the cache."""
         if not self.connector.wants_layer_events:
             return None
-        ending = {hi: (lo, hi) for lo, hi in self.layer_groups}
 
         def after_layer(layer: int) -> None:
-            group = ending.get(layer + 1)
+            group = self._group_ending_at.get(layer + 1)
             if group is not None:
                 self.connector.layers_stored(plan, group)
 
@@ -338,10 +338,10 @@ class LLMEngine(ReceivedKV):
         sch, bm = self.scheduler, self.block_manager
         return EngineStats(
             num_free_blocks=bm.num_free_blocks,
-            num_blocks=bm.num_blocks,
+            num_total_blocks=bm.num_blocks,
             num_running=len(sch.running),
             num_waiting=len(sch.waiting),
-            num_queued_prompt_tokens=sch.queued_prompt_tokens(),
+            queued_prompt_tokens=sch.queued_prompt_tokens(),
             num_preemptions=sch.num_preemptions,
             num_prompt_tokens_computed=sch.num_computed_prompt_tokens,
             num_prompt_tokens_cached=sch.num_cached_prompt_tokens,

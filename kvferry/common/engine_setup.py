@@ -8,6 +8,7 @@ import time
 import torch
 
 from kvferry.common.errors import ConfigError
+from kvferry.common.model.runner import ModelRunner
 
 log = logging.getLogger("kvferry.engine")
 
@@ -63,8 +64,6 @@ def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:
 
 def build_runner(model, layout, num_blocks: int, device, dtype, config, scheduler):
     """The model runner with its KV cache; a cache that does not fit is a ConfigError naming the setting."""
-    from kvferry.common.model.runner import ModelRunner
-
     try:
         return ModelRunner(
             model, layout, num_blocks, device, dtype, seed=config.seed, eos_token_ids=scheduler.eos_token_ids

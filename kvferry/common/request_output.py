@@ -23,13 +23,14 @@ class RequestOutput:
 
 @dataclass
 class EngineStats:
-    """Counters a worker reports in its heartbeats."""
+    """The engine's counters a worker reports in its heartbeats, named as in protocol.WorkerStats so that they
+    pass into it whole."""
 
     num_free_blocks: int
-    num_blocks: int
+    num_total_blocks: int
     num_running: int
     num_waiting: int
-    num_queued_prompt_tokens: int
+    queued_prompt_tokens: int
     num_preemptions: int
     num_prompt_tokens_computed: int
     num_prompt_tokens_cached: int

@@ -14,6 +14,7 @@ On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it
 holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
 """
 
+import dataclasses
 import logging
 import re
 import socket
@@ -36,8 +37,8 @@ from kvferry.services.gateway_link import GatewayLink, parse_gateways
 log = logging.getLogger("kvferry.worker")
 MAX_CHOICES = 128  # n per request: a bound on what one message can make a worker do
 PEER_ADDRESS = re.compile(r"tcp://[^\s:/]+:(?P<port>\d{1,5})|ipc://\S+|inproc://\S+")
-CACHE_SYNC_S = 30.0
-MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
+CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
+MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky
 
 
 def advertised_host(explicit: str | None = None) -> str:
@@ -130,20 +131,8 @@ class Worker:
             raise FatalError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
 
     def stats(self) -> p.WorkerStats:
-        e = self.engine.stats()
-        return p.WorkerStats(
-            num_free_blocks=e.num_free_blocks,
-            num_total_blocks=e.num_blocks,
-            num_running=e.num_running,
-            num_waiting=e.num_waiting,
-            queued_prompt_tokens=e.num_queued_prompt_tokens,
-            num_preemptions=e.num_preemptions,
-            num_protocol_errors=self.num_protocol_errors(),
-            num_prompt_tokens_computed=e.num_prompt_tokens_computed,
-            num_prompt_tokens_cached=e.num_prompt_tokens_cached,
-            num_cached_blocks=e.num_cached_blocks,
-            **self.kv_counters(),
-        )
+        engine_counters = dataclasses.asdict(self.engine.stats())
+        return p.WorkerStats(**engine_counters, num_protocol_errors=self.num_protocol_errors(), **self.kv_counters())
 
     def kv_counters(self) -> dict:
         """A role's own WorkerStats counters (the prefill worker's KV bytes and prompts)."""
@@ -328,10 +317,17 @@ class Worker:
         link = self.link_of(channel)
         if link is None or not env.request_id or isinstance(env.message, (p.Abort, p.RequestFailed)):
             return
-        code = 400 if isinstance(exc, InvalidRequest) else 500
         attempt = getattr(env.message, "attempt", 0)
-        link.channel.send(p.RequestFailed(f"{self.worker_id} failed on {name}: {exc}", code, attempt), env.request_id)
+        self.send_failure(link, env.request_id, attempt, env.trace, f"{self.worker_id} failed on {name}: {exc}", exc)
         self.forget_request(env.request_id, attempt)
+
+    def send_failure(self, link: GatewayLink, request_id: str, attempt: int, trace, error: str, exc=None,
+                     code: int | None = None, retry: bool = False) -> None:  # fmt: skip
+        """Tell a request's gateway that its attempt failed here: code, else 400 when exc is the request's fault
+        (InvalidRequest) and 500 when it is this worker's."""
+        code = code or (400 if isinstance(exc, InvalidRequest) else 500)
+        log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
+        link.channel.send(p.RequestFailed(error, code, attempt, retry=retry), request_id, trace)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         """End whatever this worker holds for an attempt that failed."""

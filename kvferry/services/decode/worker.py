@@ -127,6 +127,8 @@ class DecodeWorker(Worker):
     def abort_choice(self, key: AttemptKey, choice: int) -> None:
         """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
         it is left out when it does."""
+        if choice >= MAX_CHOICES:
+            return  # no transfer can name it: nothing to leave out, and nothing to remember
         record = self.record_for(key)
         if record.state is S.DONE:
             return
@@ -292,9 +294,8 @@ class DecodeWorker(Worker):
         self.end_record(record)
         self.ack(env, peer, False, f"refused: {exc}", retry=False)
         if link is not None:
-            code = 400 if isinstance(exc, InvalidRequest) else 500  # the request's fault, or ours
-            failed = p.RequestFailed(f"decode worker refused the KV: {exc}", code, env.message.attempt)
-            link.channel.send(failed, env.request_id, env.trace)
+            error = f"decode worker refused the KV: {exc}"
+            self.send_failure(link, env.request_id, env.message.attempt, env.trace, error, exc)
 
     def tidy(self) -> None:
         now = time.monotonic()
@@ -351,10 +352,9 @@ class DecodeWorker(Worker):
     def fail(self, record: DecodeAttempt, error: str) -> None:
         if record.state is S.DONE:
             return
-        failed = p.RequestFailed(error, 500, record.key.attempt)
         link, trace = record.link, record.trace
         self.end_record(record)
-        link.channel.send(failed, record.key.request_id, trace)
+        self.send_failure(link, record.key.request_id, record.key.attempt, trace, error, code=500)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""

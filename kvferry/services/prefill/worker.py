@@ -126,10 +126,8 @@ class PrefillWorker(Worker):
             record.end()
         self.records.pop(record.key, None)
         if error:
-            log.warning("%s: request failed (%d): %s", self.worker_id, code, error,
-                        extra={"request_id": record.key.request_id})  # fmt: skip
-            failed = p.RequestFailed(error, code, record.key.attempt, retry=retry)
-            record.link.channel.send(failed, record.key.request_id, record.trace)
+            key = record.key
+            self.send_failure(record.link, key.request_id, key.attempt, record.trace, error, code=code, retry=retry)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
