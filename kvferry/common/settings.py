@@ -511,6 +511,36 @@ SPEC: tuple[Setting, ...] = (
     Setting(
         "max_prompts", INT, "64", "the most prompts one completions request may carry", (GATEWAY, SERVE), "API", min=1
     ),
+    Setting(
+        "max_stop_length", INT, "1024", "the longest stop string, in characters", (GATEWAY, SERVE), "API", min=1
+    ),
+    Setting(
+        "max_stop_chars",
+        INT,
+        "4096",
+        "the most characters a request's stop strings may have together",
+        (GATEWAY, SERVE),
+        "API",
+        min=1,
+    ),
+    Setting(
+        "max_prompt_chars",
+        INT,
+        "1000000",
+        "the most characters a request's prompts (or chat messages) may have together",
+        (GATEWAY, SERVE),
+        "API",
+        min=1,
+    ),
+    Setting(
+        "max_connections",
+        INT,
+        "1024",
+        "HTTP connections served at once; past this, new ones get 503",
+        (GATEWAY, SERVE),
+        "API",
+        min=1,
+    ),
     # Security.
     Setting(
         "curve_keys",
@@ -520,6 +550,14 @@ SPEC: tuple[Setting, ...] = (
         SERVICES,
         "security",
         metavar="DIR",
+    ),
+    Setting(
+        "insecure",
+        SWITCH,
+        False,
+        "allow ZeroMQ sockets bound beyond loopback without --curve-keys (only on a private network you trust)",
+        SERVICES,
+        "security",
     ),
     # Observability.
     Setting(
