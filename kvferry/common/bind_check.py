@@ -22,7 +22,7 @@ def is_local(address: str) -> bool:
     return host.startswith(LOOPBACK)
 
 
-def warn_if_exposed(address: str, what: str, curve: bool = False) -> None:
+def check_exposed(address: str, what: str, curve: bool = False, insecure: bool = False) -> None:
     if not curve and not is_local(address):
         log.warning(
             "%s binds %s, beyond this machine, without CURVE: any host that reaches it can send messages. "

@@ -9,7 +9,9 @@ from kvferry.common.errors import InvalidRequest
 GREEDY_BELOW_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_TOP_K = 2**31 - 1  # past the vocabulary it cuts nothing; beyond this it would overflow the wire (a 500, once)
-MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; seed + choice still fits torch's generator and msgpack
+MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; fits torch's generator and msgpack
+MAX_LOGIT_BIAS = 300  # entries in logit_bias, as OpenAI caps it
+MAX_STOP_TOKEN_IDS = 1024  # a bound on what one request makes every step check, and on its message's size
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,10 @@ class SamplingParams:
             raise InvalidRequest(f"min_p must be in [0, 1], got {self.min_p}")
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(
+                f"logit_bias takes at most {MAX_LOGIT_BIAS} entries and stop_token_ids at most {MAX_STOP_TOKEN_IDS}"
+            )
         for token_id, bias in self.logit_bias:
             if not isinstance(token_id, int) or token_id < 0 or not -100 <= bias <= 100:
                 raise InvalidRequest(f"logit_bias maps token ids to biases in [-100, 100], got {token_id}: {bias}")
@@ -90,7 +96,8 @@ class SamplingParams:
 
 
 def for_choice(params: SamplingParams, choice: int) -> SamplingParams:
-    """Choice i of n draws from seed + i: each choice reproducible, and different from the others."""
+    """Choice i of n draws from seed + i, wrapping round past MAX_SEED: each choice reproducible, different from the
+    others, and valid whatever the seed (seed 2**63 - 1 with n = 2 once crashed a worker)."""
     if params.seed is None or choice == 0:
         return params
-    return dataclasses.replace(params, seed=params.seed + choice)
+    return dataclasses.replace(params, seed=(params.seed + choice) % (MAX_SEED + 1))

@@ -511,9 +511,7 @@ SPEC: tuple[Setting, ...] = (
     Setting(
         "max_prompts", INT, "64", "the most prompts one completions request may carry", (GATEWAY, SERVE), "API", min=1
     ),
-    Setting(
-        "max_stop_length", INT, "1024", "the longest stop string, in characters", (GATEWAY, SERVE), "API", min=1
-    ),
+    Setting("max_stop_length", INT, "1024", "the longest stop string, in characters", (GATEWAY, SERVE), "API", min=1),
     Setting(
         "max_stop_chars",
         INT,

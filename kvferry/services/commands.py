@@ -48,6 +48,7 @@ def _run_worker(args, cls, **kwargs) -> int:
         stall_timeout_s=args.stall_timeout,
         drain_timeout_s=args.drain_timeout,
         curve=CurveKeys.load(args.curve_keys),
+        insecure=args.insecure,
         **kwargs,
     )
     if health:

@@ -71,11 +71,12 @@ class Worker:
         stall_timeout_s: float = 30.0,
         drain_timeout_s: float = 30.0,
         curve: CurveKeys | None = None,
+        insecure: bool = False,
     ):
         """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.ctx = zmq.Context.instance()
-        self.curve = curve
+        self.curve, self.insecure = curve, insecure  # insecure: --insecure, a bind beyond loopback without CURVE
         self.tracer = tracing.tracer()
         self.engine = LLMEngine(config, connector(self.worker_id) if connector else None)
         self.links = [GatewayLink(self.ctx, address, self.worker_id, curve) for address in parse_gateways(gateway)]

@@ -12,7 +12,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common import settings, tracing
-from kvferry.common.bind_check import bind_zmq, warn_if_exposed
+from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.errors import FatalError, InvalidRequest
 from kvferry.common.model.kv_blocks import frame_tensor
 from kvferry.common.sampling import for_choice
@@ -67,7 +67,7 @@ class DecodeWorker(Worker):
             curve.serve(sock)
         bind_zmq(sock, kv_bind, settings.label("kv_bind"))
         super().__init__(config, gateway, worker_id, connector=lambda _: DecodeConnector(), **kwargs)
-        warn_if_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None)
+        check_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None, insecure=self.insecure)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
         if host.endswith("0.0.0.0") or host.endswith("*"):

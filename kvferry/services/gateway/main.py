@@ -85,6 +85,7 @@ def run_gateway(args) -> None:
         deadlines,
         args.max_waiting,
         CurveKeys.load(args.curve_keys),
+        insecure=args.insecure,
     )  # binds --control: before the tokenizer loads, too
     tokenizer, model_max_len = load_text_side(args.model)
     limits = Limits(
@@ -93,6 +94,9 @@ def run_gateway(args) -> None:
         max_tokens=args.max_tokens_limit,
         max_stop=args.max_stop,
         max_prompts=args.max_prompts,
+        max_stop_length=args.max_stop_length,
+        max_stop_chars=args.max_stop_chars,
+        max_prompt_chars=args.max_prompt_chars,
     )
     api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)

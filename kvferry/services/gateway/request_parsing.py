@@ -65,6 +65,9 @@ class Limits:
     max_tokens: int = settings.default("max_tokens_limit")
     max_stop: int = settings.default("max_stop")
     max_prompts: int = settings.default("max_prompts")  # prompts in one completions request
+    max_stop_length: int = settings.default("max_stop_length")  # characters in one stop string
+    max_stop_chars: int = settings.default("max_stop_chars")  # characters in all of them together
+    max_prompt_chars: int = settings.default("max_prompt_chars")  # characters in the prompts or messages
 
 
 @dataclass

@@ -21,7 +21,7 @@ import zmq.asyncio
 
 from kvferry.common import protocol as p
 from kvferry.common import settings, tracing
-from kvferry.common.bind_check import bind_zmq, warn_if_exposed
+from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.curve import CurveKeys
 from kvferry.common.sampling import SamplingParams
@@ -60,6 +60,7 @@ class GatewayCore:
         deadlines: Deadlines | None = None,
         max_waiting: int = 0,
         curve: CurveKeys | None = None,
+        insecure: bool = False,
     ):
         self.ctx = zmq.asyncio.Context.instance()
         self.auth = curve.authenticator(self.ctx) if curve else None
@@ -69,7 +70,7 @@ class GatewayCore:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
         bind_zmq(sock, control_address, settings.label("control"))
-        warn_if_exposed(control_address, "the gateway's control socket", curve=curve is not None)
+        check_exposed(control_address, "the gateway's control socket", curve=curve is not None, insecure=insecure)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
