@@ -19,7 +19,7 @@ import msgpack
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
-PROTOCOL_VERSION = 10  # 10: SamplingParams and TokenLogprobs travel as themselves, field by name
+PROTOCOL_VERSION = 11  # 11: Register carries the worker process's instance id
 MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
 
@@ -93,6 +93,9 @@ class Register:
     max_model_len: int
     kv_address: str = ""  # decode workers: where prefill workers send KV
     quantization: str = "none"  # or "int8": prefill and decode workers must compute alike
+    # New with every process start: a gateway that sees a known worker id with a new instance knows the old
+    # process is gone, and moves its requests at once instead of waiting for their deadlines.
+    instance_id: str = ""
 
 
 @dataclass

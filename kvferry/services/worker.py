@@ -75,6 +75,7 @@ class Worker:
     ):
         """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
+        self.instance_id = uuid.uuid4().hex[:12]  # this process's: a restart under the same worker id gets another
         self.ctx = zmq.Context.instance()
         self.curve, self.insecure = curve, insecure  # insecure: --insecure, a bind beyond loopback without CURVE
         self.tracer = tracing.tracer()
@@ -111,6 +112,7 @@ class Worker:
             max_model_len=engine.max_model_len,
             kv_address=self.kv_address(),
             quantization=engine.config.quantization or "none",
+            instance_id=self.instance_id,
         )
 
     def link_of(self, channel: Channel) -> GatewayLink | None:
