@@ -29,6 +29,8 @@ class ProtocolError(Exception):
 
 
 UNKNOWN_WORKER = "unknown worker: register again"  # a gateway's RegisterReply to a worker it does not know
+# A worker's heartbeat socket connects as its id plus this: the gateway takes heartbeats from that connection too.
+HEARTBEAT_SUFFIX = b"/heartbeat"
 
 
 class Kind(enum.IntEnum):

@@ -110,13 +110,14 @@ class Channel:
         return ctx
 
     async def send_async(self, parts: list) -> None:
-        """Send what pack made on an asyncio socket, with the same faults as send."""
+        """Send what pack made on an asyncio socket, with the same faults as send. Never waits for the peer: a
+        stopped peer whose queue is full raises zmq.Again at once, and must not hold up what goes to the others."""
         copies = 1
         if self.faults:
             copies, wait_s = self.faults.plan()
             await asyncio.sleep(wait_s)
         for _ in range(copies):
-            await self.socket.send_multipart(parts, copy=False)
+            await self.socket.send_multipart(parts, copy=False, flags=zmq.DONTWAIT)
 
     def is_duplicate(self, message_id: str) -> bool:
         """Remember message_id; True when it was seen among the latest MAX_SEEN_IDS."""

@@ -20,7 +20,7 @@ REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; 
 
 class GatewayLink:
     def __init__(self, ctx: zmq.Context, address: str, worker_id: str, curve: CurveKeys | None = None):
-        self.address, self.curve = address, curve
+        self.address, self.curve, self.worker_id = address, curve, worker_id
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
@@ -63,6 +63,8 @@ class GatewayLink:
     def heartbeat_socket(self, ctx: zmq.Context) -> zmq.Socket:
         """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe)."""
         sock = ctx.socket(zmq.DEALER)
+        # A name of its own, derived from the worker's: the gateway takes this worker's heartbeats from it alone.
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode() + p.HEARTBEAT_SUFFIX)
         sock.setsockopt(zmq.LINGER, 0)
         if self.curve:
             self.curve.connect(sock)

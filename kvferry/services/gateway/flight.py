@@ -15,6 +15,8 @@ from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 
+MAX_QUEUED_EVENTS = 4096  # token messages waiting for a request's consumer; several seconds of any stream
+
 
 @dataclass
 class Event:
@@ -77,11 +79,28 @@ class Flight:
     decode_started: bool = False  # this attempt's KV landed: tokens came from the decode worker
     last_progress: float = field(default_factory=time.monotonic)
     num_moves: int = 0
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    failed_on: set[bytes] = field(
+        default_factory=set
+    )  # workers an attempt failed on: the next goes elsewhere if it can
+    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
+    deadline: float = float("inf")  # monotonic: the request's end-to-end bound
+    consumer: asyncio.Task | None = None  # the task that reads the events (the HTTP response's)
+    failure: Event | None = None  # set by the gateway's watchdog: the request ends with this error
 
     def __post_init__(self):
         self.outputs = [[] for _ in range(self.n)]
         self.finished = [False] * self.n
+
+    def post(self, item: "Event | Lost") -> None:
+        """Queue a worker's message for the consumer. A consumer that has fallen MAX_QUEUED_EVENTS behind (a client
+        that does not read its stream) fails the request instead of holding ever more of it in memory."""
+        try:
+            self.queue.put_nowait(item)
+        except asyncio.QueueFull:
+            if self.failure is None:
+                self.failure = Event(
+                    error=f"the client fell {MAX_QUEUED_EVENTS} messages behind the stream", error_code=408
+                )
 
     @property
     def done(self) -> bool:

@@ -31,6 +31,7 @@ class WorkerInfo:
     draining: bool = False  # shutting down: finishes what it has, gets nothing new
     cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, as it last told us
     quantization: str = "none"
+    instance_id: str = ""  # the worker process's: another one under the same id is a restart
 
     @property
     def num_queued_prompt_tokens(self) -> int:
@@ -114,6 +115,7 @@ class Registry:
             p.WorkerStats(msg.num_blocks, msg.num_blocks, 0, 0, 0),
             now,
             quantization=msg.quantization,
+            instance_id=msg.instance_id,
         )
         return None
 
@@ -137,25 +139,30 @@ class Registry:
     def live(self, role: p.Role) -> list[WorkerInfo]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def routable(self, role: p.Role) -> list[WorkerInfo]:
-        return [w for w in self.live(role) if not w.draining]
+    def routable(self, role: p.Role, avoid: frozenset[bytes] = frozenset()) -> list[WorkerInfo]:
+        """Live workers of a role that take new work; those in avoid (identities a request failed on) only when
+        there is no other."""
+        workers = [w for w in self.live(role) if not w.draining]
+        return [w for w in workers if w.identity not in avoid] or workers
 
     def cache_update(self, msg: p.CacheUpdate) -> None:
         worker = self.workers.get(msg.worker_id)
         if worker is None:
             return
         if msg.full:
-            worker.cached = set(msg.stored)
+            worker.cached = set()
         else:
             worker.cached.difference_update(msg.evicted)
-            worker.cached.update(msg.stored)
+        _remember_cached(worker, msg.stored)
 
-    def pick_prefill(self, hashes: list[bytes] = (), num_tokens: int = 0) -> tuple[WorkerInfo | None, int]:
+    def pick_prefill(
+        self, hashes: list[bytes] = (), num_tokens: int = 0, avoid: frozenset[bytes] = frozenset()
+    ) -> tuple[WorkerInfo | None, int]:
         """Cache-aware: the prefill worker that would finish this prompt first, counting the prompt tokens queued
         there and the ones of this prompt it does not hold in its prefix cache. hashes: the prompt's chained
         block hashes. Returns the worker and how many of the prompt's leading blocks it holds."""
         best, best_key, best_hits = None, None, 0
-        for w in self.routable(p.Role.PREFILL):
+        for w in self.routable(p.Role.PREFILL, avoid):
             hits = w.num_cached_prefix_blocks(hashes)
             work = w.num_queued_prompt_tokens + num_tokens - hits * w.block_size
             key = (work, w.num_served)
@@ -169,9 +176,9 @@ class Registry:
         if worker is not None:
             worker.pending_prompt_tokens = max(0, worker.pending_prompt_tokens - num_prompt_tokens)
 
-    def pick_decode(self) -> WorkerInfo | None:
+    def pick_decode(self, avoid: frozenset[bytes] = frozenset()) -> WorkerInfo | None:
         """The decode worker with the most free KV blocks, then the fewest running sequences."""
-        candidates = self.routable(p.Role.DECODE)
+        candidates = self.routable(p.Role.DECODE, avoid)
         return min(
             candidates, key=lambda w: (-w.stats.num_free_blocks, w.stats.num_running, w.num_served), default=None
         )
@@ -182,7 +189,7 @@ class Registry:
         """Count a routed request against both workers until their next heartbeat reports it. The prompt's blocks
         count as cached on the prefill worker at once: a burst sharing a prefix follows the first of it there."""
         prefill.pending_prompt_tokens += num_prompt_tokens
-        prefill.cached.update(hashes)
+        _remember_cached(prefill, hashes)
         prefill.num_served += 1
         decode.stats.num_free_blocks -= num_blocks
         decode.stats.num_running += 1
@@ -191,3 +198,12 @@ class Registry:
     def max_model_len(self) -> int | None:
         lens = [w.max_model_len for w in self.workers.values()]
         return min(lens) if lens else None
+
+
+def _remember_cached(worker: WorkerInfo, hashes) -> None:
+    """Add block hashes to what the gateway believes a worker caches, up to twice the blocks it has (it cannot hold
+    more; the margin covers hashes counted at routing before the worker reports them). Past that the view is
+    stale, not larger, until the worker's next full update replaces it."""
+    room = 2 * max(worker.num_blocks, 1) - len(worker.cached)
+    if room > 0:
+        worker.cached.update(hashes[:room] if isinstance(hashes, list) else list(hashes)[:room])

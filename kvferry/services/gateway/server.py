@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import zmq
@@ -24,6 +25,8 @@ from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.curve import CurveKeys
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, peer_label
@@ -32,6 +35,9 @@ from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, Worke
 
 log = logging.getLogger("kvferry.gateway")
 __all__ = ["Event", "GatewayCore", "NoWorkers", "Deadlines"]
+
+
+MAX_TOLD_TO_ABORT = 4096  # remembered (request, attempt) pairs an Abort was repeated for
 
 
 class NoWorkers(Exception):
@@ -81,7 +87,9 @@ class GatewayCore:
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
         self.draining = False
         self.num_moves = 0
-        self._told_to_abort: dict[tuple[str, int], float] = {}  # (request id, attempt) -> when
+        self._told_to_abort: OrderedDict[tuple[str, int], float] = OrderedDict()  # (request id, attempt) -> when
+        # Worker messages dropped because they came from a connection that has no business sending them.
+        self.num_forged = 0
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._expire_loop())]
@@ -123,7 +131,7 @@ class GatewayCore:
     async def _handle(self, peer: bytes, env: p.Envelope) -> None:
         msg, rid, now = env.message, env.request_id, time.time()
         if isinstance(msg, p.Register):
-            refused = self.registry.register(msg, peer, now)
+            refused = self._check_registration(msg, peer) or self.registry.register(msg, peer, now)
             if refused:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
@@ -134,7 +142,11 @@ class GatewayCore:
                 parent=env.trace,
             )
         elif isinstance(msg, p.Heartbeat):
-            if not msg.healthy and msg.worker_id in self.registry.workers:
+            worker = self.registry.workers.get(msg.worker_id)
+            if worker is not None and peer not in (worker.identity, worker.identity + p.HEARTBEAT_SUFFIX):
+                self._forged(msg, peer, "a heartbeat for a worker registered from another connection")
+                return
+            if not msg.healthy and worker is not None:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
@@ -145,11 +157,15 @@ class GatewayCore:
                 )
         elif isinstance(msg, p.CacheUpdate):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and worker.identity == peer:
+            if worker is None or worker.identity != peer:
+                self._forged(msg, peer, "a cache update for a worker registered from another connection")
+            else:
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and worker.identity == peer:
+            if worker is None or worker.identity != peer:
+                self._forged(msg, peer, "a deregistration for a worker registered from another connection")
+            else:
                 if msg.final:
                     self._lose_worker(self.registry.workers.pop(msg.worker_id), "it shut down")
                 else:
@@ -157,14 +173,44 @@ class GatewayCore:
                     log.info("worker %s is draining: nothing new goes to it", msg.worker_id)
         elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
             flight = self.flights.get(rid)
-            if flight is None or msg.attempt != flight.attempt:
-                await self._abort_unknown(peer, rid, msg.attempt, env.trace)
+            current = flight is not None and msg.attempt == flight.attempt
+            if not (current and peer in (flight.prefill_identity, flight.decode_identity)):
+                if current or not self._is_worker(peer):
+                    self._forged(msg, peer, "a request's message from a worker it is not assigned to")
+                else:  # a worker still busy with an attempt that moved on, or a request that ended
+                    await self._abort_unknown(peer, rid, msg.attempt, env.trace)
                 return
             if isinstance(msg, p.FirstToken) and flight.pending_prefill_tokens:
                 # Its prompt is computed: the prefill worker's queue is that much shorter before it next says so.
                 self.registry.prefilled(flight.prefill_worker_id, flight.pending_prefill_tokens)
                 flight.pending_prefill_tokens = 0
-            flight.queue.put_nowait(self._event(msg, flight))
+            flight.post(self._event(msg, flight))
+
+    def _check_registration(self, msg: p.Register, peer: bytes) -> str | None:
+        """Why a registration is refused before the registry's own checks (None: it is not). A known worker id
+        from another connection is refused unless it is a new process (a new instance id): then the old process
+        is gone, and what it held moves at once."""
+        if msg.role == p.Role.DECODE:
+            try:
+                check_peer_address(msg.kv_address)
+            except InvalidRequest as exc:
+                return f"its KV ingress address is unusable: {exc}"
+        known = self.registry.workers.get(msg.worker_id)
+        if known is None or known.identity == peer and known.instance_id == msg.instance_id:
+            return None
+        if known.instance_id == msg.instance_id:
+            self._forged(msg, peer, "a registration of a worker id already registered from another connection")
+            return f"worker id {msg.worker_id} is already registered from another connection"
+        self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
+        return None
+
+    def _is_worker(self, peer: bytes) -> bool:
+        return any(w.identity == peer for w in self.registry.workers.values())
+
+    def _forged(self, msg, peer: bytes, why: str) -> None:
+        """A worker message from a connection that may not send it: dropped, counted and logged, never acted on."""
+        self.num_forged += 1
+        log.warning("dropped %s from %s: %s", type(msg).__name__, peer_label(peer), why)
 
     @staticmethod
     def _event(msg, flight: Flight) -> Event:
@@ -187,15 +233,16 @@ class GatewayCore:
         if now - self._told_to_abort.get((rid, attempt), 0.0) < 1.0:
             return
         self._told_to_abort[(rid, attempt)] = now
-        if len(self._told_to_abort) > 4096:
-            self._told_to_abort = {k: t for k, t in self._told_to_abort.items() if now - t < 60}
+        self._told_to_abort.move_to_end((rid, attempt))
+        if len(self._told_to_abort) > MAX_TOLD_TO_ABORT:
+            self._told_to_abort.popitem(last=False)  # the least recently told: O(1), not a rebuild
         await self._send(p.Abort(attempt=attempt), peer, rid, trace)
 
     def _lose_worker(self, worker: WorkerInfo, why: str) -> None:
         log.warning("worker %s dropped: %s", worker.worker_id, why)
         for flight in self.flights.values():
             if flight.involves(worker.identity):
-                flight.queue.put_nowait(Lost(f"worker {worker.worker_id} is gone ({why})", flight.attempt))
+                flight.post(Lost(f"worker {worker.worker_id} is gone ({why})", flight.attempt))
 
     async def _expire_loop(self) -> None:
         # Checked five times an interval: a silent worker is dropped soon after its third missed heartbeat.
@@ -203,6 +250,22 @@ class GatewayCore:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 5)
             for worker in self.registry.expire(time.time()):
                 self._lose_worker(worker, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
+            await self._watch_flights()
+
+    async def _watch_flights(self) -> None:
+        """Deadlines enforced whether or not anybody reads: a request past its end-to-end deadline, or whose
+        reader fell too far behind (a client that stopped reading its stream), is aborted on its workers and
+        forgotten here. Its reader, when it comes back, gets the failure."""
+        now = time.monotonic()
+        for flight in list(self.flights.values()):
+            if flight.failure is None and now >= flight.deadline:
+                flight.failure = self._too_long()
+            if flight.failure is not None:
+                del self.flights[flight.request_id]
+                await self.abort(flight)
+
+    def _too_long(self) -> Event:
+        return Event(error=f"the request took longer than {self.deadlines.request_s:.0f} s", error_code=504)
 
     # -- requests -----------------------------------------------------------------------------------------
     async def generate(
@@ -221,7 +284,7 @@ class GatewayCore:
         if not await self._dispatch(flight):
             del self.flights[rid]
             raise NoWorkers(self.missing() or "the chosen workers are gone")
-        deadline = time.monotonic() + self.deadlines.request_s
+        deadline = flight.deadline = time.monotonic() + self.deadlines.request_s
         try:
             while True:
                 item = await self._next(flight, deadline)
@@ -248,10 +311,10 @@ class GatewayCore:
     async def _next(self, flight: Flight, deadline: float):
         """The flight's next message, or Lost when the wait for it runs past its bound."""
         d, now = self.deadlines, time.monotonic()
-        if now >= deadline:
-            return Event(
-                error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt
-            )
+        if flight.failure is None and now >= deadline:
+            flight.failure = self._too_long()
+        if flight.failure is not None:
+            return dataclasses.replace(flight.failure, attempt=flight.attempt)
         limit, what = (d.step_s, "a decode step") if flight.got_first_token else (d.first_token_s, "the first token")
         waits = [
             (flight.last_progress + limit - now, f"no word for {limit:.0f} s waiting for {what}"),
@@ -263,13 +326,9 @@ class GatewayCore:
         try:
             return await asyncio.wait_for(flight.queue.get(), max(0.0, timeout))
         except TimeoutError:
-            return (
-                Lost(reason, flight.attempt)
-                if reason
-                else Event(
-                    error=f"the request took longer than {d.request_s:.0f} s", error_code=504, attempt=flight.attempt
-                )
-            )
+            if reason:
+                return Lost(reason, flight.attempt)
+            return dataclasses.replace(self._too_long(), attempt=flight.attempt)
 
     async def _dispatch(self, flight: Flight) -> bool:
         """Route the flight's current attempt to a prefill and a decode worker; False if none are live or the
@@ -277,8 +336,9 @@ class GatewayCore:
         resume = flight.resume_token_ids() if flight.attempt else []
         tokens = flight.prompt_token_ids + resume
         hashes = block_hashes(tokens, self.registry.expected_block_size)  # cheap next to a step (docs/benchmarks.md)
-        prefill, num_cached_blocks = self.registry.pick_prefill(hashes, len(tokens))
-        decode = self.registry.pick_decode()
+        avoid = frozenset(flight.failed_on)
+        prefill, num_cached_blocks = self.registry.pick_prefill(hashes, len(tokens), avoid)
+        decode = self.registry.pick_decode(avoid)
         if prefill is None or decode is None:
             return False
         params = flight.params
@@ -309,6 +369,7 @@ class GatewayCore:
         if flight.num_moves >= self.deadlines.max_moves:
             return Event(error=f"{reason}; gave up after moving the request {flight.num_moves} times", error_code=503)
         await self.abort(flight)  # the old attempt, wherever it still runs
+        flight.failed_on.update((flight.prefill_identity, flight.decode_identity))  # others first, from now on
         flight.next_attempt()
         self.num_moves += 1
         log.warning(

@@ -12,6 +12,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -20,6 +21,8 @@ from kvferry.common import protocol as p
 from kvferry.common.transport import Channel
 
 log = logging.getLogger("kvferry.prefill")
+PEER_IDLE_S = 60.0  # a decode worker's socket unused this long is closed: workers come and go, sockets must not pile up
+CONNECT_WAIT_MS = 2000  # a new decode worker's connection (and CURVE handshake) is given this long to come up
 
 
 @dataclass
@@ -77,6 +80,7 @@ class KVSender:
         self._outbox_read, self._outbox_write = _pipe()
         self.wake_fd, self._inbox_write = _pipe()  # readable when received() has something
         self._channels: dict[str, Channel] = {}
+        self._last_used: dict[str, float] = {}  # address -> monotonic time of its latest send
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -112,6 +116,9 @@ class KVSender:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+            # Queue only for a connected peer: KV for a decode worker that is gone (or stopped long enough for the
+            # ZeroMQ heartbeat to drop it) fails at once, and its request moves, instead of piling up here.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
             if self.curve:
                 self.curve.connect(sock)
             try:
@@ -140,10 +147,22 @@ class KVSender:
             for channel in self._channels.values():
                 channel.close()
 
+    def _close_idle(self, poller: zmq.Poller, address_of: dict) -> None:
+        """Close the sockets of decode workers not sent to for PEER_IDLE_S (gone, or just quiet: a new send
+        reconnects)."""
+        now = time.monotonic()
+        for address in [a for a, t in self._last_used.items() if now - t > PEER_IDLE_S]:
+            channel = self._channels.pop(address)
+            del self._last_used[address]
+            poller.unregister(channel.socket)
+            address_of.pop(channel.socket, None)
+            channel.close()
+
     def _loop(self, poller: zmq.Poller, address_of: dict) -> None:
         """Until close(): send what is queued, and hand on what decode workers answer."""
         while True:
-            for sock, _ in poller.poll():
+            self._close_idle(poller, address_of)
+            for sock, _ in poller.poll(PEER_IDLE_S * 1000 / 4):
                 if sock == self._outbox_read:
                     _clear(self._outbox_read)
                     while True:
@@ -154,8 +173,13 @@ class KVSender:
                         if out is None:
                             return
                         try:
+                            new = out.address not in self._channels
                             channel = self._channel(out.address, out.peer, poller)
                             address_of[channel.socket] = out.address
+                            self._last_used[out.address] = time.monotonic()
+                            # With IMMEDIATE a send without a connected peer with room would be dropped: say so.
+                            if not channel.socket.poll(CONNECT_WAIT_MS if new else 0, zmq.POLLOUT):
+                                raise ConnectionError("not connected, or its send queue is full")
                             channel.send(out.message, out.request_id, out.trace, frames=out.frames)
                         except Exception as exc:  # one request's bad address must not stop the others'
                             log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
