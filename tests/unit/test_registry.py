@@ -105,3 +105,26 @@ def test_prefill_routing_follows_cached_prefixes_balanced_against_queued_work():
     reg.prefilled(first.worker_id, 401)
     assert first.pending_prompt_tokens == 0
     reg.prefilled("nobody", 5)
+
+
+def test_a_moved_request_goes_to_other_workers_first_and_back_only_when_none_is_left():
+    reg = Registry()
+    for wid in ("d0", "d1"):
+        register(reg, wid, p.Role.DECODE)
+    beat(reg, "d0", 0.0, free=100)
+    beat(reg, "d1", 0.0, free=10)
+    assert reg.pick_decode().worker_id == "d0"
+    assert reg.pick_decode(avoid=frozenset({b"d0"})).worker_id == "d1"
+    assert reg.pick_decode(avoid=frozenset({b"d0", b"d1"})).worker_id == "d0"  # none other: the best of them
+
+
+def test_what_a_worker_is_believed_to_cache_is_bounded_by_its_blocks():
+    reg = Registry()
+    register(reg, "p0", p.Role.PREFILL)  # 100 blocks
+    reg.cache_update(p.CacheUpdate("p0", [i.to_bytes(16, "big") for i in range(10_000)], full=True))
+    worker = reg.workers["p0"]
+    assert len(worker.cached) == 200
+    reg.assign(worker, worker, 0, 0, [b"x" * 16] * 5)  # routing adds nothing past the bound either
+    assert len(worker.cached) == 200
+    reg.cache_update(p.CacheUpdate("p0", [b"a" * 16], full=True))  # a full update replaces the stale view
+    assert worker.cached == {b"a" * 16}

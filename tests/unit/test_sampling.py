@@ -5,7 +5,7 @@ import torch
 
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.model.sampler import sample
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams, for_choice
 
 
 def gen(seed):
@@ -85,3 +85,20 @@ def test_sampling_follows_the_distribution():
     for _ in range(3000):
         counts[sample(logits, [SamplingParams()], [g])[0]] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
+
+
+def test_each_choice_has_a_valid_seed_of_its_own_whatever_the_request_seed():
+    """seed 2**63 - 1 with n = 2 once made seed + 1 fail validation inside a worker's step, ending the process."""
+    for seed in (0, 7, MAX_SEED - 1, MAX_SEED):
+        params = SamplingParams(seed=seed)
+        seeds = [for_choice(params, c).seed for c in range(16)]
+        assert seeds[0] == seed and len(set(seeds)) == 16
+        assert all(0 <= s <= MAX_SEED for s in seeds)
+
+
+def test_logit_bias_and_stop_token_ids_are_bounded():
+    with pytest.raises(InvalidRequest, match="logit_bias"):
+        SamplingParams(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)))
+    with pytest.raises(InvalidRequest, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
+    SamplingParams(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS)), stop_token_ids=(1,) * 1024)
