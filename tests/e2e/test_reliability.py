@@ -99,6 +99,36 @@ def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
     wait_blocks_free(stack)
 
 
+def test_a_stopped_decode_worker_holds_up_nobody_and_rejoins_intact(make_stack):
+    """SIGSTOP, not a kill: the stopped worker's connections stay open and its queues fill. Streams started on the
+    other decode worker meanwhile complete; the stopped worker's streams move (its heartbeats stop) and complete
+    with the text they would have had; after SIGCONT it rejoins, nothing leaks, and it serves the same text."""
+    stack = make_stack(extra_env=FAST_FAILOVER).start_pair(decode="victim")
+    stack.start_worker("survivor", "decode", env=SMALL_CACHE)
+    stack.wait_workers({"survivor"})
+    prompts = PROMPTS[:6]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        reference = list(pool.map(lambda prompt: completion(stack, prompt, max_tokens=48), prompts))
+        stopped = [pool.submit(streamed, stack, prompt, max_tokens=48) for prompt in prompts]
+        stack.wait_for(lambda: in_flight_on(stack, "victim") == 6, 30, "6 streams on the victim")
+        victim = stack.procs["victim"]
+        os.killpg(victim.pid, signal.SIGSTOP)
+        try:
+            stack.wait_for(lambda: "victim" not in stack.workers(), 30, "the stopped worker dropped")
+            others = [pool.submit(streamed, stack, prompt, max_tokens=48) for prompt in prompts]
+            assert [s.result(timeout=120) for s in others] == reference
+            assert [s.result(timeout=120) for s in stopped] == reference
+        finally:
+            os.killpg(victim.pid, signal.SIGCONT)
+        stack.wait_workers({"victim"})  # it registers again
+        wait_blocks_free(stack)
+        assert victim.poll() is None
+        # The victim, the roomiest again, takes new work, and computes it as before.
+        assert list(pool.map(lambda prompt: streamed(stack, prompt, max_tokens=48), prompts)) == reference
+        assert stack.workers()["victim"]["requests_served"] >= 6
+    wait_blocks_free(stack)
+
+
 def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack):
     # Without prefix caching: the reference run would cache these very prompts, and no queue would build up.
     stack = make_stack(extra_env={**FAST_FAILOVER, "KVFERRY_NO_PREFIX_CACHING": "1"}).start_pair()

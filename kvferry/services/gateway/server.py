@@ -174,11 +174,11 @@ class GatewayCore:
         elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
             flight = self.flights.get(rid)
             current = flight is not None and msg.attempt == flight.attempt
-            if not (current and peer in (flight.prefill_identity, flight.decode_identity)):
-                if current or not self._is_worker(peer):
-                    self._forged(msg, peer, "a request's message from a worker it is not assigned to")
-                else:  # a worker still busy with an attempt that moved on, or a request that ended
-                    await self._abort_unknown(peer, rid, msg.attempt, env.trace)
+            if not current:  # a worker still busy with an attempt that moved on, or a request that ended
+                await self._abort_unknown(peer, rid, msg.attempt, env.trace)
+                return
+            if peer not in (flight.prefill_identity, flight.decode_identity):
+                self._forged(msg, peer, "a request's message from a connection it is not assigned to")
                 return
             if isinstance(msg, p.FirstToken) and flight.pending_prefill_tokens:
                 # Its prompt is computed: the prefill worker's queue is that much shorter before it next says so.
@@ -203,9 +203,6 @@ class GatewayCore:
             return f"worker id {msg.worker_id} is already registered from another connection"
         self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
         return None
-
-    def _is_worker(self, peer: bytes) -> bool:
-        return any(w.identity == peer for w in self.registry.workers.values())
 
     def _forged(self, msg, peer: bytes, why: str) -> None:
         """A worker message from a connection that may not send it: dropped, counted and logged, never acted on."""
