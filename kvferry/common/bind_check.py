@@ -1,35 +1,54 @@
-"""Binding listening sockets: an error that names the setting when the address is taken, and a warning for
-sockets bound beyond this machine (without CURVE, anyone who reaches the port can talk)."""
+"""Binding listening sockets: an error that names the setting when the address is taken, and a refusal of ZeroMQ
+sockets bound beyond this machine without CURVE (anyone who reaches the port could register as a worker, or send KV),
+unless --insecure says that the network is private."""
 
 import errno
+import ipaddress
 import logging
 import os
 import socket
 
 import zmq
 
+from kvferry.common import settings
 from kvferry.common.errors import ConfigError
 
 log = logging.getLogger("kvferry.transport")
-LOOPBACK = ("127.", "localhost", "[::1]", "::1")
 
 
 def is_local(address: str) -> bool:
-    """tcp://HOST:PORT on a loopback host, or an ipc:// or inproc:// address."""
-    if not address.startswith("tcp://"):
+    """An ipc:// or inproc:// address, or one whose host is loopback (127.0.0.0/8, ::1, localhost)."""
+    transport, _, rest = address.partition("://")
+    if transport in ("ipc", "inproc"):
         return True
-    host = address[len("tcp://") :].rsplit(":", 1)[0]
-    return host.startswith(LOOPBACK)
+    host = rest.split("/", 1)[0].rsplit(":", 1)[0].strip("[]")  # tcp://HOST:PORT, ws://HOST:PORT/path
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # an interface name, a host name or *: it may well reach beyond this machine
 
 
 def check_exposed(address: str, what: str, curve: bool = False, insecure: bool = False) -> None:
-    if not curve and not is_local(address):
-        log.warning(
-            "%s binds %s, beyond this machine, without CURVE: any host that reaches it can send messages. "
-            "Bind 127.0.0.1, or turn on --curve-keys",
-            what,
-            address,
+    """A ZeroMQ socket bound beyond loopback needs CURVE: refused without it, unless insecure (then a loud warning).
+    The HTTP port is not checked here: it has the API key."""
+    if curve or is_local(address):
+        return
+    if not insecure:
+        raise ConfigError(
+            f"{what} would listen on {address}, beyond this machine, without CURVE: anyone who reaches the port could "
+            f"send it messages. Turn on CURVE with {settings.label('curve_keys')} (write the keys once with `kvferry "
+            f"keys DIR`), or bind 127.0.0.1, or, on a private network you trust, pass {settings.label('insecure')}"
         )
+    log.warning(
+        "INSECURE (%s): %s listens on %s, beyond this machine, without CURVE: any host that reaches it can send "
+        "messages, register as a worker or send KV. Only on a private network you trust; else give %s",
+        settings.label("insecure"),
+        what,
+        address,
+        settings.label("curve_keys"),
+    )
 
 
 def _cannot_bind(address: str, setting: str, reason: str, in_use: bool) -> ConfigError:

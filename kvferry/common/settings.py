@@ -557,6 +557,16 @@ SPEC: tuple[Setting, ...] = (
         SERVICES,
         "security",
     ),
+    Setting(
+        "curve_client",
+        STR,
+        None,
+        "the CURVE client key pair this worker presents, DIR/NAME.key_secret (default: its role, prefill or decode); "
+        "a pair of its own (kvferry keys DIR --client NAME) can be revoked alone",
+        WORKERS,
+        "security",
+        metavar="NAME",
+    ),
     # Observability.
     Setting(
         "trace_dir",

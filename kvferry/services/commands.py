@@ -25,18 +25,21 @@ def _run_worker(args, cls, **kwargs) -> int:
     import signal
     import uuid
 
+    from kvferry.common.curve import CurveKeys
     from kvferry.services.launcher import _interrupt
 
-    worker_id = args.worker_id or f"{cls.role.name.lower()}-{uuid.uuid4().hex[:8]}"
+    role = cls.role.name.lower()
+    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
     # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
     # of requests (found by `kvferry bench soak`; docs/benchmarks.md). 64 still holds every shape a decode batch cycles
     # through. Both are read at the first matmul, so setting them here works.
     for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(cache, "64")
-    observe(args, cls.role.name.lower(), worker_id)  # before the worker: its channels take the tracer
+    observe(args, role, worker_id)  # before the worker: its channels take the tracer
+    # Read before the model loads, so that bad keys fail at once. Each role presents a client pair of its own.
+    curve = CurveKeys.for_role(args.curve_keys, role, args.curve_client)
     signal.signal(signal.SIGTERM, _interrupt)  # until it serves: stop like Ctrl-C
-    from kvferry.common.curve import CurveKeys
     from kvferry.services.worker_health import WorkerHealthServer
 
     health = WorkerHealthServer("0.0.0.0", args.health_port) if args.health_port is not None else None
@@ -47,7 +50,7 @@ def _run_worker(args, cls, **kwargs) -> int:
         worker_id,
         stall_timeout_s=args.stall_timeout,
         drain_timeout_s=args.drain_timeout,
-        curve=CurveKeys.load(args.curve_keys),
+        curve=curve,
         insecure=args.insecure,
         **kwargs,
     )
@@ -74,6 +77,11 @@ def cmd_prefill(args) -> int:
 
 
 def cmd_decode(args) -> int:
+    from kvferry.common.bind_check import check_exposed
+
+    # Refused now, not after torch and the model load. With --insecure the worker warns as it binds.
+    if not args.insecure:
+        check_exposed(args.kv_bind, "the decode worker's KV ingress", curve=bool(args.curve_keys))
     from kvferry.services.decode.worker import DecodeWorker
 
     return _run_worker(args, DecodeWorker, kv_bind=args.kv_bind, advertise_host=args.advertise_host)

@@ -5,6 +5,7 @@ import sys
 
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
+from kvferry.common.errors import KvferryError
 from kvferry.services.commands import add_service_parsers, run
 
 
@@ -49,9 +50,24 @@ def cmd_generate(args) -> int:
 
 
 def cmd_keys(args) -> int:
-    from kvferry.common.curve import generate
+    from kvferry.common import curve
 
-    for path in generate(args.folder):
+    if args.role and not args.client:
+        raise KvferryError("--role goes with --client NAME")
+    if args.revoke:
+        for path in curve.revoke(args.folder, args.revoke):
+            print(f"removed {path}")
+        print("restart the servers (the gateway; decode workers for a prefill key): they then refuse it")
+        return 0
+    if args.client:
+        if not args.role:
+            raise KvferryError(
+                "--client NAME needs --role prefill or --role decode: it decides where the key is admitted"
+            )
+        written = curve.add_client(args.folder, args.client, args.role)
+    else:
+        written = curve.generate(args.folder)
+    for path in written:
         print(path)
     return 0
 
@@ -76,8 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
     settings.add_arguments(p, settings.GENERATE)
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("keys", help="write CURVE key pairs into a folder, for --curve-keys")
+    p = sub.add_parser(
+        "keys",
+        help="write CURVE key pairs into a folder, for --curve-keys",
+        description="Without options: a new deployment's keys, a pair for the servers and one per worker role. "
+        "--client NAME --role ROLE adds one worker's own pair; --revoke NAME takes one out again.",
+    )
     p.add_argument("folder")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--client", metavar="NAME", help="add a client pair for one worker (give it --curve-client NAME)")
+    what.add_argument("--revoke", metavar="NAME", help="remove a client key; restart the servers to refuse it")
+    p.add_argument("--role", choices=("prefill", "decode"), help="with --client: the worker's role")
     p.set_defaults(func=cmd_keys)
 
     add_service_parsers(sub)

@@ -83,20 +83,20 @@ def test_curve_keys_are_written_loaded_and_checked(tmp_path):
     from kvferry.common.curve import CurveKeys, generate
 
     files = generate(tmp_path / "k")
-    assert {f.name for f in files} == {"server.key", "server.key_secret", "client.key", "client.key_secret"}
-    keys = CurveKeys.load(tmp_path / "k")
-    assert len(keys.server_public) == 40 and keys.client_secret != keys.server_secret
+    assert {f.name for f in files} >= {"server.key", "server.key_secret", "prefill.key", "prefill.key_secret"}
+    keys, worker = CurveKeys.load(tmp_path / "k"), CurveKeys.load(tmp_path / "k", client="prefill", admits=None)
+    assert len(keys.server_public) == 40 and worker.client_secret != keys.server_secret
     assert CurveKeys.load(None) is None
     with pytest.raises(ConfigError, match="kvferry keys"):
         CurveKeys.load(tmp_path / "missing")
-    # A server and a client with the keys talk; the traffic is CURVE.
+    # A server and a client with the keys talk; the traffic is CURVE. (More in test_curve_keys.py.)
     ctx = zmq.Context.instance()
     auth = keys.authenticator(ctx)
     server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
     try:
         keys.serve(server)
         port = server.bind_to_random_port("tcp://127.0.0.1")
-        keys.connect(client)
+        worker.connect(client)
         client.connect(f"tcp://127.0.0.1:{port}")
         client.send(b"hello")
         assert server.poll(5000) and server.recv_multipart()[1] == b"hello"
