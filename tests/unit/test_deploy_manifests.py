@@ -312,31 +312,139 @@ def test_compose_runs_a_gateway_two_prefill_and_two_decode_workers():
         host, port = tcp_port(env["KVFERRY_GATEWAY"])
         assert host == "gateway" and port == tcp_port(env_of["KVFERRY_CONTROL"])[1]
         assert service["depends_on"]["gateway"]["condition"] == "service_started"  # healthy needs workers
+        assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully"
 
 
-def test_the_curve_secret_mounts_as_the_folder_kvferry_keys_makes(tmp_path):
-    """The Secret made from `kvferry keys` output holds its top-level files only; each pod's volume must give
-    back the folder CurveKeys.load and the authenticator read, clients/ included, where KVFERRY_CURVE_KEYS says."""
+def documented_secrets(made: Path) -> dict[str, dict[str, bytes]]:
+    """The CURVE Secrets as secret.example.yaml's kubectl commands make them from a `kvferry keys` folder (keys/):
+    Secret name -> its data. kubectl's --from-file=FILE adds FILE under its name, --from-file=DIR/ each file in DIR."""
+    comments = [line.lstrip("#").strip() for line in (K8S / "secret.example.yaml").read_text().splitlines()]
+    text = " ".join(line for line in comments if line).replace(" \\ ", " ")
+    secrets = {}
+    for name, sources in re.findall(r"create secret generic (kvferry-curve-\S+)((?: --from-file=\S+)+)", text):
+        data = secrets[name] = {}
+        for source in re.findall(r"--from-file=(\S+)", sources):
+            path = made / Path(source).relative_to("keys")
+            for file in [path] if path.is_file() else sorted(path.iterdir()):
+                data[file.name] = file.read_bytes()
+    return secrets
+
+
+def test_each_role_mounts_a_mandatory_curve_secret_of_its_own_that_loads_as_its_keys(tmp_path):
+    """Each pod's volume must give back the folder that its role loads (CurveKeys.for_role, as `kvferry ROLE` does),
+    from its own Secret as the documented commands make it, with no secret key it does not use; the volume is not
+    optional, and its files are 0440 (the pod's fsGroup reads them, and the world-readable check passes)."""
     from kvferry.common.curve import CurveKeys, generate
 
     made = tmp_path / "keys"
     generate(made)
-    secret_data = {p.name: p.read_bytes() for p in made.iterdir() if p.is_file()}  # kubectl --from-file=keys/
-    curve_dir = documents(K8S / "secret.example.yaml")[0]["stringData"]["KVFERRY_CURVE_KEYS"]
-    for name in ROLES:
+    secrets = documented_secrets(made)
+    needs_secret = {"gateway": {"server"}, "prefill": {"prefill"}, "decode": {"server", "decode"}}
+    admitted = {"gateway": {"prefill", "decode"}, "prefill": set(), "decode": {"prefill"}}
+    assert "KVFERRY_CURVE_KEYS" not in documents(K8S / "secret.example.yaml")[0]["stringData"]  # not optional
+    curve_dir = config()["KVFERRY_CURVE_KEYS"]  # the ConfigMap: every pod
+    for name, role in ROLES.items():
         [volume] = [v for v in pod(name)["volumes"] if v["name"] == "curve"]
-        assert volume["secret"]["secretName"] == "kvferry-curve" and volume["secret"]["optional"] is True
+        secret = volume["secret"]
+        assert secret["secretName"] == f"kvferry-curve-{role}" and "optional" not in secret, (
+            "a Secret per role, mandatory"
+        )
+        assert secret["defaultMode"] == 0o440 and all("mode" not in item for item in secret["items"])
         [mount] = [m for m in container(name)["volumeMounts"] if m["name"] == "curve"]
         assert mount["mountPath"] == curve_dir and mount["readOnly"] is True
+        data = secrets[secret["secretName"]]
+        assert {key.removesuffix(".key_secret") for key in data if key.endswith("_secret")} == needs_secret[role]
         mounted = tmp_path / name  # what the kubelet would project
-        for item in volume["secret"]["items"]:
+        for item in secret["items"]:
             (mounted / item["path"]).parent.mkdir(parents=True, exist_ok=True)
-            (mounted / item["path"]).write_bytes(secret_data[item["key"]])
-        keys, expected = CurveKeys.load(mounted), CurveKeys.load(made)
-        assert (keys.server_public, keys.server_secret, keys.client_public, keys.client_secret) == (
-            expected.server_public,
-            expected.server_secret,
-            expected.client_public,
-            expected.client_secret,
-        )
-        assert (mounted / "clients" / "client.key").read_bytes() == (made / "clients" / "client.key").read_bytes()
+            (mounted / item["path"]).write_bytes(data[item["key"]])
+            (mounted / item["path"]).chmod(secret["defaultMode"])
+        keys, expected = CurveKeys.for_role(mounted, role), CurveKeys.for_role(made, role)
+        assert keys.server_public == expected.server_public and keys.server_secret == expected.server_secret
+        assert (keys.client_public, keys.client_secret) == (expected.client_public, expected.client_secret)
+        assert set(keys.admitted.values()) == admitted[role] and keys.admitted == expected.admitted
+
+
+def reachable(source: dict | None, target: str, port) -> bool:
+    """Whether the NetworkPolicies let a pod with the labels `source` (None: outside the namespace) reach `port` (a
+    number or a name) of the target Deployment's pods, as Kubernetes reads them."""
+    c, labels = container(target), objects()[("Deployment", target)]["spec"]["template"]["metadata"]["labels"]
+    number = named_port(c, port)
+
+    def selects(selector: dict, pod_labels: dict) -> bool:
+        assert set(selector) <= {"matchLabels"}, "the test reads matchLabels only"
+        return selector.get("matchLabels", {}).items() <= pod_labels.items()
+
+    policies = [
+        obj["spec"]
+        for (kind, _), obj in objects().items()
+        if kind == "NetworkPolicy"
+        and "Ingress" in obj["spec"]["policyTypes"]
+        and selects(obj["spec"]["podSelector"], labels)
+    ]
+    if not policies:
+        return True  # a pod no policy selects takes everything
+    for rule in (rule for policy in policies for rule in policy.get("ingress", [])):
+        if rule.get("ports") and number not in [named_port(c, p["port"]) for p in rule["ports"]]:
+            continue
+        peers = rule.get("from") or []
+        if not peers:
+            return True  # from anywhere
+        for peer in peers:
+            assert set(peer) == {"podSelector"}, "the test reads podSelector peers only (this namespace)"
+            if source is not None and selects(peer["podSelector"], source):
+                return True
+    return False
+
+
+def test_only_kvferry_pods_reach_the_zeromq_ports_and_only_those_that_talk_to_them():
+    """The gateway's control port takes the workers only, a decode worker's KV port the prefill workers only; the
+    HTTP API and the worker health ports (the kubelet) take anyone."""
+    labels = {
+        role: objects()[("Deployment", name)]["spec"]["template"]["metadata"]["labels"] for name, role in ROLES.items()
+    }
+    sources = {**labels, "stranger": {"app": "other"}, "outside": None}
+    allowed = {
+        ("kvferry-gateway", "http"): set(sources),
+        ("kvferry-gateway", "control"): {"prefill", "decode"},
+        ("kvferry-decode", "kv"): {"prefill"},
+        ("kvferry-decode", "health"): set(sources),
+        ("kvferry-prefill", "health"): set(sources),
+    }
+    # Every port each pod listens on is listed: a new one must be thought about here.
+    assert {(name, p["name"]) for name in ROLES for p in container(name)["ports"]} == set(allowed)
+    for (target, port), who in allowed.items():
+        got = {source for source, source_labels in sources.items() if reachable(source_labels, target, port)}
+        assert got == who, (target, port, got)
+    # The ports checked are the ones the ZeroMQ sockets bind.
+    assert named_port(container("kvferry-gateway"), "control") == tcp_port(config()["KVFERRY_CONTROL"])[1]
+    assert named_port(container("kvferry-decode"), "kv") == tcp_port(config()["KVFERRY_KV_BIND"])[1]
+
+
+def test_no_zeromq_socket_of_the_image_compose_or_manifests_listens_beyond_loopback_without_curve(tmp_path):
+    """A bind beyond loopback without keys refuses to start: every such bind must come with keys (or --insecure, said
+    in plain view). In compose, a one-shot service writes the keys the first time, and every other service waits."""
+    from kvferry.common.bind_check import is_local
+
+    binds = {"gateway": "KVFERRY_CONTROL", "decode": "KVFERRY_KV_BIND"}
+    assert not is_local(config()["KVFERRY_CONTROL"]) and not is_local(config()["KVFERRY_KV_BIND"])
+    assert config()["KVFERRY_CURVE_KEYS"] and "KVFERRY_INSECURE" not in config()
+    image_env = DockerfileParser(path=str(DOCKER / "Dockerfile")).envs
+    assert not is_local(image_env["KVFERRY_CONTROL"]) and "KVFERRY_INSECURE" not in image_env
+    services = documents(DOCKER / "compose.yaml")[0]["services"]
+    keys = services["keys"]
+    [folder] = re.findall(r"kvferry keys (\S+)", keys["entrypoint"][-1])
+    [volume] = [v.split(":")[0] for v in keys["volumes"] if v.split(":")[1] == folder]
+    for role in ("gateway", "prefill", "decode"):
+        service = services[role]
+        env = {**image_env, **service["environment"]}
+        assert role not in binds or not is_local(env[binds[role]])
+        assert env["KVFERRY_CURVE_KEYS"] == folder and f"{volume}:{folder}:ro" in service["volumes"], role
+        assert service["depends_on"]["keys"]["condition"] == "service_completed_successfully", role
+    # The keys service, run twice (a second `compose up`): the keys of the first run stay, and it succeeds.
+    command = keys["entrypoint"][-1].replace(folder, str(tmp_path / "curve"))
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    subprocess.run(["sh", "-c", command], check=True, env=env, capture_output=True, timeout=120)
+    first = (tmp_path / "curve" / "server.key_secret").read_bytes()
+    subprocess.run(["sh", "-c", command], check=True, env=env, capture_output=True, timeout=120)
+    assert (tmp_path / "curve" / "server.key_secret").read_bytes() == first
