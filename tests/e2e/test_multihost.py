@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from kvferry.common.curve import generate
 from tests.e2e.netns import Hosts, ensure_ip
 from tests.e2e.stack import Stack, engine_texts
 
@@ -34,13 +35,23 @@ def reference():
     return engine_texts(PROMPTS, max_tokens=16, **BODY)
 
 
-def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(make_stack, hosts, reference, monkeypatch):
+def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(
+    make_stack, hosts, reference, monkeypatch, tmp_path
+):
     client, gw_to_pf = hosts.link(Hosts.ROOT, "gw")[0], hosts.link("gw", "pf")
     gw_to_dc, pf_to_dc = hosts.link("gw", "dc"), hosts.link("pf", "dc")
     gateway_ip = hosts.address("gw", Hosts.ROOT)
     monkeypatch.setenv("no_proxy", gateway_ip)  # the test's HTTP goes straight to the gateway's host
     monkeypatch.setenv("NO_PROXY", gateway_ip)
-    stack: Stack = make_stack(extra_env={"KVFERRY_STEP_TIMEOUT": "10", "KVFERRY_FIRST_TOKEN_TIMEOUT": "30"})
+    # The ZeroMQ sockets listen on the hosts' links, beyond loopback: with CURVE keys, as they must across machines.
+    generate(tmp_path / "keys")
+    stack: Stack = make_stack(
+        extra_env={
+            "KVFERRY_STEP_TIMEOUT": "10",
+            "KVFERRY_FIRST_TOKEN_TIMEOUT": "30",
+            "KVFERRY_CURVE_KEYS": str(tmp_path / "keys"),
+        }
+    )
     stack.url = f"http://{gateway_ip}:{stack.port}"
     stack.start(
         "gateway",
