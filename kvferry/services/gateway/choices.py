@@ -51,6 +51,7 @@ class Choices:
             for c in range(g.n)
         ]
         self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
+        self.echoed: dict[int, str] = {}  # per prompt: its text, decoded once for all its choices
         self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
 
     def flight_of(self, index: int) -> tuple[str, int]:
@@ -80,7 +81,9 @@ class Choices:
         if first is not None and first.prompt_logprobs:
             self.prompt_logprobs[id(g)] = first.prompt_logprobs
         if g.echo and not state.started:
-            text = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
+            if id(g) not in self.echoed:
+                self.echoed[id(g)] = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
+            text = self.echoed[id(g)]
             if state.logprobs is not None:
                 prompt_logprobs = self.prompt_logprobs.get(id(g))
                 parts.append(
