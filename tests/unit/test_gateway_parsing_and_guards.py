@@ -7,6 +7,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.request_parsing import ApiError, Limits, parse_generation
 
@@ -40,6 +41,37 @@ def test_the_largest_max_tokens_is_a_limit_but_the_context_comes_first():
     with pytest.raises(ApiError) as caught:
         parse({"max_tokens": 101})
     assert caught.value.code == "context_length_exceeded"
+
+
+def refused(body, limits=None) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse_generation(body, False, [1, 2, 3], 64, 1000, limits or Limits(max_tokens=100))
+    assert caught.value.status == 400
+    return caught.value
+
+
+def test_stop_strings_are_bounded_in_length_each_and_together():
+    limits = Limits(max_tokens=100, max_stop=4, max_stop_length=10, max_stop_chars=25)
+    ok = lambda stop: parse_generation({"stop": stop}, False, [1, 2, 3], 64, 1000, limits).stop  # noqa: E731
+    assert ok("x" * 10) == ["x" * 10] and ok(["x" * 10, "y" * 10, "z" * 5]) == ["x" * 10, "y" * 10, "z" * 5]
+    error = refused({"stop": "x" * 11}, limits)
+    assert error.param == "stop" and "10 characters" in error.message
+    error = refused({"stop": ["x" * 10, "y" * 10, "z" * 6]}, limits)
+    assert error.param == "stop" and "25 characters" in error.message
+    assert refused({"stop": ["a"] * 5}, limits).param == "stop"  # the count, before any string is looked at
+    assert "at most 4" in refused({"stop": [None] * 5}, limits).message
+    assert refused({"stop": ["a", 1]}, limits).param == "stop"
+
+
+def test_logit_bias_and_stop_token_ids_are_bounded_before_their_entries_are_checked():
+    assert len(parse({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS)}}).params.logit_bias) == MAX_LOGIT_BIAS
+    error = refused({"logit_bias": {str(-i): "bad" for i in range(400_000)}})
+    assert error.param == "logit_bias" and f"at most {MAX_LOGIT_BIAS}" in error.message
+    assert refused({"logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}}).param == "logit_bias"
+    assert len(parse({"stop_token_ids": [7] * MAX_STOP_TOKEN_IDS}).params.stop_token_ids) == MAX_STOP_TOKEN_IDS
+    error = refused({"stop_token_ids": [-1] * 400_000})
+    assert error.param == "stop_token_ids" and f"at most {MAX_STOP_TOKEN_IDS}" in error.message
+    assert refused({"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}).param == "stop_token_ids"
 
 
 def app_with_guards(**kwargs):

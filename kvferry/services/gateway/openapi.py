@@ -1,6 +1,6 @@
 """GET /openapi.json: every route, its request schema and its error responses (OpenAPI 3.0)."""
 
-from kvferry.common.sampling import MAX_LOGPROBS, MAX_SEED, MAX_TOP_K
+from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K
 
 ERROR_CODES = {
     "400": "invalid request (param names the field)",
@@ -21,7 +21,7 @@ def _num(lo=None, hi=None, integer=False, **extra) -> dict:
 
 
 def _sampling(limits) -> dict:
-    token_ids = {"type": "array", "items": {"type": "integer", "minimum": 0}, "nullable": True}
+    stop_string = {"type": "string", "maxLength": limits.max_stop_length}
     return {
         "model": {"type": "string", "nullable": True},
         "max_tokens": _num(0, limits.max_tokens, True),
@@ -36,14 +36,22 @@ def _sampling(limits) -> dict:
         "repetition_penalty": _num(0, 2, exclusiveMinimum=True),
         "min_tokens": _num(0, limits.max_tokens, True),
         "ignore_eos": {"type": "boolean", "nullable": True},
-        "stop_token_ids": token_ids,
-        "stop": {
-            "oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": limits.max_stop}],
+        "stop_token_ids": {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0},
+            "maxItems": MAX_STOP_TOKEN_IDS,
             "nullable": True,
+        },
+        "stop": {
+            "oneOf": [stop_string, {"type": "array", "items": stop_string, "maxItems": limits.max_stop}],
+            "nullable": True,
+            "description": f"at most {limits.max_stop} strings of at most {limits.max_stop_length} characters each, "
+            f"{limits.max_stop_chars} characters together",
         },
         "logit_bias": {
             "type": "object",
             "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "maxProperties": MAX_LOGIT_BIAS,
             "nullable": True,
         },
         "stream": {"type": "boolean", "nullable": True},

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from kvferry.common import settings
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.sampling import MAX_LOGPROBS, SamplingParams
+from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
 COMMON = {
     "model",
@@ -156,12 +156,7 @@ def parse_generation(
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
     options = field(body, "stream_options", (dict,), {}) or {}
-    stop = body.get("stop")
-    stop = [stop] if isinstance(stop, str) else stop
-    if stop is not None and (not isinstance(stop, list) or not all(isinstance(s, str) for s in stop)):
-        raise ApiError(400, "'stop' must be a string or a list of strings", "stop")
-    if stop is not None and len(stop) > limits.max_stop:
-        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
+    stop = _stop(body, limits)
     logprobs = _logprobs(body, chat)
     try:
         params = SamplingParams(
@@ -171,7 +166,7 @@ def parse_generation(
             top_k=field(body, "top_k", (int,), 0),
             seed=field(body, "seed", (int,), None),
             ignore_eos=field(body, "ignore_eos", (bool,), False),
-            stop_token_ids=tuple(_token_ids(body, "stop_token_ids", vocab_size)),
+            stop_token_ids=tuple(_token_ids(body, "stop_token_ids", vocab_size, MAX_STOP_TOKEN_IDS)),
             presence_penalty=field(body, "presence_penalty", (int, float), 0.0),
             frequency_penalty=field(body, "frequency_penalty", (int, float), 0.0),
             repetition_penalty=field(body, "repetition_penalty", (int, float), 1.0),
@@ -207,8 +202,31 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
+def _stop(body: dict, limits: Limits) -> list[str] | None:
+    """Each new token's text is matched against the stop strings, and held back while it may begin one: their
+    number and length are bounded, each checked before the strings are looked at one by one."""
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else stop
+    if stop is None:
+        return None
+    wrong_type = ApiError(400, "'stop' must be a string or a list of strings", "stop")
+    if not isinstance(stop, list):
+        raise wrong_type
+    if len(stop) > limits.max_stop:
+        raise ApiError(400, f"at most {limits.max_stop} stop strings", "stop")
+    if not all(isinstance(s, str) for s in stop):
+        raise wrong_type
+    if max(map(len, stop), default=0) > limits.max_stop_length:
+        raise ApiError(400, f"a stop string may have at most {limits.max_stop_length} characters", "stop")
+    if sum(map(len, stop)) > limits.max_stop_chars:
+        raise ApiError(400, f"the stop strings may have at most {limits.max_stop_chars} characters together", "stop")
+    return stop
+
+
+def _token_ids(body: dict, name: str, vocab_size: int, most: int) -> list[int]:
     ids = field(body, name, (list,), [])
+    if len(ids) > most:  # before the ids are looked at one by one
+        raise ApiError(400, f"'{name}' may hold at most {most} token ids", name)
     if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
         raise ApiError(400, f"'{name}' must be token ids in [0, {vocab_size})", name)
     return ids
@@ -216,6 +234,8 @@ def _token_ids(body: dict, name: str, vocab_size: int) -> list[int]:
 
 def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     bias = field(body, "logit_bias", (dict,), {})
+    if len(bias) > MAX_LOGIT_BIAS:  # before the entries are looked at one by one
+        raise ApiError(400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = []
     for key, value in bias.items():
         if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
