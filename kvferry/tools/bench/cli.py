@@ -94,6 +94,20 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_overload)
 
+    p = bench.add_parser(
+        "pathological",
+        help="one request with the most text work the gateway allows (a long output, n choices, the longest stop "
+        "strings), while a probe times /v1/models every 50 ms",
+    )
+    p.add_argument("--url", default=None, help="a running stack; without it a fresh one starts, with --model")
+    p.add_argument("--model", default=None)
+    p.add_argument("--max-tokens", type=int, default=4000)
+    p.add_argument("--n", type=int, default=4)
+    p.add_argument("--stops", type=int, default=None, help="stop strings (default: the most the default limits allow)")
+    p.add_argument("--stop-length", type=int, default=None, help="characters in each (default: the longest allowed)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_pathological)
+
 
 def cmd_bench_soak(args) -> int:
     from kvferry.tools.bench.soak import soak
@@ -125,6 +139,32 @@ def cmd_bench_overload(args) -> int:
                 f"{r['retry_after_on_every_429']}), errors {r['errors']}; TTFT p50/p99/max {r['ttft_p50_s']}/"
                 f"{r['ttft_p99_s']}/{r['ttft_max_s']} s"
             )
+    return 0
+
+
+def cmd_bench_pathological(args) -> int:
+    from kvferry.tools.bench.pathological import default_stops, pathological
+    from kvferry.tools.bench.stack import fresh_stack
+
+    count, length = default_stops()
+    stops = (args.stops or count, args.stop_length or length)
+    if args.url:
+        report = pathological(args.url, args.max_tokens, args.n, *stops)
+    else:
+        with fresh_stack(args.model) as (url, _):
+            report = pathological(url, args.max_tokens, args.n, *stops)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    r, idle, busy = report["request"], report["probe_idle"], report["probe_during_request"]
+    print(
+        f"request: max_tokens {r['max_tokens']}, n {r['n']}, {r['stop_strings']} stop strings of {r['stop_length']} "
+        f"characters: {r['duration_s']} s, {r['output_tokens']} tokens in {r['chunks']} chunks, {r['finish_reasons']}"
+    )
+    for label, p in (("idle", idle), ("during the request", busy)):
+        print(
+            f"/v1/models {label}: {p['probes']} probes, p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms, max {p['max_ms']} ms"
+        )
     return 0
 
 

@@ -1,0 +1,128 @@
+"""`kvferry bench pathological`: one request made to cost the gateway the most text work it allows, while a probe
+asks for /v1/models every 50 ms.
+
+The request wants a long output (ignore_eos), several choices, and as many stop strings of the longest allowed length
+as the gateway takes, none of which can match. Every token of every choice is detokenized and matched against the stop
+strings on the gateway's event loop, which also answers the probe: the probe's latency, against its latency with
+nothing running, shows whether that work blocks the loop.
+"""
+
+import json
+import threading
+import time
+
+import numpy as np
+
+from kvferry.common import settings
+from kvferry.tools.bench.stack import served_model
+
+PROBE_INTERVAL_S = 0.05
+IDLE_PROBE_S = 2.0  # the probe alone first, for its latency with nothing running
+NEVER_MATCHES = "\u9f98"  # a rare CJK character: a stop string of it repeated never shows up in the output
+
+
+def default_stops() -> tuple[int, int]:
+    """As many stop strings as the default limits allow, each of the longest allowed length."""
+    length = settings.default("max_stop_length")
+    return min(settings.default("max_stop"), settings.default("max_stop_chars") // length), length
+
+
+def stop_strings(count: int, length: int) -> list[str]:
+    return [(NEVER_MATCHES * length)[: length - len(str(i))] + str(i) for i in range(count)]
+
+
+class Probe:
+    """GET /v1/models every PROBE_INTERVAL_S on a thread of its own: each answer's latency, in seconds."""
+
+    def __init__(self, url: str):
+        self.url, self.latencies, self.stopping = url, [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import httpx
+
+        with httpx.Client(timeout=60.0) as client:
+            due = time.perf_counter()
+            while not self.stopping.is_set():
+                sent = time.perf_counter()
+                client.get(self.url + "/v1/models").raise_for_status()
+                self.latencies.append(time.perf_counter() - sent)
+                due = max(due + PROBE_INTERVAL_S, time.perf_counter())  # a late answer skips the probes it missed
+                self.stopping.wait(due - time.perf_counter())
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join()
+
+    def figures(self) -> dict:
+        ms = np.array(self.latencies) * 1000
+        return {
+            "probes": len(ms),
+            "p50_ms": round(float(np.percentile(ms, 50)), 2),
+            "p99_ms": round(float(np.percentile(ms, 99)), 2),
+            "max_ms": round(float(ms.max()), 2),
+        }
+
+
+def _request(url: str, body: dict) -> dict:
+    """Stream the request through; its duration, chunks, output tokens and finish reasons."""
+    import httpx
+
+    chunks, usage, reasons = 0, None, {}
+    started = time.perf_counter()
+    with httpx.Client(timeout=httpx.Timeout(900.0)) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    raise RuntimeError(f"error in the stream: {chunk['error']}")
+                chunks += 1
+                usage = chunk.get("usage") or usage
+                for choice in chunk["choices"]:
+                    if choice["finish_reason"]:
+                        reasons[choice["index"]] = choice["finish_reason"]
+    return {
+        "duration_s": round(time.perf_counter() - started, 2),
+        "chunks": chunks,
+        "output_tokens": usage["completion_tokens"] if usage else None,
+        "finish_reasons": sorted(set(reasons.values())),
+    }
+
+
+def pathological(url: str, max_tokens: int, n: int, num_stops: int, stop_length: int) -> dict:
+    stops = stop_strings(num_stops, stop_length)
+    body = {
+        "model": served_model(url),
+        "prompt": "Once upon a time",
+        "max_tokens": max_tokens,
+        "n": n,
+        "temperature": 1.0,
+        "seed": 0,
+        "ignore_eos": True,
+        "stop": stops,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with Probe(url) as idle:
+        time.sleep(IDLE_PROBE_S)
+    with Probe(url) as busy:
+        request = _request(url, body)
+    return {
+        "request": {
+            "max_tokens": max_tokens,
+            "n": n,
+            "stop_strings": num_stops,
+            "stop_length": stop_length,
+            **request,
+        },
+        "probe_idle": idle.figures(),
+        "probe_during_request": busy.figures(),
+    }
