@@ -8,6 +8,7 @@ nothing running, shows whether that work blocks the loop.
 """
 
 import json
+import logging
 import threading
 import time
 
@@ -98,6 +99,7 @@ def _request(url: str, body: dict) -> dict:
 
 
 def pathological(url: str, max_tokens: int, n: int, num_stops: int, stop_length: int) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per probe
     stops = stop_strings(num_stops, stop_length)
     body = {
         "model": served_model(url),
