@@ -1,14 +1,19 @@
 import functools
 import itertools
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvferry.common.model_files import resolve_model
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.sequence import FinishReason
 from kvferry.common.text_tokenizer import TextTokenizer
+from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.detokenizer import PARTIAL, IncrementalText
-from kvferry.services.gateway.request_parsing import Limits
+from kvferry.services.gateway.request_parsing import Generation, Limits
+from kvferry.services.gateway.responses import TokenText
 
 
 class PieceTokenizer:
@@ -100,6 +105,17 @@ def test_held_back_text_is_sent_at_the_end():
     text = IncrementalText(PieceTokenizer(), ["ld?"])
     assert text.add([0, 1, 2, 3]) == "Hello wor"
     assert text.flush() == "ld" and not text.stopped
+
+
+def test_a_stop_string_that_ends_in_the_partial_character_at_the_end_is_found_by_flush():
+    text = IncrementalText(PieceTokenizer(), ["!\ufffd"])
+    assert text.add([0, 4, 6]) == "Hel" and not text.stopped  # "\ufffd" may still become a character
+    assert text.flush() == "" and text.stopped
+    generation = Generation([1], SamplingParams(), ["!\ufffd"], stream=True, include_usage=False)
+    choices = Choices([generation], PieceTokenizer(), TokenText(PieceTokenizer()), chat=False)
+    last = SimpleNamespace(choice=0, first_token=None, token_ids=[0, 4, 6], finish_reason=FinishReason.LENGTH)
+    delta = choices.apply(last)
+    assert (delta.text, delta.reason) == ("Hel", "stop")
 
 
 def cut_at_first_stop(text: str, stops: list[str]) -> tuple[str, bool]:

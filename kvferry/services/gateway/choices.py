@@ -101,7 +101,8 @@ class Choices:
             reason = "stop" if state.text.stopped else finish_name(event.finish_reason)
             if reason:
                 text += state.text.flush()
-                state.reason = reason
+                # The flush may end in a stop string: one that ends in the partial character held back till now.
+                state.reason = "stop" if state.text.stopped else reason
                 stopped = state.text.stopped and event.finish_reason is None
             if state.logprobs is not None and event.logprobs:
                 parts.append(state.logprobs.part(event.logprobs, token_ids))
