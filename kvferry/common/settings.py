@@ -355,7 +355,7 @@ SPEC: tuple[Setting, ...] = (
         "control",
         STR,
         "tcp://127.0.0.1:5557",
-        "where workers register (binding beyond 127.0.0.1 lets any host on the network talk to it)",
+        "where workers register (beyond 127.0.0.1 only with --curve-keys, or --insecure)",
         (GATEWAY,),
         "gateway",
     ),
