@@ -157,15 +157,15 @@ class GatewayCore:
                 )
         elif isinstance(msg, p.CacheUpdate):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is None or worker.identity != peer:
+            if worker is not None and worker.identity != peer:
                 self._forged(msg, peer, "a cache update for a worker registered from another connection")
-            else:
+            elif worker is not None:  # (a worker the gateway dropped learns so from its next heartbeat)
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is None or worker.identity != peer:
+            if worker is not None and worker.identity != peer:
                 self._forged(msg, peer, "a deregistration for a worker registered from another connection")
-            else:
+            elif worker is not None:
                 if msg.final:
                     self._lose_worker(self.registry.workers.pop(msg.worker_id), "it shut down")
                 else:
