@@ -1,30 +1,48 @@
-"""What every HTTP request passes before a route: the API key and the body size limit (pure ASGI middleware).
+"""What every request passes before a route (pure ASGI middleware): the API key, the body's type and its size.
 
 With an API key, every route but an allow-list (/health, /metrics, /version, /openapi.json) needs
-`Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. A body over
-the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one.
+`Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. Every kind of
+connection passes the same check, WebSockets included (refused before they are accepted, which a server answers
+with 403); only lifespan, which is the server's own, passes as it is.
+
+A POST to a route that reads a JSON body must say so: `application/json` (with parameters such as charset) or
+`application/*+json`. Any other type, or none, gets 415 before the body is read. Without this a web page could post
+a form or text/plain to a gateway on localhost without asking the browser's CORS preflight first.
+
+A body over the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one.
 """
 
 import hmac
 import json
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
+WEBSOCKET_POLICY_VIOLATION = 1008
 
 
 def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
     return status, json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
+def is_json(content_type: bytes | None) -> bool:
+    """application/json or application/<anything>+json, in any case, with or without parameters."""
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or (media.startswith(b"application/") and media.endswith(b"+json"))
+
+
 class Guards:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, json_paths: frozenset[str] = frozenset()):
+        """json_paths: the routes whose POST body is JSON."""
         self.app = app
         self.api_key = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.json_paths = json_paths
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
+        headers = dict(scope.get("headers") or [])
         # Routed the way Starlette routes: without the root path a proxy or a mount may put in front.
         path = scope["path"]
         root = scope.get("root_path", "")
@@ -33,14 +51,17 @@ class Guards:
         if self.api_key and path not in OPEN_PATHS:
             given = headers.get(b"authorization", b"")
             if not hmac.compare_digest(given, self.api_key):
-                what = "missing" if not given else "incorrect"
-                return await self._reply(
-                    send, *_error(401, f"API key {what}: send 'Authorization: Bearer <key>'", "invalid_api_key")
-                )
+                return await self._refuse(scope, receive, send, "missing" if not given else "incorrect")
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "POST" and path in self.json_paths and not is_json(headers.get(b"content-type")):
+            message = "the body must be JSON: send 'Content-Type: application/json'"
+            return await self._reply(send, *_error(415, message, "unsupported_media_type"))
         length = headers.get(b"content-length")
         too_big = _error(413, f"the request body exceeds {self.max_body_bytes} bytes", "request_too_large")
         if length is not None:
-            if not length.isdigit() or int(length) > self.max_body_bytes:
+            # Compared by its digits first: int() refuses strings of thousands of digits.
+            if not length.isdigit() or len(length) > 18 or int(length) > self.max_body_bytes:
                 return await self._reply(send, *too_big)
             return await self.app(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
@@ -67,6 +88,15 @@ class Guards:
             return await receive()
 
         return await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send, what: str) -> None:
+        """A connection without the right key: 401 over HTTP, a close before the accept for a WebSocket, and nothing
+        at all for a kind of connection this middleware does not know."""
+        if scope["type"] == "http":
+            message = f"API key {what}: send 'Authorization: Bearer <key>'"
+            await self._reply(send, *_error(401, message, "invalid_api_key"))
+        elif scope["type"] == "websocket" and (await receive())["type"] == "websocket.connect":
+            await send({"type": "websocket.close", "code": WEBSOCKET_POLICY_VIOLATION, "reason": f"API key {what}"})
 
     @staticmethod
     async def _reply(send, status: int, body: bytes) -> None:

@@ -100,8 +100,16 @@ def run_gateway(args) -> None:
     )
     api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
-    # log_config=None: uvicorn's own lines go through our handler (and its JSON format).
+    # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
+    # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not
+    # memory. A request's head is bounded by h11's own limit (16 KiB), and its body by the Guards.
     config = uvicorn.Config(
-        api.app(), host=args.host, port=args.port, log_level="warning", log_config=None, timeout_graceful_shutdown=5
+        api.app(),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        log_config=None,
+        timeout_graceful_shutdown=5,
+        limit_concurrency=args.max_connections,
     )
     DrainingServer(config, core, args.drain_timeout).run(sockets=[http_socket])
