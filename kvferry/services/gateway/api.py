@@ -1,15 +1,27 @@
 """The OpenAI-compatible HTTP API (Starlette): completions, chat completions, models, tokenizer, health, workers,
-metrics and the OpenAPI description."""
+metrics and the OpenAPI description.
 
+What a client sends is bounded before it costs anything: the body is JSON nested at most MAX_JSON_DEPTH deep, with
+integers within 64 bits and strings that are Unicode text (parse_json_body); the prompts have at most
+--max-prompt-chars characters together, checked before tokenizing; and one request asks for at most
+max(--max-n, --max-prompts) choices, prompts times n. Parsing and tokenizing run on a few threads of their own, so
+that a large prompt never holds up the event loop, and a client that disconnects ends its request on every worker.
+"""
+
+import asyncio
 import contextlib
+import contextvars
+import functools
 import json
 import logging
+import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -28,10 +40,74 @@ from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
 
 log = logging.getLogger("kvferry.gateway")
 VERSION = "0.1.0"
+MAX_JSON_DEPTH = 64  # far deeper than any OpenAI body goes; it bounds every walk over one, here and in the template
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers: no OverflowError past the check
+# Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
+# few: each encode is one core's work, and more at once would only queue on the cores.
+TEXT_THREADS = 4
 
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The body as a JSON object, or an ApiError that says what is wrong with it. Beyond being JSON: nested at most
+    MAX_JSON_DEPTH deep, every integer within 64 bits, and every string Unicode text (JSON's \\u escapes allow a lone
+    surrogate, which neither UTF-8 nor the tokenizer can take)."""
+    nested = f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, nested) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except ValueError:  # json's only other one: int() refuses an integer of more digits than this
+        raise ApiError(400, f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    for name, value in body.items():
+        if has_lone_surrogate(name):  # not echoed: the error could not be written as UTF-8 either
+            raise ApiError(400, "a field name holds a lone surrogate (\\ud800-\\udfff without its pair): not text")
+        _check_value(name, value, nested)
+    return body
+
+
+def has_lone_surrogate(text: str) -> bool:
+    if text.isascii():
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
+
+
+def _check_value(name: str, value, nested: str) -> None:
+    """Walks the top-level field `name` without recursing, and raises an ApiError naming it at the first thing
+    parse_json_body refuses."""
+    pending = [(value, 2)]  # (a value, its depth: the body is 1)
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, str):
+            if has_lone_surrogate(item):
+                raise ApiError(
+                    400, f"'{name}' holds a lone surrogate (\\ud800-\\udfff without its pair): not text", name
+                )
+        elif isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                raise ApiError(400, f"'{name}' holds an integer outside the signed 64-bit range", name)
+        elif isinstance(item, (list, dict)):
+            if depth > MAX_JSON_DEPTH:
+                raise ApiError(400, nested, name)
+            if isinstance(item, dict):
+                pending.extend((key, depth) for key in item)
+                pending.extend((child, depth + 1) for child in item.values())
+            elif item and all(type(child) is int for child in item):  # token ids: checked at C speed
+                if min(item) < INT64_MIN or max(item) > INT64_MAX:
+                    raise ApiError(400, f"'{name}' holds an integer outside the signed 64-bit range", name)
+            else:
+                pending.extend((child, depth + 1) for child in item)
 
 
 class Api:
@@ -50,6 +126,7 @@ class Api:
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
+        self.text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="kvferry-text")
 
     @property
     def max_model_len(self) -> int:
@@ -74,9 +151,13 @@ class Api:
         ]
 
     def app(self) -> Starlette:
-        guards = Middleware(Guards, api_key=self.api_key, max_body_bytes=self.limits.max_body_bytes)
+        routes = self.routes()
+        json_paths = frozenset(route.path for route in routes if "POST" in route.methods)  # every POST takes JSON
+        guards = Middleware(
+            Guards, api_key=self.api_key, max_body_bytes=self.limits.max_body_bytes, json_paths=json_paths
+        )
         return Starlette(
-            routes=self.routes(),
+            routes=routes,
             middleware=[guards],
             lifespan=self.lifespan,
             exception_handlers={404: self._not_found, 405: self._not_allowed},
@@ -175,20 +256,14 @@ class Api:
             return error_response(error, {**headers, "retry-after": "1"})
         try:
             body = await self.json_body(request)
-            prompts = self.prompts(body, chat)
+            prompts = await self.off_loop(self.prompt_ids, body, chat)
             generations = [
                 parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits) for ids in prompts
             ]
             generation = generations[0]
-            if len(prompts) == 1:
-                events = self.core.generate(prompts[0], generation.params, rid, ctx, generation.n)
-            else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
-                streams = [
-                    self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
-                    for p, (ids, g) in enumerate(zip(prompts, generations))
-                ]
-                events = fanout.merged(streams, await fanout.start(streams), generation.n)
-            first = await events.__anext__()  # routing errors surface here, before any byte is sent
+            self._check_fanout(len(prompts), generation.n)
+            # Routing errors surface with the first event, before any byte is sent.
+            events, first = await self._unless_client_leaves(request, self._start(prompts, generations, rid, ctx))
             trace.admitted(sum(len(ids) for ids in prompts), generation.n)
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
@@ -197,6 +272,9 @@ class Api:
             error = ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
             trace.finish(503, error=error.message)
             return error_response(error, headers)
+        except ClientDisconnect:  # the client left: whatever it had started ended on every worker
+            trace.finish(499)
+            return Response(status_code=499)  # nobody reads it
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
         choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
@@ -206,7 +284,48 @@ class Api:
                 media_type="text/event-stream",
                 headers=headers,
             )
-        return await self._whole(events, first, choices, shape, trace, generation, headers)
+        return await self._whole(request, events, first, choices, shape, trace, headers)
+
+    async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx):
+        """Route every prompt: the request's events, and the first of them."""
+        if len(prompts) == 1:
+            events = self.core.generate(prompts[0], generations[0].params, rid, ctx, generations[0].n)
+        else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
+            streams = [
+                self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
+                for p, (ids, g) in enumerate(zip(prompts, generations))
+            ]
+            events = fanout.merged(streams, await fanout.start(streams), generations[0].n)
+        return events, await events.__anext__()
+
+    def _check_fanout(self, num_prompts: int, n: int) -> None:
+        """Every choice is a sequence on a decode worker: one request may ask for as many as --max-n or
+        --max-prompts allow alone, not their product."""
+        most = max(self.limits.max_n, self.limits.max_prompts)
+        if num_prompts * n > most:
+            raise ApiError(
+                400, f"{num_prompts} prompts with n={n} make {num_prompts * n} choices; at most {most} per request", "n"
+            )
+
+    async def off_loop(self, fn, *args):
+        """fn(*args) on a text thread, in the request's context (its id on every log line)."""
+        run = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self.text_threads, run)
+
+    @staticmethod
+    async def _unless_client_leaves(request: Request, work):
+        """The result of the coroutine work; if the client disconnects first, work is cancelled, its clean-up
+        awaited, and ClientDisconnect raised."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(client_disconnects(request.receive))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            await cancel_until_done(task)  # its clean-up too: the Aborts to the workers
+        if task.cancelled():
+            raise ClientDisconnect
+        return task.result()
 
     def _trace_context(self, traceparent: str | None):
         """The request's own span: a child of the client's traceparent, or the root of a new trace."""
@@ -216,12 +335,7 @@ class Api:
         return tracing.child_of(parent)
 
     async def json_body(self, request: Request) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the body must be a JSON object")
+        body = await self.off_loop(parse_json_body, await request.body())  # ClientDisconnect if the client left
         model = body.get("model")
         if model is not None and model != self.model_name:
             raise ApiError(
@@ -233,9 +347,9 @@ class Api:
             )
         return body
 
-    def prompts(self, body: dict, chat: bool) -> list[list[int]]:
-        """The request's prompts as token ids: chat has one; completions take a string, token ids, or a list of
-        either (a batch)."""
+    def prompt_ids(self, body: dict, chat: bool) -> list[list[int]]:
+        """The request's prompts as token ids (on a text thread): chat has one; completions take a string, token ids,
+        or a list of either (a batch)."""
         if chat:
             return [self._checked(self.tokenizer_routes.chat_ids(body.get("messages")), "messages")]
         prompt = body.get("prompt")
@@ -250,7 +364,9 @@ class Api:
             )
         if len(batch) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", "prompt")
-        return [self._checked(self.tokenizer.encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]
+        self.tokenizer_routes.check_chars(sum(len(p) for p in batch if isinstance(p, str)), "prompt")
+        encode = self.tokenizer_routes.encode
+        return [self._checked(encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]
 
     def _checked(self, ids: list[int], param: str) -> list[int]:
         if not ids:
@@ -273,26 +389,37 @@ class Api:
             await self.core.abort_choice(*choices.flight_of(event.choice))
         return delta
 
-    async def _whole(self, events, first, choices: Choices, shape, trace, generation: Generation, headers):
-        event, kv_transfer_s = first, 0.0
+    async def _whole(self, request: Request, events, first, choices: Choices, shape, trace, headers):
         try:
-            while True:
-                if event.error:
-                    trace.finish(event.error_code, error=event.error)
-                    return error_response(ApiError(event.error_code, event.error, kind="server_error"), headers)
-                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
-                await self._apply(event, choices, trace)
-                if choices.done:
-                    break
-                event = await events.__anext__()
+            kv_transfer_s = await self._unless_client_leaves(request, self._collect(events, first, choices, trace))
+        except ApiError as exc:  # a worker's error
+            trace.finish(exc.status, error=exc.message)
+            return error_response(exc, headers)
+        except ClientDisconnect:  # its generation ended on every worker
+            return Response(status_code=499)  # nobody reads it
         finally:
-            await events.aclose()
             if not choices.done:
                 trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
         whole = shape.whole(choices.whole(shape), usage(trace.num_prompt, choices.num_out))
         whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
         trace.finish(200, choices.reasons)
         return JSONResponse(whole, headers=headers)
+
+    async def _collect(self, events, first, choices: Choices, trace) -> float:
+        """Every event into its choice, until all are done; the longest KV transfer among them. A worker's error
+        raises an ApiError."""
+        event, kv_transfer_s = first, 0.0
+        try:
+            while True:
+                if event.error:
+                    raise ApiError(event.error_code, event.error, kind="server_error")
+                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
+                await self._apply(event, choices, trace)
+                if choices.done:
+                    return kv_transfer_s
+                event = await events.__anext__()
+        finally:
+            await events.aclose()  # whatever still runs is aborted on its workers
 
     async def _stream(self, events, first, choices: Choices, shape, trace, generation: Generation):
         event, kv_transfer_s = first, 0.0
@@ -335,6 +462,21 @@ class Api:
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
             trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
+
+
+async def cancel_until_done(task: asyncio.Task) -> None:
+    """Cancels the task until it has ended. Again and again: on Python 3.11 asyncio.wait_for (which a request's wait
+    for its next event uses) swallows a cancellation that comes as the wait completes, and events come every few
+    milliseconds."""
+    while not task.done():
+        task.cancel()
+        await asyncio.wait({task}, timeout=0.05)
+
+
+async def client_disconnects(receive) -> None:
+    """Returns once the client has gone. The body was read already, so all that can come is http.disconnect."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 def kv_hop_s(event) -> float:

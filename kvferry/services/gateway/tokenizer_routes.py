@@ -1,21 +1,51 @@
-"""The tokenizer over HTTP, as vLLM serves it: /tokenize, /detokenize and /tokenizer_info.
+"""The tokenizer over HTTP, as vLLM serves it: /tokenize, /detokenize and /tokenizer_info; and the tokenizing the
+completion routes share with them.
 
 lm-evaluation-harness's `local-completions` finds these and then tokenizes through the server
 instead of downloading the tokenizer.
+
+Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-chars, checked first.
 """
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from kvferry.services.gateway.request_parsing import ApiError, field
 from kvferry.services.gateway.responses import text_of
 
 
+def text_chars(value) -> int:
+    """The characters of every string in messages: their content, and every other field the template may write."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_chars(v) for v in value)
+    if isinstance(value, dict):
+        return sum(text_chars(v) for v in value.values())
+    return 0
+
+
 class TokenizerRoutes:
     def __init__(self, api, tokenizer):
         self.api, self.tokenizer = api, tokenizer
 
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The tokenizer's ids for text. Through encode_batch, which lets go of the GIL while it works (encode holds it
+        for the whole text, a second for a megabyte): the event loop serves on meanwhile. The same ids."""
+        return self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def check_chars(self, num_chars: int, param: str, how: str = "") -> None:
+        """--max-prompt-chars, checked before tokenizing."""
+        most = self.api.limits.max_prompt_chars
+        if num_chars > most:
+            raise ApiError(
+                400,
+                f"{num_chars} characters in '{param}'{how}, over this server's limit of {most} characters",
+                param,
+            )
+
     def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """The conversation through the chat template, as token ids (on a text thread)."""
         if isinstance(messages, list):
             messages = [dict(m, content=text_of(m.get("content"))) if isinstance(m, dict) else m for m in messages]
         if (
@@ -27,39 +57,54 @@ class TokenizerRoutes:
             )
         ):
             raise ApiError(400, "'messages' must be a non-empty list of {role, content} with text content", "messages")
+        self.check_chars(text_chars(messages), "messages")
         try:
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
         except Exception as exc:  # a template that rejects the conversation
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-        return list(ids)
+        # Checked again as rendered: many short messages put far more of the template's own text around them.
+        self.check_chars(len(text), "messages", " through the chat template")
+        return self.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     async def tokenize(self, request: Request) -> JSONResponse:
         try:
             body = await self.api.json_body(request)
             if "messages" in body:
-                ids = self.chat_ids(body["messages"], field(body, "add_generation_prompt", (bool,), True))
+                add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
+                ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):
                     raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
-                ids = self.tokenizer.encode(prompt, add_special_tokens=field(body, "add_special_tokens", (bool,), True))
+                self.check_chars(len(prompt), "prompt")
+                add_special_tokens = field(body, "add_special_tokens", (bool,), True)
+                ids = await self.api.off_loop(self.encode, prompt, add_special_tokens)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)  # nobody reads it
         return JSONResponse(
             {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids, "token_strs": None}
         )
 
     async def detokenize(self, request: Request) -> JSONResponse:
+        most = self.api.model_max_len  # no prompt nor completion is longer
         try:
             body = await self.api.json_body(request)
             tokens = body.get("tokens")
+            if isinstance(tokens, list) and len(tokens) > most:
+                raise ApiError(400, f"'tokens' may hold at most {most} token ids, the model's context length", "tokens")
             if not isinstance(tokens, list) or not all(
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.api.vocab_size for t in tokens
             ):
                 raise ApiError(400, f"'tokens' must be a list of token ids in [0, {self.api.vocab_size})", "tokens")
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
-        return JSONResponse({"prompt": self.tokenizer.decode(tokens)})
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)  # nobody reads it
+        return JSONResponse({"prompt": await self.api.off_loop(self.tokenizer.decode, tokens)})
 
     async def tokenizer_info(self, request: Request) -> JSONResponse:
         t = self.tokenizer
