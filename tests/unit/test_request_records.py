@@ -1,12 +1,22 @@
 """The prefill and decode workers' request records: every transition of each state machine, what each one frees,
 and that a transition the machine does not allow raises instead of leaving bookkeeping half done."""
 
+import time
+
 import pytest
 
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.services.decode.record import ALLOWED as DECODE_ALLOWED
-from kvferry.services.decode.record import DecodeAttempt, DecodeState, Incoming
+from kvferry.services.decode.record import (
+    HOLD_S,
+    INCOMING_S,
+    TOMBSTONE_S,
+    DecodeAttempt,
+    DecodeRecords,
+    DecodeState,
+    Incoming,
+)
 from kvferry.services.prefill.record import ALLOWED as PREFILL_ALLOWED
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.record_state import IllegalTransition
@@ -158,3 +168,91 @@ def test_decode_record_refuses_transitions_its_machine_lacks():
             record.state = src
             with pytest.raises(IllegalTransition):
                 move(record, DECODE_ALLOWED, dst)
+
+
+# -- the decode worker's records: expiry without a walk, and caps --------------------------------------------------
+def ended(records: DecodeRecords, engine: FakeEngine, key: AttemptKey) -> DecodeAttempt:
+    record = records.get_or_new(key)
+    record.end(engine)
+    records.file(record)
+    return record
+
+
+def test_tombstones_expire_oldest_first_and_stay_under_their_cap():
+    engine, records = FakeEngine(), DecodeRecords(max_tombstones=100)
+    for i in range(250):
+        ended(records, engine, AttemptKey(f"req-{i}"))
+    assert len(records.tombstones) == 100 and not records.live
+    assert records.get(AttemptKey("req-149")) is None  # pushed out past the cap, oldest first
+    assert records.get(AttemptKey("req-150")).state is DecodeState.DONE
+    now = time.monotonic()
+    assert records.expired(now) == [] and len(records.tombstones) == 100  # none has run out yet
+    records.tombstones[AttemptKey("req-150")].tombstone_until = now - 1  # the oldest runs out first
+    records.expired(now)
+    assert len(records.tombstones) == 99 and records.get(AttemptKey("req-150")) is None
+    assert records.expired(now + TOMBSTONE_S + 1) == [] and len(records) == 0
+    # A late message about an ended attempt finds its tombstone, which keeps its place in line.
+    record = ended(records, engine, KEY)
+    records.file(record)
+    assert records.get(KEY) is record and list(records.tombstones) == [KEY]
+
+
+def test_finding_what_expired_does_not_walk_what_did_not():
+    """Twenty thousand tombstones and holds: a thousand tidies in which nothing runs out cost next to nothing (a
+    walk over every record would take seconds), and the expired are popped from the front."""
+    engine, records = FakeEngine(), DecodeRecords()
+    for i in range(20_000):
+        ended(records, engine, AttemptKey(f"done-{i}"))
+    for i in range(2_000):
+        record = records.get_or_new(AttemptKey(f"held-{i}"))
+        record.hold([i])
+        records.file(record)
+    now = time.monotonic()
+    started = time.perf_counter()
+    for _ in range(1000):
+        assert records.expired(now) == []
+    assert time.perf_counter() - started < 0.2
+    due = records.expired(now + HOLD_S + 1)
+    assert [r.key.request_id for r in due] == [f"held-{i}" for i in range(2_000)]  # in the order they were held
+    assert len(records.tombstones) == 20_000  # theirs runs for TOMBSTONE_S
+
+
+def test_each_timed_state_is_filed_found_when_due_and_capped():
+    engine, records = FakeEngine(), DecodeRecords(max_holds=3, max_remembered=2)
+    now = time.monotonic()
+    # NEW holding nothing is not kept; NEW remembering a cancelled choice is, until its time or its cap.
+    assert records.get_or_new(KEY) is not None
+    records.file(records.get(KEY))
+    assert records.get(KEY) is None
+    for i in range(3):
+        record = records.get_or_new(AttemptKey(f"cancel-{i}"))
+        record.cancelled.add(1)
+        record.tombstone_until = now + TOMBSTONE_S
+        records.file(record)
+    assert records.expired(now) == []  # past the cap of 2 the oldest is forgotten: it held nothing
+    assert records.get(AttemptKey("cancel-0")) is None and records.get(AttemptKey("cancel-2")) is not None
+    # HOLDING past its cap: the oldest are given back to be let go, before their time.
+    for i in range(5):
+        record = records.get_or_new(AttemptKey(f"hold-{i}"))
+        record.hold([i])
+        records.file(record)
+    assert [r.key.request_id for r in records.expired(now)] == ["hold-0", "hold-1"]
+    # RECEIVING: its time is set again with each layer group; it is due only once the latest runs out.
+    record = records.get_or_new(AttemptKey("recv"))
+    record.start_receiving(incoming(), [])
+    records.file(record)
+    record.incoming.expires_at = now + INCOMING_S + 5  # another group came (the worker files it: here it does not)
+    assert records.expired(now + INCOMING_S + 1) == [] and records.get(AttemptKey("recv")) is record
+    assert records.expired(now + INCOMING_S + 6) == [record]
+    record.put_back(engine)  # what the worker does with it
+    records.file(record)
+    assert records.get(AttemptKey("recv")) is None  # NEW, and remembering nothing
+    # RUNNING: in no queue; once ended, a tombstone.
+    record = records.get_or_new(AttemptKey("run"))
+    record.start_receiving(incoming(), [])
+    record.start_running("link", None, {0: KEY.choice(0)}, (0.0, 0))
+    records.file(record)
+    assert all(AttemptKey("run") not in queue for queue in records.queues.values())
+    record.end(engine)
+    records.file(record)
+    assert records.get(AttemptKey("run")) is record and AttemptKey("run") not in records.live

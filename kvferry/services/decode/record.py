@@ -9,10 +9,14 @@ group by layer group, its choices running, and a tombstone once it ended.
 NEW also takes a transfer whose prompt asked nothing (start_receiving), and choices that end before their KV
 comes (cancelled). DONE is kept as a tombstone for a while: KV that arrives late for it (an Abort can overtake
 its transfer; a resend can follow an ack) is acknowledged and dropped.
+
+DecodeRecords keeps them all, so that what expires is found without walking the others: each state that times
+out has its own queue in the order its records' times were set, which is the order they run out.
 """
 
 import enum
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvferry.common import protocol as p
@@ -23,6 +27,12 @@ from kvferry.services.request_keys import AttemptKey, ChoiceKey
 TOMBSTONE_S = 600.0  # as long as a request may live at the gateway
 HOLD_S = 20.0  # held blocks are let go after this (a lost Abort must not pin them; a later transfer sends all)
 INCOMING_S = 10.0  # a transfer whose next layer group has not come this long after the one before is dropped
+# Caps on what a flood of messages could make a worker remember. Past one, the oldest go first: a tombstone gone
+# early lets a late transfer run until its gateway, which does not know it, aborts it; a hold let go early makes
+# its transfer send every block; a cancelled choice forgotten early runs until the gateway drops its tokens.
+MAX_TOMBSTONES = 1 << 15
+MAX_HOLDS = 1 << 13
+MAX_REMEMBERED = 1 << 14  # NEW records that only remember cancelled choices
 
 
 class DecodeState(enum.Enum):
@@ -58,7 +68,7 @@ class Incoming:
     num_bytes: int = 0
 
 
-@dataclass
+@dataclass(slots=True)  # tens of thousands of tombstones: no per-record __dict__
 class DecodeAttempt:
     key: AttemptKey
     state: DecodeState = DecodeState.NEW
@@ -125,3 +135,92 @@ class DecodeAttempt:
         self.running, self.incoming, self.held, self.cancelled = {}, None, [], set()
         move(self, ALLOWED, S.DONE)
         self.tombstone_until = time.monotonic() + TOMBSTONE_S
+
+
+def _due_at(record: DecodeAttempt) -> float | None:
+    """When a record's state runs out (monotonic), or None for a state that does not."""
+    if record.state is S.HOLDING:
+        return record.held_until
+    if record.state is S.RECEIVING:
+        return record.incoming.expires_at
+    if record.state in (S.NEW, S.DONE):
+        return record.tombstone_until
+    return None
+
+
+class DecodeRecords:
+    """A decode worker's records: the live ones, and the DONE ones as tombstones.
+
+    After any change to a record, the worker files it (`file`): that puts it in its state's queue (HOLDING,
+    RECEIVING, or NEW that remembers cancelled choices), moves it to the tombstones once DONE, and forgets a NEW one
+    that remembers nothing. Each queue's records time out a fixed time after it was set, so a queue kept in filing
+    order is in expiry order: `expired` pops from the fronts, O(1) per record that ran out, never walking the
+    others; and each is capped, dropping its oldest first. (A NEW record back from HOLDING keeps the time its first
+    choice was cancelled, so it may be forgotten a little late: it holds nothing meanwhile.)"""
+
+    def __init__(self, max_tombstones=MAX_TOMBSTONES, max_holds=MAX_HOLDS, max_remembered=MAX_REMEMBERED):
+        self.live: dict[AttemptKey, DecodeAttempt] = {}
+        self.tombstones: OrderedDict[AttemptKey, DecodeAttempt] = OrderedDict()  # oldest first
+        self.max_tombstones = max_tombstones
+        self.queues: dict[DecodeState, OrderedDict[AttemptKey, float]] = {
+            S.HOLDING: OrderedDict(),
+            S.RECEIVING: OrderedDict(),
+            S.NEW: OrderedDict(),
+        }  # key -> its due time when filed, earliest first
+        self.caps = {S.HOLDING: max_holds, S.NEW: max_remembered}  # RECEIVING: each holds blocks of the pool
+
+    def get(self, key: AttemptKey) -> DecodeAttempt | None:
+        return self.live.get(key) or self.tombstones.get(key)
+
+    def get_or_new(self, key: AttemptKey) -> DecodeAttempt:
+        record = self.get(key)
+        if record is None:
+            record = self.live[key] = DecodeAttempt(key)
+        return record
+
+    def __len__(self) -> int:
+        return len(self.live) + len(self.tombstones)
+
+    def file(self, record: DecodeAttempt) -> None:
+        key = record.key
+        for queue in self.queues.values():
+            queue.pop(key, None)
+        if record.state is S.DONE:
+            self.live.pop(key, None)
+            if key not in self.tombstones:  # a tombstone keeps its place: its time runs from the end
+                self.tombstones[key] = record
+                if len(self.tombstones) > self.max_tombstones:
+                    self.tombstones.popitem(last=False)
+            return
+        if record.state is S.NEW and not record.cancelled:
+            self.live.pop(key, None)  # nothing held, nothing to remember
+            return
+        self.live[key] = record
+        if record.state in self.queues:
+            self.queues[record.state][key] = _due_at(record)
+
+    def expired(self, now: float) -> list[DecodeAttempt]:
+        """Forget the tombstones and NEW records whose time ran out (or that are past their cap), and return the
+        HOLDING and RECEIVING ones that ran out or are past theirs: the worker frees their blocks, then files them.
+        """
+        while self.tombstones and next(iter(self.tombstones.values())).tombstone_until < now:
+            self.tombstones.popitem(last=False)
+        due = []
+        for state, queue in self.queues.items():
+            cap = self.caps.get(state, len(queue))
+            while queue:
+                key, filed_due = next(iter(queue.items()))
+                if filed_due >= now and len(queue) <= cap:
+                    break
+                del queue[key]
+                record = self.live.get(key)
+                if record is None or record.state is not state:
+                    continue  # filed elsewhere since (the worker files every change: a safeguard)
+                actual = _due_at(record)
+                if actual > filed_due and actual >= now and len(queue) < cap:
+                    queue[key] = actual  # its time was set again without a filing: back in line, which is its place
+                elif state is S.NEW:
+                    del self.live[key]  # holds nothing: forgetting it is all
+                else:
+                    due.append(record)
+        return due
