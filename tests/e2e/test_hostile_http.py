@@ -13,7 +13,6 @@ import time
 import pytest
 
 from kvferry.common.sampling import MAX_SEED
-from kvferry.services.gateway.request_parsing import ApiError, Limits, parse_generation
 from tests.e2e.stack import Stack
 from tests.tiny_models import save_tiny_chat_model
 
@@ -22,22 +21,6 @@ MAX_CONNECTIONS = 32
 MAX_PROMPT_CHARS = 1_000_000  # the defaults of the settings the cases push past
 MAX_BODY = 8 * 2**20
 PROMPT = "The capital of France is"
-
-
-def refused_by_request_parsing(body: dict) -> bool:
-    """Whether request_parsing.py refuses the body cleanly (its checks are another change's): else the case is
-    marked, to be easy to see."""
-    try:
-        parse_generation(body, False, [1, 2, 3], 8192, VOCAB, Limits())
-    except ApiError:
-        return True
-    except Exception:
-        return False
-    return False
-
-
-def not_yet(body: dict, what: str):
-    return pytest.mark.xfail(not refused_by_request_parsing(body), reason=f"request_parsing.py: {what}", strict=True)
 
 
 @pytest.fixture(scope="module")
@@ -186,18 +169,10 @@ CASES = {
     "an oversized body": ("/v1/completions", dumps({"prompt": "a" * MAX_BODY}), None, 413, "bytes"),
 }
 PARSING_CASES = [
-    pytest.param(
-        long_stop, "stop", id="a stop string over max_stop_length", marks=not_yet(long_stop, "max_stop_length")
-    ),
-    pytest.param(
-        many_stop_chars, "stop", id="stop strings over max_stop_chars", marks=not_yet(many_stop_chars, "max_stop_chars")
-    ),
-    pytest.param(
-        huge_bias_key, "logit_bias", id="a logit_bias key of 5000 digits", marks=not_yet(huge_bias_key, "key")
-    ),
-    pytest.param(
-        odd_digit_key, "logit_bias", id="a logit_bias key of a superscript digit", marks=not_yet(odd_digit_key, "key")
-    ),
+    pytest.param(long_stop, "stop", id="a stop string over max_stop_length"),
+    pytest.param(many_stop_chars, "stop", id="stop strings over max_stop_chars"),
+    pytest.param(huge_bias_key, "logit_bias", id="a logit_bias key of 5000 digits"),
+    pytest.param(odd_digit_key, "logit_bias", id="a logit_bias key of a superscript digit"),
 ]
 
 

@@ -238,7 +238,8 @@ def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
         raise ApiError(400, f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} entries", "logit_bias")
     out = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < vocab_size):
+        # ASCII digits only, and few of them: "²" and "٣" pass isdigit(), and int() of thousands of digits raises.
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 10 and int(key) < vocab_size):
             raise ApiError(400, f"'logit_bias' key {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise ApiError(400, f"'logit_bias' values must be numbers in [-100, 100], got {value!r}", "logit_bias")

@@ -97,6 +97,7 @@ class GatewayCore:
     async def stop(self) -> None:
         for task in self.tasks:
             task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)  # their pending receive ends before the socket
         self.control.close()
         if self.auth:
             self.auth.stop()
@@ -278,11 +279,10 @@ class GatewayCore:
         the messages it causes are its children."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         flight = self.flights[rid] = Flight(rid, prompt_token_ids, params, trace or tracing.child_of(None), n)
-        if not await self._dispatch(flight):
-            del self.flights[rid]
-            raise NoWorkers(self.missing() or "the chosen workers are gone")
         deadline = flight.deadline = time.monotonic() + self.deadlines.request_s
         try:
+            if not await self._dispatch(flight):  # inside the try: a client gone meanwhile must not leave the flight
+                raise NoWorkers(self.missing() or "the chosen workers are gone")
             while True:
                 item = await self._next(flight, deadline)
                 if item.attempt != flight.attempt:
@@ -321,7 +321,9 @@ class GatewayCore:
             waits.append((flight.early_since + d.gap_s - now, f"a message was lost (tokens waited {d.gap_s:.0f} s)"))
         timeout, reason = min(waits)
         try:
-            return await asyncio.wait_for(flight.queue.get(), max(0.0, timeout))
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation (a client gone).
+            async with asyncio.timeout(max(0.0, timeout)):
+                return await flight.queue.get()
         except TimeoutError:
             if reason:
                 return Lost(reason, flight.attempt)
