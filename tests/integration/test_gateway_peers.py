@@ -9,6 +9,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
+from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 
 MODEL, BLOCK = "tiny", 16
@@ -117,6 +118,7 @@ def test_messages_from_connections_that_did_not_register_the_worker_are_dropped_
         assert set(core.registry.workers) == {"prefill-a", "decode-a"}
         assert core.registry.workers["prefill-a"].cached == set()
         assert core.num_forged == 3
+        assert b"kvferry:forged_messages_total 3.0" in GatewayMetrics(core).exposition()
 
         stream = core.generate([1, 2, 3], SamplingParams(max_tokens=4, temperature=0), "req-1")
         pending = asyncio.ensure_future(first_event(core, stream))

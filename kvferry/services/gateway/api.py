@@ -215,6 +215,7 @@ class Api:
                     "id": core.gateway_id,
                     "protocol_errors": core.control.num_protocol_errors,
                     "duplicates_dropped": core.control.num_duplicates,
+                    "forged_dropped": core.num_forged,
                     "requests_in_flight": len(core.flights),
                     "requests_waiting": core.num_waiting(),
                     "moves": core.num_moves,

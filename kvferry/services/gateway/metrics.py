@@ -91,8 +91,12 @@ class WorkerFigures:
         moves.add_metric([], self.core.num_moves)
         duplicates = CounterMetricFamily("kvferry:duplicate_messages", "Repeated messages the gateway dropped.")
         duplicates.add_metric([], self.core.control.num_duplicates)
+        forged = CounterMetricFamily(
+            "kvferry:forged_messages", "Worker messages dropped: from a connection that may not send them."
+        )
+        forged.add_metric([], self.core.num_forged)
         yield from gauges.values()
-        yield from (preemptions, errors, live, in_flight, waiting, moves, duplicates)
+        yield from (preemptions, errors, live, in_flight, waiting, moves, duplicates, forged)
 
 
 class GatewayMetrics:
