@@ -7,6 +7,7 @@ ERROR_CODES = {
     "401": "missing or wrong API key",
     "404": "unknown model",
     "413": "request body too large",
+    "415": "the body is not sent as JSON (Content-Type: application/json)",
     "503": "no live prefill or decode worker",
 }
 
