@@ -7,6 +7,12 @@ each is a raw frame, described in the body (dtype, shape) and sent without copyi
 Decoding is strict. Anything unexpected (unknown kind, other version, missing, extra or
 mistyped field, a frame count or size that does not match its description, an oversized
 header or frame) raises ProtocolError and nothing else. No pickle anywhere.
+
+Sizes are bounded per kind: `max_header_bytes(kind)` is what that kind's largest legal content packs to (a whole
+context of tokens for a PrefillRequest or a KVTransfer, of logprobs for a FirstToken; a small fixed allowance for
+control messages). encode refuses what decode would (MessageTooLarge, naming the field), so an oversized message
+fails where it is made instead of vanishing at the receiver; sockets are capped at the same sizes
+(transport.limit_socket), so an oversized frame is not even buffered.
 """
 
 import enum
@@ -16,16 +22,41 @@ from dataclasses import MISSING, dataclass, field, fields
 
 import msgpack
 
+from kvferry.common.block_hash import HASH_BYTES
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.sampling import SamplingParams, TokenLogprobs
+from kvferry.common.sampling import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_K,
+    SamplingParams,
+    TokenLogprobs,
+)
 
 PROTOCOL_VERSION = 11  # 11: Register carries the worker process's instance id
-MAX_HEADER_BYTES = 1 << 20
 MAX_FRAME_BYTES = 1 << 31
+# Tokens in one sequence, prompt and output: a bound on the max_model_len of any worker (one with a longer one
+# refuses to start). It covers 256k-context models; the big messages' limits follow from it.
+MAX_CONTEXT_TOKENS = 1 << 18
+MAX_CHOICES = 128  # n per request: a bound on what one message can make a worker do
+MIN_BLOCK_SIZE = 8  # the smallest block_size setting: the most block hashes one prompt has
+MAX_CACHE_UPDATE_HASHES = 1 << 14  # block hashes (stored and evicted) in one CacheUpdate: more go in chunks
+SMALL_HEADER_BYTES = 64 << 10  # names, addresses, trace ids, numbers, error text and msgpack's framing: any kind's
 
 
 class ProtocolError(Exception):
     """A message that does not follow the protocol; the receiver counts it, logs it and moves on."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A header past its kind's limit (or a frame past MAX_FRAME_BYTES). From encode, `field` names what made it
+    so large (dotted into a nested dataclass: "sampling.stop_token_ids")."""
+
+    def __init__(self, kind: str, size: int, limit: int, field: str = ""):
+        self.kind, self.size, self.limit, self.field = kind, size, limit, field
+        what = f"; its largest field is {field}" if field else ""
+        super().__init__(f"{kind} of {size} bytes exceeds its limit of {limit}{what}")
 
 
 UNKNOWN_WORKER = "unknown worker: register again"  # a gateway's RegisterReply to a worker it does not know
@@ -131,7 +162,8 @@ class Deregister:
 class CacheUpdate:
     """What a worker's prefix cache holds, for cache-aware routing: the block hashes stored and evicted since its
     last update, or with full, every hash it holds (sent on registration and now and then, so a lost update
-    heals)."""
+    heals). At most MAX_CACHE_UPDATE_HASHES hashes each: a bigger update goes in chunks (cache_update_chunks), a
+    full one as a full first chunk (the set is replaced) followed by plain ones (added to it)."""
 
     KIND: typing.ClassVar[Kind] = Kind.CACHE_UPDATE
     worker_id: str
@@ -311,16 +343,114 @@ def _to_wire(value):
     return value
 
 
+def _packed_bytes(value) -> int:
+    return len(msgpack.packb(_to_wire(value), use_bin_type=True))
+
+
+# --- size limits ----------------------------------------------------------------------------------------------
+# Each kind's largest legal content, measured by packing its widest items: token ids below 2**32 (a vocabulary is
+# smaller), sampling parameters at their caps, logprobs with every alternative.
+_WIDEST_INT, _WIDEST_TOKEN = 2**64 - 1, 2**32 - 1
+_TOKEN_BYTES = _packed_bytes(_WIDEST_TOKEN)
+_HASH_BYTES = _packed_bytes(bytes(HASH_BYTES))
+_LOGPROBS_BYTES = _packed_bytes(
+    TokenLogprobs(_WIDEST_TOKEN, -1.0, (_WIDEST_TOKEN,) * MAX_LOGPROBS, (-1.0,) * MAX_LOGPROBS)
+)
+_SAMPLING_BYTES = _packed_bytes(
+    SamplingParams(
+        max_tokens=_WIDEST_INT,
+        min_tokens=_WIDEST_INT,
+        top_k=MAX_TOP_K,
+        seed=MAX_SEED,
+        stop_token_ids=(_WIDEST_INT,) * MAX_STOP_TOKEN_IDS,
+        logit_bias=((_WIDEST_INT, -1.0),) * MAX_LOGIT_BIAS,
+        logprobs=MAX_LOGPROBS,
+        prompt_logprobs=MAX_LOGPROBS,
+    )
+)
+_CONTENT_BYTES = {  # beyond SMALL_HEADER_BYTES; a kind not named carries nothing but small fields
+    Kind.PREFILL_REQUEST: _SAMPLING_BYTES + MAX_CONTEXT_TOKENS * _TOKEN_BYTES,  # prompt and resumed tokens together
+    # ... and one first token and choice number per choice.
+    Kind.KV_TRANSFER: _SAMPLING_BYTES + (MAX_CONTEXT_TOKENS + 2 * MAX_CHOICES) * _TOKEN_BYTES,
+    Kind.FIRST_TOKEN: (MAX_CONTEXT_TOKENS + 1) * _LOGPROBS_BYTES,  # the prompt's logprobs (echo), and the token's
+    Kind.TOKENS: MAX_CONTEXT_TOKENS * (_TOKEN_BYTES + _LOGPROBS_BYTES),
+    Kind.KV_QUERY: MAX_CONTEXT_TOKENS // MIN_BLOCK_SIZE * _HASH_BYTES,
+    Kind.CACHE_UPDATE: MAX_CACHE_UPDATE_HASHES * _HASH_BYTES,
+}
+
+
+def max_header_bytes(*kinds: Kind) -> int:
+    """The largest legal header of these kinds: what encode lets out, what decode takes, and (with a margin) what a
+    socket receiving them lets in."""
+    return SMALL_HEADER_BYTES + max(_CONTENT_BYTES.get(kind, 0) for kind in kinds)
+
+
+MAX_HEADER_BYTES = max_header_bytes(*Kind)
+# Which kinds arrive on which socket: its limit is the largest of theirs.
+GATEWAY_RECEIVES = (
+    Kind.REGISTER,
+    Kind.HEARTBEAT,
+    Kind.DEREGISTER,
+    Kind.CACHE_UPDATE,
+    Kind.FIRST_TOKEN,
+    Kind.TOKENS,
+    Kind.REQUEST_FAILED,
+)
+WORKER_RECEIVES = (Kind.REGISTER_REPLY, Kind.PREFILL_REQUEST, Kind.ABORT)  # on a worker's control socket
+KV_INGRESS_RECEIVES = (Kind.KV_TRANSFER, Kind.KV_QUERY, Kind.ABORT)  # a decode worker's, from prefill workers
+KV_SENDER_RECEIVES = (Kind.KV_HELD, Kind.KV_ACK)  # a prefill worker's, from decode workers
+
+
+def frame_bytes(frame) -> int:
+    if hasattr(frame, "nbytes"):
+        return frame.nbytes
+    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+
+
+def _largest_field(wire: dict, prefix: str = "") -> str:
+    """The field of a message (as _to_wire made it) that packs largest, dotted into a nested one."""
+    name = max(wire, key=lambda n: _packed_bytes(wire[n]))
+    if isinstance(wire[name], dict) and wire[name]:
+        return _largest_field(wire[name], f"{prefix}{name}.")
+    return prefix + name
+
+
+def cache_update_chunks(worker_id: str, stored: list[bytes], evicted: list[bytes] = (), full: bool = False) -> list:
+    """One cache update as CacheUpdates of at most MAX_CACHE_UPDATE_HASHES hashes each, meaning together what it
+    would: a full one's first chunk replaces the receiver's set (an empty full update still clears it) and the rest
+    add to it; an incremental one's evictions go first, as one message's are applied first. A lost chunk leaves
+    the receiver's view short until the next full update, which replaces it."""
+    n = MAX_CACHE_UPDATE_HASHES
+    if full:
+        return [CacheUpdate(worker_id, list(stored[i : i + n]), full=i == 0) for i in range(0, max(len(stored), 1), n)]
+    items = [(h, True) for h in evicted] + [(h, False) for h in stored]
+    return [
+        CacheUpdate(
+            worker_id,
+            [h for h, gone in items[i : i + n] if not gone],
+            [h for h, gone in items[i : i + n] if gone],
+        )
+        for i in range(0, len(items), n)
+    ]
+
+
 def encode(message, request_id: str = "", trace: TraceContext | None = None, frames: list | None = None) -> list:
-    """-> [header bytes, *frames]; frames are passed through untouched (zero-copy on send)."""
+    """-> [header bytes, *frames]; frames are passed through untouched (zero-copy on send). MessageTooLarge for a
+    message decode would refuse for its size."""
     frames = list(frames or [])
+    name = type(message).__name__
     expected = FRAMED.get(message.KIND, 0)
     if len(frames) != expected:
-        raise ProtocolError(f"{type(message).__name__} carries {expected} frames, got {len(frames)}")
-    header = msgpack.packb(
-        [int(message.KIND), PROTOCOL_VERSION, request_id, _to_wire(trace or TraceContext()), _to_wire(message)],
-        use_bin_type=True,
-    )
+        raise ProtocolError(f"{name} carries {expected} frames, got {len(frames)}")
+    trace_wire, body = _to_wire(trace or TraceContext()), _to_wire(message)
+    header = msgpack.packb([int(message.KIND), PROTOCOL_VERSION, request_id, trace_wire, body], use_bin_type=True)
+    limit = max_header_bytes(message.KIND)
+    if len(header) > limit:
+        field = _largest_field({**body, "request_id": request_id, "trace": trace_wire})
+        raise MessageTooLarge(name, len(header), limit, field)
+    for frame in frames:
+        if frame_bytes(frame) > MAX_FRAME_BYTES:
+            raise MessageTooLarge(f"{name}'s frame", frame_bytes(frame), MAX_FRAME_BYTES, "frames")
     return [header, *frames]
 
 
@@ -396,13 +526,23 @@ def _build(cls, body, where: str):
         raise ProtocolError(f"{where}: {exc}") from None
 
 
+def _check_size(kind, size: int) -> None:
+    if kind in MESSAGES and size > max_header_bytes(kind):
+        raise MessageTooLarge(f"{MESSAGES[kind].__name__} header", size, max_header_bytes(kind))
+
+
 def decode(parts: list) -> Envelope:
     """[header, *frames] as received -> Envelope, or ProtocolError."""
     if not parts:
         raise ProtocolError("empty message")
-    header = bytes(parts[0].buffer if hasattr(parts[0], "buffer") else parts[0])
-    if len(header) > MAX_HEADER_BYTES:
-        raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+    view = memoryview(parts[0].buffer if hasattr(parts[0], "buffer") else parts[0])
+    if view.nbytes > MAX_HEADER_BYTES:
+        raise MessageTooLarge("header", view.nbytes, MAX_HEADER_BYTES)
+    # The kind's own limit before unpacking, when the header starts as a packer writes it: a 5-item array, then
+    # the kind as a one-byte integer. Any other start is held to it after unpacking.
+    if view.nbytes > SMALL_HEADER_BYTES and view[0] == 0x95 and view[1] < 0x80:
+        _check_size(view[1], view.nbytes)
+    header = bytes(view)
     try:
         decoded = msgpack.unpackb(header, raw=False, strict_map_key=True)
     except Exception as exc:  # msgpack raises several types for bad bytes: one error for all
@@ -414,6 +554,7 @@ def decode(parts: list) -> Envelope:
         raise ProtocolError(f"protocol version {version!r}, expected {PROTOCOL_VERSION}")
     if isinstance(kind, bool) or not isinstance(kind, int) or kind not in MESSAGES:
         raise ProtocolError(f"unknown message kind {kind!r}")
+    _check_size(kind, len(header))
     if not isinstance(request_id, str):
         raise ProtocolError("request_id must be a string")
     cls = MESSAGES[kind]
@@ -423,9 +564,9 @@ def decode(parts: list) -> Envelope:
     if len(frames) != expected:
         raise ProtocolError(f"{cls.__name__} carries {expected} frames, got {len(frames)}")
     for frame in frames:
-        size = len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
+        size = frame_bytes(frame)
         if size > MAX_FRAME_BYTES:
-            raise ProtocolError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+            raise MessageTooLarge(f"{cls.__name__}'s frame", size, MAX_FRAME_BYTES)
         if kind == Kind.KV_TRANSFER and size != kv_frame_bytes(message):
             raise ProtocolError(f"KV frame of {size} bytes, its header says {kv_frame_bytes(message)}")
     return Envelope(message, request_id, _build(TraceContext, trace, "trace"), frames)

@@ -24,18 +24,33 @@ from kvferry.common.protocol import Envelope, ProtocolError, TraceContext
 
 log = logging.getLogger("kvferry.transport")
 MAX_SEEN_IDS = 8192  # covers any duplicate's delay: copies leave back to back, resends carry new ids
+SIZE_MARGIN_BYTES = 64 << 10  # a message a little past its kind's limit still arrives, to be refused and counted
+HEARTBEAT_IVL_S = 2.0  # ZeroMQ's own pings on every connection
+HEARTBEAT_TIMEOUT_S = 6.0  # a peer silent this long after a ping (past any frame still arriving) is disconnected
+SLOW_LINK_BYTES_PER_S = 50e6  # the slowest link a big frame is allowed for before its connection times out
+
+
+def limit_socket(sock: zmq.Socket, max_message_bytes: int, max_send_bytes: int = 0) -> None:
+    """Cap what one frame arriving on sock may weigh, and turn on ZeroMQ's heartbeats.
+
+    ZeroMQ buffers a whole frame before the application sees it: without a cap, one frame of a few GB exhausts the
+    process. With it, a frame past max_message_bytes (the largest legal one this socket receives; a small margin
+    is added) is refused at its length prefix, and its peer disconnected, while the socket serves its other peers.
+    The heartbeats drop a peer that vanished without closing (a crashed host, a partition) and what it was sending.
+    ZeroMQ restarts their timeout only when a whole frame arrives, so the timeout (ours, and the one our pings ask
+    of the peer: max_send_bytes, the largest frame sent here) covers the largest frame crossing a slow link."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes + SIZE_MARGIN_BYTES)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, int(HEARTBEAT_IVL_S * 1000))
+    timeout_s = HEARTBEAT_TIMEOUT_S + max_message_bytes / SLOW_LINK_BYTES_PER_S
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(timeout_s * 1000))
+    ttl_s = HEARTBEAT_TIMEOUT_S + max_send_bytes / SLOW_LINK_BYTES_PER_S
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(int(ttl_s * 1000), 6_553_500))  # ZeroMQ's ceiling: 0xFFFF deciseconds
 
 
 def peer_label(identity: bytes) -> str:
     """A ZeroMQ identity as text: worker ids are readable; ZeroMQ's own random ids are shown in hex."""
     text = identity.decode("utf-8", "replace")
     return text if text.isprintable() and "\ufffd" not in text else "0x" + identity.hex()
-
-
-def _nbytes(frame) -> int:
-    if hasattr(frame, "nbytes"):
-        return frame.nbytes
-    return len(frame.buffer) if hasattr(frame, "buffer") else len(frame)
 
 
 class Channel:
@@ -77,7 +92,7 @@ class Channel:
                 request_id,
                 ctx,
                 len(parts[0]),
-                sum(_nbytes(f) for f in parts[1:]),
+                sum(protocol.frame_bytes(f) for f in parts[1:]),
             )
         if self.is_router:
             if to is None:
@@ -153,8 +168,8 @@ class Channel:
                 peer_label(peer) if peer else self.peer_name,
                 env.request_id,
                 env.trace,
-                _nbytes(parts[0]),
-                sum(_nbytes(f) for f in parts[1:]),
+                protocol.frame_bytes(parts[0]),
+                sum(protocol.frame_bytes(f) for f in parts[1:]),
             )
         return peer, env
 

@@ -12,7 +12,7 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import settings
 from kvferry.common.curve import CurveKeys
-from kvferry.common.transport import Channel
+from kvferry.common.transport import Channel, limit_socket
 
 log = logging.getLogger("kvferry.worker")
 REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; the last repeats
@@ -24,6 +24,7 @@ class GatewayLink:
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.IDENTITY, worker_id.encode())
         sock.setsockopt(zmq.LINGER, 0)
+        limit_socket(sock, p.max_header_bytes(*p.WORKER_RECEIVES), p.max_header_bytes(*p.GATEWAY_RECEIVES))
         if curve:
             curve.connect(sock)
         sock.connect(address)
@@ -66,6 +67,7 @@ class GatewayLink:
         # A name of its own, derived from the worker's: the gateway takes this worker's heartbeats from it alone.
         sock.setsockopt(zmq.IDENTITY, self.worker_id.encode() + p.HEARTBEAT_SUFFIX)
         sock.setsockopt(zmq.LINGER, 0)
+        limit_socket(sock, p.max_header_bytes(p.Kind.REGISTER_REPLY), p.max_header_bytes(p.Kind.HEARTBEAT))
         if self.curve:
             self.curve.connect(sock)
         sock.connect(self.address)

@@ -24,18 +24,19 @@ import uuid
 
 import zmq
 
-from kvferry.common import faults, tracing
+from kvferry.common import faults, settings, tracing
 from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import FatalError, InvalidRequest, KvferryError
+from kvferry.common.errors import ConfigError, FatalError, InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.transport import Channel
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
-MAX_CHOICES = 128  # n per request: a bound on what one message can make a worker do
+MAX_CHOICES = p.MAX_CHOICES  # n per request: a bound on what one message can make a worker do
+MAX_ERROR_CHARS = 2000  # of a failure's text told to a gateway: an exception's message can quote a whole input
 PEER_ADDRESS = re.compile(r"tcp://[^\s:/]+:(?P<port>\d{1,5})|ipc://\S+|inproc://\S+")
 CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
 MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky
@@ -80,6 +81,11 @@ class Worker:
         self.curve, self.insecure = curve, insecure  # insecure: --insecure, a bind beyond loopback without CURVE
         self.tracer = tracing.tracer()
         self.engine = LLMEngine(config, connector(self.worker_id) if connector else None)
+        if self.engine.max_model_len > p.MAX_CONTEXT_TOKENS:  # its longest requests' messages would not fit
+            raise ConfigError(
+                f"max_model_len {self.engine.max_model_len} is past the {p.MAX_CONTEXT_TOKENS} tokens the protocol "
+                f"carries: set {settings.label('max_model_len')} to at most that"
+            )
         self.links = [GatewayLink(self.ctx, address, self.worker_id, curve) for address in parse_gateways(gateway)]
         if not self.links:
             raise KvferryError("a worker needs at least one gateway address (--gateway)")
@@ -152,11 +158,14 @@ class Worker:
         for link in self.links:
             if not link.registered:
                 continue
+            # In chunks that each fit the protocol's limit: a big cache's full set would not fit one message.
             if now >= link.cache_sync_at:
-                link.channel.send(p.CacheUpdate(self.worker_id, engine.cached_block_hashes(), full=True))
+                updates = p.cache_update_chunks(self.worker_id, engine.cached_block_hashes(), full=True)
                 link.cache_sync_at = now + CACHE_SYNC_S
-            elif stored or evicted:
-                link.channel.send(p.CacheUpdate(self.worker_id, stored, evicted))
+            else:
+                updates = p.cache_update_chunks(self.worker_id, stored, evicted)
+            for update in updates:
+                link.channel.send(update)
 
     def num_protocol_errors(self) -> int:
         return sum(link.channel.num_protocol_errors for link in self.links)
@@ -330,7 +339,8 @@ class Worker:
         (InvalidRequest) and 500 when it is this worker's."""
         code = code or (400 if isinstance(exc, InvalidRequest) else 500)
         log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
-        link.channel.send(p.RequestFailed(error, code, attempt, retry=retry), request_id, trace)
+        brief = error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 3] + "..."
+        link.channel.send(p.RequestFailed(brief, code, attempt, retry=retry), request_id, trace)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         """End whatever this worker holds for an attempt that failed."""

@@ -13,12 +13,20 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, check_exposed
-from kvferry.common.errors import FatalError, InvalidRequest
-from kvferry.common.model.kv_blocks import frame_tensor
+from kvferry.common.errors import FatalError, InvalidRequest, KvferryError
+from kvferry.common.model.kv_blocks import frame_tensor, layer_groups
+from kvferry.common.model_files import read_config, resolve_model
 from kvferry.common.sampling import for_choice
-from kvferry.common.transport import Channel
+from kvferry.common.transport import Channel, limit_socket
 from kvferry.services.decode.connector import DecodeConnector
-from kvferry.services.decode.record import INCOMING_S, TOMBSTONE_S, DecodeAttempt, DecodeState, Incoming
+from kvferry.services.decode.record import (
+    INCOMING_S,
+    TOMBSTONE_S,
+    DecodeAttempt,
+    DecodeRecords,
+    DecodeState,
+    Incoming,
+)
 from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker import MAX_CHOICES, Worker, advertised_host
@@ -26,6 +34,22 @@ from kvferry.services.worker import MAX_CHOICES, Worker, advertised_host
 log = logging.getLogger("kvferry.decode")
 S = DecodeState
 TIDY_EVERY_S = 0.25  # how often expired holds, stalled transfers and old tombstones are looked for
+MAX_REASON_CHARS = 500  # of a refusal's text in a KVAck: an exception's message can quote a whole input
+
+
+def max_kv_frame_bytes(engine) -> int:
+    """The largest legal KV frame this engine can take: its largest layer group, of every block in its pool."""
+    largest_group = max(hi - lo for lo, hi in engine.layer_groups)
+    return largest_group * engine.num_blocks * (engine.bytes_per_block // engine.num_layers)
+
+
+def kv_frame_bound(config) -> int:
+    """max_kv_frame_bytes, or a hair above, before the engine exists: ZeroMQ takes a socket's size limit when it
+    binds, and the KV port is bound before the model loads. The largest layer group's share of the KV cache budget
+    (its blocks fill the budget but for less than one); of the model, only its layer count is read."""
+    num_layers = read_config(resolve_model(config.model))["num_hidden_layers"]
+    largest_group = max(hi - lo for lo, hi in layer_groups(num_layers))
+    return largest_group * config.kv_cache_memory // num_layers
 
 
 def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None:
@@ -63,10 +87,15 @@ class DecodeWorker(Worker):
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A frame past one layer group of the whole pool is no transfer: refused before ZeroMQ buffers it.
+        frame_limit = max(kv_frame_bound(config), p.max_header_bytes(*p.KV_INGRESS_RECEIVES))
+        limit_socket(sock, frame_limit)
         if curve:
             curve.serve(sock)
         bind_zmq(sock, kv_bind, settings.label("kv_bind"))
         super().__init__(config, gateway, worker_id, connector=lambda _: DecodeConnector(), **kwargs)
+        if max_kv_frame_bytes(self.engine) > frame_limit:  # the bound's reasoning no longer holds: a bug
+            raise KvferryError(f"a KV frame may be {max_kv_frame_bytes(self.engine)} bytes, past {frame_limit}")
         check_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None, insecure=self.insecure)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
@@ -76,7 +105,7 @@ class DecodeWorker(Worker):
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
         # Keyed by attempt: a request moved off a failed decode worker can come back here as a new attempt.
-        self.records: dict[AttemptKey, DecodeAttempt] = {}
+        self.records = DecodeRecords()
         self.num_steps = 0
         self.tidy_at = 0.0
 
@@ -90,14 +119,12 @@ class DecodeWorker(Worker):
         return super().num_protocol_errors() + self.kv_in.num_protocol_errors
 
     def record_for(self, key: AttemptKey) -> DecodeAttempt:
-        record = self.records.get(key)
-        if record is None:
-            record = self.records[key] = DecodeAttempt(key)
-        return record
+        return self.records.get_or_new(key)
 
     def end_record(self, record: DecodeAttempt) -> None:
         if record.state is not S.DONE:
             record.end(self.engine)
+            self.records.file(record)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         record = self.records.get(AttemptKey(request_id, attempt))
@@ -106,8 +133,16 @@ class DecodeWorker(Worker):
 
     # -- messages -------------------------------------------------------------------------------------------
     def handle(self, channel, peer, env: p.Envelope) -> None:
+        key = AttemptKey(env.request_id, getattr(env.message, "attempt", 0))
+        try:
+            self.handle_message(key, peer, env)
+        finally:  # whatever the message changed, the record is filed where its new state says
+            record = self.records.get(key)
+            if record is not None:
+                self.records.file(record)
+
+    def handle_message(self, key: AttemptKey, peer, env: p.Envelope) -> None:
         msg = env.message
-        key = AttemptKey(env.request_id, getattr(msg, "attempt", 0))
         if isinstance(msg, p.KVTransfer):
             try:
                 self.receive_kv(key, peer, env)
@@ -157,6 +192,7 @@ class DecodeWorker(Worker):
 
     def ack(self, env: p.Envelope, peer: bytes, accepted: bool, reason="", retry=True, resend_all=False) -> None:
         msg = env.message
+        reason = reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
         reply = p.KVAck(accepted, reason, retry, msg.attempt, resend_all)
         self.kv_in.send(reply, env.request_id, env.trace, to=peer)
 
@@ -298,19 +334,18 @@ class DecodeWorker(Worker):
             self.send_failure(link, env.request_id, env.message.attempt, env.trace, error, exc)
 
     def tidy(self) -> None:
+        """Let go of what ran out: the records' queues give the expired ones (and those past a cap) without a walk
+        over the others; old tombstones, and NEW records whose cancelled choices are old, are simply forgotten."""
         now = time.monotonic()
         if now < self.tidy_at:
             return
         self.tidy_at = now + TIDY_EVERY_S
-        for key, record in list(self.records.items()):
-            if record.state is S.RECEIVING and record.incoming.expires_at < now:
+        for record in self.records.expired(now):
+            if record.state is S.RECEIVING:
                 record.put_back(self.engine)  # its groups stopped coming
-            elif record.state is S.HOLDING and record.held_until < now:
+            elif record.state is S.HOLDING:
                 record.let_go(self.engine)  # its transfer, if it ever comes, is asked to send every block
-            elif record.state is S.DONE and record.tombstone_until < now:
-                del self.records[key]
-            elif record.state is S.NEW and (not record.cancelled or record.tombstone_until < now):
-                del self.records[key]  # nothing held, and nothing (or nothing recent) to remember
+            self.records.file(record)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvferry.common import protocol as p
-from kvferry.common.transport import Channel
+from kvferry.common.transport import Channel, limit_socket
 
 log = logging.getLogger("kvferry.prefill")
 PEER_IDLE_S = 60.0  # a decode worker's socket unused this long is closed: workers come and go, sockets must not pile up
@@ -119,6 +119,7 @@ class KVSender:
             # Queue only for a connected peer: KV for a decode worker that is gone (or stopped long enough for the
             # ZeroMQ heartbeat to drop it) fails at once, and its request moves, instead of piling up here.
             sock.setsockopt(zmq.IMMEDIATE, 1)
+            limit_socket(sock, p.max_header_bytes(*p.KV_SENDER_RECEIVES), max_send_bytes=p.MAX_FRAME_BYTES)
             if self.curve:
                 self.curve.connect(sock)
             try:
