@@ -16,7 +16,6 @@ holds within `drain_timeout_s`, then deregisters for good, and the gateway moves
 
 import dataclasses
 import logging
-import re
 import socket
 import threading
 import time
@@ -37,7 +36,6 @@ from kvferry.services.gateway_link import GatewayLink, parse_gateways
 log = logging.getLogger("kvferry.worker")
 MAX_CHOICES = p.MAX_CHOICES  # n per request: a bound on what one message can make a worker do
 MAX_ERROR_CHARS = 2000  # of a failure's text told to a gateway: an exception's message can quote a whole input
-PEER_ADDRESS = re.compile(r"tcp://[^\s:/]+:(?P<port>\d{1,5})|ipc://\S+|inproc://\S+")
 CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
 MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky
 
@@ -51,13 +49,6 @@ def advertised_host(explicit: str | None = None) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def check_peer_address(address: str) -> None:
-    """A peer's ZeroMQ endpoint as a request names it: refused here, with the request, rather than in a step."""
-    match = PEER_ADDRESS.fullmatch(address) if isinstance(address, str) else None
-    if match is None or match["port"] is not None and not 0 < int(match["port"]) < 65536:
-        raise InvalidRequest(f"{address!r} is not a tcp://host:port, ipc:// or inproc:// address")
 
 
 class Worker:

@@ -93,10 +93,11 @@ class DecodeWorker(Worker):
         if curve:
             curve.serve(sock)
         bind_zmq(sock, kv_bind, settings.label("kv_bind"))
+        exposed_as = f"{worker_id or 'the decode worker'}'s KV ingress"
+        check_exposed(kv_bind, exposed_as, curve=curve is not None, insecure=kwargs.get("insecure", False))
         super().__init__(config, gateway, worker_id, connector=lambda _: DecodeConnector(), **kwargs)
         if max_kv_frame_bytes(self.engine) > frame_limit:  # the bound's reasoning no longer holds: a bug
             raise KvferryError(f"a KV frame may be {max_kv_frame_bytes(self.engine)} bytes, past {frame_limit}")
-        check_exposed(kv_bind, f"{self.worker_id}'s KV ingress", curve=self.curve is not None, insecure=self.insecure)
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
         if host.endswith("0.0.0.0") or host.endswith("*"):

@@ -29,7 +29,7 @@ from kvferry.common.errors import InvalidRequest
 from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
-from kvferry.common.transport import Channel, peer_label
+from kvferry.common.transport import Channel, limit_socket, peer_label
 from kvferry.services.gateway.flight import Event, Flight, Lost
 from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, WorkerInfo
 
@@ -75,6 +75,10 @@ class GatewayCore:
             curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
+        # Before the bind (ZeroMQ copies the size cap into the listener then): no worker frame past what its messages
+        # may legally weigh, and ZeroMQ heartbeats, so a peer that vanished without closing is dropped and a
+        # reconnecting worker is not mistaken for a second one while its old connection lingers.
+        limit_socket(sock, p.max_header_bytes(*p.GATEWAY_RECEIVES), p.max_header_bytes(*p.WORKER_RECEIVES))
         bind_zmq(sock, control_address, settings.label("control"))
         check_exposed(control_address, "the gateway's control socket", curve=curve is not None, insecure=insecure)
         self.control_endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()

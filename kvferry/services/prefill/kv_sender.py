@@ -153,11 +153,29 @@ class KVSender:
         reconnects)."""
         now = time.monotonic()
         for address in [a for a, t in self._last_used.items() if now - t > PEER_IDLE_S]:
-            channel = self._channels.pop(address)
-            del self._last_used[address]
-            poller.unregister(channel.socket)
-            address_of.pop(channel.socket, None)
-            channel.close()
+            self._close_channel(address, poller, address_of)
+
+    def _close_channel(self, address: str, poller: zmq.Poller, address_of: dict) -> None:
+        channel = self._channels.pop(address)
+        self._last_used.pop(address, None)
+        poller.unregister(channel.socket)
+        address_of.pop(channel.socket, None)
+        channel.close()
+
+    def _ready_channel(self, out: Outgoing, poller: zmq.Poller, address_of: dict) -> Channel:
+        """The channel to out's decode worker, connected and with room; ConnectionError otherwise. With IMMEDIATE a
+        message is never queued for a peer that is not connected, so it would be dropped: say so instead. A socket
+        that lost its peer is replaced by a fresh one (a reconnect begun while the peer was unreachable may wait out
+        TCP's retries), and a new socket gets CONNECT_WAIT_MS to connect."""
+        if out.address in self._channels and not self._channels[out.address].socket.poll(0, zmq.POLLOUT):
+            self._close_channel(out.address, poller, address_of)
+        new = out.address not in self._channels
+        channel = self._channel(out.address, out.peer, poller)
+        address_of[channel.socket] = out.address
+        self._last_used[out.address] = time.monotonic()
+        if not channel.socket.poll(CONNECT_WAIT_MS if new else 0, zmq.POLLOUT):
+            raise ConnectionError("not connected, or its send queue is full")
+        return channel
 
     def _loop(self, poller: zmq.Poller, address_of: dict) -> None:
         """Until close(): send what is queued, and hand on what decode workers answer."""
@@ -174,13 +192,7 @@ class KVSender:
                         if out is None:
                             return
                         try:
-                            new = out.address not in self._channels
-                            channel = self._channel(out.address, out.peer, poller)
-                            address_of[channel.socket] = out.address
-                            self._last_used[out.address] = time.monotonic()
-                            # With IMMEDIATE a send without a connected peer with room would be dropped: say so.
-                            if not channel.socket.poll(CONNECT_WAIT_MS if new else 0, zmq.POLLOUT):
-                                raise ConnectionError("not connected, or its send queue is full")
+                            channel = self._ready_channel(out, poller, address_of)
                             channel.send(out.message, out.request_id, out.trace, frames=out.frames)
                         except Exception as exc:  # one request's bad address must not stop the others'
                             log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)

@@ -16,12 +16,13 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import for_choice
 from kvferry.services.prefill.connector import PrefillConnector
 from kvferry.services.prefill.kv_sender import KVSender
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.request_keys import AttemptKey
-from kvferry.services.worker import MAX_CHOICES, Worker, check_peer_address
+from kvferry.services.worker import MAX_CHOICES, Worker
 
 log = logging.getLogger("kvferry.prefill")
 
