@@ -5,6 +5,7 @@ gateway never runs one."""
 import asyncio
 import time
 
+import pytest
 import zmq
 
 from kvferry.common import protocol as p
@@ -174,5 +175,22 @@ def test_a_decode_worker_with_an_unusable_kv_address_is_refused_at_registration(
         reply, _ = await decode.next(p.RegisterReply)
         assert not reply.accepted and "KV ingress address" in reply.reason
         assert "decode-bad" not in core.registry.workers
+
+    run(test)
+
+
+def test_a_request_past_the_wire_bound_is_refused_before_anything_is_sent():
+    """A prompt longer than any message may carry (the HTTP layer answers 400 naming the field) never reaches a
+    worker, and leaves nothing behind."""
+
+    async def test(core):
+        prefill, _ = await pair(core)
+        # Token ids as wide as the wire's bound assumes, and more of them than it allows.
+        prompt = [2**31] * (p.MAX_CONTEXT_TOKENS + 50_000)
+        stream = core.generate(prompt, SamplingParams(max_tokens=1), "req-big")
+        with pytest.raises(p.MessageTooLarge) as refused:
+            await stream.__anext__()
+        assert refused.value.field == "prompt_token_ids" and not core.flights
+        assert not prefill.sock.poll(200)
 
     run(test)

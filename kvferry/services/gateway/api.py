@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from kvferry.common import tracing
 from kvferry.common.logs import request_id_var
+from kvferry.common.protocol import MessageTooLarge
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.guards import Guards
@@ -272,6 +273,11 @@ class Api:
         except NoWorkers as exc:
             error = ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
             trace.finish(503, error=error.message)
+            return error_response(error, headers)
+        except MessageTooLarge as exc:  # past the wire's bound for its kind: refused before it reaches a worker
+            param = exc.field.rsplit(".", 1)[-1].replace("prompt_token_ids", "prompt") or None
+            error = ApiError(400, f"the request is too large to send to a worker: {exc}", param)
+            trace.finish(400, error=error.message)
             return error_response(error, headers)
         except ClientDisconnect:  # the client left: whatever it had started ended on every worker
             trace.finish(499)

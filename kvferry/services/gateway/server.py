@@ -363,7 +363,11 @@ class GatewayCore:
             flight.attempt,
             resume,
         )
-        return await self._send(request, prefill.identity, flight.request_id, flight.trace)
+        try:
+            return await self._send(request, prefill.identity, flight.request_id, flight.trace)
+        except p.MessageTooLarge:  # nothing went out: there is nothing to abort
+            flight.prefill_identity = flight.decode_identity = b""
+            raise
 
     async def _move(self, flight: Flight, reason: str) -> Event | None:
         """Move the flight to other workers after a failure; an error Event when it cannot move."""
@@ -395,7 +399,7 @@ class GatewayCore:
         return None
 
     async def abort(self, flight: Flight) -> None:
-        for identity in {flight.prefill_identity, flight.decode_identity}:
+        for identity in {flight.prefill_identity, flight.decode_identity} - {b""}:
             await self._send(p.Abort(attempt=flight.attempt), identity, flight.request_id, flight.trace)
 
     async def abort_choice(self, rid: str, choice: int) -> None:
