@@ -2,7 +2,7 @@
 metrics and the OpenAPI description.
 
 What a client sends is bounded before it costs anything: the body is JSON nested at most MAX_JSON_DEPTH deep, with
-integers within 64 bits and strings that are Unicode text (parse_json_body); the prompts have at most
+integers within 64 bits and strings that are Unicode text (json_body.parse_json_body); the prompts have at most
 --max-prompt-chars characters together, checked before tokenizing; and one request asks for at most
 max(--max-n, --max-prompts) choices, prompts times n. Parsing and tokenizing run on a few threads of their own, so
 that a large prompt never holds up the event loop, and a client that disconnects ends its request on every worker.
@@ -12,9 +12,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
-import json
 import logging
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +29,7 @@ from kvferry.common.protocol import MessageTooLarge
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.guards import Guards
+from kvferry.services.gateway.json_body import parse_json_body
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, parse_generation
@@ -41,8 +40,6 @@ from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
 
 log = logging.getLogger("kvferry.gateway")
 VERSION = "0.1.0"
-MAX_JSON_DEPTH = 64  # far deeper than any OpenAI body goes; it bounds every walk over one, here and in the template
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # what msgpack carries to the workers: no OverflowError past the check
 # Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
 # few: each encode is one core's work, and more at once would only queue on the cores.
 TEXT_THREADS = 4
@@ -50,65 +47,6 @@ TEXT_THREADS = 4
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
-def parse_json_body(raw: bytes) -> dict:
-    """The body as a JSON object, or an ApiError that says what is wrong with it. Beyond being JSON: nested at most
-    MAX_JSON_DEPTH deep, every integer within 64 bits, and every string Unicode text (JSON's \\u escapes allow a lone
-    surrogate, which neither UTF-8 nor the tokenizer can take)."""
-    nested = f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise ApiError(400, nested) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
-    except ValueError:  # json's only other one: int() refuses an integer of more digits than this
-        raise ApiError(400, f"the body holds an integer of more than {sys.get_int_max_str_digits()} digits") from None
-    if not isinstance(body, dict):
-        raise ApiError(400, "the body must be a JSON object")
-    for name, value in body.items():
-        if has_lone_surrogate(name):  # not echoed: the error could not be written as UTF-8 either
-            raise ApiError(400, "a field name holds a lone surrogate (\\ud800-\\udfff without its pair): not text")
-        _check_value(name, value, nested)
-    return body
-
-
-def has_lone_surrogate(text: str) -> bool:
-    if text.isascii():
-        return False
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return True
-    return False
-
-
-def _check_value(name: str, value, nested: str) -> None:
-    """Walks the top-level field `name` without recursing, and raises an ApiError naming it at the first thing
-    parse_json_body refuses."""
-    pending = [(value, 2)]  # (a value, its depth: the body is 1)
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, str):
-            if has_lone_surrogate(item):
-                raise ApiError(
-                    400, f"'{name}' holds a lone surrogate (\\ud800-\\udfff without its pair): not text", name
-                )
-        elif isinstance(item, int):
-            if not INT64_MIN <= item <= INT64_MAX:
-                raise ApiError(400, f"'{name}' holds an integer outside the signed 64-bit range", name)
-        elif isinstance(item, (list, dict)):
-            if depth > MAX_JSON_DEPTH:
-                raise ApiError(400, nested, name)
-            if isinstance(item, dict):
-                pending.extend((key, depth) for key in item)
-                pending.extend((child, depth + 1) for child in item.values())
-            elif item and all(type(child) is int for child in item):  # token ids: checked at C speed
-                if min(item) < INT64_MIN or max(item) > INT64_MAX:
-                    raise ApiError(400, f"'{name}' holds an integer outside the signed 64-bit range", name)
-            else:
-                pending.extend((child, depth + 1) for child in item)
 
 
 class Api:
