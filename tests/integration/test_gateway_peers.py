@@ -140,13 +140,14 @@ def test_messages_from_connections_that_did_not_register_the_worker_are_dropped_
     run(test)
 
 
-def test_a_worker_id_taken_by_another_connection_is_refused_but_a_restart_moves_its_requests_at_once():
+def test_a_worker_id_claimed_from_another_socket_is_refused_but_a_restart_moves_its_requests_at_once():
     async def test(core):
         prefill, decode = await pair(core)
         impostor = FakeWorker(core, "decode-a", p.Role.DECODE, identity="impostor")
-        impostor.register(instance_id="i1")  # the same process, as it claims, from another connection
+        impostor.register(instance_id="i9")  # a socket not named after the worker id it claims
         reply, _ = await impostor.next(p.RegisterReply)
-        assert not reply.accepted and "another connection" in reply.reason
+        assert not reply.accepted and "control socket" in reply.reason
+        assert core.registry.workers["decode-a"].instance_id == "i1"
 
         stream = core.generate([1, 2, 3], SamplingParams(max_tokens=8, temperature=0), "req-2")
         pending = asyncio.ensure_future(first_event(core, stream))
@@ -155,8 +156,7 @@ def test_a_worker_id_taken_by_another_connection_is_refused_but_a_restart_moves_
         assert (await pending).token_ids == [5]
         reading = asyncio.ensure_future(first_event(core, stream))  # the reader waits for the next tokens
         # decode-a restarts (a new process, a new instance id): the request moves now, not at its step deadline.
-        decode.close()
-        await asyncio.sleep(0.5)  # the old connection's end reaches the gateway (a killed process's does at once)
+        # The new process connects before the gateway has seen the old connection end (ROUTER_HANDOVER).
         restarted = FakeWorker(core, "decode-a", p.Role.DECODE)
         restarted.register(instance_id="i2")
         reply, _ = await restarted.next(p.RegisterReply)
@@ -164,6 +164,7 @@ def test_a_worker_id_taken_by_another_connection_is_refused_but_a_restart_moves_
         moved, _ = await prefill.next(p.PrefillRequest, timeout=3)
         assert moved.attempt == 1 and moved.resume_token_ids == [5]
         reading.cancel()
+        decode.close()
 
     run(test)
 

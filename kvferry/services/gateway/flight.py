@@ -15,7 +15,7 @@ from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 
-MAX_QUEUED_EVENTS = 4096  # token messages waiting for a request's consumer; several seconds of any stream
+MAX_QUEUED_EVENTS = 4096  # token messages per choice waiting for a request's consumer; many seconds of stream
 
 
 @dataclass
@@ -82,14 +82,14 @@ class Flight:
     failed_on: set[bytes] = field(
         default_factory=set
     )  # workers an attempt failed on: the next goes elsewhere if it can
-    queue: asyncio.Queue = field(default_factory=lambda: asyncio.Queue(MAX_QUEUED_EVENTS))
+    queue: asyncio.Queue = field(init=False)  # bounded: MAX_QUEUED_EVENTS per choice
     deadline: float = float("inf")  # monotonic: the request's end-to-end bound
-    consumer: asyncio.Task | None = None  # the task that reads the events (the HTTP response's)
     failure: Event | None = None  # set by the gateway's watchdog: the request ends with this error
 
     def __post_init__(self):
         self.outputs = [[] for _ in range(self.n)]
         self.finished = [False] * self.n
+        self.queue = asyncio.Queue(MAX_QUEUED_EVENTS * self.n)  # each step brings one message per choice
 
     def post(self, item: "Event | Lost") -> None:
         """Queue a worker's message for the consumer. A consumer that has fallen MAX_QUEUED_EVENTS behind (a client
@@ -99,7 +99,7 @@ class Flight:
         except asyncio.QueueFull:
             if self.failure is None:
                 self.failure = Event(
-                    error=f"the client fell {MAX_QUEUED_EVENTS} messages behind the stream", error_code=408
+                    error=f"the client fell {self.queue.maxsize} messages behind the stream", error_code=408
                 )
 
     @property

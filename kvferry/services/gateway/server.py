@@ -75,6 +75,9 @@ class GatewayCore:
             curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
+        # A worker's sockets are named after it. When it reconnects (a partition, a restart) before this side has seen
+        # its old connection die, the new connection takes the name over; without this ZeroMQ would ignore it.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         # Before the bind (ZeroMQ copies the size cap into the listener then): no worker frame past what its messages
         # may legally weigh, and ZeroMQ heartbeats, so a peer that vanished without closing is dropped and a
         # reconnecting worker is not mistaken for a second one while its old connection lingers.
@@ -192,21 +195,20 @@ class GatewayCore:
             flight.post(self._event(msg, flight))
 
     def _check_registration(self, msg: p.Register, peer: bytes) -> str | None:
-        """Why a registration is refused before the registry's own checks (None: it is not). A known worker id
-        from another connection is refused unless it is a new process (a new instance id): then the old process
-        is gone, and what it held moves at once."""
+        """Why a registration is refused before the registry's own checks (None: it is not). A worker registers from
+        its control socket, named after its id; a known id with a new instance id is a restart: the old process is
+        gone, and what it held moves at once."""
+        if peer != msg.worker_id.encode():
+            self._forged(msg, peer, "a registration from a socket not named after the worker id")
+            return f"a worker registers from its control socket, whose identity is its id ({msg.worker_id!r})"
         if msg.role == p.Role.DECODE:
             try:
                 check_peer_address(msg.kv_address)
             except InvalidRequest as exc:
                 return f"its KV ingress address is unusable: {exc}"
         known = self.registry.workers.get(msg.worker_id)
-        if known is None or known.identity == peer and known.instance_id == msg.instance_id:
-            return None
-        if known.instance_id == msg.instance_id:
-            self._forged(msg, peer, "a registration of a worker id already registered from another connection")
-            return f"worker id {msg.worker_id} is already registered from another connection"
-        self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
+        if known is not None and known.instance_id != msg.instance_id:
+            self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
         return None
 
     def _forged(self, msg, peer: bytes, why: str) -> None:
@@ -250,9 +252,12 @@ class GatewayCore:
         # Checked five times an interval: a silent worker is dropped soon after its third missed heartbeat.
         while True:
             await asyncio.sleep(self.registry.heartbeat_interval_s / 5)
-            for worker in self.registry.expire(time.time()):
-                self._lose_worker(worker, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
-            await self._watch_flights()
+            try:
+                for worker in self.registry.expire(time.time()):
+                    self._lose_worker(worker, f"no heartbeat for {MISSED_HEARTBEATS} intervals")
+                await self._watch_flights()
+            except Exception:  # the loop must outlive anything one turn meets: worker expiry depends on it
+                log.exception("while expiring workers and requests")
 
     async def _watch_flights(self) -> None:
         """Deadlines enforced whether or not anybody reads: a request past its end-to-end deadline, or whose
@@ -263,7 +268,7 @@ class GatewayCore:
             if flight.failure is None and now >= flight.deadline:
                 flight.failure = self._too_long()
             if flight.failure is not None:
-                del self.flights[flight.request_id]
+                self.flights.pop(flight.request_id, None)
                 await self.abort(flight)
 
     def _too_long(self) -> Event:

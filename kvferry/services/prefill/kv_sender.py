@@ -23,6 +23,7 @@ from kvferry.common.transport import Channel, limit_socket
 log = logging.getLogger("kvferry.prefill")
 PEER_IDLE_S = 60.0  # a decode worker's socket unused this long is closed: workers come and go, sockets must not pile up
 CONNECT_WAIT_MS = 2000  # a new decode worker's connection (and CURVE handshake) is given this long to come up
+UNREACHABLE_S = 5.0  # after a connection did not come up, sends there fail at once for this long: no wait per message
 
 
 @dataclass
@@ -80,7 +81,8 @@ class KVSender:
         self._outbox_read, self._outbox_write = _pipe()
         self.wake_fd, self._inbox_write = _pipe()  # readable when received() has something
         self._channels: dict[str, Channel] = {}
-        self._last_used: dict[str, float] = {}  # address -> monotonic time of its latest send
+        self._last_used: dict[str, float] = {}  # address -> monotonic time of its latest send or answer
+        self._unreachable_until: dict[str, float] = {}  # address -> until when sends there fail without waiting
         self._thread = threading.Thread(target=self._run, name="kv-sender", daemon=True)
         self._thread.start()
 
@@ -154,6 +156,7 @@ class KVSender:
         now = time.monotonic()
         for address in [a for a, t in self._last_used.items() if now - t > PEER_IDLE_S]:
             self._close_channel(address, poller, address_of)
+        self._unreachable_until = {a: t for a, t in self._unreachable_until.items() if t > now}
 
     def _close_channel(self, address: str, poller: zmq.Poller, address_of: dict) -> None:
         channel = self._channels.pop(address)
@@ -167,14 +170,20 @@ class KVSender:
         message is never queued for a peer that is not connected, so it would be dropped: say so instead. A socket
         that lost its peer is replaced by a fresh one (a reconnect begun while the peer was unreachable may wait out
         TCP's retries), and a new socket gets CONNECT_WAIT_MS to connect."""
+        now = time.monotonic()
+        if now < self._unreachable_until.get(out.address, 0.0):
+            raise ConnectionError(f"did not connect within {CONNECT_WAIT_MS} ms, moments ago")
         if out.address in self._channels and not self._channels[out.address].socket.poll(0, zmq.POLLOUT):
             self._close_channel(out.address, poller, address_of)
         new = out.address not in self._channels
         channel = self._channel(out.address, out.peer, poller)
         address_of[channel.socket] = out.address
-        self._last_used[out.address] = time.monotonic()
+        self._last_used[out.address] = now
         if not channel.socket.poll(CONNECT_WAIT_MS if new else 0, zmq.POLLOUT):
+            if new:  # the thread does not wait again for this address for a while: other transfers go on
+                self._unreachable_until[out.address] = time.monotonic() + UNREACHABLE_S
             raise ConnectionError("not connected, or its send queue is full")
+        self._unreachable_until.pop(out.address, None)
         return channel
 
     def _loop(self, poller: zmq.Poller, address_of: dict) -> None:
@@ -198,8 +207,12 @@ class KVSender:
                             log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
                             self._deliver(SendFailed(out, str(exc)))
                     continue
-                channel = self._channels[address_of[sock]]
+                address = address_of.get(sock)
+                if address is None:  # closed above, in this same turn, to be replaced
+                    continue
+                self._last_used[address] = time.monotonic()
+                channel = self._channels[address]
                 while sock.poll(0):
                     received = channel.recv()
                     if received is not None:
-                        self._deliver((address_of[sock], received[1]))
+                        self._deliver((address, received[1]))
