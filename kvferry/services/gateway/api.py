@@ -267,7 +267,8 @@ class Api:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             gone.cancel()
-            await cancel_until_done(task)  # its clean-up too: the Aborts to the workers
+            task.cancel()
+            await asyncio.wait({task})  # its clean-up too: the Aborts to the workers
         if task.cancelled():
             raise ClientDisconnect
         return task.result()
@@ -407,15 +408,6 @@ class Api:
         finally:
             await events.aclose()  # a client gone mid-stream aborts the request on its workers
             trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
-
-
-async def cancel_until_done(task: asyncio.Task) -> None:
-    """Cancels the task until it has ended. Again and again: on Python 3.11 asyncio.wait_for (which a request's wait
-    for its next event uses) swallows a cancellation that comes as the wait completes, and events come every few
-    milliseconds."""
-    while not task.done():
-        task.cancel()
-        await asyncio.wait({task}, timeout=0.05)
 
 
 async def client_disconnects(receive) -> None:
