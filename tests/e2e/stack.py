@@ -12,6 +12,7 @@ import urllib.request
 from pathlib import Path
 
 from kvferry.services.launcher import free_port
+from tests.tiny_models import save_tiny_chat_model
 
 
 class Stack:
@@ -82,6 +83,12 @@ class Stack:
             except (ProcessLookupError, subprocess.TimeoutExpired):
                 pass
 
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def log(self, name: str) -> str:
         return (self.log_dir / f"{name}.log").read_text()
 
@@ -149,6 +156,13 @@ class Stack:
 
     def wait_workers(self, names: set[str], timeout: float = 180) -> None:
         self.wait_for(lambda: names <= set(self.workers()), timeout, f"workers {sorted(names)}")
+
+
+def tiny_stack(folder: Path, **kwargs) -> Stack:
+    """A stack (not started) of the tiny random chat model, saved into folder, with a small KV cache: for tests that
+    need real processes and the real tokenizer but not real text."""
+    save_tiny_chat_model(folder / "tiny-chat")
+    return Stack(folder, model=str(folder / "tiny-chat"), kv_cache_memory="16MiB", **kwargs)
 
 
 def engine_texts(prompts: list[str], **sampling) -> list[str]:

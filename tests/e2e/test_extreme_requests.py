@@ -6,21 +6,15 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvferry.common.sampling import MAX_SEED
-from tests.e2e.stack import Stack
-from tests.tiny_models import save_tiny_chat_model
+from tests.e2e.stack import tiny_stack
 
 VOCAB = 49152  # the default tokenizer's, which the tiny chat model shares
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("extreme")
-    save_tiny_chat_model(folder / "tiny-chat")
-    stack = Stack(folder, model=str(folder / "tiny-chat"), kv_cache_memory="16MiB")
-    try:
+    with tiny_stack(tmp_path_factory.mktemp("extreme")) as stack:
         yield stack.start_pair()
-    finally:
-        stack.close()
 
 
 bias = st.dictionaries(st.integers(0, VOCAB - 1).map(str), st.sampled_from([-100, -99.5, 0, 100]), max_size=8)

@@ -13,8 +13,7 @@ import time
 import pytest
 
 from kvferry.common.sampling import MAX_SEED
-from tests.e2e.stack import Stack
-from tests.tiny_models import save_tiny_chat_model
+from tests.e2e.stack import Stack, tiny_stack
 
 VOCAB = 49152  # the default tokenizer's, which the tiny chat model shares
 MAX_CONNECTIONS = 32
@@ -25,20 +24,11 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hostile")
-    save_tiny_chat_model(folder / "tiny-chat")
-    stack = Stack(
-        folder,
-        model=str(folder / "tiny-chat"),
-        kv_cache_memory="16MiB",
-        extra_env={"KVFERRY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)},
-    )
-    try:
+    limits = {"KVFERRY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
+    with tiny_stack(tmp_path_factory.mktemp("hostile"), extra_env=limits) as stack:
         stack.start_pair()
         stack.pids = {name: proc.pid for name, proc in stack.procs.items()}
         yield stack
-    finally:
-        stack.close()
 
 
 def send(stack: Stack, path: str, raw: bytes, content_type: str | None = "application/json", timeout: float = 120):

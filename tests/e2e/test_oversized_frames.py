@@ -9,8 +9,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from tests.e2e.stack import Stack
-from tests.tiny_models import save_tiny_chat_model
+from tests.e2e.stack import Stack, tiny_stack
 
 pytestmark = pytest.mark.slow
 FRAME_BYTES = 300 << 20  # past every limit of this stack: the gateway's largest header, the decode worker's KV group
@@ -19,13 +18,8 @@ GREEDY = {"prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0, "i
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("oversized")
-    save_tiny_chat_model(folder / "tiny-chat")
-    stack = Stack(folder, model=str(folder / "tiny-chat"), kv_cache_memory="16MiB")
-    try:
+    with tiny_stack(tmp_path_factory.mktemp("oversized")) as stack:
         yield stack.start_pair()
-    finally:
-        stack.close()
 
 
 def memory_kib(pid: int) -> dict[str, int]:

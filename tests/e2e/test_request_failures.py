@@ -13,8 +13,7 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common.sampling import MAX_SEED, SamplingParams
 from kvferry.common.transport import Channel
-from tests.e2e.stack import Stack
-from tests.tiny_models import save_tiny_chat_model
+from tests.e2e.stack import Stack, tiny_stack
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 PROMPT = list(range(100, 140))  # 40 tokens: two full blocks and a partial one
@@ -85,9 +84,7 @@ def finished(messages) -> bool:
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
     """A prefill and a decode worker serving the fake gateway, plus one of each whose second engine step fails."""
-    folder = tmp_path_factory.mktemp("failures")
-    save_tiny_chat_model(folder / "tiny-chat")
-    stack = Stack(folder, model=str(folder / "tiny-chat"), kv_cache_memory="16MiB")
+    stack = tiny_stack(tmp_path_factory.mktemp("failures"))
     gateway = FakeGateway(stack.control)
     faulty = {"KVFERRY_FAULTS": "fail_step=2"}
     try:
