@@ -415,6 +415,12 @@ def _largest_field(wire: dict, prefix: str = "") -> str:
     return prefix + name
 
 
+def shorten(text: str, limit: int) -> str:
+    """Text a message carries (a failure's reason), cut to limit characters: an exception's message can quote a whole
+    input, and the message must stay within its kind's header limit."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def cache_update_chunks(worker_id: str, stored: list[bytes], evicted: list[bytes] = (), full: bool = False) -> list:
     """One cache update as CacheUpdates of at most MAX_CACHE_UPDATE_HASHES hashes each, meaning together what it
     would: a full one's first chunk replaces the receiver's set (an empty full update still clears it) and the rest

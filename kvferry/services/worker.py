@@ -330,8 +330,8 @@ class Worker:
         (InvalidRequest) and 500 when it is this worker's."""
         code = code or (400 if isinstance(exc, InvalidRequest) else 500)
         log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
-        brief = error if len(error) <= MAX_ERROR_CHARS else error[: MAX_ERROR_CHARS - 3] + "..."
-        link.channel.send(p.RequestFailed(brief, code, attempt, retry=retry), request_id, trace)
+        failed = p.RequestFailed(p.shorten(error, MAX_ERROR_CHARS), code, attempt, retry=retry)
+        link.channel.send(failed, request_id, trace)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         """End whatever this worker holds for an attempt that failed."""

@@ -194,8 +194,7 @@ class DecodeWorker(Worker):
 
     def ack(self, env: p.Envelope, peer: bytes, accepted: bool, reason="", retry=True, resend_all=False) -> None:
         msg = env.message
-        reason = reason if len(reason) <= MAX_REASON_CHARS else reason[: MAX_REASON_CHARS - 3] + "..."
-        reply = p.KVAck(accepted, reason, retry, msg.attempt, resend_all)
+        reply = p.KVAck(accepted, p.shorten(reason, MAX_REASON_CHARS), retry, msg.attempt, resend_all)
         self.kv_in.send(reply, env.request_id, env.trace, to=peer)
 
     def receive_kv(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
