@@ -79,9 +79,8 @@ class Flight:
     decode_started: bool = False  # this attempt's KV landed: tokens came from the decode worker
     last_progress: float = field(default_factory=time.monotonic)
     num_moves: int = 0
-    failed_on: set[bytes] = field(
-        default_factory=set
-    )  # workers an attempt failed on: the next goes elsewhere if it can
+    # The workers an attempt failed on: the next attempt goes elsewhere if it can.
+    failed_on: set[bytes] = field(default_factory=set)
     queue: asyncio.Queue = field(init=False)  # bounded: MAX_QUEUED_EVENTS per choice
     deadline: float = float("inf")  # monotonic: the request's end-to-end bound
     failure: Event | None = None  # set by the gateway's watchdog: the request ends with this error

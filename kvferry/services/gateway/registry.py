@@ -3,6 +3,7 @@
 Pure Python: it is told about registrations, heartbeats and the time, and answers questions.
 """
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -206,4 +207,4 @@ def _remember_cached(worker: WorkerInfo, hashes) -> None:
     stale, not larger, until the worker's next full update replaces it."""
     room = 2 * max(worker.num_blocks, 1) - len(worker.cached)
     if room > 0:
-        worker.cached.update(hashes[:room] if isinstance(hashes, list) else list(hashes)[:room])
+        worker.cached.update(itertools.islice(hashes, room))

@@ -151,8 +151,7 @@ class GatewayCore:
             )
         elif isinstance(msg, p.Heartbeat):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and peer not in (worker.identity, worker.identity + p.HEARTBEAT_SUFFIX):
-                self._forged(msg, peer, "a heartbeat for a worker registered from another connection")
+            if self._spoofed(msg, peer, worker, p.HEARTBEAT_SUFFIX):
                 return
             if not msg.healthy and worker is not None:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
@@ -165,15 +164,12 @@ class GatewayCore:
                 )
         elif isinstance(msg, p.CacheUpdate):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and worker.identity != peer:
-                self._forged(msg, peer, "a cache update for a worker registered from another connection")
-            elif worker is not None:  # (a worker the gateway dropped learns so from its next heartbeat)
+            # (A worker the gateway dropped learns so from its next heartbeat.)
+            if worker is not None and not self._spoofed(msg, peer, worker):
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and worker.identity != peer:
-                self._forged(msg, peer, "a deregistration for a worker registered from another connection")
-            elif worker is not None:
+            if worker is not None and not self._spoofed(msg, peer, worker):
                 if msg.final:
                     self._lose_worker(self.registry.workers.pop(msg.worker_id), "it shut down")
                 else:
@@ -210,6 +206,14 @@ class GatewayCore:
         if known is not None and known.instance_id != msg.instance_id:
             self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
         return None
+
+    def _spoofed(self, msg, peer: bytes, worker: WorkerInfo | None, suffix: bytes = b"") -> bool:
+        """Whether msg speaks for a registered worker from a connection other than the one that registered it (or its
+        identity plus suffix: the heartbeat socket's). Such a message is counted as forged; the caller drops it."""
+        if worker is None or peer in (worker.identity, worker.identity + suffix):
+            return False
+        self._forged(msg, peer, f"it names worker {worker.worker_id}, registered from another connection")
+        return True
 
     def _forged(self, msg, peer: bytes, why: str) -> None:
         """A worker message from a connection that may not send it: dropped, counted and logged, never acted on."""
