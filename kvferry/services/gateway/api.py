@@ -311,7 +311,7 @@ class Api:
         if len(batch) > self.limits.max_prompts:
             raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", "prompt")
         self.tokenizer_routes.check_chars(sum(len(p) for p in batch if isinstance(p, str)), "prompt")
-        encode = self.tokenizer_routes.encode
+        encode = self.tokenizer.encode
         return [self._checked(encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]
 
     def _checked(self, ids: list[int], param: str) -> list[int]:

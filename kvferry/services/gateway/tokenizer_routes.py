@@ -29,11 +29,6 @@ class TokenizerRoutes:
     def __init__(self, api, tokenizer):
         self.api, self.tokenizer = api, tokenizer
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The tokenizer's ids for text. Through encode_batch, which lets go of the GIL while it works (encode holds it
-        for the whole text, a second for a megabyte): the event loop serves on meanwhile. The same ids."""
-        return self.tokenizer.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-
     def check_chars(self, num_chars: int, param: str, how: str = "") -> None:
         """--max-prompt-chars, checked before tokenizing."""
         most = self.api.limits.max_prompt_chars
@@ -66,7 +61,7 @@ class TokenizerRoutes:
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
         # Checked again as rendered: many short messages put far more of the template's own text around them.
         self.check_chars(len(text), "messages", " through the chat template")
-        return self.encode(text, add_special_tokens=False)  # the template writes the special tokens
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     async def tokenize(self, request: Request) -> JSONResponse:
         try:
@@ -80,7 +75,7 @@ class TokenizerRoutes:
                     raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
                 self.check_chars(len(prompt), "prompt")
                 add_special_tokens = field(body, "add_special_tokens", (bool,), True)
-                ids = await self.api.off_loop(self.encode, prompt, add_special_tokens)
+                ids = await self.api.off_loop(self.tokenizer.encode, prompt, add_special_tokens)
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except ClientDisconnect:
