@@ -23,6 +23,7 @@ from dataclasses import MISSING, dataclass, field, fields
 import msgpack
 
 from kvferry.common.block_hash import HASH_BYTES
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, MAX_FIELD_CHARS, STRUCTURAL_TAG, Constraint
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import (
     MAX_LOGIT_BIAS,
@@ -34,7 +35,7 @@ from kvferry.common.sampling import (
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 11  # 11: Register carries the worker process's instance id
+PROTOCOL_VERSION = 12  # 12: sampling parameters carry a structured-output constraint
 MAX_FRAME_BYTES = 1 << 31
 # Tokens in one sequence, prompt and output: a bound on the max_model_len of any worker (one with a longer one
 # refuses to start). It covers 256k-context models; the big messages' limits follow from it.
@@ -111,6 +112,9 @@ class WorkerStats:
     num_kv_bytes_sent: int = 0  # prefill workers: KV bytes shipped to decode workers
     num_kv_bytes_skipped: int = 0  # and the bytes left out because the decode worker held those blocks
     num_kv_bytes_sent_early: int = 0  # of the bytes shipped, those sent while the prompt was still computing
+    num_grammar_compiles: int = 0  # structured-output constraints compiled (cache misses)
+    num_grammar_cache_hits: int = 0  # constraints found compiled in the cache
+    grammar_compile_s: float = 0.0  # seconds spent compiling, all compiles together
 
 
 # --- messages -------------------------------------------------------------------------------------------------
@@ -366,6 +370,7 @@ _SAMPLING_BYTES = _packed_bytes(
         logit_bias=((_WIDEST_INT, -1.0),) * MAX_LOGIT_BIAS,
         logprobs=MAX_LOGPROBS,
         prompt_logprobs=MAX_LOGPROBS,
+        constraint=Constraint(STRUCTURAL_TAG, "x" * MAX_CONSTRAINT_BYTES, "\U0001f600" * MAX_FIELD_CHARS),
     )
 )
 _CONTENT_BYTES = {  # beyond SMALL_HEADER_BYTES; a kind not named carries nothing but small fields

@@ -4,6 +4,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
@@ -41,6 +42,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     logprobs: int | None = None  # alternatives to report per generated token (0: the token only)
     prompt_logprobs: int | None = None  # the same for each prompt token (echo)
+    constraint: Constraint | None = None  # structured output: what every sampled token must keep the output matching
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):

@@ -16,6 +16,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS or a stop token
     LENGTH = 1  # max_tokens or the model's maximum length
     ABORT = 2
+    DEAD_END = 3  # the constraint allows no token: its grammar conflicts with min_tokens, or the vocabulary lacks one
 
 
 @dataclass

@@ -401,6 +401,15 @@ SPEC: tuple[Setting, ...] = (
         "worker",
     ),
     Setting(
+        "grammar_compile_timeout",
+        FLOAT,
+        "10",
+        "a structured-output constraint whose compile takes longer than this (seconds) gets a 400",
+        (*WORKERS, SERVE),
+        "worker",
+        above=0,
+    ),
+    Setting(
         "stall_timeout",
         FLOAT,
         "30",
@@ -538,6 +547,16 @@ SPEC: tuple[Setting, ...] = (
         (GATEWAY, SERVE),
         "API",
         min=1,
+    ),
+    Setting(
+        "tool_prompt_template",
+        PATH,
+        None,
+        "a Jinja file that renders chat tools into the system prompt for models whose chat template has no tools; "
+        "default: kvferry's own (docs/structured-output.md)",
+        (GATEWAY, SERVE),
+        "API",
+        metavar="FILE",
     ),
     # Security.
     Setting(
