@@ -38,6 +38,8 @@ from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
 from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.structured.grammars import GrammarCache
+from kvferry.common.structured.matcher import ConstraintState
 
 log = logging.getLogger("kvferry.engine")
 
@@ -92,6 +94,7 @@ class LLMEngine(ReceivedKV):
         if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
             capture_decode_graphs(self.runner, config, max_model_len)
         self.vocab_size = self.hf_config.vocab_size
+        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids)
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
         self._kept: dict[str, Sequence] = {}  # finished, blocks kept for the connector until release()
@@ -147,6 +150,7 @@ class LLMEngine(ReceivedKV):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         # Outputs with nothing computed: the scheduler runs it like a preempted sequence, all tokens as one prompt.
         seq = Sequence(request_id, token_ids, params, output_token_ids=list(resume_token_ids))
+        seq.constraint_state = self.constraint_state(params, resume_token_ids)
         self._live[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -162,6 +166,13 @@ class LLMEngine(ReceivedKV):
         bad = next((t for t in token_ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
+
+    def constraint_state(self, params: SamplingParams, token_ids: list[int]) -> ConstraintState | None:
+        """A matcher for params' constraint that has seen token_ids (the outputs so far); None without one. The
+        grammar comes from the cache: a worker compiles it off its loop first, and compiles here only offline."""
+        if params.constraint is None:
+            return None
+        return ConstraintState(self.grammars.compile(params.constraint), token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
@@ -216,8 +227,11 @@ class LLMEngine(ReceivedKV):
             done = id(seq) in finished
             if seq.is_finished and not done:
                 continue  # aborted while the step ran (by a connector's hook)
+            if seq.finish_reason == FinishReason.DEAD_END:  # the token it drew was not allowed: not an output
+                token_id, logprobs = None, None
+            new_token_ids = [] if token_id is None else [token_id]
             out = RequestOutput(
-                seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), [token_id], done, seq.finish_reason
+                seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids, done, seq.finish_reason
             )
             if logprobs is not None:
                 out.new_logprobs = [logprobs]
@@ -283,15 +297,40 @@ class LLMEngine(ReceivedKV):
         CPU, ready to go out as one raw frame."""
         return self.runner.read_blocks(block_ids, layers)
 
-    def sample_choices(self, request_id: str, choice_params: list[SamplingParams]) -> list[tuple[int, object]]:
-        """More first tokens from the logits of a prompt finished in the latest step, one per extra choice."""
-        return self.runner.sample_choices(self._kept.get(request_id) or self._live[request_id], choice_params)
+    def first_tokens(
+        self, out: RequestOutput, params: SamplingParams, extra: list[SamplingParams]
+    ) -> list[tuple[int, TokenLogprobs | None, FinishReason | None]]:
+        """A prompt that finished in the latest step (out): each choice's first token, its logprobs, and how that
+        token ends the choice (None: it goes on), judged by params (the request's own, not the one-token
+        parameters the engine ran it with). Choice 0 is out's token; the extra choices draw from the same logits,
+        each with its own parameters and its own constraint state. A choice whose constraint allowed no token
+        has token -1 and FinishReason.DEAD_END."""
+        seq = self._kept.get(out.request_id) or self._live[out.request_id]
+        num_outputs, num_tokens = len(seq.output_token_ids), seq.num_tokens
+        before = seq.output_token_ids[:-1]  # what each choice's constraint had seen before its first token
+        if out.finish_reason == FinishReason.DEAD_END:
+            firsts = [(-1, None, FinishReason.DEAD_END)]
+        else:
+            token, logprobs = out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None
+            reason = self.finish_reason(params, token, num_outputs, num_tokens, seq.constraint_state)
+            firsts = [(token, logprobs, reason)]
+        states = [self.constraint_state(p, before) for p in extra]
+        for (token, logprobs), choice_params, state in zip(
+            self.runner.sample_choices(seq, extra, states), extra, states
+        ):
+            if state is not None and not state.accept(token):
+                firsts.append((-1, None, FinishReason.DEAD_END))
+            else:
+                firsts.append(
+                    (token, logprobs, self.finish_reason(choice_params, token, num_outputs, num_tokens, state))
+                )
+        return firsts
 
     def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:
         return list(self.runner.prompt_logprobs.get(request_id) or ())
 
-    def finish_reason(self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int):
-        return self.scheduler.finish_reason(params, token_id, num_output_tokens, num_tokens)
+    def finish_reason(self, params, token_id: int, num_output_tokens: int, num_tokens: int, constraint_state=None):
+        return self.scheduler.finish_reason(params, token_id, num_output_tokens, num_tokens, constraint_state)
 
     def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
         """The ids of the leading cached blocks that hold these hashes, referenced for the caller (free_blocks

@@ -107,6 +107,7 @@ class ReceivedKV:
                     output_token_ids=[*resume_token_ids, first_token_id],
                     num_computed_tokens=num_prompt,
                 )
+                seq.constraint_state = self.constraint_state(choice_params, seq.output_token_ids)
                 if not admitted:
                     self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
                     admitted.append(seq)

@@ -284,8 +284,12 @@ class Scheduler:
             self._register_full_blocks(seq)
             if token_id is None:
                 continue
-            seq.output_token_ids.append(token_id)
-            reason = self.finish_reason(seq.params, token_id, len(seq.output_token_ids), seq.num_tokens)
+            state = seq.constraint_state
+            if state is not None and not state.accept(token_id):  # its constraint had masked every token out
+                reason = FinishReason.DEAD_END
+            else:
+                seq.output_token_ids.append(token_id)
+                reason = self.finish_reason(seq.params, token_id, len(seq.output_token_ids), seq.num_tokens, state)
             if reason is not None:
                 self.running.remove(seq)
                 self._finish(seq, reason)
@@ -293,10 +297,13 @@ class Scheduler:
         return finished
 
     def finish_reason(
-        self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int
+        self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int, constraint_state=None
     ) -> FinishReason | None:
-        """Whether a sequence ends with token_id, its num_output_tokens-th output (num_tokens in all)."""
+        """Whether a sequence ends with token_id, its num_output_tokens-th output (num_tokens in all), which its
+        constraint state (if any) has accepted."""
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+            return FinishReason.STOP
+        if constraint_state is not None and constraint_state.terminated:  # complete: even ignore_eos ends here
             return FinishReason.STOP
         if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
             return FinishReason.LENGTH

@@ -36,6 +36,9 @@ class Sequence:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, as far as known
     num_registered_blocks: int = 0  # leading blocks of block_table already offered to the prefix cache
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
+    # Its structured-output matcher (common/structured/matcher.py), when params.constraint is set: advanced with
+    # every output token, kept through preemption, rebuilt from the tokens wherever the sequence moves.
+    constraint_state: object | None = None
 
     @property
     def token_ids(self) -> list[int]:

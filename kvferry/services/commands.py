@@ -49,6 +49,7 @@ def _run_worker(args, cls, **kwargs) -> int:
         args.gateway,
         worker_id,
         stall_timeout_s=args.stall_timeout,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
         drain_timeout_s=args.drain_timeout,
         curve=curve,
         insecure=args.insecure,

@@ -31,6 +31,7 @@ from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.transport import Channel
+from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
 
 log = logging.getLogger("kvferry.worker")
@@ -64,6 +65,7 @@ class Worker:
         drain_timeout_s: float = 30.0,
         curve: CurveKeys | None = None,
         insecure: bool = False,
+        grammar_compile_timeout_s: float = 10.0,
     ):
         """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -83,6 +85,8 @@ class Worker:
         self.poller = zmq.Poller()
         for link in self.links:
             self.poller.register(link.channel.socket, zmq.POLLIN)
+        self.compiles = ConstraintCompiles(self.engine.grammars, grammar_compile_timeout_s)
+        self.poller.register(self.compiles.wake_fd, zmq.POLLIN)
         self.heartbeat_interval_s = 1.0
         self.running = True
         self.latest_stats: p.WorkerStats | None = None
@@ -132,7 +136,15 @@ class Worker:
 
     def stats(self) -> p.WorkerStats:
         engine_counters = dataclasses.asdict(self.engine.stats())
-        return p.WorkerStats(**engine_counters, num_protocol_errors=self.num_protocol_errors(), **self.kv_counters())
+        grammars = self.engine.grammars
+        return p.WorkerStats(
+            **engine_counters,
+            num_protocol_errors=self.num_protocol_errors(),
+            num_grammar_compiles=grammars.num_compiles,
+            num_grammar_cache_hits=grammars.num_cache_hits,
+            grammar_compile_s=grammars.compile_s,
+            **self.kv_counters(),
+        )
 
     def kv_counters(self) -> dict:
         """A role's own WorkerStats counters (the prefill worker's KV bytes and prompts)."""
@@ -207,6 +219,14 @@ class Worker:
     def idle_wait_ms(self) -> int:
         return int(self.heartbeat_interval_s * 1000 / 2)
 
+    def poll_timeout_ms(self) -> int:
+        """0 with work to do; else the role's idle wait, cut short by the next compile timeout."""
+        if self.has_work():
+            return 0
+        deadline_in = self.compiles.next_deadline_in()
+        idle = self.idle_wait_ms()
+        return idle if deadline_in is None else min(idle, int(deadline_in * 1000) + 1)
+
     def tidy(self) -> None:
         """Once a loop, busy or idle: let go of what has outlived its time."""
 
@@ -222,9 +242,9 @@ class Worker:
                 if not self.stop_requested:
                     for link in self.links:
                         link.register_if_due(register, now)
-                timeout = 0 if self.has_work() else self.idle_wait_ms()
-                for sock, _ in self.poller.poll(timeout):
+                for sock, _ in self.poller.poll(self.poll_timeout_ms()):
                     self.drain(sock)
+                self.take_compiled()
                 if self.has_work():
                     self.step_isolated()
                     self.maybe_stall()
@@ -247,6 +267,34 @@ class Worker:
                 self.tell_gateways(p.Deregister(self.worker_id, final=True))
             heartbeats.join(timeout=5)
             self.close()
+
+    def take_compiled(self) -> None:
+        """Hand each request whose constraint finished compiling (or timed out) back to its role; its failure stays
+        with it."""
+        for done in self.compiles.take_finished():
+            try:
+                self.on_compiled(done)
+            except FatalError:
+                raise
+            except Exception:
+                log.exception("%s: after a constraint's compile", self.worker_id)
+
+    def on_compiled(self, done: Compiled) -> None:
+        """A role's request whose constraint was compiling: done.error empty means it compiled."""
+
+    def trace_compile(self, request_id: str, trace, constraint, started_at: float, ended_at: float, cached: bool):
+        """The constraint's compile (or cache hit) as a span of the request's trace."""
+        if self.tracer.enabled:
+            self.tracer.span(
+                "grammar.compile",
+                started_at,
+                ended_at,
+                request_id,
+                tracing.child_of(trace),
+                kind=constraint.kind,
+                field=constraint.field,
+                cached=cached,
+            )
 
     def step_isolated(self) -> None:
         """A step whose failure escaped the engine's and the records' own handling (a bug in the worker's code):
@@ -282,6 +330,8 @@ class Worker:
     def drain(self, sock) -> None:
         """Handle every message waiting on sock. A message's failure stays with its request: the request fails
         with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
+        if sock == self.compiles.wake_fd:
+            return  # the loop takes the finished compiles after every poll
         try:
             if self.drain_other(sock):
                 return
@@ -346,5 +396,6 @@ class Worker:
         raise NotImplementedError
 
     def close(self) -> None:
+        self.compiles.close()
         for link in self.links:
             link.close()

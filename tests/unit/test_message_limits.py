@@ -13,6 +13,7 @@ from kvferry.common import protocol as p
 from kvferry.common.block_hash import HASH_BYTES
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.runner import KVCacheLayout
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, MAX_FIELD_CHARS, STRUCTURAL_TAG, Constraint
 from kvferry.common.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -34,6 +35,7 @@ WIDEST_SAMPLING = SamplingParams(
     stop_token_ids=(WIDEST_INT,) * MAX_STOP_TOKEN_IDS, presence_penalty=-1.5, frequency_penalty=1.5,
     repetition_penalty=1.5, min_p=0.5, min_tokens=2**62, logit_bias=((WIDEST_INT, -99.5),) * MAX_LOGIT_BIAS,
     logprobs=MAX_LOGPROBS, prompt_logprobs=MAX_LOGPROBS,
+    constraint=Constraint(STRUCTURAL_TAG, "\U0001f600" * (MAX_CONSTRAINT_BYTES // 4), "\u00e9" * MAX_FIELD_CHARS),
 )  # fmt: skip
 TRACE = p.TraceContext("t" * 32, "s" * 16, "q" * 16)
 WIDEST_LOGPROBS = TokenLogprobs(WIDEST_TOKEN, -1.5, (WIDEST_TOKEN,) * MAX_LOGPROBS, (-1.5,) * MAX_LOGPROBS)

@@ -6,6 +6,7 @@ import msgpack
 import pytest
 
 from kvferry.common import protocol as p
+from kvferry.common.constraint import Constraint
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 SAMPLING = SamplingParams(
@@ -125,6 +126,7 @@ def test_sampling_params_and_logprobs_travel_field_by_field():
         max_tokens=9, temperature=0.7, top_p=0.8, top_k=5, seed=2**63 - 1, ignore_eos=True, stop_token_ids=(3, 4),
         presence_penalty=0.5, frequency_penalty=-0.5, repetition_penalty=1.3, min_p=0.1, min_tokens=2,
         logit_bias=((7, -3.5), (8, 100.0)), logprobs=3, prompt_logprobs=2,
+        constraint=Constraint("json", '{"type":"object"}', "response_format"),
     )  # fmt: skip
     assert all(getattr(params, f.name) != f.default for f in dataclasses.fields(SamplingParams))
     request = p.PrefillRequest([1, 2], params, "d0", "tcp://127.0.0.1:1", 1e9)

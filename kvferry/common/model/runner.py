@@ -193,7 +193,8 @@ class ModelRunner:
         seqs = [plan.chunks[i].seq for i in sampling]
         self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}
         processed = process_logits(logits, seqs, self.eos_token_ids)
-        token_ids = sample(processed, [s.params for s in seqs], [self._generator_for(s) for s in seqs])
+        constraints = [s.constraint_state for s in seqs]
+        token_ids = sample(processed, [s.params for s in seqs], [self._generator_for(s) for s in seqs], constraints)
         result: list[int | None] = [None] * len(plan.chunks)
         for i, token_id in zip(sampling, token_ids):
             result[i] = token_id
@@ -207,15 +208,16 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def sample_choices(self, seq, choice_params: list) -> list[tuple[int, object]]:
+    def sample_choices(self, seq, choice_params: list, constraints: list) -> list[tuple[int, object]]:
         """More first tokens from the prompt just sampled in the latest step, one per extra choice (each with its
-        own parameters: its own seed): (token id, TokenLogprobs or None) each."""
+        own parameters: its own seed, and its own constraint state or None): (token id, TokenLogprobs or None)
+        each."""
         logits = self.last_logits[self.last_rows[seq.request_id]][None]  # [1, vocab]
         out = []
-        for params in choice_params:
+        for params, state in zip(choice_params, constraints):
             choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
             [token_id] = sample(
-                process_logits(logits, [choice], self.eos_token_ids), [params], [self._new_generator(params)]
+                process_logits(logits, [choice], self.eos_token_ids), [params], [self._new_generator(params)], [state]
             )
             found = token_logprobs(logits, [token_id], [params.logprobs])[0] if params.logprobs is not None else None
             out.append((token_id, found))

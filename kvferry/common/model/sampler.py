@@ -10,8 +10,16 @@ import torch
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [num_rows, vocab] -> one token id per row."""
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    constraints: list | None = None,
+) -> list[int]:
+    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row; a row with
+    one samples only among the tokens it allows, whatever the sampling method."""
+    if constraints is not None:
+        logits = mask_constrained(logits, constraints)
     greedy_ids = logits.argmax(dim=-1)  # [N]
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
@@ -34,6 +42,26 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     sampled = (probs / noise).argmax(dim=-1)
     greedy_ids[rows] = sampled
     return greedy_ids.tolist()
+
+
+def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
+    """The logits with every token a row's constraint forbids at -inf, on the constrained rows only. A copy: the
+    caller's logits stay the model's, which logprobs report (as vLLM does)."""
+    rows = [i for i, state in enumerate(constraints) if state is not None]
+    if not rows:
+        return logits
+    import xgrammar
+
+    vocab = logits.shape[-1]
+    bitmask = xgrammar.allocate_token_bitmask(len(rows), vocab)  # [R, ceil(vocab / 32)] int32, on the CPU
+    for j, i in enumerate(rows):
+        constraints[i].fill(bitmask, j)
+    masked = logits[rows].float()  # [R, vocab], a copy
+    xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device, non_blocking=True), vocab_size=vocab)
+    out = logits.float().clone() if len(rows) < len(constraints) else masked  # [N, vocab]
+    if out is not masked:
+        out[rows] = masked
+    return out
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:

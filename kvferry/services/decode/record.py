@@ -66,6 +66,10 @@ class Incoming:
     expires_at: float = 0.0  # monotonic
     next_layer: int = 0
     num_bytes: int = 0
+    trace: p.TraceContext | None = None  # the first group's
+    # The last group's (peer, envelope), kept while the constraint still compiles: admitted once it has.
+    awaiting_grammar: tuple | None = None
+    grammar_error: str = ""  # the constraint's compile failed: the transfer is refused when its last group comes
 
 
 @dataclass(slots=True)  # tens of thousands of tombstones: no per-record __dict__

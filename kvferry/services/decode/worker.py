@@ -124,6 +124,7 @@ class DecodeWorker(Worker):
         return self.records.get_or_new(key)
 
     def end_record(self, record: DecodeAttempt) -> None:
+        self.compiles.forget(record.key)
         if record.state is not S.DONE:
             record.end(self.engine)
             self.records.file(record)
@@ -241,7 +242,12 @@ class DecodeWorker(Worker):
                 record.hold(held)
             self.ack(env, peer, False, "no free blocks")
             return
-        record.start_receiving(Incoming(msg, link, choices, params, blocks), held)
+        record.start_receiving(Incoming(msg, link, choices, params, blocks, trace=env.trace), held)
+        constraint = msg.sampling.constraint
+        if constraint is not None and not self.compiles.waiting(key):  # compiled while the KV comes
+            compiled_at = time.time()
+            if self.compiles.ready(key, constraint):
+                self.trace_compile(key.request_id, env.trace, constraint, compiled_at, compiled_at, cached=True)
         self.receive_layers(key, peer, env)
 
     def receive_layers(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
@@ -271,13 +277,35 @@ class DecodeWorker(Worker):
         incoming.next_layer += msg.shape[0]
         incoming.num_bytes += kv.nbytes
         incoming.expires_at = time.monotonic() + INCOMING_S
-        if last:
+        if last and self.compiles.waiting(key):
+            incoming.awaiting_grammar = (peer, env)  # admitted by on_compiled
+        elif last:
             self.admit(record, peer, env)
+
+    def on_compiled(self, done) -> None:
+        record = self.records.get(done.owner)
+        incoming = record.incoming if record is not None and record.state is S.RECEIVING else None
+        if incoming is None:
+            return  # ended, or put back: a resend finds the grammar in the cache
+        key = record.key
+        self.trace_compile(key.request_id, incoming.trace, done.constraint, done.started_at, done.ended_at, False)
+        incoming.grammar_error = done.error
+        if incoming.awaiting_grammar is not None:
+            peer, env = incoming.awaiting_grammar
+            incoming.awaiting_grammar = None
+            try:
+                self.admit(record, peer, env)
+            finally:
+                self.records.file(record)
 
     def admit(self, record: DecodeAttempt, peer: bytes, env: p.Envelope) -> None:
         """The last group came: the choices that go on (those whose first token did not end them, and that the
         gateway has not ended since) join the running batch."""
         msg, incoming = env.message, record.incoming
+        if incoming.grammar_error:  # told as it is: "<field>: <reason>", which the gateway names in its 400
+            error = incoming.grammar_error
+            self.refuse(record, env, peer, incoming.link, InvalidRequest(error), told=error)
+            return
         first_token = dict(zip(msg.choices, msg.output_token_ids))
         going_on = [i for i, c in enumerate(incoming.choices) if c in first_token and c not in record.cancelled]
         if not going_on:
@@ -326,12 +354,13 @@ class DecodeWorker(Worker):
             )
         self.ack(env, peer, True)
 
-    def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc) -> None:
-        """A transfer that can never be placed: the request ends here, and its gateway is told why."""
+    def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc, told=""):
+        """A transfer that can never be placed: the request ends here, and its gateway is told why (told: in
+        those words)."""
         self.end_record(record)
         self.ack(env, peer, False, f"refused: {exc}", retry=False)
         if link is not None:
-            error = f"decode worker refused the KV: {exc}"
+            error = told or f"decode worker refused the KV: {exc}"
             self.send_failure(link, env.request_id, env.message.attempt, env.trace, error, exc)
 
     def tidy(self) -> None:

@@ -19,6 +19,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.transport import Channel, limit_socket
+from kvferry.services.wake_pipe import clear, pipe, signal
 
 log = logging.getLogger("kvferry.prefill")
 PEER_IDLE_S = 60.0  # a decode worker's socket unused this long is closed: workers come and go, sockets must not pile up
@@ -51,35 +52,13 @@ class SenderDied:
     error: str
 
 
-def _pipe() -> tuple[int, int]:
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(read_fd, False)
-    os.set_blocking(write_fd, False)
-    return read_fd, write_fd
-
-
-def _signal(fd: int) -> None:
-    try:
-        os.write(fd, b"\0")
-    except BlockingIOError:
-        pass  # the pipe is full of wake-ups already: the reader wakes anyway
-
-
-def _clear(fd: int) -> None:
-    try:
-        while os.read(fd, 4096):
-            pass
-    except BlockingIOError:
-        pass
-
-
 class KVSender:
     def __init__(self, ctx: zmq.Context, worker_id: str, curve=None):
         self.ctx, self.worker_id, self.curve = ctx, worker_id, curve
         self._outbox: queue.SimpleQueue[Outgoing | None] = queue.SimpleQueue()
         self._inbox: collections.deque = collections.deque()  # (address, Envelope) or SendFailed
-        self._outbox_read, self._outbox_write = _pipe()
-        self.wake_fd, self._inbox_write = _pipe()  # readable when received() has something
+        self._outbox_read, self._outbox_write = pipe()
+        self.wake_fd, self._inbox_write = pipe()  # readable when received() has something
         self._channels: dict[str, Channel] = {}
         self._last_used: dict[str, float] = {}  # address -> monotonic time of its latest send or answer
         self._unreachable_until: dict[str, float] = {}  # address -> until when sends there fail without waiting
@@ -89,11 +68,11 @@ class KVSender:
     # -- any thread -------------------------------------------------------------------------------------------
     def send(self, outgoing: Outgoing) -> None:
         self._outbox.put(outgoing)
-        _signal(self._outbox_write)
+        signal(self._outbox_write)
 
     def received(self) -> list:
         """What came back from decode workers since the last call, in order."""
-        _clear(self.wake_fd)
+        clear(self.wake_fd)
         items = []
         while self._inbox:
             items.append(self._inbox.popleft())
@@ -105,7 +84,7 @@ class KVSender:
 
     def close(self) -> None:
         self._outbox.put(None)
-        _signal(self._outbox_write)
+        signal(self._outbox_write)
         self._thread.join(timeout=5)
         if not self._thread.is_alive():  # a thread still in a send must not find its pipes gone
             for fd in (self._outbox_read, self._outbox_write, self.wake_fd, self._inbox_write):
@@ -135,7 +114,7 @@ class KVSender:
 
     def _deliver(self, item) -> None:
         self._inbox.append(item)
-        _signal(self._inbox_write)
+        signal(self._inbox_write)
 
     def _run(self) -> None:
         poller = zmq.Poller()
@@ -192,7 +171,7 @@ class KVSender:
             self._close_idle(poller, address_of)
             for sock, _ in poller.poll(PEER_IDLE_S * 1000 / 4):
                 if sock == self._outbox_read:
-                    _clear(self._outbox_read)
+                    clear(self._outbox_read)
                     while True:
                         try:
                             out = self._outbox.get_nowait()

@@ -1,9 +1,12 @@
 """One prefill worker's record of one request attempt, from arrival to the decode worker's acknowledgement.
 
-    QUEUED ──start_computing──▶ COMPUTING ──start_shipping──▶ SHIPPING ──all_sent──▶ AWAITING_ACK
+    COMPILING ──compiled──▶ QUEUED ──start_computing──▶ COMPUTING ──start_shipping──▶ SHIPPING ──all_sent──▶ AWAITING_ACK
        │                           │                            ▲                      │
        │                           │                            └──────send_again──────┘
        └───────────────────────────┴──── end (done, refused, aborted, failed, given up) ──▶ DONE
+
+COMPILING: its structured-output constraint compiles off the step loop (services/constraint_compiles.py); a
+request without one, or whose constraint is cached, starts QUEUED.
 
 COMPUTING may already ship layer groups (those stored while later layers compute); SHIPPING is a transfer
 that is due, or waiting for its retry time or for the decode worker's KVHeld answer.
@@ -20,6 +23,7 @@ from kvferry.services.request_keys import AttemptKey
 
 
 class PrefillState(enum.Enum):
+    COMPILING = "compiling"
     QUEUED = "queued"
     COMPUTING = "computing"
     SHIPPING = "shipping"
@@ -29,6 +33,7 @@ class PrefillState(enum.Enum):
 
 S = PrefillState
 ALLOWED = {
+    S.COMPILING: (S.QUEUED, S.DONE),
     S.QUEUED: (S.COMPUTING, S.DONE),
     S.COMPUTING: (S.SHIPPING, S.DONE),
     S.SHIPPING: (S.SHIPPING, S.AWAITING_ACK, S.DONE),  # to itself: a due transfer put off again
@@ -73,6 +78,9 @@ class PrefillAttempt:
     @property
     def answer_due(self) -> bool:
         return self.asked and self.held_answer is None
+
+    def compiled(self) -> None:
+        move(self, ALLOWED, S.QUEUED)
 
     def start_computing(self) -> None:
         move(self, ALLOWED, S.COMPUTING)

@@ -88,6 +88,14 @@ class PrefillWorker(Worker):
             except InvalidRequest as exc:  # the decode worker's fault, not the request's: the gateway moves it
                 self.end_request(record, f"decode worker {msg.decode_worker_id}: {exc}", 503, retry=True)
                 return
+            constraint = msg.sampling.constraint
+            if constraint is not None and not self.compiles.ready(key, constraint):
+                record.state = PrefillState.COMPILING  # admitted once it compiles (on_compiled)
+                self.records[key] = record
+                return
+            if constraint is not None:
+                now = time.time()
+                self.trace_compile(key.request_id, env.trace, constraint, now, now, cached=True)
             try:
                 self.admit(key, msg)
             except InvalidRequest as exc:
@@ -96,6 +104,22 @@ class PrefillWorker(Worker):
             self.records[key] = record
         elif isinstance(msg, p.Abort) and msg.choice < 0:  # the request ended (or left this worker)
             self.forget_request(key.request_id, key.attempt)
+
+    def on_compiled(self, done) -> None:
+        record = self.records.get(done.owner)
+        if record is None or record.state is not PrefillState.COMPILING:
+            return
+        key = record.key
+        self.trace_compile(key.request_id, record.trace, done.constraint, done.started_at, done.ended_at, False)
+        if done.error:
+            self.end_request(record, done.error, 400)
+            return
+        try:
+            self.admit(key, record.request)
+        except InvalidRequest as exc:
+            self.end_request(record, str(exc), 400)
+            return
+        record.compiled()
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         record = self.records.get(AttemptKey(request_id, attempt))
@@ -123,6 +147,7 @@ class PrefillWorker(Worker):
         """End an attempt here, for whatever reason: its sequence and blocks go, its record is done, and with an
         error its gateway is told."""
         self.engine.abort(record.key)
+        self.compiles.forget(record.key)
         if record.state is not PrefillState.DONE:
             record.end()
         self.records.pop(record.key, None)
@@ -196,15 +221,11 @@ class PrefillWorker(Worker):
         params = request.sampling
         # Choice 0 was sampled with the prompt; the others draw from the same logits, each with its own seed.
         extra = [dataclasses.replace(for_choice(params, i), logprobs=params.logprobs) for i in range(1, request.n)]
-        logprobs = out.new_logprobs[0] if out.new_logprobs else None
-        firsts = [(out.new_token_ids[0], logprobs), *self.engine.sample_choices(record.key, extra)]
         prompt_logprobs = self.engine.prompt_logprobs_of(record.key)
-        num_tokens = len(out.prompt_token_ids) + len(out.output_token_ids)
         continuing = []
-        for i, (token, token_logprobs) in enumerate(firsts):
+        # Judged with the request's own parameters: the engine ran the prompt for its next token alone.
+        for i, (token, token_logprobs, ended) in enumerate(self.engine.first_tokens(out, params, extra)):
             choice = request.choice if request.resume_token_ids else i
-            # Judged with the request's own parameters: the engine ran the prompt for its next token alone.
-            ended = self.engine.finish_reason(params, token, num_done + 1, num_tokens)
             reason = -1 if ended is None else int(ended)
             first = p.FirstToken(
                 token,

@@ -1,0 +1,1 @@
+"""Structured output on the worker side: constraints compiled with xgrammar, and each sequence's matcher."""
