@@ -1,0 +1,247 @@
+"""Structured output on the worker side, without a model: the grammar cache, matchers rebuilt from tokens, the
+bitmask on exactly the constrained rows, the scheduler's dead end, and compiles off the loop (with timeouts)."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from kvferry.common.block_manager import BlockManager
+from kvferry.common.constraint import Constraint
+from kvferry.common.errors import InvalidRequest
+from kvferry.common.model.sampler import mask_constrained, sample
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.scheduler import Scheduler
+from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.structured.grammars import GrammarCache, choice_grammar
+from kvferry.common.structured.matcher import ConstraintState
+from kvferry.services.constraint_compiles import ConstraintCompiles
+
+EOS = 2
+YES_NO = Constraint("choice", '["yes","no"]', "structured_outputs.choice")
+FLAGS = Constraint(
+    "json",
+    '{"type":"object","properties":{"a":{"enum":["x","y"]},"b":{"type":"boolean"}},"required":["a","b"]}',
+    "response_format.json_schema.schema",
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from kvferry.common.model_files import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model(None))
+
+
+@pytest.fixture
+def grammars(tokenizer):
+    return GrammarCache(tokenizer, len(tokenizer), (EOS,), capacity=2)
+
+
+def allowed_ids(state, vocab) -> set[int]:
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, vocab)
+    state.fill(bitmask, 0)
+    logits = torch.zeros(1, vocab)
+    xgrammar.apply_token_bitmask_inplace(logits, bitmask)
+    return set(torch.nonzero(logits[0] == 0).flatten().tolist())
+
+
+def test_the_cache_compiles_each_constraint_once_and_evicts_the_oldest(grammars):
+    first = grammars.compile(YES_NO)
+    assert grammars.cached(YES_NO) is first and grammars.compile(YES_NO) is first
+    assert (grammars.num_compiles, grammars.num_cache_hits) == (1, 1) and grammars.compile_s > 0
+    grammars.compile(FLAGS)
+    grammars.compile(Constraint("regex", "[0-9]+", "structured_outputs.regex"))  # capacity 2: YES_NO goes
+    assert grammars.cached(YES_NO) is None and grammars.cached(FLAGS) is not None
+    assert grammars.num_compiles == 3
+
+
+@pytest.mark.parametrize(
+    "constraint, reason",
+    [
+        (Constraint("regex", "(ab", "structured_outputs.regex"), "parenthesis"),
+        (Constraint("grammar", "root ::= undefined_rule", "structured_outputs.grammar"), "undefined_rule"),
+        (Constraint("json", '{"type":"bogus"}', "response_format.json_schema.schema"), "bogus"),
+        (Constraint("structural_tag", '{"type":"structural_tag","format":{"type":"nope"}}', "tools"), "nope"),
+        (Constraint("choice", "[]", "structured_outputs.choice"), "non-empty"),
+    ],
+)
+def test_a_constraint_xgrammar_refuses_is_an_invalid_request_naming_its_field(grammars, constraint, reason):
+    with pytest.raises(InvalidRequest) as refused:
+        grammars.compile(constraint)
+    assert str(refused.value).startswith(constraint.field + ": ") and reason in str(refused.value)
+    assert ".cc:" not in str(refused.value)  # xgrammar's C++ source location is left out
+
+
+def test_choice_grammar_escapes_its_strings(grammars, tokenizer):
+    choices = ['say "hi"', "back\\slash", "two\nlines", "café"]
+    compiled = grammars.compile(Constraint("choice", json.dumps(choices), "c"))
+    assert choice_grammar('["a","b"]') == 'root ::= "a" | "b"'
+    for text in choices:
+        state = ConstraintState(compiled)
+        ids = tokenizer.encode(text)
+        assert all(state.accept(t) for t in ids) and state.accept(EOS) and state.terminated
+
+
+def test_a_matcher_rebuilt_from_tokens_allows_what_the_stepped_one_does(grammars, tokenizer):
+    compiled = grammars.compile(FLAGS)
+    ids = tokenizer.encode('{"a": "y", "b": t')
+    stepped = ConstraintState(compiled)
+    for token_id in ids:
+        assert stepped.accept(token_id)
+    rebuilt = ConstraintState(compiled, ids)
+    vocab = len(tokenizer)
+    allowed = allowed_ids(rebuilt, vocab)
+    assert allowed == allowed_ids(stepped, vocab) and set(tokenizer.encode("rue")[:1]) <= allowed
+    assert all("rue".startswith(tokenizer.decode([t])) for t in allowed)  # "true" goes on, and nothing else
+    assert stepped.again(ids[:2]).accept(ids[2])  # a fresh state of the same grammar, elsewhere in the output
+    with pytest.raises(InvalidRequest, match="breaks its constraint at token 0"):
+        ConstraintState(compiled, tokenizer.encode("[1]"))
+
+
+def test_the_bitmask_touches_exactly_the_constrained_rows_and_not_the_input(grammars, tokenizer):
+    vocab = len(tokenizer)
+    logits = torch.randn(4, vocab)
+    before = logits.clone()
+    states = [None, ConstraintState(grammars.compile(YES_NO)), None, ConstraintState(grammars.compile(FLAGS))]
+    masked = mask_constrained(logits, states)
+    assert torch.equal(logits, before)  # the model's logits stay for logprobs
+    assert torch.equal(masked[0], before[0]) and torch.equal(masked[2], before[2])
+    for row in (1, 3):
+        allowed = allowed_ids(states[row], vocab)
+        kept = set(torch.nonzero(masked[row] > float("-inf")).flatten().tolist())
+        assert kept == allowed and 0 < len(allowed) < vocab
+        assert torch.equal(masked[row][sorted(allowed)], before[row][sorted(allowed)])
+    assert all(tokenizer.decode([t]) in ("{", '{"') for t in allowed_ids(states[3], vocab))
+    assert mask_constrained(logits, [None] * 4) is logits  # nothing constrained: nothing copied
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.5),
+        SamplingParams(temperature=1.0, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.1),
+        SamplingParams(temperature=1.0, min_p=0.5),
+    ],
+    ids=["greedy", "random", "top_k", "top_p", "min_p"],
+)
+def test_every_sampling_method_draws_only_allowed_tokens(grammars, tokenizer, params):
+    vocab = len(tokenizer)
+    for seed in range(5):
+        logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * 5
+        state = ConstraintState(grammars.compile(YES_NO))
+        generator = None if params.greedy else torch.Generator().manual_seed(seed)
+        token_ids = sample(logits, [params, params], [generator, generator], [state, None])
+        assert token_ids[0] in allowed_ids(state, vocab)
+
+
+class Rejecting:
+    """A constraint state whose grammar allows nothing more (what ConstraintState.accept says at a dead end)."""
+
+    terminated = False
+
+    def accept(self, token_id):
+        return False
+
+
+def scheduler():
+    return Scheduler(BlockManager(16, 4), 4, 64, 64, eos_token_ids=(EOS,))
+
+
+def run_one_step(sch, seq, token_id):
+    sch.add(seq)
+    plan = sch.schedule()
+    return sch.update(plan, [token_id])
+
+
+def test_a_token_the_constraint_refuses_ends_the_sequence_as_a_dead_end_without_it():
+    sch = scheduler()
+    seq = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=8))
+    seq.constraint_state = Rejecting()
+    assert run_one_step(sch, seq, 9) == [seq]
+    assert seq.finish_reason == FinishReason.DEAD_END and seq.output_token_ids == []
+
+
+def test_a_completed_constraint_ends_the_sequence_even_with_ignore_eos(grammars, tokenizer):
+    sch = scheduler()
+    seq = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    seq.constraint_state = ConstraintState(grammars.compile(YES_NO), tokenizer.encode("no"))
+    assert run_one_step(sch, seq, EOS) == [seq]
+    assert seq.finish_reason == FinishReason.STOP
+
+
+class SlowGrammars:
+    """A grammar cache whose compile waits for the test's word: the thing under test is the waiting around it."""
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.compiled: dict = {}
+
+    def cached(self, constraint, count=True):
+        return self.compiled.get(constraint.key)
+
+    def compile(self, constraint):
+        self.release.wait(10)
+        if constraint.kind == "regex" and constraint.spec == "(":
+            raise InvalidRequest(f"{constraint.field}: the parenthesis is not closed")
+        self.compiled[constraint.key] = object()
+        return self.compiled[constraint.key]
+
+
+def finished(compiles, until=5.0):
+    deadline = time.monotonic() + until
+    while time.monotonic() < deadline:
+        done = compiles.take_finished()
+        if done:
+            return done
+        time.sleep(0.01)
+    return []
+
+
+def test_compiles_run_off_the_loop_shared_by_requests_with_the_same_constraint():
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=30)
+    try:
+        assert not compiles.ready("a", YES_NO) and not compiles.ready("b", YES_NO)  # both wait on one compile
+        assert compiles.waiting("a") and compiles.take_finished() == []
+        grammars.release.set()
+        done = finished(compiles)
+        done += finished(compiles, 0.2) if len(done) < 2 else []
+        assert sorted(d.owner for d in done) == ["a", "b"] and all(d.error == "" for d in done)
+        assert compiles.ready("c", YES_NO)  # in the cache now
+        assert not compiles.ready("d", Constraint("regex", "(", "structured_outputs.regex"))
+        [bad] = finished(compiles)
+        assert bad.owner == "d" and bad.error == "structured_outputs.regex: the parenthesis is not closed"
+    finally:
+        compiles.close()
+
+
+def test_a_compile_past_its_timeout_fails_its_requests_and_its_constraint_fails_fast_after():
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=0.05)
+    try:
+        assert not compiles.ready("a", FLAGS)
+        assert compiles.next_deadline_in() <= 0.05
+        [late] = finished(compiles)
+        assert late.owner == "a" and "took longer than the 0.05 s" in late.error
+        assert late.error.startswith("response_format.json_schema.schema: ")
+        assert not compiles.ready("b", FLAGS)  # refused at once, not queued behind the stuck compile
+        [again] = finished(compiles, 0.5)
+        assert again.owner == "b" and "took longer" in again.error
+        forgotten = Constraint("regex", "[a-z]", "r")
+        assert not compiles.ready("c", forgotten)
+        compiles.forget("c")
+        grammars.release.set()
+        time.sleep(0.1)
+        assert all(d.owner != "c" for d in compiles.take_finished())  # an owner that ended is not reported
+    finally:
+        grammars.release.set()
+        compiles.close()
