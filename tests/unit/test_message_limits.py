@@ -11,9 +11,9 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.block_hash import HASH_BYTES
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, MAX_FIELD_CHARS, STRUCTURAL_TAG, Constraint
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.runner import KVCacheLayout
-from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, MAX_FIELD_CHARS, STRUCTURAL_TAG, Constraint
 from kvferry.common.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
