@@ -9,21 +9,22 @@ import json
 import sys
 
 from kvferry.common import settings
-from kvferry.tools.bench import workload
+from kvferry.tools.bench import structured, workload
 from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
 
 FEATURES = {  # name: (the environment setting that turns it off, the workload that measures it)
     "prefix-caching": (settings.env_name("no_prefix_caching"), "shared-prefix"),
     "chunked-prefill": (settings.env_name("no_chunked_prefill"), "head-of-line"),
+    "structured-output": (None, "std-32"),  # on: every request constrained to a JSON schema (bench/structured.py)
 }
 
 
 def add_parser(bench) -> None:
     p = bench.add_parser(
         "feature",
-        help="a feature on against off on fresh stacks: prefix caching over the "
-        "shared-prefix workload, chunked prefill over head-of-line",
+        help="a feature on against off: prefix caching over the shared-prefix workload, chunked prefill over "
+        "head-of-line (each on fresh stacks), structured output over std-32 (on one stack)",
     )
     p.add_argument("--feature", required=True, choices=sorted(FEATURES))
     p.add_argument("--workload", default=None, choices=workload.NAMES, help="default: the feature's own")
@@ -56,6 +57,8 @@ def _ratio(off: float, on: float) -> float:
 
 
 def cmd_bench_feature(args) -> int:
+    if args.feature == "structured-output":
+        return structured.run(args)
     from transformers import AutoConfig
 
     from kvferry.common.model_files import resolve_model

@@ -7,9 +7,10 @@ import time
 import numpy as np
 
 
-async def _one(client, url: str, model: str, request: dict, start: float) -> dict:
+async def _one(client, url: str, model: str, request: dict, start: float, extra_body: dict) -> dict:
     await asyncio.sleep(max(0.0, request["arrival_s"] - (time.perf_counter() - start)))
     body = {
+        **extra_body,
         "model": model,
         "prompt": request["prompt_token_ids"],
         "max_tokens": request["max_tokens"],
@@ -41,14 +42,15 @@ async def _one(client, url: str, model: str, request: dict, start: float) -> dic
     return {"ttft": ttft, "tpot": tpot, "tokens": num_tokens, "kv_transfer_s": kv_transfer_s}
 
 
-async def replay(url: str, model: str, requests: list[dict]) -> dict:
-    """Figures of the whole run, and per group for workloads whose requests name one."""
+async def replay(url: str, model: str, requests: list[dict], extra_body: dict | None = None) -> dict:
+    """Figures of the whole run, and per group for workloads whose requests name one. extra_body: fields every
+    request also sends (a constraint, say)."""
     import httpx
 
     limits = httpx.Limits(max_connections=len(requests) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits) as client:
         start = time.perf_counter()
-        results = await asyncio.gather(*(_one(client, url, model, r, start) for r in requests))
+        results = await asyncio.gather(*(_one(client, url, model, r, start, extra_body or {}) for r in requests))
         elapsed = time.perf_counter() - start
     total = sum(r["tokens"] for r in results)
     report = {
