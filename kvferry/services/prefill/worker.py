@@ -216,6 +216,7 @@ class PrefillWorker(Worker):
                 num_prompt_tokens=len(request.prompt_token_ids),
                 num_resumed_tokens=num_done,
                 attempt=request.attempt,
+                constraint=request.sampling.constraint.kind if request.sampling.constraint else "",
             )
         self.num_prompts_prefilled += 1
         params = request.sampling

@@ -5,6 +5,7 @@ from kvferry.tools.trace.reader import BATCH_SPANS, TraceSet, process_order
 COLORS = {
     "http": "#c7d7ef",
     "queue": "#f2c14e",
+    "grammar.compile": "#d4a5e8",
     "prefill": "#f08a4b",
     "kv.gather": "#8fbc8f",
     "kv.transfer_out": "#5b9f6f",
