@@ -11,6 +11,7 @@ Model-specific classes (LlamaTokenizer, Qwen2Tokenizer, ...) rebuild their pipel
 transformers instead of using tokenizer.json's as saved; for those the gateway warns that the two may differ.
 """
 
+import functools
 import json
 import os
 from datetime import datetime
@@ -163,7 +164,9 @@ def _plain(value):
     return f"<{type(value).__name__}>"
 
 
-def _compile(template: str):
+@functools.lru_cache(maxsize=1)
+def _environment():
+    """The sandbox every template renders in: transformers' own, with its globals and filters."""
     import jinja2
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -224,7 +227,21 @@ def _compile(template: str):
     env.globals["strftime_now"] = strftime_now
     env.globals["dict"] = TemplateDict()
     env.globals["namespace"] = TemplateNamespace
-    return env.from_string(template)
+    return env
+
+
+def _compile(template: str):
+    return _environment().from_string(template)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str):
+    return _compile(source)
+
+
+def render_template(source: str, **variables) -> str:
+    """Any Jinja template (the gateway's tool prompt) in the chat templates' sandbox, given plain data only."""
+    return _compiled_template(source).render(**_plain(variables))
 
 
 class TextTokenizer:
@@ -302,6 +319,18 @@ class TextTokenizer:
             ):
                 text = text.replace(before, after)
         return text
+
+    @functools.cached_property
+    def renders_tools(self) -> bool:
+        """Whether the chat template (its tool_use one, where it has several) writes the tools it is given. One that
+        does not (SmolLM2's) would drop them: the gateway writes them into the system prompt instead."""
+        from jinja2 import meta
+
+        try:
+            source = self._template([])
+        except ValueError:
+            return False
+        return "tools" in meta.find_undeclared_variables(_environment().parse(source))
 
     def _template(self, tools) -> str:
         template = self.chat_template

@@ -1,0 +1,319 @@
+"""Which JSON Schemas the structured-output engine (xgrammar 0.2.9) enforces in full: a schema that asks for more is
+refused with the JSON path of what it cannot do, never compiled with parts of it silently dropped.
+
+Measured on xgrammar 0.2.9 by compiling schemas and feeding the matcher outputs that should pass and fail
+(docs/structured-output.md lists the results). Besides the keywords it ignores outright (allOf, not, if/then/else,
+uniqueItems, contains, patternProperties, dependent*, unevaluated*, unknown formats), it drops keywords in some
+combinations, and those combinations are refused here too:
+- a keyword of one JSON type (minimum, maxLength, items, properties, ...) without a `type` naming that type;
+- the keywords beside a `$ref`, an `anyOf`/`oneOf`, or an `enum`/`const` (beside which only `type` is kept);
+- `format`, `pattern` and minLength/maxLength together in one string schema (only one of the three is kept);
+- a `required` name not in `properties`; `multipleOf` on anything but integers;
+- a `oneOf` whose branches may overlap (the engine generates it as `anyOf`, so one output could match two).
+What the engine adds is fine: it generates no property that `properties` does not list unless additionalProperties
+allows it, and matches `pattern` against the whole string; such an output still validates.
+
+Standard library only: the gateway and the tests share it. It expects a schema that already passed its metaschema.
+"""
+
+import json
+import math
+from urllib.parse import unquote
+
+ANNOTATIONS = frozenset(
+    {
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$schema",
+        "$id",
+        "$comment",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "discriminator",  # OpenAPI's (pydantic writes it): the oneOf it sits beside is checked for overlap instead
+    }
+)
+CONTAINERS = frozenset({"$defs", "definitions"})  # schemas kept for $ref, walked like the rest
+NUMBER_KEYWORDS = frozenset({"minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"})
+STRING_KEYWORDS = frozenset({"minLength", "maxLength", "pattern", "format"})
+ARRAY_KEYWORDS = frozenset({"items", "prefixItems", "minItems", "maxItems"})
+OBJECT_KEYWORDS = frozenset(
+    {"properties", "required", "additionalProperties", "minProperties", "maxProperties", "propertyNames"}
+)
+COMBINATORS = frozenset({"anyOf", "oneOf"})
+SUPPORTED = (
+    frozenset({"type", "enum", "const", "$ref"})
+    | NUMBER_KEYWORDS
+    | STRING_KEYWORDS
+    | ARRAY_KEYWORDS
+    | OBJECT_KEYWORDS
+    | COMBINATORS
+)
+FORMATS = frozenset(
+    {
+        "email",
+        "date",
+        "date-time",
+        "time",
+        "duration",
+        "uuid",
+        "ipv4",
+        "ipv6",
+        "uri",
+        "uri-reference",
+        "uri-template",
+        "hostname",
+        "json-pointer",
+        "relative-json-pointer",
+    }
+)
+KIND_OF = {
+    **dict.fromkeys(NUMBER_KEYWORDS, "number"),
+    **dict.fromkeys(STRING_KEYWORDS, "string"),
+    **dict.fromkeys(ARRAY_KEYWORDS, "array"),
+    **dict.fromkeys(OBJECT_KEYWORDS, "object"),
+}
+FALSE_ALLOWED = frozenset({"additionalProperties", "items"})  # where the engine takes the schema `false`
+MAX_REF_HOPS = 32  # a $ref chain longer than this is taken as a loop when oneOf branches are compared
+MAX_ONE_OF = 256  # branches of one oneOf: each pair is compared
+
+
+class UnsupportedSchema(ValueError):
+    """A schema the engine would not enforce in full. path: where, as dotted JSON path from the request field."""
+
+    def __init__(self, path: str, why: str):
+        super().__init__(f"{path}: {why}")
+        self.path, self.why = path, why
+
+
+def check_supported(schema, path: str) -> None:
+    """Raise UnsupportedSchema at the first part of schema the structured-output engine does not enforce. path: the
+    request field the schema came from (each error's path starts with it)."""
+    if not isinstance(schema, dict):
+        raise UnsupportedSchema(path, "a schema must be a JSON object ({} for any JSON value)")
+    _Walk(schema).node(schema, path, None)
+
+
+def json_types(value) -> set[str]:
+    """The JSON Schema types a value belongs to (an integral number is both integer and number)."""
+    if value is None:
+        return {"null"}
+    if isinstance(value, bool):
+        return {"boolean"}
+    if isinstance(value, int):
+        return {"integer", "number"}
+    if isinstance(value, float):
+        return {"integer", "number"} if value.is_integer() else {"number"}
+    if isinstance(value, str):
+        return {"string"}
+    return {"array"} if isinstance(value, list) else {"object"}
+
+
+def _types(schema: dict) -> set[str] | None:
+    kind = schema.get("type")
+    if isinstance(kind, str):
+        return {kind}
+    if isinstance(kind, list):
+        return {k for k in kind if isinstance(k, str)}
+    return None
+
+
+def _covers(types: set[str], kind: str) -> bool:
+    return kind in types or (kind == "number" and "integer" in types)
+
+
+class _Walk:
+    def __init__(self, root: dict):
+        self.root = root
+
+    def node(self, schema, path: str, implied: str | None, key: str = "") -> None:
+        """implied: the type a place gives its schema (propertyNames' is a string)."""
+        if schema is True:
+            return
+        if schema is False:
+            if key not in FALSE_ALLOWED:
+                raise UnsupportedSchema(path, "the schema false is supported only as additionalProperties or items")
+            return
+        if not isinstance(schema, dict):
+            raise UnsupportedSchema(path, "a schema must be a JSON object or a boolean")
+        for name in schema:
+            if name not in SUPPORTED and name not in ANNOTATIONS and name not in CONTAINERS:
+                raise UnsupportedSchema(path, f"{name!r} is not supported by the structured-output engine")
+        self._alone(schema, path)
+        types = _types(schema) or ({implied} if implied else set())
+        for name in schema:
+            kind = KIND_OF.get(name)
+            if kind is not None and not _covers(types, kind):
+                raise UnsupportedSchema(
+                    path, f"{name!r} needs a 'type' that includes {kind!r} (without it the engine ignores {name!r})"
+                )
+        self._values(schema, path, types)
+        self._numbers(schema, path, types)
+        self._strings(schema, path)
+        self._objects(schema, path)
+        if "$ref" in schema:
+            self._target(schema["$ref"], path)
+        self._children(schema, path)
+
+    def _alone(self, schema: dict, path: str) -> None:
+        """$ref, anyOf/oneOf and enum/const: the engine drops what stands beside them."""
+        for leader, allowed in (("$ref", ()), ("anyOf", ()), ("oneOf", ()), ("enum", ("type",)), ("const", ("type",))):
+            if leader not in schema:
+                continue
+            beside = [n for n in schema if n != leader and n not in ANNOTATIONS and n not in CONTAINERS]
+            beside = [n for n in beside if n not in allowed]
+            if beside:
+                raise UnsupportedSchema(
+                    path, f"{beside[0]!r} beside {leader!r} is not supported (the engine ignores one of them)"
+                )
+
+    def _values(self, schema: dict, path: str, types: set[str]) -> None:
+        values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+        if "const" in schema:
+            values.append(schema["const"])
+        if "type" not in schema:
+            return
+        for value in values:
+            if not json_types(value) & types:
+                raise UnsupportedSchema(path, f"the value {_short(value)} does not match 'type' {schema['type']!r}")
+
+    def _numbers(self, schema: dict, path: str, types: set[str]) -> None:
+        if "multipleOf" in schema:
+            step = schema["multipleOf"]
+            whole = isinstance(step, (int, float)) and math.isfinite(step) and float(step).is_integer()
+            if "number" in types or not whole:
+                raise UnsupportedSchema(
+                    path, "'multipleOf' is supported only with 'type': 'integer' and a whole-number divisor"
+                )
+        if types & {"number", "integer"} == {"integer"}:
+            for name in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"):
+                bound = schema.get(name)
+                if isinstance(bound, float) and not bound.is_integer():
+                    raise UnsupportedSchema(path, f"{name!r} of an integer must be a whole number")
+
+    def _strings(self, schema: dict, path: str) -> None:
+        shapes = [n for n in ("format", "pattern") if n in schema]
+        if "minLength" in schema or "maxLength" in schema:
+            shapes.append("minLength" if "minLength" in schema else "maxLength")
+        if len(shapes) > 1:
+            raise UnsupportedSchema(
+                path, f"{shapes[0]!r} and {shapes[1]!r} together are not supported (the engine keeps only one)"
+            )
+        fmt = schema.get("format")
+        if fmt is not None and fmt not in FORMATS:
+            raise UnsupportedSchema(
+                path, f"the format {_short(fmt)} is not supported; supported: {', '.join(sorted(FORMATS))}"
+            )
+
+    def _objects(self, schema: dict, path: str) -> None:
+        required = schema.get("required")
+        if isinstance(required, list):
+            listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            missing = next((name for name in required if name not in listed), None)
+            if missing is not None:
+                raise UnsupportedSchema(path, f"the required property {_short(missing)} is not in 'properties'")
+
+    def _children(self, schema: dict, path: str) -> None:
+        for name in ("properties", *CONTAINERS):
+            children = schema.get(name)
+            if isinstance(children, dict):
+                for key, child in children.items():
+                    self.node(child, f"{path}.{name}.{key}", None)
+        for name in ("additionalProperties", "items"):
+            if name in schema:
+                if isinstance(schema[name], list):
+                    raise UnsupportedSchema(path, f"{name!r} as a list is not supported (use prefixItems)")
+                self.node(schema[name], f"{path}.{name}", None, name)
+        if "propertyNames" in schema:
+            self.node(schema["propertyNames"], f"{path}.propertyNames", "string")
+        for name in ("prefixItems", *COMBINATORS):
+            branches = schema.get(name)
+            if isinstance(branches, list):
+                for i, child in enumerate(branches):
+                    self.node(child, f"{path}.{name}[{i}]", None)
+        if isinstance(schema.get("oneOf"), list):
+            self._one_of(schema["oneOf"], path)
+
+    # -- $ref ------------------------------------------------------------------------------------------------------
+    def _target(self, ref, path: str):
+        """What a $ref points at: only JSON pointers within the schema ('#', '#/...')."""
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise UnsupportedSchema(path, f"the $ref {_short(ref)} is not supported: only '#/...' within the schema")
+        node = self.root
+        for part in ref[2:].split("/") if ref != "#" else ():
+            part = unquote(part).replace("~1", "/").replace("~0", "~")
+            if isinstance(node, dict) and part in node:
+                node = node[part]
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                node = node[int(part)]
+            else:
+                raise UnsupportedSchema(path, f"the $ref {_short(ref)} points at nothing in the schema")
+        return node
+
+    def _resolved(self, schema, path: str):
+        for _ in range(MAX_REF_HOPS):
+            if not (isinstance(schema, dict) and "$ref" in schema):
+                return schema
+            schema = self._target(schema["$ref"], path)
+        return True  # a loop of $refs: compared as anything
+
+    # -- oneOf -----------------------------------------------------------------------------------------------------
+    def _one_of(self, branches: list, path: str) -> None:
+        if len(branches) > MAX_ONE_OF:
+            raise UnsupportedSchema(path, f"a oneOf of more than {MAX_ONE_OF} branches is not supported (use anyOf)")
+        for i in range(len(branches)):
+            for j in range(i):
+                if not self._disjoint(branches[j], branches[i], path, 3):
+                    raise UnsupportedSchema(
+                        f"{path}.oneOf[{i}]",
+                        f"this branch may match what oneOf[{j}] matches; the engine generates oneOf as anyOf, so "
+                        "use anyOf, or make the branches exclusive (different types, or a property with different "
+                        "const values required in each)",
+                    )
+
+    def _disjoint(self, a, b, path: str, depth: int) -> bool:
+        """Whether no JSON value can match both schemas (False when unsure)."""
+        a, b = self._resolved(a, path), self._resolved(b, path)
+        if a is False or b is False:
+            return True
+        if not (isinstance(a, dict) and isinstance(b, dict)) or depth == 0:
+            return False
+        va, vb = _values_of(a), _values_of(b)
+        ta, tb = _types(a), _types(b)
+        if va is not None and vb is not None:
+            return not any(x == y and json_types(x) == json_types(y) for x in va for y in vb)
+        for values, types in ((va, tb), (vb, ta)):
+            if values is not None and types is not None:
+                return not any(json_types(v) & _widened(types) for v in values)
+        if ta is not None and tb is not None and not _widened(ta) & _widened(tb):
+            return True
+        return self._told_apart(a, b, path, depth)
+
+    def _told_apart(self, a: dict, b: dict, path: str, depth: int) -> bool:
+        """Two object schemas that each require a property whose schemas cannot match the same value."""
+        pa, pb = a.get("properties"), b.get("properties")
+        if not (isinstance(pa, dict) and isinstance(pb, dict)):
+            return False
+        required = [k for k in _names(a.get("required")) if k in _names(b.get("required"))]
+        return any(k in pa and k in pb and self._disjoint(pa[k], pb[k], path, depth - 1) for k in required)
+
+
+def _values_of(schema: dict) -> list | None:
+    if "const" in schema:
+        return [schema["const"]]
+    return list(schema["enum"]) if isinstance(schema.get("enum"), list) else None
+
+
+def _names(required) -> list[str]:
+    return [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+
+
+def _widened(types: set[str]) -> set[str]:
+    return types | {"integer"} if "number" in types else types
+
+
+def _short(value, most: int = 80) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
