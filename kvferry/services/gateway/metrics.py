@@ -61,6 +61,14 @@ class WorkerFigures:
         preemptions = CounterMetricFamily(
             "kvferry:num_preemptions", "Sequences preempted by a worker.", labels=["worker", "role"]
         )
+        grammar = {
+            name: CounterMetricFamily(f"kvferry:{name}", doc, labels=["worker", "role"])
+            for name, doc in (
+                ("grammar_compiles", "Structured-output constraints a worker compiled (its grammar cache missed)."),
+                ("grammar_cache_hits", "Structured-output constraints a worker found compiled in its cache."),
+                ("grammar_compile_seconds", "Seconds a worker spent compiling structured-output constraints."),
+            )
+        }
         errors = CounterMetricFamily(
             "kvferry:protocol_errors", "Messages that broke the wire protocol.", labels=["process"]
         )
@@ -76,6 +84,9 @@ class WorkerFigures:
             used = 1 - stats.num_free_blocks / stats.num_total_blocks if stats.num_total_blocks else 0.0
             gauges["kv_cache_usage_perc"].add_metric(labels, used)
             preemptions.add_metric(labels, stats.num_preemptions)
+            grammar["grammar_compiles"].add_metric(labels, stats.num_grammar_compiles)
+            grammar["grammar_cache_hits"].add_metric(labels, stats.num_grammar_cache_hits)
+            grammar["grammar_compile_seconds"].add_metric(labels, stats.grammar_compile_s)
             errors.add_metric([w.worker_id], stats.num_protocol_errors)
         live = GaugeMetricFamily("kvferry:num_workers", "Live workers per role.", labels=["role"])
         for role in p.Role:
@@ -96,6 +107,7 @@ class WorkerFigures:
         )
         forged.add_metric([], self.core.num_forged)
         yield from gauges.values()
+        yield from grammar.values()
         yield from (preemptions, errors, live, in_flight, waiting, moves, duplicates, forged)
 
 
