@@ -126,7 +126,8 @@ class Flight:
         ready = []
         while event is not None:
             skip = len(self.outputs[c]) - event.start
-            if skip < len(event.token_ids):  # else every token came already: a repeat
+            # Else every token came already: a repeat. An end with no token (a constraint's dead end) comes alone.
+            if skip < len(event.token_ids) or (skip == len(event.token_ids) and event.finish_reason is not None):
                 event.token_ids, event.logprobs = event.token_ids[skip:], event.logprobs[skip:]
                 event.start += skip
                 self.outputs[c].extend(event.token_ids)

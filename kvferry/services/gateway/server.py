@@ -231,7 +231,13 @@ class GatewayCore:
                 attempt=msg.attempt,
             )
         reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
-        token_ids = [msg.token_id] if isinstance(msg, p.FirstToken) else list(msg.token_ids)
+        if isinstance(msg, p.FirstToken) and msg.token_id < 0 and reason != FinishReason.DEAD_END:
+            return Event(error=f"a worker sent the first token {msg.token_id}", attempt=msg.attempt)
+        # A choice whose constraint allowed no token at all ends with no token: the first token says -1.
+        if isinstance(msg, p.FirstToken):
+            token_ids = [msg.token_id] if msg.token_id >= 0 else []
+        else:
+            token_ids = list(msg.token_ids)
         return Event(token_ids, reason, msg.choice, msg.start, msg.attempt, list(msg.logprobs), message=msg)
 
     async def _abort_unknown(self, peer: bytes, rid: str, attempt: int, trace) -> None:
