@@ -13,6 +13,7 @@ import contextlib
 import contextvars
 import functools
 import logging
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -28,21 +29,34 @@ from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.choices import Choices
+from kvferry.services.gateway.constraints import request_constraint
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
-from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, parse_generation
+from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, check_fields, parse_generation
 from kvferry.services.gateway.request_trace import RequestTrace
 from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText, sse, usage
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
 from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
+from kvferry.services.gateway.tool_prompt import ToolPrompt
+from kvferry.services.gateway.tools import Tools, parse_tools
 
 log = logging.getLogger("kvferry.gateway")
 VERSION = "0.1.0"
 # Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
 # few: each encode is one core's work, and more at once would only queue on the cores.
 TEXT_THREADS = 4
+FIELD_NAME = re.compile(r"[\w.$\[\]-]{1,200}")  # how a worker's refusal names the request field it is about
+
+
+def worker_error(event) -> ApiError:
+    """A worker's error event as the client's error. A 4xx is a refusal of the request: a constraint that does not
+    compile says "<field>: <reason>", and param names that field. Anything else is the server's."""
+    if not 400 <= event.error_code < 500:
+        return ApiError(event.error_code, event.error, kind="server_error")
+    prefix = event.error.split(": ", 1)[0] if ": " in event.error else ""
+    return ApiError(event.error_code, event.error, prefix if FIELD_NAME.fullmatch(prefix) else None)
 
 
 def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
@@ -58,9 +72,11 @@ class Api:
         max_model_len: int,
         limits: Limits | None = None,
         api_key: str | None = None,
+        tool_prompt: ToolPrompt | None = None,
     ):
         self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
         self.limits, self.api_key = limits or Limits(), api_key
+        self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -196,15 +212,24 @@ class Api:
             return error_response(error, {**headers, "retry-after": "1"})
         try:
             body = await self.json_body(request)
-            prompts = await self.off_loop(self.prompt_ids, body, chat)
+            tools, constraint = await self.off_loop(self.output_rules, body, chat)
+            prompts = await self.off_loop(self.prompt_ids, body, chat, tools)
+            calls = tools is not None and tools.calls_allowed
             generations = [
-                parse_generation(body, chat, ids, self.max_model_len, self.vocab_size, self.limits) for ids in prompts
+                parse_generation(
+                    body, chat, ids, self.max_model_len, self.vocab_size, self.limits, constraint, tool_calls=calls
+                )
+                for ids in prompts
             ]
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
             # Routing errors surface with the first event, before any byte is sent.
             events, first = await self._unless_client_leaves(request, self._start(prompts, generations, rid, ctx))
-            trace.admitted(sum(len(ids) for ids in prompts), generation.n)
+            if first.error is not None and 400 <= first.error_code < 500:
+                # A refusal (a constraint that does not compile) is the HTTP status, for a stream too.
+                await events.aclose()
+                raise worker_error(first)
+            trace.admitted(sum(len(ids) for ids in prompts), generation.n, constraint.kind if constraint else "")
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
             return error_response(exc, headers)
@@ -293,11 +318,20 @@ class Api:
             )
         return body
 
-    def prompt_ids(self, body: dict, chat: bool) -> list[list[int]]:
+    @staticmethod
+    def output_rules(body: dict, chat: bool):
+        """(tools, constraint): the tools a chat may call and what its output must match (on a text thread: a
+        schema's checks take a while)."""
+        check_fields(body, chat)  # an unknown field first: it may be what was meant to constrain the output
+        tools = parse_tools(body) if chat else None
+        return tools, request_constraint(body, tools)
+
+    def prompt_ids(self, body: dict, chat: bool, tools: Tools | None = None) -> list[list[int]]:
         """The request's prompts as token ids (on a text thread): chat has one; completions take a string, token ids,
         or a list of either (a batch)."""
         if chat:
-            return [self._checked(self.tokenizer_routes.chat_ids(body.get("messages")), "messages")]
+            ids = self.tokenizer_routes.chat_ids(body.get("messages"), tools=tools)
+            return [self._checked(ids, "messages")]
         prompt = body.get("prompt")
         is_ids = lambda x: isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
         if isinstance(prompt, str) or is_ids(prompt):
@@ -358,7 +392,7 @@ class Api:
         try:
             while True:
                 if event.error:
-                    raise ApiError(event.error_code, event.error, kind="server_error")
+                    raise worker_error(event)
                 kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
                 await self._apply(event, choices, trace)
                 if choices.done:
@@ -378,26 +412,21 @@ class Api:
                 )
             while True:
                 if event.error:
-                    yield sse(
-                        {
-                            "error": {
-                                "message": event.error,
-                                "type": "server_error",
-                                "param": None,
-                                "code": event.error_code,
-                            }
-                        }
-                    )
+                    error = worker_error(event).body()
+                    error["error"]["code"] = event.error_code
+                    yield sse(error)
                     trace.finish(event.error_code, error=event.error)
                     break
                 kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
                 delta = await self._apply(event, choices, trace)
                 if delta is not None:
-                    # One chunk per token event, even when the text is held back: clients time tokens by chunks.
-                    chunk = shape.chunk([shape.delta_choice(event.choice, delta.text, delta.reason, delta.logprobs)])
+                    # At least one chunk per token event, even when the text is held back: clients time tokens by
+                    # chunks. A chat with tools sends one per content or tool-call piece.
+                    chunks = [shape.chunk([choice]) for choice in shape.delta_choices(event.choice, delta)]
                     if choices.done:
-                        chunk["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-                    yield sse(chunk)
+                        chunks[-1]["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+                    for chunk in chunks:
+                        yield sse(chunk)
                 if choices.done:
                     if generation.include_usage:
                         yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))

@@ -3,14 +3,18 @@
 One ChoiceState per choice (`n`). Each event for a choice yields that choice's delta: the new text
 (held back at a partial character or a possible stop string), its logprobs part, and the finish
 reason when the choice ends. With echo the prompt comes first; with max_tokens 0 (prompt_only)
-the one token the workers generate is dropped and only the prompt is returned.
+the one token the workers generate is dropped and only the prompt is returned. A chat with tools
+it may call has its text read for tool calls (tool_calls.py): as it streams, into content and
+tool-call deltas; whole, at the end. A choice that ends with tool calls finishes "tool_calls"
+where it would have finished "stop"; one whose constraint reached a dead end finishes "error".
 """
 
 from dataclasses import dataclass, field
 
 from kvferry.services.gateway.detokenizer import IncrementalText
 from kvferry.services.gateway.request_parsing import Generation
-from kvferry.services.gateway.responses import ChatLogprobs, CompletionLogprobs, TokenText, finish_name
+from kvferry.services.gateway.responses import DEAD_END_ERROR, ChatLogprobs, CompletionLogprobs, TokenText, finish_name
+from kvferry.services.gateway.tool_calls import ToolCallParser, delta_pieces, parse_tool_calls
 
 
 @dataclass
@@ -19,6 +23,8 @@ class Delta:
     reason: str | None
     logprobs: dict | None
     stopped: bool = False  # by a stop string here, while the workers would go on
+    pieces: list[dict] | None = None  # a streamed chat with tools: its content and tool-call deltas, in order
+    error: dict | None = None  # with reason "error"
 
 
 @dataclass
@@ -32,6 +38,8 @@ class ChoiceState:
     pieces: list[str] = field(default_factory=list)
     logprob_parts: list[dict] = field(default_factory=list)
     started: bool = False  # the echoed prompt has been emitted
+    tool_calls: ToolCallParser | None = None  # a streamed chat with tools
+    error: dict | None = None
 
 
 class Choices:
@@ -46,6 +54,7 @@ class Choices:
                 g,
                 IncrementalText(tokenizer, g.stop),
                 builder(token_text) if g.logprobs is not None else None,
+                tool_calls=ToolCallParser() if g.tool_calls and g.stream else None,
             )
             for p, g in enumerate(generations)
             for c in range(g.n)
@@ -110,15 +119,25 @@ class Choices:
         state.pieces.append(text)
         if logprobs:
             state.logprob_parts.append(logprobs)
-        return Delta(text, state.reason, logprobs, stopped)
+        if state.reason == "error":
+            state.error = DEAD_END_ERROR
+        pieces = None
+        if state.tool_calls is not None:
+            parser = state.tool_calls
+            pieces = delta_pieces(parser.feed(text) + (parser.finish() if state.reason else []))
+            if state.reason == "stop" and parser.num_complete:
+                state.reason = "tool_calls"
+        return Delta(text, state.reason, logprobs, stopped, pieces, state.error)
 
     def whole(self, shape) -> list[dict]:
-        return [
-            shape.choice(
-                s.index,
-                "".join(s.pieces),
-                s.reason,
-                s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None,
-            )
-            for s in self.states
-        ]
+        out = []
+        for s in self.states:
+            text, calls = "".join(s.pieces), None
+            if s.generation.tool_calls:
+                text, found = parse_tool_calls(text)
+                calls = [call.as_json() for call in found]
+                if calls and s.reason == "stop":
+                    s.reason = "tool_calls"
+            logprobs = s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None
+            out.append(shape.choice(s.index, text, s.reason, logprobs, tool_calls=calls, error=s.error))
+        return out

@@ -18,6 +18,7 @@ from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import Deadlines, GatewayCore
+from kvferry.services.gateway.tool_prompt import ToolPrompt
 
 log = logging.getLogger("kvferry.gateway")
 
@@ -88,6 +89,7 @@ def run_gateway(args) -> None:
         insecure=args.insecure,
     )  # binds --control: before the tokenizer loads, too
     tokenizer, model_max_len = load_text_side(args.model)
+    tool_prompt = ToolPrompt.from_file(args.tool_prompt_template)  # a template that does not render stops us here
     limits = Limits(
         max_body_bytes=args.max_body_size,
         max_n=args.max_n,
@@ -98,7 +100,7 @@ def run_gateway(args) -> None:
         max_stop_chars=args.max_stop_chars,
         max_prompt_chars=args.max_prompt_chars,
     )
-    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key)
+    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key, tool_prompt)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from kvferry.common import settings
+from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_STOP_TOKEN_IDS, SamplingParams
 
@@ -33,6 +34,13 @@ COMMON = {
     "min_tokens",
     "stop_token_ids",
     "ignore_eos",
+    # structured output (constraints.py): OpenAI's, and vLLM's with its older names
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
 }
 COMPLETION_FIELDS = COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 CHAT_FIELDS = COMMON | {
@@ -43,16 +51,11 @@ CHAT_FIELDS = COMMON | {
     "tools",
     "tool_choice",
     "parallel_tool_calls",
-    "response_format",
 }
 # Known, not honoured: accepted only with the value that asks for nothing.
 NEUTRAL = {
     "best_of": (None, 1),
     "suffix": (None, ""),
-    "tools": (None, []),
-    "tool_choice": (None, "none"),
-    "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}),
 }
 
 
@@ -81,6 +84,7 @@ class Generation:
     echo: bool = False  # completions: the prompt comes first, in text and in logprobs
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, nothing generated
+    tool_calls: bool = False  # chat with tools it may call: the output's <tool_call> blocks become tool_calls
 
 
 class ApiError(Exception):
@@ -122,8 +126,17 @@ def check_fields(body: dict, chat: bool) -> None:
 
 
 def parse_generation(
-    body: dict, chat: bool, prompt_ids: list[int], max_model_len: int, vocab_size: int, limits: Limits
+    body: dict,
+    chat: bool,
+    prompt_ids: list[int],
+    max_model_len: int,
+    vocab_size: int,
+    limits: Limits,
+    constraint: Constraint | None = None,
+    tool_calls: bool = False,
 ) -> Generation:
+    """constraint: what the output must match (constraints.py reads it from the body); tool_calls: parse the output's
+    tool calls."""
     check_fields(body, chat)
     num_prompt = len(prompt_ids)
     if num_prompt >= max_model_len:
@@ -175,6 +188,7 @@ def parse_generation(
             logit_bias=_logit_bias(body, vocab_size),
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
+            constraint=constraint,
         )
     except InvalidRequest as exc:
         raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
@@ -188,6 +202,7 @@ def parse_generation(
         echo,
         logprobs,
         prompt_only=echo and max_tokens == 0,
+        tool_calls=tool_calls,
     )
 
 

@@ -25,8 +25,9 @@ class RequestTrace:
         self.n = 1
         self.finished = False
 
-    def admitted(self, num_prompt: int, n: int = 1) -> None:
-        """Routed to workers (a request refused before this counts no prompt tokens)."""
+    def admitted(self, num_prompt: int, n: int = 1, constraint: str = "") -> None:
+        """Routed to workers (a request refused before this counts no prompt tokens). constraint: the kind of the
+        output's constraint, "" for none."""
         self.num_prompt, self.n = num_prompt, n
         self.metrics.prompt_tokens.inc(num_prompt)
         if self.tracer.enabled:
@@ -38,6 +39,7 @@ class RequestTrace:
                 tracing.child_of(self.ctx),
                 path=self.path,
                 prompt_tokens=num_prompt,
+                constraint=constraint,
             )
 
     def tokens(self, event) -> None:

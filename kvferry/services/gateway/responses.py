@@ -5,7 +5,15 @@ import time
 
 from kvferry.common.sequence import FinishReason
 
-FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+FINISH_NAMES = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.DEAD_END: "error",
+}
+# In a choice that finished "error": its constraint left no token to sample (a grammar at odds with min_tokens, or
+# one the vocabulary cannot spell). The text generated until then is kept.
+DEAD_END_ERROR = {"message": "the output constraint allows no further token", "type": "constraint_dead_end"}
 
 
 def text_of(content):
@@ -36,13 +44,40 @@ class CompletionShape:
     def __init__(self, rid: str, model: str):
         self.base = {"id": rid, "created": int(time.time()), "model": model}
 
-    def choice(self, index: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
-        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    def choice(
+        self, index: int, text: str | None, reason: str | None, logprobs: dict | None, tool_calls=None, error=None
+    ) -> dict:
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        return {**out, "error": error} if error else out
 
     def delta_choice(
-        self, index: int, text: str, reason: str | None, logprobs: dict | None, first_chunk: bool = False
+        self,
+        index: int,
+        text: str,
+        reason: str | None,
+        logprobs: dict | None,
+        first_chunk: bool = False,
+        error: dict | None = None,
+        piece: dict | None = None,
     ) -> dict:
-        return self.choice(index, text, reason, logprobs)
+        return self.choice(index, text, reason, logprobs, error=error)
+
+    def delta_choices(self, index: int, delta) -> list[dict]:
+        """One event's Delta as stream choices: one, or (chat with tools) one per content or tool-call piece, the
+        logprobs with the first and the finish reason with the last."""
+        pieces = [None] if delta.pieces is None else (delta.pieces or [{}])
+        last = len(pieces) - 1
+        return [
+            self.delta_choice(
+                index,
+                delta.text if piece is None else "",
+                delta.reason if i == last else None,
+                delta.logprobs if i == 0 else None,
+                error=delta.error if i == last else None,
+                piece=piece,
+            )
+            for i, piece in enumerate(pieces)
+        ]
 
     def whole(self, choices: list[dict], use: dict) -> dict:
         return {**self.base, "object": self.object_name, "choices": choices, "usage": use}
@@ -58,17 +93,18 @@ class ChatShape(CompletionShape):
     has_role_chunk = True
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
-    def choice(self, index, text, reason, logprobs):
-        return {
-            "index": index,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": logprobs,
-            "finish_reason": reason,
-        }
+    def choice(self, index, text, reason, logprobs, tool_calls=None, error=None):
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        out = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
+        return {**out, "error": error} if error else out
 
-    def delta_choice(self, index, text, reason, logprobs, first_chunk=False):
-        piece = {"role": "assistant", "content": ""} if first_chunk else ({"content": text} if text else {})
-        return {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}
+    def delta_choice(self, index, text, reason, logprobs, first_chunk=False, error=None, piece=None):
+        if piece is None:
+            piece = {"role": "assistant", "content": ""} if first_chunk else ({"content": text} if text else {})
+        out = {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}
+        return {**out, "error": error} if error else out
 
 
 class TokenText:

@@ -10,8 +10,10 @@ Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-ch
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from kvferry.services.gateway.chat_messages import checked_messages
 from kvferry.services.gateway.request_parsing import ApiError, field
-from kvferry.services.gateway.responses import text_of
+from kvferry.services.gateway.tool_prompt import for_template
+from kvferry.services.gateway.tools import Tools, parse_tools
 
 
 def text_chars(value) -> int:
@@ -39,23 +41,14 @@ class TokenizerRoutes:
                 param,
             )
 
-    def chat_ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
-        """The conversation through the chat template, as token ids (on a text thread)."""
-        if isinstance(messages, list):
-            messages = [dict(m, content=text_of(m.get("content"))) if isinstance(m, dict) else m for m in messages]
-        if (
-            not isinstance(messages, list)
-            or not messages
-            or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in messages
-            )
-        ):
-            raise ApiError(400, "'messages' must be a non-empty list of {role, content} with text content", "messages")
-        self.check_chars(text_chars(messages), "messages")
+    def chat_ids(self, messages, add_generation_prompt: bool = True, tools: Tools | None = None) -> list[int]:
+        """The conversation, with the tools it may call, through the chat template, as token ids (on a text thread)."""
+        messages = checked_messages(messages)
+        self.check_chars(text_chars(messages) + text_chars(tools.definitions if tools else []), "messages")
+        messages, shown = for_template(messages, tools, self.tokenizer.renders_tools, self.api.tool_prompt)
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, tools=shown, add_generation_prompt=add_generation_prompt, tokenize=False
             )
         except Exception as exc:  # a template that rejects the conversation
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
@@ -68,7 +61,8 @@ class TokenizerRoutes:
             body = await self.api.json_body(request)
             if "messages" in body:
                 add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
-                ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt)
+                tools = await self.api.off_loop(parse_tools, body)  # the prompt a chat request with them gets
+                ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt, tools)
             else:
                 prompt = body.get("prompt")
                 if not isinstance(prompt, str):

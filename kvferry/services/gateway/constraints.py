@@ -1,0 +1,109 @@
+"""A request's one output constraint, from whichever field asks for it: OpenAI's response_format, vLLM's
+structured_outputs (json, regex, choice, grammar, json_object) or its older guided_json/_regex/_choice/_grammar, or
+chat's tools. At most one of them may; each error is a 400 naming its field, and a Constraint names the field it
+came from, so that a worker's compile error names it too.
+"""
+
+from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint
+from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
+from kvferry.services.gateway.tools import NAME, Tools, tool_constraint
+
+ANY_OBJECT = '{"type":"object"}'
+STRUCTURED_KINDS = {"json": JSON, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR}
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+JSON_SCHEMA_KEYS = {"name", "schema", "strict", "description"}
+FIELDS = ("response_format", "structured_outputs", *GUIDED)  # the fields besides tools that constrain the output
+
+
+def request_constraint(body: dict, tools: Tools | None = None) -> Constraint | None:
+    """The constraint every choice of the request is generated under, or None."""
+    asking = [name for name in FIELDS if _asks(name, body.get(name))]
+    if tools is not None and tools.calls_allowed and asking:
+        raise ApiError(400, f"'{asking[0]}' cannot be combined with tools unless tool_choice is \"none\"", asking[0])
+    if len(asking) > 1:
+        raise ApiError(400, f"only one of {', '.join(asking)} may constrain the output", asking[1])
+    if tools is not None and tools.calls_allowed:
+        return tool_constraint(tools)
+    if not asking:
+        return None
+    name = asking[0]
+    if name == "response_format":
+        return _response_format(body[name])
+    if name == "structured_outputs":
+        return _structured_outputs(body[name])
+    return structured(GUIDED[name], body[name], name)
+
+
+def structured(kind: str, value, name: str) -> Constraint:
+    """One of vLLM's forms: json (a schema, or its text), regex, choice (strings) or grammar (EBNF)."""
+    if kind == "json":
+        return Constraint(JSON, checked_schema(value, name), name)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+            raise ApiError(400, f"'{name}' must be a non-empty list of strings", name)
+        return Constraint(CHOICE, canonical(value, name), name)
+    if not isinstance(value, str) or not value:
+        raise ApiError(400, f"'{name}' must be a non-empty string", name)
+    check_size(value, name)
+    return Constraint(STRUCTURED_KINDS[kind], value, name)
+
+
+def _asks(name: str, value) -> bool:
+    if value is None:
+        return False
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text" and len(value) == 1)
+    return True
+
+
+def _response_format(value) -> Constraint:
+    types = ("text", "json_object", "json_schema")
+    if not isinstance(value, dict) or value.get("type") not in types:
+        raise ApiError(
+            400,
+            "'response_format' must be an object whose 'type' is text, json_object or json_schema",
+            "response_format",
+        )
+    extra = sorted(set(value) - ({"type", "json_schema"} if value["type"] == "json_schema" else {"type"}))
+    if extra:
+        raise ApiError(400, f"unknown field {extra[0]!r} in 'response_format'", f"response_format.{extra[0]}")
+    if value["type"] == "json_object":
+        return Constraint(JSON, ANY_OBJECT, "response_format")
+    spec = value.get("json_schema")
+    where = "response_format.json_schema"
+    if not isinstance(spec, dict):
+        raise ApiError(400, f"'{where}' must be an object with 'name' and 'schema'", where)
+    extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
+    if extra:
+        raise ApiError(400, f"unknown field {extra[0]!r} in '{where}'", f"{where}.{extra[0]}")
+    if not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"]):
+        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    if not isinstance(spec.get("schema"), dict):
+        raise ApiError(400, f"'{where}.schema' must be a JSON Schema object", f"{where}.schema")
+    return Constraint(JSON, checked_schema(spec["schema"], f"{where}.schema"), f"{where}.schema")
+
+
+def _structured_outputs(value) -> Constraint:
+    name = "structured_outputs"
+    if not isinstance(value, dict):
+        raise ApiError(400, f"'{name}' must be an object with one of json, regex, choice or grammar", name)
+    given = {k: v for k, v in value.items() if v is not None and not (k == "json_object" and v is False)}
+    unknown = sorted(set(given) - set(STRUCTURED_KINDS) - {"json_object"})
+    if unknown:
+        raise ApiError(
+            400,
+            f"'{name}.{unknown[0]}' is not supported (json, regex, choice, grammar, json_object)",
+            f"{name}.{unknown[0]}",
+        )
+    if len(given) != 1:
+        raise ApiError(400, f"'{name}' must hold exactly one of json, regex, choice, grammar and json_object", name)
+    ((kind, spec),) = given.items()
+    if kind == "json_object":
+        if spec is not True:
+            raise ApiError(400, f"'{name}.json_object' must be a boolean", f"{name}.json_object")
+        return Constraint(JSON, ANY_OBJECT, f"{name}.json_object")
+    return structured(kind, spec, f"{name}.{kind}")

@@ -1,0 +1,94 @@
+"""The checks a JSON Schema from a request passes at the gateway, each a 400 naming its field: JSON syntax (when it
+comes as text), the size of its canonical text, its metaschema, and the engine's support for every keyword in it.
+
+The canonical text is what the workers compile and cache by: compact, keys in the user's order (a schema's property
+order is the order the output follows).
+"""
+
+import json
+
+from jsonschema import Draft6Validator, Draft7Validator, Draft201909Validator, Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from jsonschema.validators import validator_for
+
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
+from kvferry.common.json_schema_support import UnsupportedSchema, check_supported
+from kvferry.services.gateway.json_body import MAX_JSON_DEPTH
+from kvferry.services.gateway.request_parsing import ApiError
+
+MAX_MESSAGE_CHARS = 300  # of a metaschema error quoted back: it may quote the whole schema
+# The drafts whose meaning the engine follows; draft 4 and older differ (boolean exclusiveMinimum, ...).
+DRAFTS = (Draft202012Validator, Draft201909Validator, Draft7Validator, Draft6Validator)
+
+
+def canonical(value, field: str) -> str:
+    """value as the compact JSON text a Constraint carries, within MAX_CONSTRAINT_BYTES."""
+    try:
+        text = json.dumps(value, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        raise ApiError(400, f"'{field}' holds a number that is not finite (NaN or Infinity)", field) from None
+    check_size(text, field)
+    return text
+
+
+def check_size(text: str, field: str) -> None:
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ApiError(
+            400, f"'{field}' holds a lone surrogate (\\ud800-\\udfff without its pair): not text", field
+        ) from None
+    if size > MAX_CONSTRAINT_BYTES:
+        raise ApiError(400, f"'{field}' is {size} bytes long; at most {MAX_CONSTRAINT_BYTES} bytes", field)
+
+
+def parse_json_text(text: str, field: str):
+    """A JSON value sent as a string (vLLM's structured_outputs.json may be either)."""
+    check_size(text, field)
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ApiError(400, f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep", field) from None
+    except ValueError as exc:
+        raise ApiError(400, f"'{field}' is not valid JSON: {exc}", field) from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ApiError(400, f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep", field)
+    return value
+
+
+def checked_schema(schema, field: str) -> str:
+    """The canonical text of a JSON Schema that the engine enforces in full, or a 400 that says why not."""
+    if isinstance(schema, str):
+        schema = parse_json_text(schema, field)
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"'{field}' must be a JSON Schema object ({{}} for any JSON value)", field)
+    text = canonical(schema, field)  # before the walks: the size bounds them
+    draft = Draft202012Validator
+    if "$schema" in schema:
+        draft = validator_for(schema, default=None) if isinstance(schema["$schema"], str) else None
+        if draft not in DRAFTS:
+            raise ApiError(
+                400, f"{field}.$schema: only JSON Schema drafts 2020-12, 2019-09, 7 and 6 are supported", field
+            )
+    try:
+        draft.check_schema(schema)
+    except SchemaError as exc:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
+        message = exc.message if len(exc.message) <= MAX_MESSAGE_CHARS else exc.message[:MAX_MESSAGE_CHARS] + "..."
+        raise ApiError(400, f"{field}{where}: not a valid JSON Schema: {message}", field) from None
+    try:
+        check_supported(schema, field)
+    except UnsupportedSchema as exc:
+        raise ApiError(400, str(exc), field) from None
+    return text
+
+
+def _depth(value) -> int:
+    deepest, pending = 0, [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest

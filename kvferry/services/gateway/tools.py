@@ -1,0 +1,151 @@
+"""Chat's tools, tool_choice and parallel_tool_calls: checked, and turned into the structural tag that constrains
+the output to calls in kvferry's one format:
+
+    <tool_call>
+    {"name": "NAME", "arguments": ARGS}
+    </tool_call>
+
+where ARGS follows the function's parameter schema. "auto" lets the model write text and constrains a call once it
+writes `<tool_call>`; "required" allows only calls (at least one), separated by newlines; a named function allows
+that one call. Without parallel_tool_calls the output ends after the first call.
+"""
+
+import re
+from dataclasses import dataclass
+
+from kvferry.common.constraint import STRUCTURAL_TAG, Constraint
+from kvferry.services.gateway.request_parsing import ApiError, field
+from kvferry.services.gateway.schema_checks import canonical, checked_schema
+
+MAX_TOOLS = 128
+NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
+CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
+NO_PARAMETERS = {"type": "object", "properties": {}}
+ROOT_LEADERS = {"$ref", "anyOf", "oneOf", "enum", "const"}  # beside which a 'type' would be refused
+
+
+@dataclass(frozen=True)
+class Tools:
+    definitions: list[dict]  # the tools as the client sent them: what a chat template or the tool prompt shows
+    parameters: dict[str, dict]  # function name -> its parameter schema, as checked
+    choice: str  # "none", "auto", "required" or "named"
+    named: str | None = None  # the function tool_choice names
+    parallel: bool = True
+
+    @property
+    def calls_allowed(self) -> bool:
+        return self.choice != "none"
+
+    @property
+    def tool_choice(self):
+        """tool_choice as the client wrote it (the tool prompt template reads it)."""
+        return {"type": "function", "function": {"name": self.named}} if self.named else self.choice
+
+
+def parse_tools(body: dict) -> Tools | None:
+    """A chat request's tools; None when it has none (and tool_choice, if given, is "none")."""
+    tools = field(body, "tools", (list,), [])
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"at most {MAX_TOOLS} tools per request", "tools")
+    parameters = {}
+    for i, tool in enumerate(tools):
+        name, schema = _function(tool, f"tools[{i}]")
+        if name in parameters:
+            raise ApiError(400, f"two tools are named {name!r}", f"tools[{i}].function.name")
+        parameters[name] = schema
+    parallel = field(body, "parallel_tool_calls", (bool,), True)
+    choice, named = _tool_choice(body.get("tool_choice"), parameters)
+    if not tools:
+        return None
+    return Tools(tools, parameters, choice, named, parallel)
+
+
+def tool_constraint(tools: Tools) -> Constraint | None:
+    """The structural tag the output follows (None for tool_choice "none"). Compact JSON, as every spec."""
+    if not tools.calls_allowed:
+        return None
+    tags = {name: _tag(name, schema) for name, schema in tools.parameters.items()}
+    if tools.named is not None:
+        form, name = tags[tools.named], "tool_choice"
+    elif tools.choice == "required":
+        form = {
+            "type": "tags_with_separator",
+            "tags": list(tags.values()),
+            "separator": "\n",
+            "at_least_one": True,
+            "stop_after_first": not tools.parallel,
+        }
+        name = "tool_choice"
+    else:
+        form = {
+            "type": "triggered_tags",
+            "triggers": [CALL_BEGIN],
+            "tags": list(tags.values()),
+            "at_least_one": False,
+            "stop_after_first": not tools.parallel,
+        }
+        name = "tools"
+    return Constraint(STRUCTURAL_TAG, canonical({"type": "structural_tag", "format": form}, name), name)
+
+
+def _tag(name: str, schema: dict) -> dict:
+    # The begin fixes the text up to the arguments, so the stream parser knows the name before they come; one
+    # whitespace at most between the arguments' tokens bounds how long a bounded schema's call can be.
+    return {
+        "type": "tag",
+        "begin": f'{CALL_BEGIN}\n{{"name": "{name}", "arguments": ',
+        "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1},
+        "end": f"}}\n{CALL_END}",
+    }
+
+
+def _function(tool, where: str) -> tuple[str, dict]:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+        raise ApiError(400, f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', where)
+    extra = set(tool) - {"type", "function"}
+    if extra:
+        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
+    function = tool["function"]
+    where += ".function"
+    extra = set(function) - FUNCTION_KEYS
+    if extra:
+        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool)):
+        if function.get(key) is not None and not isinstance(function[key], kind):
+            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    schema = function.get("parameters")
+    if schema is None:
+        return name, dict(NO_PARAMETERS)
+    path = f"{where}.parameters"
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"'{path}' must be a JSON Schema object", path)
+    if "type" in schema and schema["type"] != "object":
+        raise ApiError(400, f"'{path}' must describe a JSON object ('type': 'object'): the arguments are one", path)
+    if "type" not in schema and not schema.keys() & ROOT_LEADERS:
+        schema = {"type": "object", **schema}
+    checked_schema(schema, path)
+    return name, schema
+
+
+def _tool_choice(choice, parameters: dict) -> tuple[str, str | None]:
+    if choice is None:
+        return ("auto" if parameters else "none"), None
+    if choice in ("none", "auto", "required"):
+        if choice != "none" and not parameters:
+            raise ApiError(400, f"tool_choice {choice!r} needs 'tools'", "tool_choice")
+        return choice, None
+    named = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = named.get("name") if isinstance(named, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(
+            400,
+            '\'tool_choice\' must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+            "tool_choice",
+        )
+    if name not in parameters:
+        raise ApiError(400, f"tool_choice names the function {name!r}, which is not in 'tools'", "tool_choice")
+    return "named", name
