@@ -15,6 +15,7 @@ from tests.e2e.stack import Stack, running_pair
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 300
+MODEL = "SmolLM2-135M-Instruct"
 SCHEMAS = {  # bounded: each finishes well inside MAX_TOKENS
     "nested objects, a pattern": {
         "type": "object",
@@ -95,7 +96,7 @@ def client(stack):
 
 def ask_json(client, schema: dict, **kw):
     return client.chat.completions.create(
-        model="default",
+        model=MODEL,
         messages=[{"role": "user", "content": "Reply with a JSON object: make up an example."}],
         response_format={"type": "json_schema", "json_schema": {"name": "example", "schema": schema, "strict": True}},
         max_tokens=MAX_TOKENS,
@@ -124,7 +125,7 @@ def test_parse_with_a_pydantic_model_returns_the_object(client):
         population_millions: int = Field(ge=0, le=50)
 
     reply = client.beta.chat.completions.parse(
-        model="default",
+        model=MODEL,
         messages=[{"role": "user", "content": "Describe Paris as JSON."}],
         response_format=City,
         max_tokens=MAX_TOKENS,
@@ -136,19 +137,19 @@ def test_parse_with_a_pydantic_model_returns_the_object(client):
 
 def test_json_object_regex_and_choice_match_on_both_endpoints(client):
     reply = client.chat.completions.create(
-        model="default", messages=[{"role": "user", "content": "A JSON object, please."}],
+        model=MODEL, messages=[{"role": "user", "content": "A JSON object, please."}],
         response_format={"type": "json_object"}, max_tokens=MAX_TOKENS, temperature=0,
     )  # fmt: skip
     assert isinstance(json.loads(reply.choices[0].message.content), dict)
     phone = r"\(\d{3}\) \d{3}-\d{4}"
     for seed in range(3):
         text = client.completions.create(
-            model="default", prompt="Call me at", max_tokens=40, temperature=1.0, seed=seed,
+            model=MODEL, prompt="Call me at", max_tokens=40, temperature=1.0, seed=seed,
             extra_body={"structured_outputs": {"regex": phone}},
         ).choices[0].text  # fmt: skip
         assert re.fullmatch(phone, text), text
         answer = client.chat.completions.create(
-            model="default", messages=[{"role": "user", "content": "Is the sky green?"}], max_tokens=10,
+            model=MODEL, messages=[{"role": "user", "content": "Is the sky green?"}], max_tokens=10,
             temperature=1.0, seed=seed, extra_body={"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
         ).choices[0]  # fmt: skip
         assert answer.message.content in ("yes", "no", "maybe") and answer.finish_reason == "stop"
@@ -166,7 +167,7 @@ def test_unconstrained_requests_are_the_same_beside_constrained_ones(stack, clie
     prompts = ["Once upon a time", "The best way to learn is"]
     plain = lambda prompt: (
         client.completions.create(
-            model="default", prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+            model=MODEL, prompt=prompt, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
         )
         .choices[0]
         .text
@@ -191,15 +192,16 @@ def check_weather_call(call) -> dict:
 
 def test_a_required_tool_call_validates_whole_and_streamed(client):
     reply = client.chat.completions.create(
-        model="default", messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required", temperature=0, max_tokens=MAX_TOKENS
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required", parallel_tool_calls=False,
+        temperature=0, max_tokens=MAX_TOKENS,
     )  # fmt: skip
     choice = reply.choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     whole = check_weather_call(choice.message.tool_calls[0])
     chunks = list(
         client.chat.completions.create(
-            model="default", messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required", temperature=0,
-            max_tokens=MAX_TOKENS, stream=True,
+            model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], tool_choice="required", temperature=0,
+            parallel_tool_calls=False, max_tokens=MAX_TOKENS, stream=True,
         )
     )  # fmt: skip
     deltas = [d for c in chunks for d in (c.choices[0].delta.tool_calls or []) if c.choices]
@@ -211,7 +213,7 @@ def test_a_required_tool_call_validates_whole_and_streamed(client):
 
 def test_a_named_tool_and_a_two_turn_conversation(client):
     reply = client.chat.completions.create(
-        model="default", messages=ASK_WEATHER, tools=[WEATHER_TOOL], temperature=0, max_tokens=MAX_TOKENS,
+        model=MODEL, messages=ASK_WEATHER, tools=[WEATHER_TOOL], temperature=0, max_tokens=MAX_TOKENS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )  # fmt: skip
     call = reply.choices[0].message.tool_calls[0]
@@ -222,7 +224,7 @@ def test_a_named_tool_and_a_two_turn_conversation(client):
         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 18, "sky": "cloudy"})},
     ]
     answer = client.chat.completions.create(
-        model="default", messages=follow_up, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=60
+        model=MODEL, messages=follow_up, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=60
     )  # fmt: skip
     message = answer.choices[0].message
     assert message.content and not message.tool_calls and answer.choices[0].finish_reason in ("stop", "length")
