@@ -11,7 +11,7 @@ import time
 import jsonschema
 import pytest
 
-from tests.e2e.stack import Stack, running_pair
+from tests.e2e.stack import Stack, running_pair, tiny_stack
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 300
@@ -79,6 +79,7 @@ WEATHER_TOOL = {
     },
 }
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+ASK_WEATHER_BODY = {"messages": ASK_WEATHER}
 
 
 @pytest.fixture(scope="module")
@@ -285,3 +286,47 @@ def test_a_constrained_stream_survives_its_decode_worker_killed(tmp_path):
         assert stack.get("/v1/workers")[1]["gateway"]["moves"] >= 1  # it did move
         jsonschema.validate(json.loads(text), LONG)
         assert text == expected
+
+
+def test_a_dead_end_finishes_with_error_not_a_hang(stack):
+    # Complete after "no", which then needs EOS; min_tokens masks EOS: no token is left.
+    body = {"max_tokens": 10, "min_tokens": 5, "structured_outputs": {"choice": ["no"]}, "temperature": 0}
+    for path, extra in (("/v1/completions", {"prompt": "Yes or no?"}), ("/v1/chat/completions", ASK_WEATHER_BODY)):
+        status, reply = stack.post(path, {**body, **extra}, timeout=60)
+        choice = reply["choices"][0]
+        assert status == 200 and choice["finish_reason"] == "error", reply
+        assert choice["error"]["type"] == "constraint_dead_end"
+        events = stack.stream(path, {**body, **extra}, timeout=60)
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "error"
+
+
+def test_traces_record_the_constraint_and_its_compile_and_a_slow_compile_is_a_400(tmp_path):
+    from kvferry.tools.trace.reader import load
+
+    trace_dir = tmp_path / "traces"
+    with tiny_stack(tmp_path, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir)}) as stack:
+        stack.start_pair()
+        schema = SCHEMAS["enums and bounded numbers"]
+        body = {"prompt": "Data:", "max_tokens": 60, "structured_outputs": {"json": schema}}
+        for _ in range(2):  # compiled, then from the cache
+            status, reply = stack.post("/v1/completions", body)
+            assert status == 200 and reply["choices"][0]["finish_reason"] == "stop", reply
+            jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+
+        def compile_spans():
+            spans = [r for r in load(str(trace_dir)).records if r.get("name") == "grammar.compile"]
+            return spans if len(spans) >= 4 else None  # prefill and decode, each request
+
+        stack.wait_for(compile_spans, 30, "grammar.compile spans")
+        spans = compile_spans()
+        assert {s["role"] for s in spans} == {"prefill", "decode"}
+        assert all(s["attrs"]["kind"] == "json" and s["attrs"]["field"] == "structured_outputs.json" for s in spans)
+        assert [s["attrs"]["cached"] for s in spans if s["role"] == "prefill"] == [False, True]
+        prefill = [r for r in load(str(trace_dir)).records if r.get("name") == "prefill"]
+        assert prefill and all(r["attrs"]["constraint"] == "json" for r in prefill)
+    (tmp_path / "slow").mkdir()
+    with tiny_stack(tmp_path / "slow", extra_env={"KVFERRY_GRAMMAR_COMPILE_TIMEOUT": "0.000001"}) as stack:
+        stack.start_pair()
+        status, reply = stack.post("/v1/completions", body)
+        assert status == 400 and reply["error"]["param"] == "structured_outputs.json", reply
+        assert "took longer than" in reply["error"]["message"]

@@ -118,3 +118,19 @@ def test_preemption_chunked_prefill_and_prefix_caching_keep_the_constraint(folde
     assert small.scheduler.num_preemptions > 0 and small.scheduler.num_cached_prompt_tokens > 0
     for out in outs:
         assert out.finish_reason == FinishReason.STOP and valid(small, out, JSON)
+
+
+def test_max_tokens_ends_with_length_on_a_prefix_the_grammar_accepts(engine):
+    [out] = engine.generate([PROMPT], [params(JSON, max_tokens=6)])
+    assert out.finish_reason == FinishReason.LENGTH and len(out.output_token_ids) == 6
+    engine.constraint_state(params(JSON), out.output_token_ids)  # raises if the grammar refuses any of them
+
+
+def test_logprobs_are_the_unconstrained_models(engine):
+    # The first token's top alternatives, constrained or not, are the model's: the mask changes only the draw.
+    [free] = engine.generate([PROMPT], [params(temperature=0, max_tokens=1, logprobs=5)])
+    [held] = engine.generate([PROMPT], [params(REGEX, temperature=0, max_tokens=1, logprobs=5)])
+    assert held.logprobs[0].top_ids == free.logprobs[0].top_ids
+    assert held.logprobs[0].top_logprobs == pytest.approx(free.logprobs[0].top_logprobs)
+    allowed = held.output_token_ids[0]
+    assert re.fullmatch(r"[a-z]+", engine.tokenizer.decode([allowed]))
