@@ -128,14 +128,16 @@ class LLMEngine(ReceivedKV):
         request_id: str | None = None,
         chat: bool = False,
         resume_token_ids: list[int] = (),
+        grammar=None,
     ) -> str:
         """resume_token_ids: outputs generated elsewhere before (a request moved off a failed worker). They are
-        computed with the prompt, and count as outputs: for max_tokens, penalties and the finish rules."""
+        computed with the prompt, and count as outputs: for max_tokens, penalties and the finish rules.
+        grammar: params.constraint compiled (a worker compiles it off its loop); None: compiled here."""
         params = params or SamplingParams()
         token_ids = self.encode(prompt, chat) if isinstance(prompt, str) else list(prompt)
         self.validate_prompt(token_ids + list(resume_token_ids))
         self.validate_params(params)
-        return self._queue(token_ids, params, request_id, resume_token_ids)
+        return self._queue(token_ids, params, request_id, resume_token_ids, grammar)
 
     def _queue(
         self,
@@ -143,6 +145,7 @@ class LLMEngine(ReceivedKV):
         params: SamplingParams,
         request_id: str | None = None,
         resume_token_ids: list[int] = (),
+        grammar=None,
     ) -> str:
         """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
@@ -150,7 +153,7 @@ class LLMEngine(ReceivedKV):
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         # Outputs with nothing computed: the scheduler runs it like a preempted sequence, all tokens as one prompt.
         seq = Sequence(request_id, token_ids, params, output_token_ids=list(resume_token_ids))
-        seq.constraint_state = self.constraint_state(params, resume_token_ids)
+        seq.constraint_state = self.constraint_state(params, resume_token_ids, grammar)
         self._live[request_id] = seq
         self.scheduler.add(seq)
         return request_id
@@ -167,12 +170,13 @@ class LLMEngine(ReceivedKV):
         if bad is not None:
             raise InvalidRequest(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})")
 
-    def constraint_state(self, params: SamplingParams, token_ids: list[int]) -> ConstraintState | None:
-        """A matcher for params' constraint that has seen token_ids (the outputs so far); None without one. The
-        grammar comes from the cache: a worker compiles it off its loop first, and compiles here only offline."""
+    def constraint_state(self, params: SamplingParams, token_ids: list[int], grammar=None) -> ConstraintState | None:
+        """A matcher for params' constraint that has seen token_ids (the outputs so far); None without one.
+        grammar: the constraint compiled; a worker passes the one it compiled off its loop (the cache may have let
+        it go since), and only the offline engine compiles here."""
         if params.constraint is None:
             return None
-        return ConstraintState(self.grammars.compile(params.constraint), token_ids)
+        return ConstraintState(grammar or self.grammars.compile(params.constraint), token_ids)
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this model's vocabulary."""
@@ -307,14 +311,16 @@ class LLMEngine(ReceivedKV):
         has token -1 and FinishReason.DEAD_END."""
         seq = self._kept.get(out.request_id) or self._live[out.request_id]
         num_outputs, num_tokens = len(seq.output_token_ids), seq.num_tokens
-        before = seq.output_token_ids[:-1]  # what each choice's constraint had seen before its first token
-        if out.finish_reason == FinishReason.DEAD_END:
+        if out.finish_reason == FinishReason.DEAD_END:  # its token was not appended
+            before = seq.output_token_ids  # what each choice's constraint had seen before its first token
             firsts = [(-1, None, FinishReason.DEAD_END)]
         else:
+            before = seq.output_token_ids[:-1]
             token, logprobs = out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None
             reason = self.finish_reason(params, token, num_outputs, num_tokens, seq.constraint_state)
             firsts = [(token, logprobs, reason)]
-        states = [self.constraint_state(p, before) for p in extra]
+        state = seq.constraint_state  # each choice's own, of the same grammar
+        states = [state.again(before) if state is not None else None for _ in extra]
         for (token, logprobs), choice_params, state in zip(
             self.runner.sample_choices(seq, extra, states), extra, states
         ):
@@ -329,7 +335,14 @@ class LLMEngine(ReceivedKV):
     def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:
         return list(self.runner.prompt_logprobs.get(request_id) or ())
 
-    def finish_reason(self, params, token_id: int, num_output_tokens: int, num_tokens: int, constraint_state=None):
+    def finish_reason(
+        self,
+        params: SamplingParams,
+        token_id: int,
+        num_output_tokens: int,
+        num_tokens: int,
+        constraint_state: ConstraintState | None = None,
+    ) -> FinishReason | None:
         return self.scheduler.finish_reason(params, token_id, num_output_tokens, num_tokens, constraint_state)
 
     def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:

@@ -80,12 +80,13 @@ class ReceivedKV:
         blocks: list[int],
         resume_token_ids: list[int] = (),
         held_blocks: list[int] = (),
+        grammar=None,
     ) -> bool:
         """Admit a transfer's sequences once every layer of its blocks is written. The first choice takes over the
         references to held_blocks and blocks; the choices share the prompt's full blocks (ref counts), and each
         gets its own copy of a partly filled last block, since each appends its own tokens there. False when
         there is no room now (the caller still owns the blocks). request_ids may be fewer than begin_prefilled's:
-        the choices that ended at their first token are left out."""
+        the choices that ended at their first token are left out. grammar: the choices' constraint, compiled."""
         if not request_ids or not len(request_ids) == len(first_token_ids) == len(params):
             raise InvalidRequest("a KV transfer needs one first token and one set of parameters per choice")
         for first_token_id in first_token_ids:
@@ -107,7 +108,7 @@ class ReceivedKV:
                     output_token_ids=[*resume_token_ids, first_token_id],
                     num_computed_tokens=num_prompt,
                 )
-                seq.constraint_state = self.constraint_state(choice_params, seq.output_token_ids)
+                seq.constraint_state = self.constraint_state(choice_params, seq.output_token_ids, grammar)
                 if not admitted:
                     self.scheduler.admit_prefilled(seq, [*held_blocks, *blocks])
                     admitted.append(seq)

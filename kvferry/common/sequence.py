@@ -1,9 +1,13 @@
 """One request's state as the scheduler sees it: tokens, progress and its block table."""
 
 import enum
+import typing
 from dataclasses import dataclass, field
 
 from kvferry.common.sampling import SamplingParams
+
+if typing.TYPE_CHECKING:
+    from kvferry.common.structured.matcher import ConstraintState
 
 
 class SequenceStatus(enum.IntEnum):
@@ -38,7 +42,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache at admission
     # Its structured-output matcher (common/structured/matcher.py), when params.constraint is set: advanced with
     # every output token, kept through preemption, rebuilt from the tokens wherever the sequence moves.
-    constraint_state: object | None = None
+    constraint_state: "ConstraintState | None" = None
 
     @property
     def token_ids(self) -> list[int]:

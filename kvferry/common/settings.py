@@ -129,7 +129,7 @@ class Setting:
     choices: tuple | None = None
     min: float | None = None  # inclusive
     above: float | None = None  # exclusive (for a float that must be positive)
-    max: float | None = None  # inclusive, given with min
+    max: float | None = None  # inclusive, given with min or above
     flag: str | None = None  # a flag other than --name-with-dashes; "" for a setting read from the environment only
     dest: str | None = None  # the attribute in the parsed arguments, when it is not the name
     negate: bool = False  # a switch whose attribute is its opposite (--no-prefix-caching -> enable_prefix_caching)
@@ -164,6 +164,8 @@ class Setting:
             return f"between {self.min:g} and {self.max:g}"
         if self.min is not None:
             return f"at least {self.min:g}"
+        if self.above is not None and self.max is not None:
+            return f"more than {self.above:g} and at most {self.max:g}"
         return f"more than {self.above:g}" if self.above is not None else None
 
     def problem(self, value: Any) -> str | None:
@@ -404,10 +406,12 @@ SPEC: tuple[Setting, ...] = (
         "grammar_compile_timeout",
         FLOAT,
         "10",
-        "a structured-output constraint whose compile takes longer than this (seconds) gets a 400",
+        "a structured-output constraint whose compile takes longer than this (seconds) gets a 400; at most 8, below "
+        "the 10 s a prefill worker waits for a decode worker to take a transfer",
         (*WORKERS, SERVE),
         "worker",
         above=0,
+        max=8,
     ),
     Setting(
         "stall_timeout",

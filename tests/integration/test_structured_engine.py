@@ -134,3 +134,16 @@ def test_logprobs_are_the_unconstrained_models(engine):
     assert held.logprobs[0].top_logprobs == pytest.approx(free.logprobs[0].top_logprobs)
     allowed = held.output_token_ids[0]
     assert re.fullmatch(r"[a-z]+", engine.tokenizer.decode([allowed]))
+
+
+def test_the_grammar_a_worker_compiled_is_used_not_compiled_again(engine):
+    from kvferry.common.structured.grammars import GrammarCache
+
+    xyz = Constraint("regex", "[xyz]{4}", "structured_outputs.regex")
+    compiled = GrammarCache(engine.tokenizer, engine.vocab_size, (2,)).compile(xyz)  # as a compile thread does
+    num_compiles = engine.grammars.num_compiles
+    engine.add_request(PROMPT, params(xyz), request_id="pinned", grammar=compiled)
+    while engine.has_unfinished():
+        done = [o for o in engine.step() if o.finished]
+    assert engine.grammars.num_compiles == num_compiles and engine.grammars.cached(xyz, count=False) is None
+    assert re.fullmatch("[xyz]{4}", engine.tokenizer.decode(done[0].output_token_ids, skip_special_tokens=True))

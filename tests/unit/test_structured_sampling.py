@@ -196,52 +196,85 @@ class SlowGrammars:
         return self.compiled[constraint.key]
 
 
-def finished(compiles, until=5.0):
-    deadline = time.monotonic() + until
-    while time.monotonic() < deadline:
-        done = compiles.take_finished()
-        if done:
-            return done
+def finished(compiles, until=5.0, count=1):
+    deadline, done = time.monotonic() + until, []
+    while time.monotonic() < deadline and len(done) < count:
+        done += compiles.take_finished()
         time.sleep(0.01)
-    return []
+    return done
+
+
+REGEX = Constraint("regex", "[0-9]{3}", "structured_outputs.regex")
 
 
 def test_compiles_run_off_the_loop_shared_by_requests_with_the_same_constraint():
     grammars = SlowGrammars()
     compiles = ConstraintCompiles(grammars, timeout_s=30)
     try:
-        assert not compiles.ready("a", YES_NO) and not compiles.ready("b", YES_NO)  # both wait on one compile
+        assert compiles.ready("a", YES_NO) is None and compiles.ready("b", YES_NO) is None  # one compile for both
         assert compiles.waiting("a") and compiles.take_finished() == []
         grammars.release.set()
-        done = finished(compiles)
-        done += finished(compiles, 0.2) if len(done) < 2 else []
+        done = finished(compiles, count=2)
         assert sorted(d.owner for d in done) == ["a", "b"] and all(d.error == "" for d in done)
-        assert compiles.ready("c", YES_NO)  # in the cache now
-        assert not compiles.ready("d", Constraint("regex", "(", "structured_outputs.regex"))
+        assert done[0].grammar is grammars.compiled[YES_NO.key] is done[1].grammar  # the request keeps it
+        assert compiles.ready("c", YES_NO) is done[0].grammar  # in the cache now
+        assert compiles.ready("d", Constraint("regex", "(", "structured_outputs.regex")) is None
         [bad] = finished(compiles)
         assert bad.owner == "d" and bad.error == "structured_outputs.regex: the parenthesis is not closed"
+        assert bad.grammar is None and not bad.retry
     finally:
         compiles.close()
 
 
-def test_a_compile_past_its_timeout_fails_its_requests_and_its_constraint_fails_fast_after():
+def test_a_compile_past_its_timeout_fails_its_own_requests_not_those_queued_behind_it():
     grammars = SlowGrammars()
     compiles = ConstraintCompiles(grammars, timeout_s=0.05)
     try:
-        assert not compiles.ready("a", FLAGS)
-        assert compiles.next_deadline_in() <= 0.05
+        assert compiles.ready("a", FLAGS) is None
+        assert compiles.ready("queued", REGEX) is None  # behind the stuck compile
+        assert compiles.ready("forgotten", YES_NO) is None
+        compiles.forget("forgotten")  # its compile has not begun: dropped
         [late] = finished(compiles)
         assert late.owner == "a" and "took longer than the 0.05 s" in late.error
         assert late.error.startswith("response_format.json_schema.schema: ")
-        assert not compiles.ready("b", FLAGS)  # refused at once, not queued behind the stuck compile
+        assert compiles.ready("b", FLAGS) is None  # refused at once, not queued behind the stuck compile
+        assert compiles.waiting("b")
         [again] = finished(compiles, 0.5)
         assert again.owner == "b" and "took longer" in again.error
-        forgotten = Constraint("regex", "[a-z]", "r")
-        assert not compiles.ready("c", forgotten)
-        compiles.forget("c")
-        grammars.release.set()
         time.sleep(0.1)
-        assert all(d.owner != "c" for d in compiles.take_finished())  # an owner that ended is not reported
+        assert compiles.take_finished() == []  # the queued one waits: its own compile has not begun
+        grammars.release.set()
+        [queued] = finished(compiles)
+        assert queued.owner == "queued" and queued.error == "" and queued.grammar is not None
+        time.sleep(0.1)
+        assert YES_NO.key not in grammars.compiled  # nobody waited for it any more
     finally:
         grammars.release.set()
         compiles.close()
+
+
+def test_past_its_queue_cap_a_worker_refuses_constraints_for_another_to_take(monkeypatch):
+    from kvferry.services import constraint_compiles
+
+    monkeypatch.setattr(constraint_compiles, "MAX_QUEUED_COMPILES", 2)
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=30)
+    try:
+        assert compiles.ready("a", FLAGS) is None and compiles.ready("b", REGEX) is None
+        assert compiles.ready("c", YES_NO) is None
+        [busy] = finished(compiles)
+        assert busy.owner == "c" and busy.retry and "2 constraints to compile already" in busy.error
+    finally:
+        grammars.release.set()
+        compiles.close()
+
+
+def test_closing_does_not_wait_for_a_compile_under_way():
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=30)
+    compiles.ready("a", FLAGS)
+    time.sleep(0.05)
+    started = time.monotonic()
+    compiles.close()
+    assert compiles._thread.daemon and time.monotonic() - started < 1  # the process may exit meanwhile
+    grammars.release.set()

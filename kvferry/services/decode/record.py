@@ -67,7 +67,9 @@ class Incoming:
     next_layer: int = 0
     num_bytes: int = 0
     trace: p.TraceContext | None = None  # the first group's
-    # The last group's (peer, envelope), kept while the constraint still compiles: admitted once it has.
+    grammar: object = None  # the choices' constraint, compiled (kept here: the cache may let it go before admission)
+    # The last group's (peer, envelope without its frame, placed already), kept while the constraint still
+    # compiles: admitted once it has.
     awaiting_grammar: tuple | None = None
     grammar_error: str = ""  # the constraint's compile failed: the transfer is refused when its last group comes
 

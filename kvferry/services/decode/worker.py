@@ -5,6 +5,7 @@ Each request attempt is one DecodeAttempt record (services/decode/record.py); ea
 engine sequence keyed by ChoiceKey. A step is `engine.step()` with the DecodeConnector plugged in.
 """
 
+import dataclasses
 import logging
 import time
 
@@ -242,11 +243,13 @@ class DecodeWorker(Worker):
                 record.hold(held)
             self.ack(env, peer, False, "no free blocks")
             return
-        record.start_receiving(Incoming(msg, link, choices, params, blocks, trace=env.trace), held)
+        incoming = Incoming(msg, link, choices, params, blocks, trace=env.trace)
+        record.start_receiving(incoming, held)
         constraint = msg.sampling.constraint
         if constraint is not None and not self.compiles.waiting(key):  # compiled while the KV comes
             compiled_at = time.time()
-            if self.compiles.ready(key, constraint):
+            incoming.grammar = self.compiles.ready(key, constraint)
+            if incoming.grammar is not None:
                 self.trace_compile(key.request_id, env.trace, constraint, compiled_at, compiled_at, cached=True)
         self.receive_layers(key, peer, env)
 
@@ -278,7 +281,7 @@ class DecodeWorker(Worker):
         incoming.num_bytes += kv.nbytes
         incoming.expires_at = time.monotonic() + INCOMING_S
         if last and self.compiles.waiting(key):
-            incoming.awaiting_grammar = (peer, env)  # admitted by on_compiled
+            incoming.awaiting_grammar = (peer, dataclasses.replace(env, frames=[]))  # admitted by on_compiled
         elif last:
             self.admit(record, peer, env)
 
@@ -289,7 +292,7 @@ class DecodeWorker(Worker):
             return  # ended, or put back: a resend finds the grammar in the cache
         key = record.key
         self.trace_compile(key.request_id, incoming.trace, done.constraint, done.started_at, done.ended_at, False)
-        incoming.grammar_error = done.error
+        incoming.grammar, incoming.grammar_error = done.grammar, done.error
         if incoming.awaiting_grammar is not None:
             peer, env = incoming.awaiting_grammar
             incoming.awaiting_grammar = None
@@ -302,9 +305,10 @@ class DecodeWorker(Worker):
         """The last group came: the choices that go on (those whose first token did not end them, and that the
         gateway has not ended since) join the running batch."""
         msg, incoming = env.message, record.incoming
-        if incoming.grammar_error:  # told as it is: "<field>: <reason>", which the gateway names in its 400
+        if incoming.grammar_error:
+            # Not the request's fault: its prefill worker compiled the constraint. Another worker may: a 503 to move.
             error = incoming.grammar_error
-            self.refuse(record, env, peer, incoming.link, InvalidRequest(error), told=error)
+            self.refuse(record, env, peer, incoming.link, KvferryError(error), told=error, code=503, retry=True)
             return
         first_token = dict(zip(msg.choices, msg.output_token_ids))
         going_on = [i for i, c in enumerate(incoming.choices) if c in first_token and c not in record.cancelled]
@@ -323,6 +327,7 @@ class DecodeWorker(Worker):
                 incoming.blocks,
                 first.resume_token_ids,
                 record.held,
+                incoming.grammar,
             )
         except Exception as exc:  # admission is all or nothing: the record still owns every block
             self.refuse(record, env, peer, incoming.link, exc)
@@ -354,14 +359,15 @@ class DecodeWorker(Worker):
             )
         self.ack(env, peer, True)
 
-    def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc, told=""):
-        """A transfer that can never be placed: the request ends here, and its gateway is told why (told: in
-        those words)."""
+    def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc,
+               told: str = "", code: int | None = None, retry: bool = False) -> None:  # fmt: skip
+        """A transfer that can never be placed here: the request ends here, and its gateway is told why (told: in
+        those words; code and retry: as send_failure takes them)."""
         self.end_record(record)
         self.ack(env, peer, False, f"refused: {exc}", retry=False)
         if link is not None:
             error = told or f"decode worker refused the KV: {exc}"
-            self.send_failure(link, env.request_id, env.message.attempt, env.trace, error, exc)
+            self.send_failure(link, env.request_id, env.message.attempt, env.trace, error, exc, code, retry)
 
     def tidy(self) -> None:
         """Let go of what ran out: the records' queues give the expired ones (and those past a cap) without a walk

@@ -6,7 +6,7 @@
        └───────────────────────────┴──── end (done, refused, aborted, failed, given up) ──▶ DONE
 
 COMPILING: its structured-output constraint compiles off the step loop (services/constraint_compiles.py); a
-request without one, or whose constraint is cached, starts QUEUED.
+request without one, or whose constraint is cached, is made QUEUED.
 
 COMPUTING may already ship layer groups (those stored while later layers compute); SHIPPING is a transfer
 that is due, or waiting for its retry time or for the decode worker's KVHeld answer.

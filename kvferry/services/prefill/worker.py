@@ -82,22 +82,24 @@ class PrefillWorker(Worker):
             link = self.link_of(channel)
             if link is None or key in self.records:
                 return  # not from a gateway, or a copy of one being served already
-            record = PrefillAttempt(key, link, msg, env.trace)
+            constraint = msg.sampling.constraint
+            grammar = self.compiles.ready(key, constraint) if constraint is not None else None
+            compiling = constraint is not None and grammar is None
+            state = PrefillState.COMPILING if compiling else PrefillState.QUEUED  # COMPILING: see on_compiled
+            record = PrefillAttempt(key, link, msg, env.trace, state=state)
             try:
                 check_peer_address(msg.decode_address)
             except InvalidRequest as exc:  # the decode worker's fault, not the request's: the gateway moves it
                 self.end_request(record, f"decode worker {msg.decode_worker_id}: {exc}", 503, retry=True)
                 return
-            constraint = msg.sampling.constraint
-            if constraint is not None and not self.compiles.ready(key, constraint):
-                record.state = PrefillState.COMPILING  # admitted once it compiles (on_compiled)
+            if compiling:
                 self.records[key] = record
                 return
             if constraint is not None:
                 now = time.time()
                 self.trace_compile(key.request_id, env.trace, constraint, now, now, cached=True)
             try:
-                self.admit(key, msg)
+                self.admit(key, msg, grammar)
             except InvalidRequest as exc:
                 self.end_request(record, str(exc), 400)
                 return
@@ -112,10 +114,10 @@ class PrefillWorker(Worker):
         key = record.key
         self.trace_compile(key.request_id, record.trace, done.constraint, done.started_at, done.ended_at, False)
         if done.error:
-            self.end_request(record, done.error, 400)
+            self.end_request(record, done.error, 503 if done.retry else 400, retry=done.retry)
             return
         try:
-            self.admit(key, record.request)
+            self.admit(key, record.request, done.grammar)
         except InvalidRequest as exc:
             self.end_request(record, str(exc), 400)
             return
@@ -126,9 +128,9 @@ class PrefillWorker(Worker):
         if record is not None:
             self.end_request(record)
 
-    def admit(self, key: AttemptKey, msg: p.PrefillRequest) -> None:
+    def admit(self, key: AttemptKey, msg: p.PrefillRequest, grammar=None) -> None:
         """Check everything about the request that could fail later, then queue its prompt: a request that would
-        fail in a step fails here, alone, with a 400."""
+        fail in a step fails here, alone, with a 400. grammar: its constraint's, compiled."""
         if not 1 <= msg.n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
         if msg.resume_token_ids and (msg.n != 1 or msg.choice < 0):
@@ -141,7 +143,9 @@ class PrefillWorker(Worker):
         next_only = dataclasses.replace(
             params, max_tokens=num_done + 1, min_tokens=min(params.min_tokens, num_done + 1)
         )
-        self.engine.add_request(msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids)
+        self.engine.add_request(
+            msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids, grammar=grammar
+        )
 
     def end_request(self, record: PrefillAttempt, error: str = "", code: int = 500, retry: bool = False) -> None:
         """End an attempt here, for whatever reason: its sequence and blocks go, its record is done, and with an
