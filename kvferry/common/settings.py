@@ -405,7 +405,7 @@ SPEC: tuple[Setting, ...] = (
     Setting(
         "grammar_compile_timeout",
         FLOAT,
-        "10",
+        "5",
         "a structured-output constraint whose compile takes longer than this (seconds) gets a 400; at most 8, below "
         "the 10 s a prefill worker waits for a decode worker to take a transfer",
         (*WORKERS, SERVE),

@@ -135,6 +135,7 @@ class ConstraintCompiles:
             if not job.owners:
                 continue  # everyone who waited for it ended
             job.started = time.monotonic()
+            self._wake()  # the loop's poll now waits no longer than this compile's deadline (next_deadline_in)
             try:
                 job.grammar = self.grammars.compile(job.constraint)
             except InvalidRequest as exc:

@@ -65,7 +65,7 @@ class Worker:
         drain_timeout_s: float = 30.0,
         curve: CurveKeys | None = None,
         insecure: bool = False,
-        grammar_compile_timeout_s: float = 10.0,
+        grammar_compile_timeout_s: float = 5.0,
     ):
         """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"

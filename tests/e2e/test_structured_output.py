@@ -325,8 +325,9 @@ def test_traces_record_the_constraint_and_its_compile_and_a_slow_compile_is_a_40
         prefill = [r for r in load(str(trace_dir)).records if r.get("name") == "prefill"]
         assert prefill and all(r["attrs"]["constraint"] == "json" for r in prefill)
     (tmp_path / "slow").mkdir()
-    with tiny_stack(tmp_path / "slow", extra_env={"KVFERRY_GRAMMAR_COMPILE_TIMEOUT": "0.000001"}) as stack:
+    with tiny_stack(tmp_path / "slow", extra_env={"KVFERRY_GRAMMAR_COMPILE_TIMEOUT": "0.02"}) as stack:
         stack.start_pair()
-        status, reply = stack.post("/v1/completions", body)
-        assert status == 400 and reply["error"]["param"] == "structured_outputs.json", reply
-        assert "took longer than" in reply["error"]["message"]
+        slow = {"prompt": "Data:", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{1,5000}"}}  # 0.4 s
+        status, reply = stack.post("/v1/completions", slow)
+        assert status == 400 and reply["error"]["param"] == "structured_outputs.regex", reply
+        assert "took longer than the 0.02 s" in reply["error"]["message"]

@@ -241,3 +241,9 @@ def test_each_command_of_kvferry_takes_exactly_its_settings(monkeypatch):
             assert len(dests) == len(set(dests)), f"{command}: two flags write one attribute"
             args = parser.parse_args(["--prompt", "hi"] if command == settings.GENERATE else [])
             assert all(getattr(args, s.attr) == s.value_default for s in settings.for_command(command))
+
+
+@pytest.mark.parametrize("setting", settings.SPEC, ids=lambda s: s.name or s.dest or "?")
+def test_every_default_is_within_its_own_bounds(setting):
+    # A default past its bound makes every command that takes the setting refuse to start.
+    assert setting.problem(setting.value_default) is None
