@@ -10,6 +10,7 @@ combinations, and those combinations are refused here too:
 - `format`, `pattern` and minLength/maxLength together in one string schema (only one of the three is kept);
 - a `required` name not in `properties`; `multipleOf` on anything but integers;
 - a `oneOf` whose branches may overlap (the engine generates it as `anyOf`, so one output could match two).
+Some schemas it enforces are refused for their size: their compile would take seconds (the limits below).
 What the engine adds is fine: it generates no property that `properties` does not list unless additionalProperties
 allows it, and matches `pattern` against the whole string; such an output still validates.
 
@@ -78,6 +79,12 @@ KIND_OF = {
 FALSE_ALLOWED = frozenset({"additionalProperties", "items"})  # where the engine takes the schema `false`
 MAX_REF_HOPS = 32  # a $ref chain longer than this is taken as a loop when oneOf branches are compared
 MAX_ONE_OF = 256  # branches of one oneOf: each pair is compared
+MAX_ENUM_VALUES = 1024  # of one enum: each value is an alternative of the grammar, and a oneOf compares them all
+# The engine's compile time grows about quadratically with an object's optional properties (those not in 'required';
+# docs/structured-output.md has the figures), so that a few thousand take a compile past any sensible timeout; required
+# ones cost little. Within these the compile stays well under a second.
+MAX_OPTIONAL_PROPERTIES = 128  # of one object
+MAX_PROPERTIES = 2048  # of every object in the schema together, nested and in $defs too
 
 
 class UnsupportedSchema(ValueError):
@@ -127,6 +134,9 @@ def _covers(types: set[str], kind: str) -> bool:
 class _Walk:
     def __init__(self, root: dict):
         self.root = root
+        self.num_properties = 0  # of the objects walked so far
+        # id(schema) -> _facts(schema): ids stay unique, as every schema here lives in root for the walk
+        self.value_facts: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
 
     def node(self, schema, path: str, implied: str | None, key: str = "") -> None:
         """implied: the type a place gives its schema (propertyNames' is a string)."""
@@ -171,6 +181,10 @@ class _Walk:
 
     def _values(self, schema: dict, path: str, types: set[str]) -> None:
         values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+        if len(values) > MAX_ENUM_VALUES:
+            raise UnsupportedSchema(
+                path, f"an 'enum' of more than {MAX_ENUM_VALUES} values is not supported (this one has {len(values)})"
+            )
         if "const" in schema:
             values.append(schema["const"])
         if "type" not in schema:
@@ -208,12 +222,26 @@ class _Walk:
             )
 
     def _objects(self, schema: dict, path: str) -> None:
-        required = schema.get("required")
-        if isinstance(required, list):
-            listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-            missing = next((name for name in required if name not in listed), None)
-            if missing is not None:
-                raise UnsupportedSchema(path, f"the required property {_short(missing)} is not in 'properties'")
+        listed = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+        required = _names(schema.get("required"))
+        missing = next((name for name in required if name not in listed), None)
+        if missing is not None:
+            raise UnsupportedSchema(path, f"the required property {_short(missing)} is not in 'properties'")
+        self.num_properties += len(listed)
+        if self.num_properties > MAX_PROPERTIES:
+            raise UnsupportedSchema(
+                path,
+                f"a schema with more than {MAX_PROPERTIES} properties in all (every object's, nested and in $defs) is "
+                "not supported: the engine's compile time grows with them",
+            )
+        num_optional = len(listed.keys() - set(required))
+        if num_optional > MAX_OPTIONAL_PROPERTIES:
+            raise UnsupportedSchema(
+                path,
+                f"an object with more than {MAX_OPTIONAL_PROPERTIES} optional properties is not supported (this one has "
+                f"{num_optional} not in 'required'): the engine's compile time grows fast with them; require more of "
+                "them or nest them in objects",
+            )
 
     def _children(self, schema: dict, path: str) -> None:
         for name in ("properties", *CONTAINERS):
@@ -280,13 +308,13 @@ class _Walk:
             return True
         if not (isinstance(a, dict) and isinstance(b, dict)) or depth == 0:
             return False
-        va, vb = _values_of(a), _values_of(b)
+        fa, fb = self._facts(a), self._facts(b)
         ta, tb = _types(a), _types(b)
-        if va is not None and vb is not None:
-            return not any(x == y and json_types(x) == json_types(y) for x in va for y in vb)
-        for values, types in ((va, tb), (vb, ta)):
-            if values is not None and types is not None:
-                return not any(json_types(v) & _widened(types) for v in values)
+        if fa is not None and fb is not None:
+            return fa[0].isdisjoint(fb[0])
+        for facts, types in ((fa, tb), (fb, ta)):
+            if facts is not None and types is not None:
+                return facts[1].isdisjoint(_widened(types))
         if ta is not None and tb is not None and not _widened(ta) & _widened(tb):
             return True
         return self._told_apart(a, b, path, depth)
@@ -296,14 +324,40 @@ class _Walk:
         pa, pb = a.get("properties"), b.get("properties")
         if not (isinstance(pa, dict) and isinstance(pb, dict)):
             return False
-        required = [k for k in _names(a.get("required")) if k in _names(b.get("required"))]
+        in_b = set(_names(b.get("required")))
+        required = [k for k in _names(a.get("required")) if k in in_b]
         return any(k in pa and k in pb and self._disjoint(pa[k], pb[k], path, depth - 1) for k in required)
 
+    def _facts(self, schema: dict) -> tuple[frozenset[str], frozenset[str]] | None:
+        """An enum's or a const's values, each as _value_key, and the JSON types among them; None for other schemas.
+        Kept per schema: a oneOf compares each branch with every other, and sets make each comparison linear."""
+        if "const" in schema:
+            values = [schema["const"]]
+        elif isinstance(schema.get("enum"), list):
+            values = schema["enum"]
+        else:
+            return None
+        facts = self.value_facts.get(id(schema))
+        if facts is None:
+            kinds = frozenset(kind for value in values for kind in json_types(value))
+            facts = self.value_facts[id(schema)] = (frozenset(map(_value_key, values)), kinds)
+        return facts
 
-def _values_of(schema: dict) -> list | None:
-    if "const" in schema:
-        return [schema["const"]]
-    return list(schema["enum"]) if isinstance(schema.get("enum"), list) else None
+
+def _value_key(value) -> str:
+    """One text per JSON Schema value: equal values (1 and 1.0, objects whose keys come in another order) get the
+    same text, and the text tells the types apart (true is not 1, as Python's == would have it)."""
+    return json.dumps(_integral(value), sort_keys=True)
+
+
+def _integral(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    return value
 
 
 def _names(required) -> list[str]:

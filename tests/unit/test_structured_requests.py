@@ -3,14 +3,25 @@ field, the JSON Schema support walker against what xgrammar really enforces, and
 compile error and of a constraint's dead end (a fake core stands in for the workers)."""
 
 import json
+import sys
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
+from kvferry.common import json_schema_support
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, Constraint
-from kvferry.common.json_schema_support import ANNOTATIONS, FORMATS, SUPPORTED, UnsupportedSchema, check_supported
+from kvferry.common.json_schema_support import (
+    ANNOTATIONS,
+    FORMATS,
+    MAX_ENUM_VALUES,
+    MAX_OPTIONAL_PROPERTIES,
+    MAX_PROPERTIES,
+    SUPPORTED,
+    UnsupportedSchema,
+    check_supported,
+)
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.flight import Event
@@ -114,6 +125,8 @@ INVALID = [
     ({"response_format": json_schema({"type": "object", "properties": {"age": {"type": "number", "multipleOf": 3}}})}, SCHEMA_FIELD,
      f"{SCHEMA_FIELD}.properties.age: 'multipleOf' is supported only"),
     ({"response_format": json_schema({"maximum": float("nan"), "type": "number"})}, SCHEMA_FIELD, "not finite"),
+    ({"response_format": json_schema({"enum": list(range(1025))})}, SCHEMA_FIELD,
+     f"{SCHEMA_FIELD}: an 'enum' of more than 1024 values is not supported"),
     # structured_outputs
     ({"structured_outputs": "json"}, "structured_outputs", "must be an object"),
     ({"structured_outputs": {}}, "structured_outputs", "exactly one"),
@@ -220,6 +233,16 @@ def refusal(schema) -> str:
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "s.oneOf[1]: this branch may match what oneOf[0]"),
         ({"oneOf": [{"type": "object"}, {"type": "object", "properties": {"a": {}}}]}, "oneOf[1]"),
         ({"oneOf": [{"type": "integer"}] * 300}, "more than 256 branches"),
+        ({"oneOf": [{"enum": ["a", 1]}, {"enum": [1.0]}]}, "s.oneOf[1]: this branch may match"),  # 1 and 1.0 are one
+        ({"oneOf": [{"const": {"a": 1, "b": [2]}}, {"enum": [{"b": [2.0], "a": 1}]}]}, "s.oneOf[1]"),
+        ({"enum": list(range(1025))}, "s: an 'enum' of more than 1024 values is not supported (this one has 1025)"),
+        ({"type": "object", "properties": {"o": {"type": "object", "properties": {f"p{i}": {} for i in range(129)}}}},
+         "s.properties.o: an object with more than 128 optional properties is not supported (this one has 129"),
+        ({"type": "object", "properties": {f"p{i}": {} for i in range(300)}, "required": [f"p{i}" for i in range(171)]},
+         "s: an object with more than 128 optional properties"),
+        ({"type": "object", "$defs": {f"d{k}": {"type": "object", "properties": {f"p{i}": {} for i in range(700)},
+                                                "required": [f"p{i}" for i in range(700)]} for k in range(3)}},
+         "s.$defs.d2: a schema with more than 2048 properties in all"),
         ({"type": "array", "items": {"type": "object", "properties": {"x": {"uniqueItems": True}}}},
          "s.items.properties.x: 'uniqueItems'"),
         ({"$defs": {"a": {"type": "object", "if": {}}}, "type": "object"}, "s.$defs.a: 'if'"),
@@ -261,6 +284,7 @@ ENFORCED = [  # (schema, outputs that must pass, outputs that must fail): the wa
     ({}, ["1", '{"a": [1]}'], []),
     ({"$schema": "https://json-schema.org/draft/2020-12/schema", "$id": "https://x.org/s", "type": "integer"}, ["1"], ['"x"']),
     ({"type": "object", "properties": {"a": True}, "required": ["a"]}, ['{"a": 1}'], ["{}"]),
+    ({"oneOf": [{"enum": [[True], "a"]}, {"enum": [[1], 1.5]}]}, ["[true]", "[1]", '"a"', "1.5"], ["[2]", "true"]),
 ]  # fmt: skip
 FORMAT_SAMPLES = {
     "email": ('"first.last@sub.example.org"', '"a@"'),
@@ -341,6 +365,41 @@ def test_what_the_walker_refuses_xgrammar_would_let_through(compiler, schema, pa
     assert completes(xgr, grammar, passes)
     with pytest.raises(UnsupportedSchema):
         check_supported(schema, "s")
+
+
+def test_the_limits_themselves_are_supported():
+    names = [f"p{i}" for i in range(MAX_PROPERTIES // 2)]
+    wide = {"type": "object", "properties": dict.fromkeys(names, {}), "required": names[MAX_OPTIONAL_PROPERTIES:]}
+    check_supported({"type": "object", "$defs": {"a": wide, "b": wide}}, "s")  # MAX_PROPERTIES in all
+    check_supported({"enum": list(range(MAX_ENUM_VALUES))}, "s")
+    check_supported({"oneOf": [{"enum": [[True]]}, {"enum": [[1]]}]}, "s")  # true is not 1, nor [true] [1]
+
+
+def walker_steps(schema) -> int:
+    """The Python calls and returns the support walk makes in its module: a measure of its work that no timing noise
+    can flake."""
+    steps = 0
+
+    def count(frame, event, arg):
+        nonlocal steps
+        steps += frame.f_code.co_filename == json_schema_support.__file__
+
+    sys.setprofile(count)
+    try:
+        check_supported(schema, "s")
+    finally:
+        sys.setprofile(None)
+    return steps
+
+
+def test_the_oneof_check_is_linear_in_the_enums_values():
+    """Each pair of values was compared (2 enums of 9000 values took 2 s); sets make it linear."""
+
+    def disjoint_enums(n: int) -> dict:
+        return {"oneOf": [{"enum": list(range(n))}, {"enum": [str(i) for i in range(n)]}, {"const": [n]}]}
+
+    few, many = walker_steps(disjoint_enums(MAX_ENUM_VALUES // 4)), walker_steps(disjoint_enums(MAX_ENUM_VALUES))
+    assert many < 5 * few, (few, many)
 
 
 def test_a_pydantic_models_schema_is_supported():

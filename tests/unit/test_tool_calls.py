@@ -70,6 +70,16 @@ def tool(name="f", **function):
         ({"tools": [tool(strict="no")]}, "tools[0].function.strict", "bool"),
         ({"tools": [tool(parameters="{}")]}, "tools[0].function.parameters", "JSON Schema object"),
         ({"tools": [tool(parameters={"type": "string"})]}, "tools[0].function.parameters", "JSON object"),
+        ({"tools": [tool(parameters={"type": ["object", "null"]})]}, "tools[0].function.parameters", "no other 'type'"),
+        ({"tools": [tool(parameters={"enum": ["a", "b"]})]}, "tools[0].function.parameters", "not by 'enum'"),
+        ({"tools": [tool(parameters={"const": 3})]}, "tools[0].function.parameters", "not by 'const'"),
+        ({"tools": [tool(parameters={"anyOf": [{"type": "string"}]})]}, "tools[0].function.parameters", "not by 'anyOf'"),
+        ({"tools": [tool(parameters={"oneOf": [{"type": "object"}]})]}, "tools[0].function.parameters", "not by 'oneOf'"),
+        ({"tools": [tool(parameters={"$defs": {"a": {"type": "object"}}, "$ref": "#/$defs/a"})]},
+         "tools[0].function.parameters", "not by '$ref'"),
+        ({"tools": [tool(parameters={"type": "object", "enum": [{}]})]}, "tools[0].function.parameters", "not by 'enum'"),
+        ({"tools": [tool(parameters={"properties": {f"p{i}": {"type": "integer"} for i in range(129)}})]},
+         "tools[0].function.parameters", "tools[0].function.parameters: an object with more than 128 optional"),
         ({"tools": [tool(parameters={"type": "object", "properties": {"a": {"type": 3}}})]},
          "tools[0].function.parameters", "not a valid JSON Schema"),
         ({"tools": [tool(parameters={"type": "object", "properties": {"a": {"type": "string", "format": "iri"}}})]},
@@ -90,6 +100,23 @@ def tool(name="f", **function):
 def test_invalid_tools_get_a_400_naming_their_field(body, param, says):
     error = refused(body)
     assert error.param == param and says in error.message, error.message
+
+
+def test_a_call_of_a_tool_whose_arguments_may_be_no_object_is_refused_not_left_unparsable():
+    """Such a tool's call under "required" would be {"name": "f", "arguments": "a"}, which no parser reads as a call."""
+    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": "a"}\n</tool_call>')[1] == []
+    assert refused({"tools": [tool(parameters={"enum": ["a"]})], "tool_choice": "required"}).param == (
+        "tools[0].function.parameters"
+    )
+
+
+def test_the_tools_size_together_is_checked_before_any_schema_is_walked():
+    """A body of many large tools is refused by its size at once, not after each schema's metaschema and support
+    walks (seconds each for some schemas); so the first tool's unsupported keyword is never reached."""
+    big = [tool(f"f{i}", parameters={"type": "object", "not": {}, "description": "x" * 50_000}) for i in range(3)]
+    error = refused({"tools": big})
+    assert error.param == "tools" and "bytes together" in error.message, error.message
+    assert refused({"tools": big[:1]}).param == "tools[0].function.parameters"  # alone, it is walked
 
 
 def test_tools_are_a_chat_field_only():

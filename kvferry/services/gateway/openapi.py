@@ -140,7 +140,11 @@ def _tools() -> dict:
         "properties": {
             "name": NAME,
             "description": {"type": "string", "nullable": True},
-            "parameters": {**SCHEMA, "nullable": True, "description": "a JSON Schema of the arguments (an object)"},
+            "parameters": {
+                **SCHEMA,
+                "nullable": True,
+                "description": "a JSON Schema of the arguments, whose root is 'type': 'object'",
+            },
             "strict": {"type": "boolean", "nullable": True},
         },
     }

@@ -31,7 +31,8 @@ def canonical(value, field: str) -> str:
     return text
 
 
-def check_size(text: str, field: str) -> None:
+def check_size(text: str, field: str) -> int:
+    """text's UTF-8 size, within MAX_CONSTRAINT_BYTES."""
     try:
         size = len(text.encode("utf-8"))
     except UnicodeEncodeError:
@@ -40,6 +41,7 @@ def check_size(text: str, field: str) -> None:
         ) from None
     if size > MAX_CONSTRAINT_BYTES:
         raise ApiError(400, f"'{field}' is {size} bytes long; at most {MAX_CONSTRAINT_BYTES} bytes", field)
+    return size
 
 
 def parse_json_text(text: str, field: str):

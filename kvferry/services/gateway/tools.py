@@ -8,21 +8,25 @@ the output to calls in kvferry's one format:
 where ARGS follows the function's parameter schema. "auto" lets the model write text and constrains a call once it
 writes `<tool_call>`; "required" allows only calls (at least one), separated by newlines; a named function allows
 that one call. Without parallel_tool_calls the output ends after the first call.
+
+The checks run cheapest first: every tool's shape, then the parameter schemas' size together (the tag holds them all),
+and only then each schema's metaschema and support walks, so that a large body of many tools is refused at once.
 """
 
 import re
 from dataclasses import dataclass
 
-from kvferry.common.constraint import STRUCTURAL_TAG, Constraint
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, STRUCTURAL_TAG, Constraint
 from kvferry.services.gateway.request_parsing import ApiError, field
-from kvferry.services.gateway.schema_checks import canonical, checked_schema
+from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 
 MAX_TOOLS = 128
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function and schema names
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
 NO_PARAMETERS = {"type": "object", "properties": {}}
-ROOT_LEADERS = {"$ref", "anyOf", "oneOf", "enum", "const"}  # beside which a 'type' would be refused
+# A root led by one of these may let the arguments be something other than an object: such a call never reads back.
+ROOT_LEADERS = ("enum", "const", "anyOf", "oneOf", "$ref")
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,9 @@ def parse_tools(body: dict) -> Tools | None:
         if name in parameters:
             raise ApiError(400, f"two tools are named {name!r}", f"tools[{i}].function.name")
         parameters[name] = schema
+    _check_size_together(list(parameters.values()))
+    for i, schema in enumerate(parameters.values()):
+        checked_schema(schema, _parameters_field(i))
     parallel = field(body, "parallel_tool_calls", (bool,), True)
     choice, named = _tool_choice(body.get("tool_choice"), parameters)
     if not tools:
@@ -100,6 +107,25 @@ def _tag(name: str, schema: dict) -> dict:
     }
 
 
+def _check_size_together(schemas: list[dict]) -> None:
+    """The structural tag holds every parameter schema, so together they fit the constraint's limit. Counted until
+    they pass it, so that a body of many large tools costs no more than one."""
+    total = 0
+    for i, schema in enumerate(schemas):
+        total += check_size(canonical(schema, _parameters_field(i)), _parameters_field(i))
+        if total > MAX_CONSTRAINT_BYTES:
+            raise ApiError(
+                400,
+                f"'tools' holds parameter schemas of more than {MAX_CONSTRAINT_BYTES} bytes together (as compact JSON, "
+                f"up to tools[{i}]); at most {MAX_CONSTRAINT_BYTES} bytes, as they all go into one constraint",
+                "tools",
+            )
+
+
+def _parameters_field(i: int) -> str:
+    return f"tools[{i}].function.parameters"
+
+
 def _function(tool, where: str) -> tuple[str, dict]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise ApiError(400, f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', where)
@@ -123,11 +149,17 @@ def _function(tool, where: str) -> tuple[str, dict]:
     path = f"{where}.parameters"
     if not isinstance(schema, dict):
         raise ApiError(400, f"'{path}' must be a JSON Schema object", path)
-    if "type" in schema and schema["type"] != "object":
-        raise ApiError(400, f"'{path}' must describe a JSON object ('type': 'object'): the arguments are one", path)
-    if "type" not in schema and not schema.keys() & ROOT_LEADERS:
+    if "type" not in schema:
         schema = {"type": "object", **schema}
-    checked_schema(schema, path)
+    leader = next((key for key in ROOT_LEADERS if key in schema), None)
+    if schema["type"] != "object" or leader is not None:
+        how = f"not by {leader!r}" if leader is not None else "and no other 'type'"
+        raise ApiError(
+            400,
+            f"'{path}' must describe a JSON object by 'type': 'object' at its root, {how}: a call's arguments are one "
+            "JSON object",
+            path,
+        )
     return name, schema
 
 
