@@ -242,7 +242,7 @@ def test_api_keys(stack, model):
         ({"frequency_penalty": 3}, "frequency_penalty"),
         ({"min_tokens": 50, "max_tokens": 5}, "min_tokens"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
-        ({"guided_json": {}}, "guided_json"),
+        ({"guided_json": "{not json"}, "guided_json"),
         ({"best_of": 2}, "best_of"),
         ({"max_tokens": 0}, "max_tokens"),
         ({"echo": "yes"}, "echo"),
@@ -262,7 +262,7 @@ def test_bad_values_name_their_field(stack, body, param):
         ({"top_logprobs": 3}, "top_logprobs"),
         ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"echo": True}, "echo"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
     ],
 )
 def test_bad_chat_values_name_their_field(stack, body, param):
