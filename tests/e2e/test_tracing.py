@@ -71,7 +71,7 @@ def test_trace_show_lists_every_hop_in_causal_order(traced):
         events = [
             line.split()[2] + ("" if line.split()[2] not in ("send", "recv") else " " + line.split()[3])
             for line in lines
-            if len(line.split()) > 2 and not line.startswith("decode steps")
+            if len(line.split()) > 2 and not line.startswith("decode steps") and line.split()[0] != "with"
         ]
 
         def first(what):
@@ -96,6 +96,32 @@ def test_trace_show_lists_every_hop_in_causal_order(traced):
         last_tokens = max(i for i, e in enumerate(events) if e == "recv Tokens")
         assert first("finish") > last_tokens
         assert "decode steps:" in shown.stdout
+
+
+def test_trace_show_names_each_decode_steps_batch_mates(traced, tmp_path):
+    """Two requests that shared decode steps each list the other in those steps: abbreviated, in full with
+    --verbose, with the step's batch size and duration; the Chrome export's step slices name them both."""
+    s, trace_dir, asks, replies = traced
+    rids = [headers["x-request-id"] for _, headers, _ in replies]
+    steps = [r for r in load(str(trace_dir)).records if r.get("name") == "decode.step"]
+    shared = next(step for step in steps if sum(rid in step["attrs"]["rids"] for rid in rids) >= 2)
+    first, second = [rid for rid in rids if rid in shared["attrs"]["rids"]][:2]
+    for me, other in ((first, second), (second, first)):
+        brief = kvferry("trace", "show", str(trace_dir), me)
+        full = kvferry("trace", "show", str(trace_dir), me, "--verbose")
+        assert brief.returncode == full.returncode == 0, brief.stderr + full.stderr
+        lines = full.stdout.splitlines()
+        step_lines = [i for i, line in enumerate(lines) if " decode.step " in line]
+        mates = [lines[i + 1].split(":", 1)[1].split() for i in step_lines]
+        assert all(me not in m for m in mates) and any(other in m for m in mates), full.stdout
+        together = next(i for i, m in zip(step_lines, mates) if other in m)
+        assert "batch " in lines[together] and lines[together].rstrip().endswith(" ms")  # its size and duration
+        assert f"with {len(mates[step_lines.index(together)])}:" in lines[together + 1]
+        assert other.rsplit("-", 1)[-1][:6] in brief.stdout and other not in brief.stdout
+    out = tmp_path / "steps.json"
+    assert kvferry("trace", "export", str(trace_dir), "--chrome", str(out)).returncode == 0
+    slices = [e for e in json.loads(out.read_text())["traceEvents"] if e.get("name") == "decode.step"]
+    assert any({first, second} <= set(e["args"]["rids"]) for e in slices)
 
 
 def test_trace_list_export_and_plot(traced, tmp_path):

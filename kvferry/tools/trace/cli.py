@@ -2,7 +2,9 @@
 
 import sys
 
-from kvferry.tools.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order
+from kvferry.tools.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order, request_of
+
+MATES_SHOWN = 8  # batch mates named on a step's line without --verbose
 
 
 def add_trace_parser(sub) -> None:
@@ -14,6 +16,7 @@ def add_trace_parser(sub) -> None:
     q = tsub.add_parser("show", help="one request's timeline across the gateway, prefill and decode processes")
     q.add_argument("trace_dir")
     q.add_argument("request_id")
+    q.add_argument("--verbose", action="store_true", help="name every batch mate of each step in full")
     q.set_defaults(func=cmd_show)
     q = tsub.add_parser("export", help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
     q.add_argument("trace_dir")
@@ -95,6 +98,25 @@ def describe(r: dict, traces: TraceSet) -> tuple[str, str, str, str]:
     return name, detail[:48], size, duration
 
 
+def batch_mates(step: dict, request_id: str) -> list[str]:
+    """The other requests that rode in a batch step with this one, in the step's order."""
+    mates = dict.fromkeys(request_of(rid) for rid in step.get("attrs", {}).get("rids", ()))
+    mates.pop(request_id, None)
+    return list(mates)
+
+
+def abbreviated(request_id: str) -> str:
+    """The part of an id that tells requests apart: 'cmpl-3f9a0c...' -> '3f9a0c'."""
+    return request_id.rsplit("-", 1)[-1][:6]
+
+
+def mates_line(mates: list[str], verbose: bool) -> str:
+    if verbose or len(mates) <= MATES_SHOWN:
+        names = mates if verbose else [abbreviated(m) for m in mates]
+        return " ".join(names)
+    return " ".join(abbreviated(m) for m in mates[:MATES_SHOWN]) + f" +{len(mates) - MATES_SHOWN} more"
+
+
 def cmd_show(args) -> int:
     traces = _load(args.trace_dir)
     events = _request(traces, args.request_id)
@@ -106,6 +128,9 @@ def cmd_show(args) -> int:
     for r in events:
         what, detail, size, latency = describe(r, traces)
         print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
+        if r.get("name") in BATCH_SPANS:  # who shared the step: what a slow step's time was spent on
+            mates = batch_mates(r, args.request_id)
+            print(f"{'':>10}  {'':<18} {'':<22} with {len(mates)}: {mates_line(mates, args.verbose) or '-'}")
     steps = [r for r in events if r.get("name") == "decode.step"]
     sizes = [size for r in steps if isinstance(size := r.get("attrs", {}).get("batch_size"), int)]
     if sizes:
