@@ -33,6 +33,20 @@ def parse_json_body(raw: bytes) -> dict:
     return body
 
 
+def parse_json_text(text: str, field: str):
+    """A JSON value the body carries as a string (a schema sent as text), bounded as the body is: each failure a 400
+    naming field."""
+    nested = f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep"
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ApiError(400, nested, field) from None
+    except ValueError as exc:
+        raise ApiError(400, f"'{field}' is not valid JSON: {exc}", field) from None
+    _check_value(field, value, nested, depth=1)
+    return value
+
+
 def has_lone_surrogate(text: str) -> bool:
     if text.isascii():
         return False
@@ -43,10 +57,10 @@ def has_lone_surrogate(text: str) -> bool:
     return False
 
 
-def _check_value(name: str, value, nested: str) -> None:
-    """Walks the top-level field `name` without recursing, and raises an ApiError naming it at the first thing
-    parse_json_body refuses."""
-    pending = [(value, 2)]  # (a value, its depth: the body is 1)
+def _check_value(name: str, value, nested: str, depth: int = 2) -> None:
+    """Walks the field `name`'s value (at that depth: a body's top-level field is 2, the body 1) without recursing,
+    and raises an ApiError naming it at the first thing parse_json_body refuses."""
+    pending = [(value, depth)]
     while pending:
         item, depth = pending.pop()
         if isinstance(item, str):

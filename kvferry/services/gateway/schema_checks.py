@@ -13,7 +13,7 @@ from jsonschema.validators import validator_for
 
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
 from kvferry.common.json_schema_support import UnsupportedSchema, check_supported
-from kvferry.services.gateway.json_body import MAX_JSON_DEPTH
+from kvferry.services.gateway import json_body
 from kvferry.services.gateway.request_parsing import ApiError
 
 MAX_MESSAGE_CHARS = 300  # of a metaschema error quoted back: it may quote the whole schema
@@ -47,15 +47,7 @@ def check_size(text: str, field: str) -> int:
 def parse_json_text(text: str, field: str):
     """A JSON value sent as a string (vLLM's structured_outputs.json may be either)."""
     check_size(text, field)
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise ApiError(400, f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep", field) from None
-    except ValueError as exc:
-        raise ApiError(400, f"'{field}' is not valid JSON: {exc}", field) from None
-    if _depth(value) > MAX_JSON_DEPTH:
-        raise ApiError(400, f"'{field}' is nested more than {MAX_JSON_DEPTH} levels deep", field)
-    return value
+    return json_body.parse_json_text(text, field)
 
 
 def checked_schema(schema, field: str) -> str:
@@ -83,14 +75,3 @@ def checked_schema(schema, field: str) -> str:
     except UnsupportedSchema as exc:
         raise ApiError(400, str(exc), field) from None
     return text
-
-
-def _depth(value) -> int:
-    deepest, pending = 0, [(value, 1)]
-    while pending:
-        item, depth = pending.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                pending.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
