@@ -58,9 +58,10 @@ def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
         constraints[i].fill(bitmask, j)
     masked = logits[rows].float()  # [R, vocab], a copy
     xgrammar.apply_token_bitmask_inplace(masked, bitmask.to(masked.device, non_blocking=True), vocab_size=vocab)
-    out = logits.float().clone() if len(rows) < len(constraints) else masked  # [N, vocab]
-    if out is not masked:
-        out[rows] = masked
+    if len(rows) == len(constraints):
+        return masked
+    out = logits.float().clone()  # [N, vocab]
+    out[rows] = masked
     return out
 
 
