@@ -221,11 +221,14 @@ def secret_name() -> str:
 @pytest.fixture(scope="module")
 def gateway_api():
     """The real gateway API over a real core, with one live worker of each role registered."""
-    from kvferry.services.gateway.api import Api
-    from kvferry.services.gateway.main import load_text_side
-    from kvferry.services.gateway.server import GatewayCore
+    from tests.gateway_api import in_process_api
 
-    core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
+    with in_process_api() as api:
+        register_live_workers(api.core)
+        yield api
+
+
+def register_live_workers(core) -> None:
     for role in (p.Role.PREFILL, p.Role.DECODE):
         core.registry.register(
             p.Register(
@@ -241,8 +244,6 @@ def gateway_api():
             b"id",
             time.time(),
         )
-    yield Api(core, load_text_side(None)[0], "SmolLM2-135M-Instruct", 2048)
-    core.control.socket.close()
 
 
 def test_the_autoscalers_read_metrics_the_gateway_exposes(gateway_api):

@@ -182,14 +182,10 @@ def test_a_chunked_body_of_the_wrong_type_is_refused_before_it_is_read():
 def api():
     """The gateway's API over a core with no workers: a body that passes every check gets 503, one that does not a
     4xx."""
-    from kvferry.services.gateway.api import Api
-    from kvferry.services.gateway.main import load_text_side
-    from kvferry.services.gateway.server import GatewayCore
+    from tests.gateway_api import in_process_api
 
-    core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
-    limits = Limits(max_n=4, max_prompts=8, max_prompt_chars=1000)
-    yield Api(core, load_text_side(None)[0], "SmolLM2-135M-Instruct", 2048, limits)
-    core.control.socket.close()
+    with in_process_api(Limits(max_n=4, max_prompts=8, max_prompt_chars=1000)) as served_api:
+        yield served_api
 
 
 @pytest.fixture(scope="module")

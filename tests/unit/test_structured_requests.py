@@ -27,6 +27,7 @@ from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.flight import Event
 from kvferry.services.gateway.request_parsing import ApiError, Limits
 from kvferry.services.gateway.schema_checks import checked_schema
+from tests.gateway_api import in_process_api
 
 PERSON = {
     "type": "object",
@@ -421,12 +422,8 @@ def test_a_pydantic_models_schema_is_supported():
 # -- over HTTP, against a fake core ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def api():
-    from kvferry.services.gateway.main import load_text_side
-    from kvferry.services.gateway.server import GatewayCore
-
-    core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
-    yield Api(core, load_text_side(None)[0], "SmolLM2-135M-Instruct", 2048, Limits(max_n=4))
-    core.control.socket.close()
+    with in_process_api(Limits(max_n=4)) as served_api:
+        yield served_api
 
 
 @pytest.fixture

@@ -23,6 +23,7 @@ from kvferry.services.gateway.request_parsing import ApiError, Limits
 from kvferry.services.gateway.tool_calls import ToolCallParser, delta_pieces, parse_tool_calls
 from kvferry.services.gateway.tool_prompt import DEFAULT_TOOL_PROMPT, ToolPrompt, for_template
 from kvferry.services.gateway.tools import MAX_TOOLS, parse_tools
+from tests.gateway_api import in_process_api
 
 WEATHER_PARAMETERS = {
     "type": "object",
@@ -443,12 +444,8 @@ def test_an_assistant_call_with_data_arguments_and_content_renders(smol):
 # -- the responses -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def api():
-    from kvferry.services.gateway.main import load_text_side
-    from kvferry.services.gateway.server import GatewayCore
-
-    core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
-    yield Api(core, load_text_side(None)[0], "SmolLM2-135M-Instruct", 2048, Limits(max_n=4))
-    core.control.socket.close()
+    with in_process_api(Limits(max_n=4)) as served_api:
+        yield served_api
 
 
 @pytest.fixture
