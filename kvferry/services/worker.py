@@ -282,8 +282,11 @@ class Worker:
     def on_compiled(self, done: Compiled) -> None:
         """A role's request whose constraint was compiling: done.error empty means it compiled."""
 
-    def trace_compile(self, request_id: str, trace, constraint, started_at: float, ended_at: float, cached: bool):
-        """The constraint's compile (or cache hit) as a span of the request's trace."""
+    def trace_compile(self, request_id: str, trace, constraint, started_at: float = 0.0, ended_at: float = 0.0):
+        """The constraint's compile as a span of the request's trace; without times, a cache hit (an instant)."""
+        cached = not started_at
+        if cached:
+            started_at = ended_at = time.time()
         if self.tracer.enabled:
             self.tracer.span(
                 "grammar.compile",

@@ -247,10 +247,9 @@ class DecodeWorker(Worker):
         record.start_receiving(incoming, held)
         constraint = msg.sampling.constraint
         if constraint is not None and not self.compiles.waiting(key):  # compiled while the KV comes
-            compiled_at = time.time()
             incoming.grammar = self.compiles.ready(key, constraint)
             if incoming.grammar is not None:
-                self.trace_compile(key.request_id, env.trace, constraint, compiled_at, compiled_at, cached=True)
+                self.trace_compile(key.request_id, env.trace, constraint)  # a cache hit
         self.receive_layers(key, peer, env)
 
     def receive_layers(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
@@ -291,7 +290,7 @@ class DecodeWorker(Worker):
         if incoming is None:
             return  # ended, or put back: a resend finds the grammar in the cache
         key = record.key
-        self.trace_compile(key.request_id, incoming.trace, done.constraint, done.started_at, done.ended_at, False)
+        self.trace_compile(key.request_id, incoming.trace, done.constraint, done.started_at, done.ended_at)
         incoming.grammar, incoming.grammar_error = done.grammar, done.error
         if incoming.awaiting_grammar is not None:
             peer, env = incoming.awaiting_grammar

@@ -96,8 +96,7 @@ class PrefillWorker(Worker):
                 self.records[key] = record
                 return
             if constraint is not None:
-                now = time.time()
-                self.trace_compile(key.request_id, env.trace, constraint, now, now, cached=True)
+                self.trace_compile(key.request_id, env.trace, constraint)  # a cache hit
             try:
                 self.admit(key, msg, grammar)
             except InvalidRequest as exc:
@@ -112,7 +111,7 @@ class PrefillWorker(Worker):
         if record is None or record.state is not PrefillState.COMPILING:
             return
         key = record.key
-        self.trace_compile(key.request_id, record.trace, done.constraint, done.started_at, done.ended_at, False)
+        self.trace_compile(key.request_id, record.trace, done.constraint, done.started_at, done.ended_at)
         if done.error:
             self.end_request(record, done.error, 503 if done.retry else 400, retry=done.retry)
             return
