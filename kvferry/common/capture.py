@@ -1,0 +1,151 @@
+"""The traffic capture's format: one JSON object per line, one line per finished request.
+
+The gateway writes it (services/gateway/capture.py); `kvferry replay`, `simulate` and `plan` read it. Every
+line carries the format's version, so a folder may hold files of several versions after an upgrade: a reader
+takes the versions it knows and names the others. Standard library only: the gateway imports this.
+
+A record's fields, by name (times in seconds):
+- v: FORMAT_VERSION; request_id; trace_id (32 hex digits, as in the traceparent header); model (served name)
+- arrival_unix, arrival_monotonic: when the HTTP request arrived, on the wall clock and the gateway's monotonic one.
+  Readers order and space arrivals by the wall clock, the one clock that several gateways' files share
+- endpoint: the HTTP path; status: the HTTP status (499: the client left); error: "" or the error's message
+- body: the request body as parsed, with secrets replaced by REDACTED (None when it was not JSON)
+- prompt_token_ids: one list per prompt (a completions request may carry several)
+- output_token_ids, output_text, finish_reasons: one entry per choice, in the response's order
+- ttft_s: arrival to the first token (None: none came); itl_s: per choice, the gaps between its tokens (a
+  message of k tokens counts k gaps of a k-th of its wait each, as the gateway's histogram does); e2e_s: arrival
+  to the end
+- routes: per prompt, per attempt, {"prefill": worker id, "decode": worker id}; moves: attempts past the first
+"""
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+FILE_PREFIX, FILE_SUFFIX = "capture-", ".jsonl"
+REDACTED = "[redacted]"
+# Body fields whose value is a secret wherever they appear, compared in lower case. OpenAI's API has none, but
+# clients and proxies put credentials into extra fields.
+SECRET_FIELDS = frozenset(
+    {"api_key", "apikey", "api-key", "authorization", "password", "secret", "access_token", "token", "bearer"}
+)
+
+
+@dataclass
+class Record:
+    request_id: str
+    trace_id: str
+    model: str
+    arrival_unix: float
+    arrival_monotonic: float
+    endpoint: str
+    status: int
+    body: dict | None
+    error: str = ""
+    prompt_token_ids: list[list[int]] = field(default_factory=list)
+    output_token_ids: list[list[int]] = field(default_factory=list)
+    output_text: list[str] = field(default_factory=list)
+    finish_reasons: list[str | None] = field(default_factory=list)
+    ttft_s: float | None = None
+    itl_s: list[list[float]] = field(default_factory=list)
+    e2e_s: float = 0.0
+    routes: list[list[dict]] = field(default_factory=list)
+    moves: int = 0
+    v: int = FORMAT_VERSION
+
+    def to_line(self) -> str:
+        return json.dumps(asdict(self), ensure_ascii=False, separators=(",", ":"), allow_nan=False) + "\n"
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(ids) for ids in self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(len(ids) for ids in self.output_token_ids)
+
+
+def redact(body, secrets: Iterable[str] = ()):
+    """A copy of a JSON body with every SECRET_FIELDS value, and every string equal to one of secrets (the
+    server's API key), replaced by REDACTED."""
+    hidden = frozenset(s for s in secrets if s)
+
+    def walk(value):
+        if isinstance(value, dict):
+            return {k: REDACTED if str(k).lower() in SECRET_FIELDS else walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        if isinstance(value, str) and any(s in value for s in hidden):
+            return REDACTED
+        return value
+
+    return walk(body)
+
+
+class CaptureError(ValueError):
+    """A capture line that cannot be read; the message names its file and line."""
+
+
+_REQUIRED = {"request_id": str, "arrival_unix": (int, float), "endpoint": str, "status": int}
+
+
+def parse_line(text: str, where: str) -> Record:
+    """One line -> its Record, or CaptureError naming where (FILE:LINE) and why."""
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise CaptureError(f"{where}: not JSON ({exc.msg}); truncated or corrupt") from None
+    if not isinstance(raw, dict):
+        raise CaptureError(f"{where}: not a JSON object")
+    version = raw.get("v")
+    if version != FORMAT_VERSION:
+        raise CaptureError(
+            f"{where}: capture format version {version!r}; this kvferry reads version {FORMAT_VERSION} "
+            "(capture again with this version's gateway)"
+        )
+    for name, kind in _REQUIRED.items():
+        if not isinstance(raw.get(name), kind) or isinstance(raw.get(name), bool):
+            raise CaptureError(f"{where}: field {name!r} is missing or not a {getattr(kind, '__name__', 'number')}")
+    if not math.isfinite(raw["arrival_unix"]):
+        raise CaptureError(f"{where}: arrival_unix is not finite")
+    known = {f for f in Record.__dataclass_fields__}
+    try:
+        return Record(**{k: v for k, v in raw.items() if k in known})
+    except TypeError as exc:
+        raise CaptureError(f"{where}: {exc}") from None
+
+
+def capture_files(paths: Iterable[str | Path]) -> list[Path]:
+    """Files and folders -> the capture files, a folder's in the order they were written (their names sort so)."""
+    out = []
+    for path in map(Path, paths):
+        if path.is_dir():
+            out.extend(sorted(path.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")))
+        elif path.exists():
+            out.append(path)
+        else:
+            raise FileNotFoundError(f"no capture file or folder {path}")
+    return out
+
+
+def read_records(paths: Iterable[str | Path], on_skip=None) -> Iterator[Record]:
+    """Every readable record of the files and folders, in file order. A line that cannot be read is skipped and
+    on_skip(message) told, the message naming its file and line."""
+    for path in capture_files(paths):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for number, text in enumerate(f, 1):
+                if not text.strip():
+                    continue
+                try:
+                    yield parse_line(text, f"{path}:{number}")
+                except CaptureError as exc:
+                    if on_skip is not None:
+                        on_skip(str(exc))
+
+
+def load(paths: Iterable[str | Path], on_skip=None) -> list[Record]:
+    """Every readable record, sorted by arrival."""
+    return sorted(read_records(paths, on_skip), key=lambda r: r.arrival_unix)

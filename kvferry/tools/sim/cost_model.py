@@ -1,0 +1,99 @@
+"""What a step costs on the machine being planned for: fitted by `kvferry bench costs`, read by the simulator.
+
+A step's time is linear in what it computes: a fixed part (the dispatch of every layer's ops, the Python around
+the step), a part per new token (the weight GEMMs), a part per sequence (sampling, the decode attention's launch)
+and a part per attention pair (each new token against each token before it, itself included). Prefill steps and
+decode steps are fitted apart: they take different paths through the model (chunked prompts with the prefill
+kernel; one token per sequence, graphs where captured). Each is fitted per torch thread count, because on a
+shared machine the placement decides how many cores a worker really gets. A KV transfer costs a fixed part plus
+a part per block, measured with the workers' own sender and receiver.
+
+Saved as a small JSON file (`save`, `load`), with the machine and the model it was measured on.
+"""
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+COST_MODEL_VERSION = 1
+
+
+def attention_pairs(num_computed: int, num_new: int) -> int:
+    """Query-key pairs of a chunk of num_new tokens after num_computed: each attends to all before it and itself."""
+    return num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+@dataclass
+class StepCost:
+    """seconds = fixed_s + per_token_s * tokens + per_seq_s * seqs + per_pair_s * pairs."""
+
+    fixed_s: float
+    per_token_s: float
+    per_seq_s: float
+    per_pair_s: float
+
+    def seconds(self, tokens: int, seqs: int, pairs: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens + self.per_seq_s * seqs + self.per_pair_s * pairs
+
+
+@dataclass
+class ThreadCosts:
+    prefill: StepCost
+    decode: StepCost
+
+
+@dataclass
+class CostModel:
+    threads: dict[int, ThreadCosts]  # torch threads of the worker -> its step costs
+    kv_transfer_fixed_s: float = 0.0  # one transfer's own cost, whatever its size
+    kv_transfer_per_block_s: float = 0.0
+    cores: int = 1  # of the machine it was measured on
+    block_size: int = 16
+    machine: str = ""  # a description: CPU model, GPU
+    model: str = ""
+    measured_at: str = ""  # ISO date
+    notes: dict = field(default_factory=dict)  # the fit's residuals and what was measured, for the record
+    version: int = COST_MODEL_VERSION
+
+    def costs(self, threads: int) -> ThreadCosts:
+        """The costs at this thread count, or at the nearest one measured (the fewer, on a tie)."""
+        if threads in self.threads:
+            return self.threads[threads]
+        nearest = min(self.threads, key=lambda t: (abs(t - threads), t))
+        return self.threads[nearest]
+
+    def step_seconds(self, prefill: bool, threads: int, tokens: int, seqs: int, pairs: int) -> float:
+        costs = self.costs(threads)
+        return (costs.prefill if prefill else costs.decode).seconds(tokens, seqs, pairs)
+
+    def transfer_seconds(self, num_blocks: int) -> float:
+        return self.kv_transfer_fixed_s + self.kv_transfer_per_block_s * num_blocks
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["threads"] = {str(t): asdict(c) for t, c in self.threads.items()}
+        return out
+
+    @classmethod
+    def from_json(cls, raw: dict) -> "CostModel":
+        if raw.get("version") != COST_MODEL_VERSION:
+            raise ValueError(
+                f"cost model version {raw.get('version')!r}; this kvferry reads version {COST_MODEL_VERSION} "
+                "(fit it again with kvferry bench costs)"
+            )
+        threads = {
+            int(t): ThreadCosts(StepCost(**c["prefill"]), StepCost(**c["decode"])) for t, c in raw["threads"].items()
+        }
+        if not threads:
+            raise ValueError("the cost model has no thread count measured")
+        return cls(**{**raw, "threads": threads})
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{path}: not a kvferry cost model: {exc}") from None
