@@ -69,8 +69,8 @@ class Record:
 
 
 def redact(body, secrets: Iterable[str] = ()):
-    """A copy of a JSON body with every SECRET_FIELDS value, and every string equal to one of secrets (the
-    server's API key), replaced by REDACTED."""
+    """A copy of a JSON body with every SECRET_FIELDS value, and each occurrence of one of secrets (the server's API
+    key) in its strings, replaced by REDACTED."""
     hidden = frozenset(s for s in secrets if s)
 
     def walk(value):
@@ -78,8 +78,9 @@ def redact(body, secrets: Iterable[str] = ()):
             return {k: REDACTED if str(k).lower() in SECRET_FIELDS else walk(v) for k, v in value.items()}
         if isinstance(value, list):
             return [walk(v) for v in value]
-        if isinstance(value, str) and any(s in value for s in hidden):
-            return REDACTED
+        if isinstance(value, str):
+            for secret in hidden:
+                value = value.replace(secret, REDACTED)
         return value
 
     return walk(body)

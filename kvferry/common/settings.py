@@ -600,6 +600,33 @@ SPEC: tuple[Setting, ...] = (
         "observability",
     ),
     Setting(
+        "capture_dir",
+        PATH,
+        None,
+        "append one JSON line per finished request to files in this folder, for kvferry replay, simulate and plan "
+        "(prompts and outputs included: keep the folder as private as the traffic)",
+        (GATEWAY, SERVE),
+        "observability",
+    ),
+    Setting(
+        "capture_max_bytes",
+        SIZE,
+        "64MiB",
+        "a capture file past this size is closed and a new one started",
+        (GATEWAY, SERVE),
+        "observability",
+        min=4096,
+    ),
+    Setting(
+        "capture_max_total_bytes",
+        SIZE,
+        "1GiB",
+        "the capture folder's files past this total are deleted, oldest first",
+        (GATEWAY, SERVE),
+        "observability",
+        min=4096,
+    ),
+    Setting(
         "otlp_endpoint",
         STR,
         None,

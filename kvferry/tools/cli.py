@@ -108,10 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_parsers(sub)
 
     from kvferry.tools.bench.cli import add_bench_parser
+    from kvferry.tools.replay.cli import add_replay_parser
     from kvferry.tools.trace.cli import add_trace_parser
 
     add_bench_parser(sub)
     add_trace_parser(sub)
+    add_replay_parser(sub)
     return parser
 
 

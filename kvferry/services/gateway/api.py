@@ -28,6 +28,7 @@ from kvferry.common import tracing
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.services.gateway import fanout
+from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.constraints import request_constraint
 from kvferry.services.gateway.guards import Guards
@@ -73,10 +74,12 @@ class Api:
         limits: Limits | None = None,
         api_key: str | None = None,
         tool_prompt: ToolPrompt | None = None,
+        capture: CaptureWriter | None = None,
     ):
         self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
         self.limits, self.api_key = limits or Limits(), api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
+        self.capture = capture  # with --capture-dir: every finished request's line
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -125,6 +128,8 @@ class Api:
             yield
         finally:
             await self.core.stop()
+            if self.capture is not None:
+                await asyncio.get_running_loop().run_in_executor(None, self.capture.close)
 
     async def _not_found(self, request, exc):
         return error_response(ApiError(404, f"no route {request.url.path}", kind="not_found_error"))
@@ -198,7 +203,8 @@ class Api:
         request_id_var.set(rid)
         ctx = self._trace_context(request.headers.get("traceparent"))
         headers = {"x-request-id": rid, "traceparent": tracing.format_traceparent(ctx)}
-        trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at)
+        capture = self.capture.request(rid, ctx.trace_id, self.model_name, request.url.path) if self.capture else None
+        trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at, capture)
         if self.core.draining:
             error = ApiError(503, "the server is shutting down", kind="service_unavailable")
             trace.finish(503, error=error.message)
@@ -212,6 +218,8 @@ class Api:
             return error_response(error, {**headers, "retry-after": "1"})
         try:
             body = await self.json_body(request)
+            if capture is not None:
+                capture.record.body = body
             tools, constraint = await self.off_loop(self.output_rules, body, chat)
             prompts = await self.off_loop(self.prompt_ids, body, chat, tools)
             calls = tools is not None and tools.calls_allowed
@@ -224,12 +232,17 @@ class Api:
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
             # Routing errors surface with the first event, before any byte is sent.
-            events, first = await self._unless_client_leaves(request, self._start(prompts, generations, rid, ctx))
+            flights = capture.flights if capture is not None else None
+            events, first = await self._unless_client_leaves(
+                request, self._start(prompts, generations, rid, ctx, flights)
+            )
             if first.error is not None and 400 <= first.error_code < 500:
                 # A refusal (a constraint that does not compile) is the HTTP status, for a stream too.
                 await events.aclose()
                 raise worker_error(first)
             trace.admitted(sum(len(ids) for ids in prompts), generation.n, constraint.kind if constraint else "")
+            if capture is not None:
+                capture.record.prompt_token_ids = prompts
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
             return error_response(exc, headers)
@@ -248,6 +261,8 @@ class Api:
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
         choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
+        if capture is not None:
+            capture.choices = choices
         if generation.stream:
             return StreamingResponse(
                 self._stream(events, first, choices, shape, trace, generation),
@@ -256,13 +271,14 @@ class Api:
             )
         return await self._whole(request, events, first, choices, shape, trace, headers)
 
-    async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx):
-        """Route every prompt: the request's events, and the first of them."""
+    async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
+        """Route every prompt: the request's events, and the first of them. flights: a list that gets each prompt's
+        Flight, for the capture."""
         if len(prompts) == 1:
-            events = self.core.generate(prompts[0], generations[0].params, rid, ctx, generations[0].n)
+            events = self.core.generate(prompts[0], generations[0].params, rid, ctx, generations[0].n, flights)
         else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
             streams = [
-                self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n)
+                self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n, flights)
                 for p, (ids, g) in enumerate(zip(prompts, generations))
             ]
             events = fanout.merged(streams, await fanout.start(streams), generations[0].n)
@@ -423,6 +439,8 @@ class Api:
                     # At least one chunk per token event, even when the text is held back: clients time tokens by
                     # chunks. A chat with tools sends one per content or tool-call piece.
                     chunks = [shape.chunk([choice]) for choice in shape.delta_choices(event.choice, delta)]
+                    if choices.states[event.choice].generation.return_token_ids:
+                        chunks[0]["choices"][0]["token_ids"] = delta.token_ids
                     if choices.done:
                         chunks[-1]["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
                     for chunk in chunks:

@@ -25,6 +25,7 @@ class Delta:
     stopped: bool = False  # by a stop string here, while the workers would go on
     pieces: list[dict] | None = None  # a streamed chat with tools: its content and tool-call deltas, in order
     error: dict | None = None  # with reason "error"
+    token_ids: list[int] = field(default_factory=list)  # this event's tokens that the choice kept
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ChoiceState:
     started: bool = False  # the echoed prompt has been emitted
     tool_calls: ToolCallParser | None = None  # a streamed chat with tools
     error: dict | None = None
+    token_ids: list[int] = field(default_factory=list)  # with return_token_ids: the output's, as generated
 
 
 class Choices:
@@ -106,6 +108,8 @@ class Choices:
         else:
             token_ids = event.token_ids
             state.num_out += len(token_ids)
+            if g.return_token_ids:
+                state.token_ids.extend(token_ids)
             text += state.text.add(token_ids)
             reason = "stop" if state.text.stopped else finish_name(event.finish_reason)
             if reason:
@@ -127,7 +131,8 @@ class Choices:
             pieces = delta_pieces(parser.feed(text) + (parser.finish() if state.reason else []))
             if state.reason == "stop" and parser.num_complete:
                 state.reason = "tool_calls"
-        return Delta(text, state.reason, logprobs, stopped, pieces, state.error)
+        kept = event.token_ids if g.return_token_ids and not g.prompt_only else []
+        return Delta(text, state.reason, logprobs, stopped, pieces, state.error, kept)
 
     def whole(self, shape) -> list[dict]:
         out = []
@@ -140,4 +145,6 @@ class Choices:
                     s.reason = "tool_calls"
             logprobs = s.logprobs.join(s.logprob_parts) if s.logprobs is not None else None
             out.append(shape.choice(s.index, text, s.reason, logprobs, tool_calls=calls, error=s.error))
+            if s.generation.return_token_ids:
+                out[-1]["token_ids"] = s.token_ids
         return out

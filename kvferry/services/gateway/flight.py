@@ -70,6 +70,7 @@ class Flight:
     prefill_identity: bytes = b""
     decode_identity: bytes = b""
     prefill_worker_id: str = ""
+    routes: list[dict] = field(default_factory=list)  # per attempt: {"prefill": worker id, "decode": worker id}
     pending_prefill_tokens: int = 0  # prompt tokens this attempt added to its prefill worker's queue, until prefilled
     outputs: list[list[int]] = field(default_factory=list)  # delivered tokens, per choice
     finished: list[bool] = field(default_factory=list)

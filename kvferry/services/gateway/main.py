@@ -16,6 +16,7 @@ from kvferry.common.curve import CurveKeys
 from kvferry.common.model_files import max_model_len_of, read_config, resolve_model, served_model_name
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
+from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
 from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 from kvferry.services.gateway.tool_prompt import ToolPrompt
@@ -100,7 +101,12 @@ def run_gateway(args) -> None:
         max_stop_chars=args.max_stop_chars,
         max_prompt_chars=args.max_prompt_chars,
     )
-    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key, tool_prompt)
+    capture = None
+    if args.capture_dir:
+        limits_of_files = CaptureLimits(args.capture_max_bytes, args.capture_max_total_bytes)
+        capture = CaptureWriter(args.capture_dir, core.gateway_id, limits_of_files, (args.api_key,))
+        log.info("capturing every finished request into %s", args.capture_dir)
+    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key, tool_prompt, capture)
     log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not

@@ -46,6 +46,11 @@ def _sampling(limits) -> dict:
         "repetition_penalty": _num(0, 2, exclusiveMinimum=True),
         "min_tokens": _num(0, limits.max_tokens, True),
         "ignore_eos": {"type": "boolean", "nullable": True},
+        "return_token_ids": {
+            "type": "boolean",
+            "nullable": True,
+            "description": "each choice (each streamed chunk) carries the output's token ids in token_ids, as vLLM's",
+        },
         "stop_token_ids": {
             "type": "array",
             "items": {"type": "integer", "minimum": 0},

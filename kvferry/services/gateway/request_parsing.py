@@ -34,6 +34,7 @@ COMMON = {
     "min_tokens",
     "stop_token_ids",
     "ignore_eos",
+    "return_token_ids",  # vLLM's: each choice carries its output's token ids (kvferry replay compares them)
     # structured output (constraints.py): OpenAI's, and vLLM's with its older names
     "response_format",
     "structured_outputs",
@@ -85,6 +86,7 @@ class Generation:
     logprobs: int | None = None  # alternatives per token to report; None: no logprobs
     prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, nothing generated
     tool_calls: bool = False  # chat with tools it may call: the output's <tool_call> blocks become tool_calls
+    return_token_ids: bool = False  # each choice (each chunk, streamed) carries its output's token ids
 
 
 class ApiError(Exception):
@@ -203,6 +205,7 @@ def parse_generation(
         logprobs,
         prompt_only=echo and max_tokens == 0,
         tool_calls=tool_calls,
+        return_token_ids=field(body, "return_token_ids", (bool,), False),
     )
 
 

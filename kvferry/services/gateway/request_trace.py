@@ -15,8 +15,9 @@ log = logging.getLogger("kvferry.gateway")
 
 
 class RequestTrace:
-    def __init__(self, metrics, request_id: str, ctx: TraceContext, path: str, arrived_at: float):
+    def __init__(self, metrics, request_id: str, ctx: TraceContext, path: str, arrived_at: float, capture=None):
         self.metrics, self.request_id, self.ctx, self.path = metrics, request_id, ctx, path
+        self.capture = capture  # a CapturedRequest with --capture-dir, else None
         self.tracer = tracing.tracer()
         self.arrived_at = arrived_at
         self.last_token_at = 0.0
@@ -47,6 +48,8 @@ class RequestTrace:
         now, n = time.time(), len(event.token_ids)
         if not n:
             return
+        if self.capture is not None:
+            self.capture.tokens(event.choice, event.token_ids)
         m = self.metrics
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
@@ -80,6 +83,8 @@ class RequestTrace:
             return
         self.finished = True
         now = time.time()
+        if self.capture is not None:
+            self.capture.finish(status, reason, error)
         if error is None:
             for one in (reason or "abort").split(","):  # each choice counts, as vLLM counts its child requests
                 self.metrics.request_success.labels(one).inc()

@@ -292,12 +292,15 @@ class GatewayCore:
         request_id: str | None = None,
         trace: p.TraceContext | None = None,
         n: int = 1,
+        flights: list | None = None,
     ):
         """Route one request and yield its Events, in order and each token once, until it finishes or fails.
         Raises NoWorkers when it cannot be routed at all. trace: the request's own span (the HTTP request's);
-        the messages it causes are its children."""
+        the messages it causes are its children. flights: a list that gets the request's Flight."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
         flight = self.flights[rid] = Flight(rid, prompt_token_ids, params, trace or tracing.child_of(None), n)
+        if flights is not None:
+            flights.append(flight)
         deadline = flight.deadline = time.monotonic() + self.deadlines.request_s
         try:
             if not await self._dispatch(flight):  # inside the try: a client gone meanwhile must not leave the flight
@@ -368,6 +371,7 @@ class GatewayCore:
         )
         flight.prefill_identity, flight.decode_identity = prefill.identity, decode.identity
         flight.prefill_worker_id = prefill.worker_id
+        flight.routes.append({"prefill": prefill.worker_id, "decode": decode.worker_id})
         request = p.PrefillRequest(
             flight.prompt_token_ids,
             params,
