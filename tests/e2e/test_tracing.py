@@ -1,4 +1,5 @@
-"""Tracing and metrics on a real stack: trace files from three processes, `kvferry trace`, /metrics, traceparent."""
+"""Tracing, metrics and traffic capture on one real stack: trace files from three processes, `kvferry trace`,
+/metrics, traceparent, the capture files and `kvferry replay`."""
 
 import concurrent.futures
 import json
@@ -9,12 +10,14 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvferry.common import capture
 from kvferry.tools.trace.reader import load
-from tests.e2e.stack import running_pair
+from tests.e2e.stack import running_pair, tiny_stack
 
 pytestmark = pytest.mark.slow
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
+API_KEY = "sk-capture-test-0123456789"
 
 
 def kvferry(*args: str) -> subprocess.CompletedProcess:
@@ -27,7 +30,13 @@ def kvferry(*args: str) -> subprocess.CompletedProcess:
 def traced(tmp_path_factory):
     folder = tmp_path_factory.mktemp("traced")
     trace_dir = folder / "traces"
-    with running_pair(folder, extra_env={"KVFERRY_TRACE_DIR": str(trace_dir), "KVFERRY_LOG_FORMAT": "json"}) as s:
+    env = {
+        "KVFERRY_TRACE_DIR": str(trace_dir),
+        "KVFERRY_LOG_FORMAT": "json",
+        "KVFERRY_CAPTURE_DIR": str(folder / "capture"),
+        "KVFERRY_API_KEY": API_KEY,
+    }
+    with running_pair(folder, extra_env=env) as s:
         # Token-id prompts of known lengths and exact output lengths: the metrics must match them exactly.
         asks = [
             (
@@ -252,3 +261,86 @@ def test_a_batch_of_prompts_is_one_request_in_the_traces(traced):
     assert any(e.get("name") == "decode.step" for e in events)
     listed = kvferry("trace", "list", str(trace_dir)).stdout
     assert [line.split()[3:5] for line in listed.splitlines() if line.startswith(rid)] == [["5", "6"]]
+
+
+def captured(s, rids: list[str]) -> dict[str, capture.Record]:
+    """The capture's records of these requests, once the gateway's writer thread has written them all."""
+    folder = s.log_dir / "capture"
+    by_id = lambda: {r.request_id: r for r in capture.load([folder])} if folder.exists() else {}
+    s.wait_for(lambda: set(rids) <= set(by_id()), 30, "the requests' capture lines")
+    return by_id()
+
+
+def test_the_capture_holds_what_each_client_received(traced):
+    s, trace_dir, asks, replies = traced
+    streamed = {"prompt": [11, 12, 13, 14], "max_tokens": 6, "temperature": 0, "return_token_ids": True}
+    chunks = [c for c in s.stream("/v1/completions", streamed) if c != "[DONE]"]
+    asks = [
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 5}),
+        ("/v1/completions", {"prompt": ["One", "Two, three"], "max_tokens": 4, "temperature": 0}),
+    ]
+    asks[0][1].update(n=2, seed=7, temperature=0.8)
+    answers = [s.exchange(path, {**body, "return_token_ids": True}) for path, body in asks]
+    records = captured(s, [chunks[0]["id"]] + [headers["x-request-id"] for _, headers, _ in answers])
+    seen = [(records[chunks[0]["id"]], "/v1/completions", {**streamed, "stream": True}, stream_choices(chunks), None)]
+    for (path, body), (status, headers, reply) in zip(asks, answers):
+        assert status == 200, reply
+        seen.append((records[reply["id"]], path, {**body, "return_token_ids": True}, reply["choices"], headers))
+    for r, path, body, choices, headers in seen:
+        assert (r.status, r.endpoint, r.model, r.moves, r.body) == (200, path, "SmolLM2-135M-Instruct", 0, body)
+        if headers is not None:
+            assert r.trace_id == headers["traceparent"].split("-")[1]
+        assert r.output_token_ids == [c["token_ids"] for c in choices]
+        assert r.output_text == [c["text"] if "text" in c else c["message"]["content"] for c in choices]
+        assert r.finish_reasons == [c["finish_reason"] for c in choices]
+        assert r.routes == [[{"prefill": "prefill-a", "decode": "decode-a"}]] * len(r.prompt_token_ids)
+        assert [len(gaps) for gaps in r.itl_s] == [len(ids) - 1 for ids in r.output_token_ids]
+        assert 0 < r.ttft_s <= r.e2e_s and all(g >= 0 for gaps in r.itl_s for g in gaps)
+    assert seen[0][0].prompt_token_ids == [[11, 12, 13, 14]] and len(seen[2][0].prompt_token_ids) == 2
+    for path in (s.log_dir / "capture").iterdir():  # sent on every request, in the Authorization header
+        assert API_KEY.encode() not in path.read_bytes()
+
+
+def stream_choices(chunks: list[dict]) -> list[dict]:
+    """A completions stream's chunks -> its choices whole: text, token ids and finish reason."""
+    whole: dict[int, dict] = {}
+    for chunk in chunks:
+        for c in chunk["choices"]:
+            one = whole.setdefault(c["index"], {"text": "", "token_ids": [], "finish_reason": None})
+            one["text"] += c["text"]
+            one["token_ids"] += c.get("token_ids", [])
+            one["finish_reason"] = c["finish_reason"] or one["finish_reason"]
+    return [whole[i] for i in sorted(whole)]
+
+
+def test_a_replay_against_the_same_stack_reproduces_every_greedy_output(traced, tmp_path):
+    s, trace_dir, asks, replies = traced
+    folder = tmp_path / "capture"
+    shutil.copytree(s.log_dir / "capture", folder)
+    broken = next(folder.iterdir())
+    with open(broken, "a") as f:
+        f.write('{"v": 1, "request_id": "cut-off", "arri\n')
+    replay = kvferry("replay", str(folder), "--url", s.url, "--api-key", API_KEY, "--speed", "50", "--json")
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    report = json.loads(replay.stdout)
+    assert report["errors"] == [] and report["differences"] == []
+    assert report["compared"] >= 8 and report["identical"] == report["compared"]
+    assert f"{broken}:{len(broken.read_text().splitlines())}: not JSON" in replay.stderr  # named, skipped, went on
+    assert report["latency"]["replayed"]["ttft_s"]["p50"] > 0
+
+
+def test_a_replay_against_another_model_reports_where_outputs_differ(traced, tmp_path):
+    s, trace_dir, asks, replies = traced
+    other = tiny_stack(tmp_path)
+    try:
+        other.start_pair()
+        replay = kvferry("replay", str(s.log_dir / "capture"), "--url", other.url, "--model", "tiny-chat", "--json")
+    finally:
+        other.close()
+    assert replay.returncode == 1, replay.stdout + replay.stderr
+    report = json.loads(replay.stdout)
+    assert report["errors"] == [] and report["compared"] >= 8 and report["identical"] < report["compared"]
+    diff = report["differences"][0]
+    assert diff["char"] >= 0 and diff["token"] >= 0 and diff["captured"] != diff["replayed"]
+    unreachable = kvferry("replay", str(s.log_dir / "capture"), "--url", "http://127.0.0.1:9")
+    assert unreachable.returncode == 2 and "cannot reach http://127.0.0.1:9" in unreachable.stderr
