@@ -57,19 +57,21 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_serve)
 
-    from kvferry.tools.bench.tracing import cmd_bench_tracing
+    from kvferry.tools.bench.observers import cmd_bench_observer
 
-    p = bench.add_parser("tracing", help="std-32 over HTTP with message tracing off and on: what tracing costs")
-    p.add_argument("--model", default=None)
-    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
-    p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on), alternated")
-    p.add_argument("--prefill-threads", type=int, default=1)
-    p.add_argument("--decode-threads", type=int, default=2)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_bench_tracing)
+    for name, what in (("tracing", "message tracing"), ("capture", "traffic capture")):
+        p = bench.add_parser(name, help=f"std-32 over HTTP with {what} off and on: what {what} costs")
+        p.add_argument("--model", default=None)
+        p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+        p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on), alternated")
+        p.add_argument("--prefill-threads", type=int, default=1)
+        p.add_argument("--decode-threads", type=int, default=2)
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=cmd_bench_observer)
 
-    from kvferry.tools.bench import feature, quantization, step, transfer
+    from kvferry.tools.bench import costs, feature, quantization, step, transfer
 
+    costs.add_parser(bench)
     feature.add_parser(bench)
     transfer.add_parser(bench)
     step.add_parser(bench)
