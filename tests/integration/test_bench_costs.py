@@ -22,7 +22,7 @@ def test_quick_fit_writes_a_cost_model_that_predicts_its_own_points(tmp_path, ca
     assert model.machine and model.measured_at and model.cores >= 1
     costs = model.costs(1)
     for step in (costs.prefill, costs.decode):
-        assert min(step.fixed_s, step.per_token_s, step.per_seq_s, step.per_pair_s) >= 0
+        assert min(step.fixed_s, step.per_token_s, step.per_seq_s, step.per_pair_s, step.per_context_s) >= 0
         assert step.fixed_s > 0  # a step of nothing still costs its dispatch
     assert costs.decode.per_token_s == 0  # decode: tokens == seqs, the per-sequence cost carries both
     notes = model.notes
@@ -62,18 +62,21 @@ def test_nnls_is_exact_and_never_negative():
 
 
 def test_the_fit_recovers_known_step_costs_on_relative_error():
-    true = dict(fixed=2e-3, token=1e-4, seq=5e-4, pair=2e-8)
+    true = dict(fixed=2e-3, token=1e-4, seq=5e-4, pair=2e-8, context=1e-5)
     points = []
     for offset in (0, 256, 1024):
         for seqs in (1, 2, 4):
             for tokens in (16, 64, 256, 512):
-                pairs = seqs * attention_pairs(offset, tokens // seqs)
+                pairs, context = seqs * attention_pairs(offset, tokens // seqs), seqs * offset + tokens
                 t = true["fixed"] + true["token"] * tokens + true["seq"] * seqs + true["pair"] * pairs
-                points.append(Point("prefill", 1, offset, tokens, seqs, pairs, t * (1.02 if tokens == 64 else 1), 3))
+                t += true["context"] * context
+                t *= 1.02 if tokens == 64 else 1
+                points.append(Point("prefill", 1, offset, tokens, seqs, pairs, t, 3, gathered=context))
     cost = fit_step_cost(points)
     assert cost.fixed_s == pytest.approx(true["fixed"], rel=0.1)
     assert cost.per_token_s == pytest.approx(true["token"], rel=0.1)
     assert cost.per_pair_s == pytest.approx(true["pair"], rel=0.1)
+    assert cost.per_context_s == pytest.approx(true["context"], rel=0.1)
     assert max(abs(p.rel_err) for p in points) < 0.03
     fixed, per_block = fit_relative([[1, 8], [1, 32], [1, 128]], [0.004 + 8e-4 * b for b in (8, 32, 128)])
     assert fixed == pytest.approx(0.004) and per_block == pytest.approx(8e-4)

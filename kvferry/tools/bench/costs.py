@@ -143,28 +143,16 @@ def fit_relative(columns: list[list[float]], seconds: list[float]) -> np.ndarray
 def fit_step_cost(points: list[Point]) -> StepCost:
     """The StepCost of one kind at one thread count; sets each point's fitted_s."""
     decode = points[0].kind == "decode"
-    if decode:  # tokens == seqs: one column for both
+    if decode:  # tokens == seqs, and the context read is the pairs: one column for each pair of them
         c = fit_relative([[1.0, p.seqs, p.pairs] for p in points], [p.seconds for p in points])
-        cost = StepCost(fixed_s=c[0], per_token_s=0.0, per_seq_s=c[1], per_pair_s=c[2])
+        cost = StepCost(fixed_s=float(c[0]), per_token_s=0.0, per_seq_s=float(c[1]), per_pair_s=float(c[2]))
     else:
-        c = fit_relative([[1.0, p.tokens, p.seqs, p.pairs] for p in points], [p.seconds for p in points])
-        cost = StepCost(fixed_s=c[0], per_token_s=c[1], per_seq_s=c[2], per_pair_s=c[3])
-    cost = StepCost(*(float(v) for v in (cost.fixed_s, cost.per_token_s, cost.per_seq_s, cost.per_pair_s)))
+        columns = [[1.0, p.tokens, p.seqs, p.pairs, p.gathered] for p in points]
+        c = [float(v) for v in fit_relative(columns, [p.seconds for p in points])]
+        cost = StepCost(fixed_s=c[0], per_token_s=c[1], per_seq_s=c[2], per_pair_s=c[3], per_context_s=c[4])
     for p in points:
-        p.fitted_s = cost.seconds(p.tokens, p.seqs, p.pairs)
+        p.fitted_s = cost.seconds(p.tokens, p.seqs, p.pairs, p.gathered)
     return cost
-
-
-def fit_with_gathered_term(points: list[Point]) -> dict:
-    """The prefill fit with a fifth term, which the cost model's format lacks: per context token the step's
-    attention gathers (each chunk's computed and new tokens). The CPU's paged prefill attention copies each
-    sequence's whole context in every layer, so a short chunk late in a long prompt costs more than its pairs
-    alone say. Kept in the notes, to show what the term would buy."""
-    columns = [[1.0, p.tokens, p.seqs, p.pairs, p.gathered] for p in points]
-    c = fit_relative(columns, [p.seconds for p in points])
-    errs = [(float(np.dot(col, c)) - p.seconds) / p.seconds for col, p in zip(columns, points)]
-    names = ("fixed_s", "per_token_s", "per_seq_s", "per_pair_s", "per_gathered_s")
-    return {**{n: float(v) for n, v in zip(names, c)}, **residuals(errs)}
 
 
 def residuals(rel_errs: list[float]) -> dict:
@@ -377,7 +365,7 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
     finally:
         bench.release()
         torch.set_num_threads(threads_before)
-    costs, fits, with_gathered = {}, {}, {}
+    costs, fits = {}, {}
     for t in threads:
         kinds = {}
         for kind in ("prefill", "decode"):
@@ -386,8 +374,6 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
                 raise ValueError(f"no {kind} point fits this engine at {t} threads (see the skipped points)")
             kinds[kind] = fit_step_cost(mine)
             fits.setdefault(str(t), {})[kind] = residuals([p.rel_err for p in mine])
-            if kind == "prefill":
-                with_gathered[str(t)] = fit_with_gathered_term(mine)
         costs[t] = ThreadCosts(kinds["prefill"], kinds["decode"])
     transfers, transfer_fit = [], [0.0, 0.0]
     transfer_threads = min(threads)
@@ -400,7 +386,6 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
     notes = {
         "fit": "non-negative least squares on the relative error (weights 1 / measured seconds)",
         "residuals": fits,
-        "prefill_with_gathered_term": with_gathered,
         "transfer_residuals": residuals([(r["fitted_s"] - r["seconds"]) / r["seconds"] for r in transfers]),
         "prefill": "engine.step() of prompts whose chunk ends them (each samples); offsets from a held cached prefix",
         "decode": "engine.step() of sequences admitted as transferred ones; tokens == seqs, so per_token_s is 0",
@@ -510,15 +495,10 @@ def print_table(fit: Fit) -> None:
             r = m.notes["residuals"][str(t)][kind]
             print(
                 f"\n{kind}, {t} thread(s): fixed {_ms(cost.fixed_s)} + {cost.per_token_s * 1e3:.4f} ms/token + "
-                f"{cost.per_seq_s * 1e3:.4f} ms/seq + {cost.per_pair_s * 1e6:.4f} us/pair; |error| median "
+                f"{cost.per_seq_s * 1e3:.4f} ms/seq + {cost.per_pair_s * 1e6:.4f} us/pair + "
+                f"{cost.per_context_s * 1e6:.4f} us/context token; |error| median "
                 f"{r['median_rel_err']:.1%}, max {r['max_rel_err']:.1%} over {r['points']} points"
             )
-            if kind == "prefill":
-                g = m.notes["prefill_with_gathered_term"][str(t)]
-                print(
-                    f"  (with a term per context token gathered, {g['per_gathered_s'] * 1e6:.4f} us each, which the "
-                    f"format lacks: |error| median {g['median_rel_err']:.1%}, max {g['max_rel_err']:.1%})"
-                )
             print(
                 f"{'context' if kind == 'decode' else 'offset':>8} {'seqs':>5} {'tokens':>6} {'pairs':>9} "
                 f"{'measured':>11} {'fitted':>11} {'error':>7}"

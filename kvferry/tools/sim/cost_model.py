@@ -1,8 +1,10 @@
 """What a step costs on the machine being planned for: fitted by `kvferry bench costs`, read by the simulator.
 
 A step's time is linear in what it computes: a fixed part (the dispatch of every layer's ops, the Python around
-the step), a part per new token (the weight GEMMs), a part per sequence (sampling, the decode attention's launch)
-and a part per attention pair (each new token against each token before it, itself included). Prefill steps and
+the step), a part per new token (the weight GEMMs), a part per sequence (sampling, the decode attention's launch),
+a part per attention pair (each new token against each token before it, itself included) and a part per context
+token the attention reads (the CPU's paged attention gathers each sequence's whole context in every layer, so a
+short chunk late in a long prompt costs more than its pairs say). Prefill steps and
 decode steps are fitted apart: they take different paths through the model (chunked prompts with the prefill
 kernel; one token per sequence, graphs where captured). Each is fitted per torch thread count, because on a
 shared machine the placement decides how many cores a worker really gets. A KV transfer costs a fixed part plus
@@ -25,15 +27,23 @@ def attention_pairs(num_computed: int, num_new: int) -> int:
 
 @dataclass
 class StepCost:
-    """seconds = fixed_s + per_token_s * tokens + per_seq_s * seqs + per_pair_s * pairs."""
+    """seconds = fixed_s + per_token_s * tokens + per_seq_s * seqs + per_pair_s * pairs + per_context_s * context,
+    where context sums each chunk's computed and new tokens."""
 
     fixed_s: float
     per_token_s: float
     per_seq_s: float
     per_pair_s: float
+    per_context_s: float = 0.0
 
-    def seconds(self, tokens: int, seqs: int, pairs: int) -> float:
-        return self.fixed_s + self.per_token_s * tokens + self.per_seq_s * seqs + self.per_pair_s * pairs
+    def seconds(self, tokens: int, seqs: int, pairs: int, context: int = 0) -> float:
+        return (
+            self.fixed_s
+            + self.per_token_s * tokens
+            + self.per_seq_s * seqs
+            + self.per_pair_s * pairs
+            + self.per_context_s * context
+        )
 
 
 @dataclass
@@ -62,9 +72,9 @@ class CostModel:
         nearest = min(self.threads, key=lambda t: (abs(t - threads), t))
         return self.threads[nearest]
 
-    def step_seconds(self, prefill: bool, threads: int, tokens: int, seqs: int, pairs: int) -> float:
+    def step_seconds(self, prefill: bool, threads: int, tokens: int, seqs: int, pairs: int, context: int = 0) -> float:
         costs = self.costs(threads)
-        return (costs.prefill if prefill else costs.decode).seconds(tokens, seqs, pairs)
+        return (costs.prefill if prefill else costs.decode).seconds(tokens, seqs, pairs, context)
 
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.kv_transfer_fixed_s + self.kv_transfer_per_block_s * num_blocks
