@@ -69,9 +69,10 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_bench_observer)
 
-    from kvferry.tools.bench import costs, feature, quantization, step, transfer
+    from kvferry.tools.bench import costs, feature, quantization, sim_check, step, transfer
 
     costs.add_parser(bench)
+    sim_check.add_parser(bench)
     feature.add_parser(bench)
     transfer.add_parser(bench)
     step.add_parser(bench)

@@ -10,7 +10,8 @@ from kvferry.services.launcher import free_port, start_services, stop_all
 
 # Settings the stacks of one comparison must not inherit from the caller's environment.
 COMPARED_SETTINGS = tuple(
-    settings.env_name(name) for name in ("trace_dir", "otlp_endpoint", "no_prefix_caching", "no_chunked_prefill")
+    settings.env_name(name)
+    for name in ("trace_dir", "capture_dir", "otlp_endpoint", "no_prefix_caching", "no_chunked_prefill")
 )
 
 
