@@ -109,11 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     from kvferry.tools.bench.cli import add_bench_parser
     from kvferry.tools.replay.cli import add_replay_parser
+    from kvferry.tools.sim.cli import add_sim_parsers
     from kvferry.tools.trace.cli import add_trace_parser
 
     add_bench_parser(sub)
     add_trace_parser(sub)
     add_replay_parser(sub)
+    add_sim_parsers(sub)
     return parser
 
 

@@ -1,0 +1,410 @@
+"""The offline simulator: captured arrivals through P prefill and D decode workers, in virtual time.
+
+Every worker is the real Scheduler and BlockManager (workers.py), and the gateway's real Registry routes to them,
+told of their stats by heartbeats every heartbeat interval, so it routes on figures as stale as the real gateway's.
+The model's forward is replaced by the fitted cost model: a step ends its cost after it starts. A request's life:
+
+1. It arrives at its captured time divided by rate_scale. The gateway refuses it (429) when max_waiting flights
+   wait for their first token, or (400) when a prompt is longer than the workers take. Each prompt is a flight,
+   routed by `Registry.pick_prefill` (cache-aware, least queued work) and `pick_decode` (most free blocks), and
+   counted against both by `Registry.assign`.
+2. Its prefill worker's scheduler runs the prompt in chunks. As its first chunk starts, the decode worker holds the
+   leading blocks its prefix cache has (the KVQuery), which the transfer leaves out.
+3. The step that computes the last chunk ends: every choice has its first token (TTFT), and the gateway counts the
+   prompt prefilled. Choices whose captured output is one token end there.
+4. The transfer: the decode worker's `begin_prefilled` allocates the blocks, or finds no room, and the sender tries
+   again every RETRY_S. The KV takes `CostModel.transfer_seconds(blocks sent)` on the prefill worker's sender, one
+   transfer after another. Then `finish_prefilled` admits the choices, and the prefill worker frees its blocks.
+5. Each decode step gives each running choice one token, until it has its captured number (ignore_eos). Preemption
+   when blocks run out, and the recompute after it, are the scheduler's own.
+
+Contention: when a step starts while the threads of the processes whose steps run (its own included) exceed the
+machine's cores, it takes busy threads / cores times longer. This is an approximation. The slowdown is fixed when
+the step starts, so a step that starts alone stays fast when others start during it. The gateway and the KV sender
+threads take no cores, and a process waiting for work takes none either.
+
+What is simplified: messages take no time (a token reaches the client when its step ends), and a transfer goes
+whole after the prompt's last step. The real one ships its early layer groups during that step, so the cost
+model's transfer time is what a transfer adds after the step. Transfers waiting for room are retried first come,
+first served, at the retry period of the first. Nothing fails, moves or times out, except transfers that no decode
+worker takes within GIVE_UP_S. Constraints, penalties and logprobs are not modelled: they change which tokens
+come, and the capture already says how many.
+"""
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvferry.common import protocol as p
+from kvferry.common import settings
+from kvferry.common.block_hash import block_hashes
+from kvferry.common.errors import ConfigError, InvalidRequest
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.sequence import Sequence
+from kvferry.services.gateway.registry import Registry
+from kvferry.tools.sim.cost_model import CostModel
+from kvferry.tools.sim.flights import FlightState, SimChoice, SimFlight, SimRequest
+from kvferry.tools.sim.report import Report, build_report
+from kvferry.tools.sim.slo import SLO, certainly_over
+from kvferry.tools.sim.worker_config import Placement, WorkerConfig
+from kvferry.tools.sim.workers import SimWorker
+from kvferry.tools.sim.workload import Workload
+
+# The workers' own timings, written here because importing their modules loads torch (a unit test compares them).
+RETRY_S = 0.05  # services/prefill/connector.RETRY_FULL_AFTER_S: a decode worker with no room is asked again
+GIVE_UP_S = 60.0  # services/prefill/connector.GIVE_UP_TRANSFER_S: a transfer nobody took is dropped
+CACHE_SYNC_S = 30.0  # services/worker.CACHE_SYNC_S: between full CacheUpdates
+
+
+@dataclass
+class SimOptions:
+    rate_scale: float = 1.0  # arrivals this many times closer together
+    heartbeat_interval_s: float = settings.default("heartbeat_interval")
+    max_waiting: int = settings.default("max_waiting")  # the gateway's; 0: no bound
+    stop_on: SLO | None = None  # stop as soon as a p90 certainly misses it, or a request is refused or fails
+    on_step: Callable | None = None  # on_step(simulator, worker) as each step starts and ends: for checks
+
+
+class Simulator:
+    def __init__(
+        self,
+        workload: Workload,
+        costs: CostModel,
+        config: WorkerConfig,
+        placement: Placement,
+        num_prefill: int,
+        num_decode: int,
+        options: SimOptions | None = None,
+    ):
+        if num_prefill < 1 or num_decode < 1:
+            raise ConfigError(f"a stack needs a prefill and a decode worker, got {num_prefill}P+{num_decode}D")
+        self.options = options = options or SimOptions()
+        if not options.rate_scale > 0:
+            raise ConfigError(f"the rate scale must be positive, got {options.rate_scale}")
+        self.workload, self.costs, self.config, self.placement = workload, costs, config, placement
+        self.registry = Registry(
+            heartbeat_interval_s=options.heartbeat_interval_s, expected_block_size=config.block_size
+        )
+        self.prefill_workers = [
+            SimWorker(f"prefill-{i}", p.Role.PREFILL, config, placement.prefill_threads, costs)
+            for i in range(num_prefill)
+        ]
+        self.decode_workers = [
+            SimWorker(f"decode-{i}", p.Role.DECODE, config, placement.decode_threads, costs) for i in range(num_decode)
+        ]
+        self.workers = {w.worker_id: w for w in self.prefill_workers + self.decode_workers}
+        for w in self.workers.values():
+            refused = self.registry.register(w.register_message(), w.identity, 0.0)
+            assert refused is None, refused
+        self.first_token_params = SamplingParams(max_tokens=1)  # the prefill worker runs a prompt for one token
+        # (time, order, handler, argument, work): a heap; order keeps equal times first come first served.
+        self.events: list = []
+        self.num_pending = 0  # events on it that are work, not heartbeats
+        self._order = itertools.count()
+        self.now = 0.0
+        self.busy_threads = 0
+        self.requests: list[SimRequest] = []
+        self.num_open = len(workload.requests)  # not yet arrived, or not yet finished
+        self.num_waiting = 0  # flights routed without their first token: what max_waiting bounds
+        self.num_refused = self.num_failed = 0
+        self.kv_usage: dict[str, list[tuple[float, int]]] = {w.worker_id: [] for w in self.decode_workers}
+        self.cache_sync_at = {w.worker_id: 0.0 for w in self.prefill_workers}
+        self.stopped = ""  # why the run stopped early
+        self.num_ttft_over = self.num_gaps_over = 0  # against options.stop_on
+        self.num_gaps = workload.num_gaps  # if every request is served: what the ITL p90 is of
+        self.wall_s = 0.0
+
+    # -- the loop ---------------------------------------------------------------------------------------------
+    def run(self) -> Report:
+        started = time.perf_counter()
+        for spec in self.workload.requests:
+            self._push(spec.arrival_s / self.options.rate_scale, self._arrive, spec)
+        interval = self.options.heartbeat_interval_s
+        everyone = list(self.workers.values())
+        for i, w in enumerate(everyone):  # spread over the interval, as processes started apart are
+            self._push(interval * (i + 1) / (len(everyone) + 1), self._heartbeat, w, work=False)
+        events = self.events
+        while events and not self.stopped:
+            self.now, _, handler, argument, work = heapq.heappop(events)
+            self.num_pending -= work
+            handler(argument)
+        self.wall_s = time.perf_counter() - started
+        return build_report(self)
+
+    def _push(self, at: float, handler, argument, work: bool = True) -> None:
+        """work: an event that can change a worker or a request (all but heartbeats)."""
+        heapq.heappush(self.events, (at, next(self._order), handler, argument, work))
+        self.num_pending += work
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    # -- the gateway ------------------------------------------------------------------------------------------
+    def _arrive(self, spec) -> None:
+        request = SimRequest(spec, self.now)
+        self.requests.append(request)
+        max_waiting = self.options.max_waiting
+        if max_waiting and self.num_waiting >= max_waiting:
+            self._refuse(request, f"429: {max_waiting} requests waiting")
+            return
+        longest = max(len(ids) for ids in spec.prompts)
+        if longest >= self.config.max_model_len:
+            self._refuse(request, f"400: a prompt of {longest} tokens, max_model_len {self.config.max_model_len}")
+            return
+        request.num_open_flights = len(spec.prompts)
+        for prompt, outputs in zip(spec.prompts, spec.outputs):
+            flight = SimFlight(request, prompt, block_hashes(prompt, self.block_size))
+            flight.choices = [SimChoice(flight, c, ids) for c, ids in enumerate(outputs)]
+            request.flights.append(flight)
+            self._route(flight)
+
+    def _route(self, flight: SimFlight) -> None:
+        """GatewayCore._dispatch: pick both workers, count the prompt against them, send it to the prefill one."""
+        tokens, hashes = flight.prompt_token_ids, flight.block_hashes
+        prefill, num_cached_blocks = self.registry.pick_prefill(hashes, len(tokens))
+        decode = self.registry.pick_decode()
+        flight.pending_prompt_tokens = len(tokens) - num_cached_blocks * self.block_size
+        self.registry.assign(prefill, decode, flight.pending_prompt_tokens, -(-len(tokens) // self.block_size), hashes)
+        flight.prefill, flight.decode = self.workers[prefill.worker_id], self.workers[decode.worker_id]
+        flight.prefill_seq = Sequence(flight, tokens, self.first_token_params, block_hashes=hashes)
+        flight.prefill.scheduler.add(flight.prefill_seq)
+        self.num_waiting += 1
+        self._kick(flight.prefill)
+
+    def _refuse(self, request: SimRequest, why: str) -> None:
+        request.refuse(self.now, why)
+        self.num_refused += 1
+        self.num_open -= 1
+        if self.options.stop_on is not None:
+            self.stopped = f"request {request.spec.request_id} refused ({why})"
+
+    def _heartbeat(self, w: SimWorker) -> None:
+        if self.num_open == 0:
+            return  # every request is done: the run ends with the heartbeats
+        if not w.busy:  # an idle loop refreshes its stats every half interval too
+            w.snapshot_if_due(self.now, self.options.heartbeat_interval_s / 2, self._routes_on_queue(w))
+        self.registry.heartbeat(w.heartbeat(), self.now)
+        if not w.is_prefill:
+            self.kv_usage[w.worker_id].append((self.now, w.block_manager.num_used_blocks))
+            w.block_manager.take_cache_events()  # nobody routes on a decode worker's cache: only drop them
+        if self.num_pending == 0:
+            self._stuck()
+        self._push(self.now + self.options.heartbeat_interval_s, self._heartbeat, w, work=False)
+
+    def _stuck(self) -> None:
+        """Requests are open, and nothing but heartbeats will happen: a worker that could step was not started (the
+        real loop keeps trying). Start them; if none has a step, the simulation cannot finish: a bug, said so."""
+        for w in self.workers.values():
+            self._kick(w)
+        if self.num_pending == 0:
+            open_ids = [r.spec.request_id for r in self.requests if r.finished_at is None]
+            raise AssertionError(f"the simulation is stuck at {self.now:.3f} s with requests open: {open_ids[:5]}")
+
+    def _routes_on_queue(self, w: SimWorker) -> bool:
+        """Whether the gateway reads the worker's queued prompt tokens: only to choose between prefill workers."""
+        return w.is_prefill and len(self.prefill_workers) > 1
+
+    def _send_cache_updates(self, w: SimWorker) -> None:
+        """Worker.send_cache_updates, after each step: what the prefix cache stored and evicted, now and then all."""
+        stored, evicted = w.block_manager.take_cache_events()
+        if self.now >= self.cache_sync_at[w.worker_id]:
+            self.registry.cache_update(p.CacheUpdate(w.worker_id, list(w.block_manager.cached), full=True))
+            self.cache_sync_at[w.worker_id] = self.now + CACHE_SYNC_S
+        elif stored or evicted:
+            self.registry.cache_update(p.CacheUpdate(w.worker_id, stored, evicted))
+
+    # -- steps ------------------------------------------------------------------------------------------------
+    def _kick(self, w: SimWorker) -> None:
+        """Start the worker's next step if it is idle and has one."""
+        if w.busy:
+            return
+        plan = w.scheduler.schedule()
+        while not plan.chunks and plan.preempted:  # it preempted its last running sequence: recompute it now
+            plan = w.scheduler.schedule()
+        if not plan.chunks:
+            return  # kicked again when blocks free up, as the real loop, which keeps trying, would find
+        w.busy = True
+        self.busy_threads += w.threads
+        seconds = w.step_seconds(plan) * max(1.0, self.busy_threads / self.placement.cores)
+        w.num_steps += 1
+        w.busy_s += seconds
+        if w.is_prefill:
+            for chunk in plan.chunks:
+                flight = chunk.seq.request_id
+                if flight.state is FlightState.QUEUED:
+                    flight.start(self.now)
+                    self._hold_cached_blocks(flight)
+        if self.options.on_step is not None:
+            self.options.on_step(self, w)
+        self._push(self.now + seconds, self._step_done, (w, plan))
+
+    def _step_done(self, done) -> None:
+        w, plan = done
+        w.busy = False
+        self.busy_threads -= w.threads
+        if w.is_prefill:
+            sampled = [c.seq.request_id.choices[0].token_at(0) if c.samples else None for c in plan.chunks]
+            for seq in w.scheduler.update(plan, sampled):
+                self._prefilled(seq.request_id)
+            self._send_cache_updates(w)
+        else:
+            self._decoded(w, plan)
+        w.snapshot_if_due(self.now, self.options.heartbeat_interval_s / 2, self._routes_on_queue(w))
+        if self.options.on_step is not None:
+            self.options.on_step(self, w)
+        self._kick(w)
+
+    def _decoded(self, w: SimWorker, plan) -> None:
+        """A decode worker's step ended: a token for each choice that sampled (a recompute's last chunk too)."""
+        now, sampled = self.now, []
+        bound = self.options.stop_on.itl_p90_s if self.options.stop_on is not None else math.inf
+        recompute = plan.is_prefill  # after a preemption: only a prompt's last chunk samples (a decode chunk always)
+        for chunk in plan.chunks:
+            if recompute and not chunk.samples:
+                sampled.append(None)
+                continue
+            seq = chunk.seq
+            choice = seq.request_id
+            sampled.append(choice.token_at(len(seq.output_token_ids)))
+            gap = now - choice.last_token_at
+            choice.gaps.append(gap)
+            choice.last_token_at = now
+            if gap > bound:
+                self.num_gaps_over += 1
+        for seq in w.scheduler.update(plan, sampled):
+            choice = seq.request_id
+            w.received.forget(choice)
+            if choice.flight.choice_finished(choice, now):
+                self._end_flight(choice.flight)
+        if self.num_gaps_over and certainly_over(self.num_gaps_over, self.num_gaps, self.options.stop_on.quantile):
+            self.stopped = f"ITL p90 over {bound} s"
+        self._retry_transfers_soon(w)
+
+    # -- prefill to decode ------------------------------------------------------------------------------------
+    def _hold_cached_blocks(self, flight: SimFlight) -> None:
+        """The KVQuery: the decode worker holds the prompt's leading blocks its prefix cache has, from now until
+        the transfer, which leaves them out."""
+        d = flight.decode
+        if d.block_manager.enable_caching:
+            num = d.block_manager.num_cacheable_blocks(len(flight.prompt_token_ids))
+            flight.held = d.received.hold_prefix(flight.block_hashes[:num])
+
+    def _prefilled(self, flight: SimFlight) -> None:
+        request = flight.request
+        first_of_request = request.first_token_at is None
+        # Each choice runs for its captured length, as with ignore_eos; the prefill worker judges its first token by
+        # the request's own parameters (a choice at max_model_len ends there too).
+        params = [SamplingParams(max_tokens=c.length, ignore_eos=True) for c in flight.choices]
+        num_tokens, judge = len(flight.prompt_token_ids) + 1, flight.prefill.scheduler.finish_reason
+        going_on = flight.first_tokens(
+            self.now, params, lambda c, choice_params: judge(choice_params, c.token_at(0), 1, num_tokens) is not None
+        )
+        self.num_waiting -= 1
+        self.registry.prefilled(flight.prefill.worker_id, flight.pending_prompt_tokens)  # the FirstToken
+        stop = self.options.stop_on
+        if stop is not None and first_of_request and self.now - request.arrival > stop.ttft_p90_s:
+            self.num_ttft_over += 1
+            if certainly_over(self.num_ttft_over, len(self.workload.requests), stop.quantile):
+                self.stopped = f"TTFT p90 over {stop.ttft_p90_s} s"
+        if not going_on:  # every choice ended at its first token: nothing to ship
+            self._let_go(flight)
+            self._end_flight(flight)
+            return
+        if not self._try_transfer(flight):
+            self._wait_for_room(flight)
+
+    def _try_transfer(self, flight: SimFlight) -> bool:
+        """Offer the KV to the decode worker; False when it has no room now (the flight waits to try again)."""
+        d = flight.decode
+        if self.now > flight.first_token_at + GIVE_UP_S:
+            self._fail(flight, f"{d.worker_id} did not take the KV in {GIVE_UP_S:.0f} s")
+            return True
+        try:
+            blocks = d.received.begin_prefilled(
+                flight.going_on, flight.prompt_token_ids, flight.params, (), flight.held
+            )
+        except InvalidRequest as exc:  # more than the decode worker can ever hold
+            self._fail(flight, f"{d.worker_id} refused the KV: {exc}")
+            return True
+        if blocks is None:
+            return False
+        flight.blocks = blocks
+        sender = flight.prefill
+        start = max(self.now, sender.sender_free_at)
+        sender.sender_free_at = start + self.costs.transfer_seconds(len(blocks))
+        self._push(sender.sender_free_at, self._transferred, flight)
+        return True
+
+    def _transferred(self, flight: SimFlight) -> None:
+        """The last layer group is in: admit the choices (DecodeWorker.admit), or put the transfer back."""
+        d = flight.decode
+        choices = flight.going_on
+        first_tokens = [c.token_at(0) for c in choices]
+        if not d.received.finish_prefilled(
+            choices, flight.prompt_token_ids, first_tokens, flight.params, flight.blocks, (), flight.held
+        ):
+            d.block_manager.free(flight.blocks)  # DecodeAttempt.put_back: the held blocks stay held
+            flight.blocks = []
+            self._wait_for_room(flight)
+            self._kick(d)  # a preempted sequence may fit in what was freed
+            return
+        for choice in choices:
+            choice.seq = d.received.sequence(choice)
+        flight.admitted()
+        self._release_prefill(flight)
+        self._kick(d)
+
+    def _wait_for_room(self, flight: SimFlight) -> None:
+        flight.retry_from = self.now
+        flight.decode.waiting_transfers.append(flight)
+        self._retry_transfers_soon(flight.decode)
+
+    def _retry_transfers_soon(self, d: SimWorker) -> None:
+        """The first waiting transfer is tried again at its sender's next retry time: a step that ended may have
+        freed room. Only one retry is pending per decode worker; the rest wait behind it."""
+        if d.retry_pending or not d.waiting_transfers:
+            return
+        head = d.waiting_transfers[0]
+        periods = max(1, math.ceil((self.now - head.retry_from) / RETRY_S - 1e-9))
+        d.retry_pending = True
+        self._push(head.retry_from + periods * RETRY_S, self._retry_transfers, d)
+
+    def _retry_transfers(self, d: SimWorker) -> None:
+        d.retry_pending = False
+        while d.waiting_transfers:
+            if not self._try_transfer(d.waiting_transfers[0]):
+                if not d.busy:  # no step will end to free room: ask again after the period, as the sender does
+                    d.retry_pending = True
+                    self._push(self.now + RETRY_S, self._retry_transfers, d)
+                return
+            d.waiting_transfers.popleft()
+
+    def _release_prefill(self, flight: SimFlight) -> None:
+        """The prefill worker lets go of the prompt's blocks (the decode worker acknowledged, or nothing goes)."""
+        w = flight.prefill
+        w.scheduler.release(flight.prefill_seq)
+        self._kick(w)
+
+    def _let_go(self, flight: SimFlight) -> None:
+        """Nothing ships: the prefill worker's blocks and the decode worker's held ones are freed."""
+        self._release_prefill(flight)
+        if flight.held:
+            flight.decode.block_manager.free(flight.held)
+            flight.held = []
+            self._kick(flight.decode)
+
+    def _fail(self, flight: SimFlight, why: str) -> None:
+        self._let_go(flight)
+        self.num_failed += not flight.request.error  # requests, not their flights
+        self._end_flight(flight, why)
+        if self.options.stop_on is not None:
+            self.stopped = f"request {flight.request.spec.request_id} failed ({why})"
+
+    def _end_flight(self, flight: SimFlight, error: str = "") -> None:
+        flight.end(self.now, error)
+        if flight.request.finished_at is not None:
+            self.num_open -= 1

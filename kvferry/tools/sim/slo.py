@@ -1,0 +1,55 @@
+"""Percentiles, and the latency objectives the planner sizes pools for (p90 of TTFT and of inter-token gaps).
+
+Percentiles interpolate linearly between the sorted values, as numpy's default does. That makes it possible to
+know that a p90 exceeds its bound before a run ends: once enough values are over it (`certainly_over`), nothing
+that comes later can bring the p90 back under, so a simulation the planner runs can stop early.
+"""
+
+import math
+from dataclasses import dataclass
+
+QUANTILES = (50, 90, 99)
+
+
+def percentile(sorted_values: list[float], q: float) -> float | None:
+    if not sorted_values:
+        return None
+    h = (len(sorted_values) - 1) * q / 100
+    lo = math.floor(h)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (h - lo)
+
+
+def distribution(values: list[float]) -> dict:
+    """p50, p90, p99 and the mean (None without values)."""
+    ordered = sorted(values)
+    out = {f"p{q}": percentile(ordered, q) for q in QUANTILES}
+    out["mean"] = sum(ordered) / len(ordered) if ordered else None
+    return out
+
+
+def certainly_over(num_over: int, num_values: int, q: float) -> bool:
+    """Whether the q-th percentile of num_values values exceeds a bound when num_over of them are known to: the
+    sorted position floor(h) it interpolates from is then among the ones over it."""
+    if num_values <= 0:
+        return False
+    return num_over >= num_values - math.floor((num_values - 1) * q / 100)
+
+
+@dataclass(frozen=True)
+class SLO:
+    ttft_p90_s: float
+    itl_p90_s: float
+    quantile: float = 90
+
+    def missed(self, summary: dict) -> list[str]:
+        """The objectives a simulation's summary misses, as words ("TTFT p90 1200.00 ms > 1000 ms"); a request
+        refused or failed misses them all."""
+        out = []
+        if summary["refused"] or summary["failed"]:
+            out.append(f"{summary['refused'] + summary['failed']} requests refused or failed")
+        for name, key, bound in (("TTFT", "ttft", self.ttft_p90_s), ("ITL", "itl", self.itl_p90_s)):
+            value = summary[key]["p90"]
+            if value is not None and value > bound:
+                out.append(f"{name} p90 {value * 1000:.2f} ms > {bound * 1000:g} ms")
+        return out

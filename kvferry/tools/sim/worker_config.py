@@ -1,0 +1,86 @@
+"""How each simulated worker is configured, from the same settings a real worker reads, and where its threads run.
+
+A real worker builds its Scheduler and BlockManager from an EngineConfig (common/engine.py); the simulated ones are
+built from the same EngineConfig, so a setting changed for the stack (--max-num-seqs, --kv-cache-memory, ...) is
+changed for the simulation by the same flag or KVFERRY_ variable. The one figure a worker learns from its model is
+the size of a KV block in bytes, which turns --kv-cache-memory into a block count: it is read from the model's
+config.json (no torch), or given directly with --num-blocks.
+"""
+
+import os
+from dataclasses import dataclass
+
+from kvferry.common import settings
+from kvferry.common.config import EngineConfig
+from kvferry.common.errors import ConfigError
+from kvferry.common.model_files import max_model_len_of, read_config, resolve_model
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What one simulated worker's Scheduler and BlockManager are built from (the fields they take)."""
+
+    num_blocks: int
+    max_model_len: int
+    block_size: int = settings.default("block_size")
+    max_num_seqs: int = settings.default("max_num_seqs")
+    max_num_batched_tokens: int = settings.default("max_num_batched_tokens")
+    enable_prefix_caching: bool = settings.default("no_prefix_caching")  # the switch's attribute: caching on
+    enable_chunked_prefill: bool = settings.default("no_chunked_prefill")
+    long_prefill_threshold: int = settings.default("long_prefill_threshold")
+
+    def __post_init__(self):
+        if self.num_blocks < 1:
+            raise ConfigError(f"a simulated worker needs at least one KV block, got {self.num_blocks}")
+        if self.max_model_len > self.num_blocks * self.block_size:
+            # As LLMEngine does: the model's limit is lowered to what the pool holds.
+            object.__setattr__(self, "max_model_len", self.num_blocks * self.block_size)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, num_blocks: int | None = None) -> "WorkerConfig":
+        """The worker a real one with this EngineConfig would be. num_blocks: given, or from --kv-cache-memory and
+        the model's block size in bytes (which reads the model's config.json)."""
+        max_model_len = config.max_model_len
+        if num_blocks is None or max_model_len is None:
+            model_config = read_config(resolve_model(config.model))
+            if num_blocks is None:
+                num_blocks = config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config)
+            if max_model_len is None:
+                max_model_len = max_model_len_of(model_config)
+        return cls(
+            num_blocks=num_blocks,
+            max_model_len=max_model_len,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_threshold=config.long_prefill_threshold,
+        )
+
+
+def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -> int:
+    """K and V of one block in every layer, as runner.KVCacheLayout counts them. dtype auto is float32 (the CPU's)
+    unless --device names CUDA, where it is bfloat16."""
+    dtype = config.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if config.device.startswith("cuda") else "float32"
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
+    num_kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
+    return 2 * model_config["num_hidden_layers"] * block_size * num_kv_heads * head_dim * _DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The machine's cores and each process's torch threads: what decides how much the workers slow each other."""
+
+    cores: int = os.cpu_count() or 1
+    prefill_threads: int = settings.default("prefill_threads")
+    decode_threads: int = settings.default("decode_threads")
+
+    def __post_init__(self):
+        for name in ("cores", "prefill_threads", "decode_threads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
