@@ -16,7 +16,7 @@ def test_quick_fit_writes_a_cost_model_that_predicts_its_own_points(tmp_path, ca
     save_tiny_model("llama", tmp_path / "model")
     out = tmp_path / "costs.json"
     argv = ["bench", "costs", "--quick", "--model", str(tmp_path / "model"), "--out", str(out), "--threads", "1"]
-    assert main([*argv, "--block-size", "8", "--kv-cache-memory", "1MiB", "--no-transfer"]) == 0
+    assert main([*argv, "--block-size", "8", "--kv-cache-memory", "1MiB", "--no-transfer", "--no-contention"]) == 0
     model = CostModel.load(out)
     assert set(model.threads) == {1} and model.block_size == 8 and model.model == "model"
     assert model.machine and model.measured_at and model.cores >= 1

@@ -45,6 +45,7 @@ from kvferry.common import settings
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.bench.contention import measure_contention
 from kvferry.tools.sim.cost_model import CostModel, StepCost, ThreadCosts, attention_pairs
 
 WARMUP_BELOW_S = 0.25  # a point's first step warms up (and is dropped) when shorter; a longer one counts
@@ -330,8 +331,11 @@ def machine_description() -> str:
     return text
 
 
-def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: bool = True, progress=None) -> Fit:
-    """Measure the design at each thread count and fit the cost model; the engine is left empty."""
+def fit_costs(
+    engine, threads: list[int], design: Design = Design(), transfer: bool = True, progress=None, contention=True
+) -> Fit:
+    """Measure the design at each thread count and fit the cost model; the engine is left empty. contention: also
+    measure the slowdown beside busy processes (contention.py)."""
     from kvferry.common.model_files import served_model_name
 
     progress = progress or (lambda line: None)
@@ -362,6 +366,9 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
                         continue
                     points.append(bench.decode_point(t, batch, context))
                     progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} steps)")
+        slowdowns, contention_rows = {}, []
+        if contention:
+            slowdowns, contention_rows = measure_contention(bench, threads, os.cpu_count() or 1, progress)
     finally:
         bench.release()
         torch.set_num_threads(threads_before)
@@ -410,6 +417,7 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
         ],
         "points_columns": ["kind", "threads", "context", "tokens", "seqs", "pairs", "gathered", "seconds"],
         "transfers": [[r["num_blocks"], round(r["seconds"], 6)] for r in transfers],
+        "contention": contention_rows,
         "engine": {
             "device": str(engine.device),
             "dtype": str(engine.dtype).removeprefix("torch."),
@@ -431,6 +439,7 @@ def fit_costs(engine, threads: list[int], design: Design = Design(), transfer: b
         model=served_model_name(engine.config.model),
         measured_at=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         notes=notes,
+        contention=slowdowns,
     )
     return Fit(model, points, transfers, skipped)
 
@@ -464,6 +473,9 @@ def add_parser(bench) -> None:
     )
     p.add_argument("--quick", action="store_true", help="a small design (small models, tests)")
     p.add_argument("--no-transfer", action="store_true", help="skip the KV transfer (its costs stay 0)")
+    p.add_argument(
+        "--no-contention", action="store_true", help="skip the slowdown beside busy processes (a fair share assumed)"
+    )
     settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=cmd_bench_costs)
 
@@ -478,7 +490,8 @@ def cmd_bench_costs(args) -> int:
     engine = LLMEngine(config)
     progress = lambda line: print(line, file=sys.stderr, flush=True)
     progress(f"engine ready in {time.perf_counter() - started:.1f} s; threads {threads}")
-    fit = fit_costs(engine, threads, QUICK if args.quick else Design(), not args.no_transfer, progress)
+    design = QUICK if args.quick else Design()
+    fit = fit_costs(engine, threads, design, not args.no_transfer, progress, not args.no_contention)
     fit.model.notes["run_s"] = round(time.perf_counter() - started, 1)
     fit.model.save(args.out)
     print_table(fit)
@@ -519,5 +532,14 @@ def print_table(fit: Fit) -> None:
         for r in fit.transfers:
             err = (r["fitted_s"] - r["seconds"]) / r["seconds"]
             print(f"{r['num_blocks']:>8} {r['mib']:>7} {_ms(r['seconds']):>11} {_ms(r['fitted_s']):>11} {err:>+7.1%}")
+    if m.contention:
+        fitted = ", ".join(f"{pair} threads a = {a:.2f}" for pair, a in sorted(m.contention.items()))
+        print(f"\nbeside busy processes, past the cores: slowdown 1 + a (busy / cores - 1); {fitted}")
+        for r in m.notes["contention"]:
+            print(
+                f"  {r['threads']} thread(s), {r['competitors']} busy of {r['competitor_threads']}: "
+                f"{r['kind']} x{r['slowdown']:.2f} "
+                f"({r['busy_per_core']:.2f} busy per core)"
+            )
     if fit.skipped:
         print(f"\nskipped (past the KV pool, max_model_len or max_num_seqs): {'; '.join(fit.skipped)}")

@@ -33,6 +33,9 @@ def add_parser(bench) -> None:
     p.add_argument("--prefill-threads", type=int, default=settings.default("prefill_threads"))
     p.add_argument("--decode-threads", type=int, default=settings.default("decode_threads"))
     p.add_argument("--keep", help="keep the captures in this folder (default: a temporary one, removed)")
+    p.add_argument(
+        "--captured", metavar="DIR", help="simulate the captures an earlier --keep DIR kept, without running stacks"
+    )
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_simulator)
 
@@ -66,6 +69,8 @@ def _predicted(folder: Path, shape: tuple[int, int], args) -> dict:
     command = [sys.executable, "-m", "kvferry.tools.cli", "simulate", str(folder), "--costs", args.costs]
     command += ["--prefill", str(shape[0]), "--decode", str(shape[1]), "--cores", str(os.cpu_count()), "--json"]
     command += ["--prefill-threads", str(args.prefill_threads), "--decode-threads", str(args.decode_threads)]
+    if args.model:
+        command += ["--model", args.model]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     summary = json.loads(done.stdout)["summary"]
     return {"ttft": summary["ttft"], "itl": summary["itl"], "wall_s": summary["wall_s"]}
@@ -81,13 +86,16 @@ def cmd_bench_simulator(args) -> int:
     workloads = {"std-32": workload.generate("std-32", vocab_size)}
     workloads[f"poisson-{args.rate:g}"] = workload.generate("std-32", vocab_size, rate=args.rate, seed=1)
     warmup = workload.generate("std-32", vocab_size, seed=99)[:WARMUP_REQUESTS]  # shares no prefix with them
-    root = Path(args.keep or tempfile.mkdtemp(prefix="kvferry-simcheck-"))
+    root = Path(args.captured or args.keep or tempfile.mkdtemp(prefix="kvferry-simcheck-"))
     rows = []
     for shape in shapes:
         for name, requests in workloads.items():
             folder = root / f"{shape[0]}x{shape[1]}-{name}"
-            folder.mkdir(parents=True, exist_ok=True)
-            kept = _capture(shape, requests, warmup, folder, args)
+            if args.captured:
+                kept = folder / "workload"
+            else:
+                folder.mkdir(parents=True, exist_ok=True)
+                kept = _capture(shape, requests, warmup, folder, args)
             row = {"shape": f"{shape[0]}P+{shape[1]}D", "workload": name, "capture": str(kept)}
             row.update(measured=_measured(kept), predicted=_predicted(kept, shape, args))
             rows.append(row)
@@ -96,7 +104,7 @@ def cmd_bench_simulator(args) -> int:
         print(json.dumps(rows, indent=2))
     else:
         print("\n".join(["", _header()] + [_line(row) for row in rows]))
-    if not args.keep:
+    if not args.keep and not args.captured:
         import shutil
 
         shutil.rmtree(root, ignore_errors=True)

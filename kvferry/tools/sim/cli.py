@@ -86,7 +86,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         f"{settings.env_name('decode_threads')} or {settings.default('decode_threads')})",
     )
     p.add_argument(
-        "--cores", type=_positive_int, default=os.cpu_count() or 1, help="the machine's cores (default: this one's)"
+        "--cores",
+        type=_non_negative_int,
+        default=os.cpu_count() or 1,
+        help="the cores the workers share (default: this machine's); 0: each worker has cores of its own",
     )
     p.add_argument(
         "--rate-scale",
@@ -141,6 +144,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
     return value
 
 

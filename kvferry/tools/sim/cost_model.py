@@ -10,6 +10,12 @@ kernel; one token per sequence, graphs where captured). Each is fitted per torch
 shared machine the placement decides how many cores a worker really gets. A KV transfer costs a fixed part plus
 a part per block, measured with the workers' own sender and receiver.
 
+Processes that share a machine slow each other once their busy threads pass its cores. A fair share of the cores
+would slow a step by busy threads over cores. Multi-threaded processes lose far more: each parallel region waits
+for its slowest thread, and a thread that waits spins on a core another process needs. So the slowdown is
+1 + a * (busy / cores - 1) past the cores, with `a` measured for each pair of the worker's own thread count and
+the widest other busy process's, by running steps beside busy processes of that width (1 when not measured).
+
 Saved as a small JSON file (`save`, `load`), with the machine and the model it was measured on.
 """
 
@@ -63,6 +69,8 @@ class CostModel:
     model: str = ""
     measured_at: str = ""  # ISO date
     notes: dict = field(default_factory=dict)  # the fit's residuals and what was measured, for the record
+    # "own threads/widest other's threads" -> a, in the slowdown past the cores
+    contention: dict[str, float] = field(default_factory=dict)
     version: int = COST_MODEL_VERSION
 
     def costs(self, threads: int) -> ThreadCosts:
@@ -75,6 +83,19 @@ class CostModel:
     def step_seconds(self, prefill: bool, threads: int, tokens: int, seqs: int, pairs: int, context: int = 0) -> float:
         costs = self.costs(threads)
         return (costs.prefill if prefill else costs.decode).seconds(tokens, seqs, pairs, context)
+
+    def slowdown(self, threads: int, busy_threads: int, cores: int, widest_other: int = 1) -> float:
+        """How much longer a step of a worker with this many threads takes while busy_threads (its own included)
+        run on the machine's cores, the widest other busy process having widest_other threads; cores 0: every
+        worker has cores of its own."""
+        if cores <= 0 or busy_threads <= cores:
+            return 1.0
+        a = 1.0
+        if self.contention:
+            pairs = {tuple(int(x) for x in key.split("/")): value for key, value in self.contention.items()}
+            nearest = min(pairs, key=lambda p: (abs(p[0] - threads), abs(p[1] - widest_other), p))
+            a = pairs[nearest]
+        return 1.0 + a * (busy_threads / cores - 1.0)
 
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.kv_transfer_fixed_s + self.kv_transfer_per_block_s * num_blocks

@@ -32,7 +32,8 @@ class Report:
         s, shape = self.summary, self.shape
         lines = [
             f"simulated {shape['prefill']}P+{shape['decode']}D ({shape['prefill_threads']} and "
-            f"{shape['decode_threads']} threads a worker, {shape['cores']} cores), arrivals x{shape['rate_scale']:g}",
+            f"{shape['decode_threads']} threads a worker, "
+            f"{shape['cores'] or 'own'} cores), arrivals x{shape['rate_scale']:g}",
             f"requests: {s['requests']} replayed, {s['served']} served, {s['refused']} refused, {s['failed']} failed; "
             f"skipped from the capture: {s['skipped_not_ok']} not ok, {s['skipped_without_prompt']} without prompt "
             f"ids, {s['malformed_lines']} malformed lines",

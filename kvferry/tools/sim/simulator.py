@@ -31,6 +31,7 @@ worker takes within GIVE_UP_S. Constraints, penalties and logprobs are not model
 come, and the capture already says how many.
 """
 
+import collections
 import heapq
 import itertools
 import math
@@ -106,6 +107,7 @@ class Simulator:
         self._order = itertools.count()
         self.now = 0.0
         self.busy_threads = 0
+        self.busy_widths: collections.Counter[int] = collections.Counter()  # busy workers by thread count
         self.requests: list[SimRequest] = []
         self.num_open = len(workload.requests)  # not yet arrived, or not yet finished
         self.num_waiting = 0  # flights routed without their first token: what max_waiting bounds
@@ -229,7 +231,10 @@ class Simulator:
             return  # kicked again when blocks free up, as the real loop, which keeps trying, would find
         w.busy = True
         self.busy_threads += w.threads
-        seconds = w.step_seconds(plan) * max(1.0, self.busy_threads / self.placement.cores)
+        self.busy_widths[w.threads] += 1
+        others = [t for t, n in self.busy_widths.items() if n - (t == w.threads) > 0]
+        slowdown = self.costs.slowdown(w.threads, self.busy_threads, self.placement.cores, max(others, default=1))
+        seconds = w.step_seconds(plan) * slowdown
         w.num_steps += 1
         w.busy_s += seconds
         if w.is_prefill:
@@ -246,6 +251,7 @@ class Simulator:
         w, plan = done
         w.busy = False
         self.busy_threads -= w.threads
+        self.busy_widths[w.threads] -= 1
         if w.is_prefill:
             sampled = [c.seq.request_id.choices[0].token_at(0) if c.samples else None for c in plan.chunks]
             for seq in w.scheduler.update(plan, sampled):

@@ -74,13 +74,16 @@ def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -
 
 @dataclass(frozen=True)
 class Placement:
-    """The machine's cores and each process's torch threads: what decides how much the workers slow each other."""
+    """The machine's cores and each process's torch threads: what decides how much the workers slow each other.
+    cores 0: each worker has cores of its own (a cluster's pods, a GPU each), so none slows another."""
 
     cores: int = os.cpu_count() or 1
     prefill_threads: int = settings.default("prefill_threads")
     decode_threads: int = settings.default("decode_threads")
 
     def __post_init__(self):
-        for name in ("cores", "prefill_threads", "decode_threads"):
+        if self.cores < 0:
+            raise ConfigError(f"cores must be at least 0 (0: each worker has its own), got {self.cores}")
+        for name in ("prefill_threads", "decode_threads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")

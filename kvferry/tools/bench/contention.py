@@ -1,0 +1,76 @@
+"""How much a worker's steps slow down when processes share the machine's cores: the cost model's contention.
+
+For each pair of thread counts (the worker's own, a competitor's), a decode step and a prefill step are timed
+alone, then beside one and two busy processes of the competitor's width (torch multiplying matrices without
+pause). With busy = own threads + the competitors' on the machine's cores, the slowdown past the cores is fitted as
+1 + a * (busy / cores - 1), one a per pair, by least squares through the origin.
+"""
+
+import subprocess
+import sys
+import time
+
+COMPETITOR = (
+    "import sys, torch\n"
+    "torch.set_num_threads(int(sys.argv[1]))\n"
+    "a = torch.randn(512, 512)\n"
+    "print('ready', flush=True)\n"
+    "while True:\n"
+    "    a = (a @ a).clamp_(-1, 1)\n"
+)
+DECODE_POINT = (8, 256)  # batch, context: a typical decode step
+PREFILL_POINT = (128, 0, 1)  # tokens, offset, prompts
+COMPETITORS = (1, 2)  # busy processes beside the worker
+
+
+def _start_competitors(k: int, threads: int) -> list[subprocess.Popen]:
+    command = [sys.executable, "-c", COMPETITOR, str(threads)]
+    procs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(k)]
+    for proc in procs:
+        proc.stdout.readline()  # "ready": torch imported, the loop starts
+    time.sleep(0.2)
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait()
+
+
+def _times(bench, threads: int) -> tuple[float, float]:
+    decode = bench.decode_point(threads, *DECODE_POINT).seconds
+    prefill = bench.prefill_point(threads, *PREFILL_POINT).seconds
+    return decode, prefill
+
+
+def measure_contention(bench, threads: list[int], cores: int, progress) -> tuple[dict[str, float], list[dict]]:
+    """("own/competitor's threads" -> a, the rows measured). bench: a StepBench (costs.py)."""
+    import torch
+
+    fitted, rows = {}, []
+    for own in threads:
+        torch.set_num_threads(own)
+        alone = _times(bench, own)
+        for width in threads:
+            samples = []
+            for k in COMPETITORS:
+                procs = _start_competitors(k, width)
+                try:
+                    shared = _times(bench, own)
+                finally:
+                    _stop(procs)
+                busy = (own + k * width) / cores
+                for kind, base, now in zip(("decode", "prefill"), alone, shared):
+                    row = {"threads": own, "competitor_threads": width, "competitors": k, "kind": kind}
+                    rows.append({**row, "busy_per_core": busy, "slowdown": now / base})
+                    if busy > 1:
+                        samples.append((busy - 1, now / base - 1))
+                progress(
+                    f"[{own} threads] beside {k} busy processes of {width} thread(s): "
+                    f"decode x{shared[0] / alone[0]:.2f}, prefill x{shared[1] / alone[1]:.2f}"
+                )
+            den = sum(x * x for x, _ in samples)
+            fitted[f"{own}/{width}"] = max(0.0, sum(x * y for x, y in samples) / den) if den else 1.0
+    return fitted, rows
