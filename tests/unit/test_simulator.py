@@ -269,9 +269,13 @@ def test_a_missing_cost_model_is_a_clear_error(tmp_path, capsys):
 
 
 def test_workers_sharing_too_few_cores_slow_each_other_by_the_fitted_contention(tmp_path):
-    # Two prompts at once on two one-thread prefill workers, each step 0.1 s alone. On one core the second step
-    # starts while the first runs: 2 busy threads on 1 core, so 1 + a (2 / 1 - 1) = 3 times longer with a = 2.
-    # With cores of their own (cores 0) neither slows the other.
+    # Two one-token prompts on two one-thread prefill workers, each step 0.1 s alone, on one core with a = 2: two
+    # busy threads run 1 + 2 (2 / 1 - 1) = 3 times slower than alone.
+    # 0.00  a's step starts alone.
+    # 0.05  b arrives; a has 0.05 s of work left. Both run, at a third of the pace.
+    # 0.20  a's step ends (0.05 s of work at 3x); b has done 0.05 of its 0.1 s. TTFT a 0.20.
+    # 0.25  b's step ends, alone again for its last 0.05 s. TTFT b 0.20.
+    # With cores of their own (cores 0) neither slows the other: 0.1 s each.
     model = costs(StepCost(0.1, 0, 0, 0), StepCost(0.01, 0, 0, 0), 0.0, 0.0)
     model.contention = {"1/1": 2.0, "1/2": 5.0}
     model.save(tmp_path / "costs.json")
@@ -280,12 +284,12 @@ def test_workers_sharing_too_few_cores_slow_each_other_by_the_fitted_contention(
     assert model.slowdown(1, 3, 2, widest_other=2) == pytest.approx(3.5)  # a wider neighbour costs more
     assert model.slowdown(4, 9, 0) == 1.0  # cores of their own
     config = WorkerConfig(num_blocks=64, max_model_len=256, enable_prefix_caching=False)
-    both = [record("a", 0.0, [tokens(16)], [tokens(1, 500)]), record("b", 0.0, [tokens(16, 300)], [tokens(1, 600)])]
+    both = [record("a", 0.0, [tokens(16)], [tokens(1, 500)]), record("b", 0.05, [tokens(16, 300)], [tokens(1, 600)])]
     ttfts = {}
     for cores in (1, 0):
         work = workloads.from_records(both)
         placement = Placement(cores=cores, prefill_threads=1, decode_threads=1)
         report = Simulator(work, model, config, placement, 2, 1, SimOptions()).run()
         ttfts[cores] = sorted(r["ttft_s"] for r in report.requests)
-    assert ttfts[1] == pytest.approx([0.1, 0.3], abs=ROUND)
+    assert ttfts[1] == pytest.approx([0.2, 0.2], abs=ROUND)
     assert ttfts[0] == pytest.approx([0.1, 0.1], abs=ROUND)

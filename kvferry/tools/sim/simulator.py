@@ -106,8 +106,7 @@ class Simulator:
         self.num_pending = 0  # events on it that are work, not heartbeats
         self._order = itertools.count()
         self.now = 0.0
-        self.busy_threads = 0
-        self.busy_widths: collections.Counter[int] = collections.Counter()  # busy workers by thread count
+        self.running: list[SimWorker] = []  # the workers whose step runs now: they share the cores
         self.requests: list[SimRequest] = []
         self.num_open = len(workload.requests)  # not yet arrived, or not yet finished
         self.num_waiting = 0  # flights routed without their first token: what max_waiting bounds
@@ -229,14 +228,9 @@ class Simulator:
             plan = w.scheduler.schedule()
         if not plan.chunks:
             return  # kicked again when blocks free up, as the real loop, which keeps trying, would find
-        w.busy = True
-        self.busy_threads += w.threads
-        self.busy_widths[w.threads] += 1
-        others = [t for t, n in self.busy_widths.items() if n - (t == w.threads) > 0]
-        slowdown = self.costs.slowdown(w.threads, self.busy_threads, self.placement.cores, max(others, default=1))
-        seconds = w.step_seconds(plan) * slowdown
+        w.busy, w.plan, w.step_started = True, plan, self.now
+        w.work_left, w.pace = w.step_seconds(plan), 0.0
         w.num_steps += 1
-        w.busy_s += seconds
         if w.is_prefill:
             for chunk in plan.chunks:
                 flight = chunk.seq.request_id
@@ -245,13 +239,33 @@ class Simulator:
                     self._hold_cached_blocks(flight)
         if self.options.on_step is not None:
             self.options.on_step(self, w)
-        self._push(self.now + seconds, self._step_done, (w, plan))
+        self.running.append(w)
+        self._share_cores()
+
+    def _share_cores(self) -> None:
+        """The running steps changed: each step progresses at its old pace until now, then at the pace the new
+        set of running workers allows (the cost model's slowdown past the cores), and its end is moved to match.
+        The end events pushed before are left on the heap, stale: _step_done tells them by their version."""
+        busy_threads = sum(r.threads for r in self.running)
+        widths = collections.Counter(r.threads for r in self.running)
+        for r in self.running:
+            if r.pace:
+                r.work_left = max(0.0, r.work_left - (self.now - r.paced_since) / r.pace)
+            others = [t for t, n in widths.items() if n - (t == r.threads) > 0]
+            r.pace = self.costs.slowdown(r.threads, busy_threads, self.placement.cores, max(others, default=1))
+            r.paced_since = self.now
+            r.step_version += 1
+            self._push(self.now + r.work_left * r.pace, self._step_done, (r, r.step_version))
 
     def _step_done(self, done) -> None:
-        w, plan = done
+        w, version = done
+        if version != w.step_version:
+            return  # an end that contention moved later
+        plan, w.plan = w.plan, None
         w.busy = False
-        self.busy_threads -= w.threads
-        self.busy_widths[w.threads] -= 1
+        w.busy_s += self.now - w.step_started
+        self.running.remove(w)
+        self._share_cores()
         if w.is_prefill:
             sampled = [c.seq.request_id.choices[0].token_at(0) if c.samples else None for c in plan.chunks]
             for seq in w.scheduler.update(plan, sampled):

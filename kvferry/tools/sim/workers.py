@@ -35,6 +35,12 @@ class SimWorker:
         self.received = SimReceivedKV(self.scheduler) if role == p.Role.DECODE else None
         self.costs = costs.costs(threads)  # the fitted figures at this thread count (or the nearest measured)
         self.busy = False  # a step is running
+        self.plan = None  # the running step's
+        self.step_started = 0.0
+        self.work_left = 0.0  # seconds the running step still takes alone, as of paced_since
+        self.pace = 0.0  # how many times slower than alone it runs now (contention)
+        self.paced_since = 0.0
+        self.step_version = 0  # its end events: only the latest counts
         self.num_steps = 0
         self.busy_s = 0.0
         # Its stats as of its latest snapshot: the real loop refreshes them after a step once half a heartbeat
