@@ -269,20 +269,21 @@ def test_a_missing_cost_model_is_a_clear_error(tmp_path, capsys):
 
 
 def test_workers_sharing_too_few_cores_slow_each_other_by_the_fitted_contention(tmp_path):
-    # Two one-token prompts on two one-thread prefill workers, each step 0.1 s alone, on one core with a = 2: two
-    # busy threads run 1 + 2 (2 / 1 - 1) = 3 times slower than alone.
+    # Two one-token prompts on two one-thread prefill workers, each step 0.1 s alone, on one core where two busy
+    # one-thread workers run 3 times slower than alone.
     # 0.00  a's step starts alone.
     # 0.05  b arrives; a has 0.05 s of work left. Both run, at a third of the pace.
     # 0.20  a's step ends (0.05 s of work at 3x); b has done 0.05 of its 0.1 s. TTFT a 0.20.
     # 0.25  b's step ends, alone again for its last 0.05 s. TTFT b 0.20.
     # With cores of their own (cores 0) neither slows the other: 0.1 s each.
     model = costs(StepCost(0.1, 0, 0, 0), StepCost(0.01, 0, 0, 0), 0.0, 0.0)
-    model.contention = {"1/1": 2.0, "1/2": 5.0}
+    model.contention = {"1/1": [[2.0, 3.0], [3.0, 4.0]], "1/2": [[2.0, 5.0], [3.0, 20.0]]}
     model.save(tmp_path / "costs.json")
     assert CostModel.load(tmp_path / "costs.json").contention == model.contention
-    assert model.slowdown(1, 3, 2) == pytest.approx(2.0) and model.slowdown(1, 2, 2) == 1.0
-    assert model.slowdown(1, 3, 2, widest_other=2) == pytest.approx(3.5)  # a wider neighbour costs more
-    assert model.slowdown(4, 9, 0) == 1.0  # cores of their own
+    assert model.slowdown(1, 3, 2) == pytest.approx(2.0) and model.slowdown(1, 2, 2) == 1.0  # between 1 and 2
+    assert model.slowdown(1, 5, 2, widest_other=2) == pytest.approx(12.5)  # a wider neighbour costs more
+    assert model.slowdown(1, 8, 2) == pytest.approx(5.0)  # past the last load, its slope goes on
+    assert model.slowdown(4, 9, 0) == 1.0 and CostModel(model.threads).slowdown(1, 3, 2) == 1.5  # own; fair share
     config = WorkerConfig(num_blocks=64, max_model_len=256, enable_prefix_caching=False)
     both = [record("a", 0.0, [tokens(16)], [tokens(1, 500)]), record("b", 0.05, [tokens(16, 300)], [tokens(1, 600)])]
     ttfts = {}

@@ -2,8 +2,8 @@
 
 For each pair of thread counts (the worker's own, a competitor's), a decode step and a prefill step are timed
 alone, then beside one and two busy processes of the competitor's width (torch multiplying matrices without
-pause). With busy = own threads + the competitors' on the machine's cores, the slowdown past the cores is fitted as
-1 + a * (busy / cores - 1), one a per pair, by least squares through the origin.
+pause). Each load (busy threads per core: the worker's and the competitors' over the machine's cores) keeps the
+mean slowdown of the two steps; the simulator interpolates between the loads.
 """
 
 import subprocess
@@ -45,8 +45,9 @@ def _times(bench, threads: int) -> tuple[float, float]:
     return decode, prefill
 
 
-def measure_contention(bench, threads: list[int], cores: int, progress) -> tuple[dict[str, float], list[dict]]:
-    """("own/competitor's threads" -> a, the rows measured). bench: a StepBench (costs.py)."""
+def measure_contention(bench, threads: list[int], cores: int, progress) -> tuple[dict[str, list], list[dict]]:
+    """("own/competitor's threads" -> [[busy threads per core, slowdown], ...], the rows measured). bench: a
+    StepBench (costs.py)."""
     import torch
 
     fitted, rows = {}, []
@@ -65,12 +66,12 @@ def measure_contention(bench, threads: list[int], cores: int, progress) -> tuple
                 for kind, base, now in zip(("decode", "prefill"), alone, shared):
                     row = {"threads": own, "competitor_threads": width, "competitors": k, "kind": kind}
                     rows.append({**row, "busy_per_core": busy, "slowdown": now / base})
-                    if busy > 1:
-                        samples.append((busy - 1, now / base - 1))
+                if busy > 1:
+                    samples.append([busy, (shared[0] / alone[0] + shared[1] / alone[1]) / 2])
                 progress(
                     f"[{own} threads] beside {k} busy processes of {width} thread(s): "
                     f"decode x{shared[0] / alone[0]:.2f}, prefill x{shared[1] / alone[1]:.2f}"
                 )
-            den = sum(x * x for x, _ in samples)
-            fitted[f"{own}/{width}"] = max(0.0, sum(x * y for x, y in samples) / den) if den else 1.0
+            if samples:
+                fitted[f"{own}/{width}"] = sorted(samples)
     return fitted, rows

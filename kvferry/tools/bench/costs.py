@@ -533,8 +533,11 @@ def print_table(fit: Fit) -> None:
             err = (r["fitted_s"] - r["seconds"]) / r["seconds"]
             print(f"{r['num_blocks']:>8} {r['mib']:>7} {_ms(r['seconds']):>11} {_ms(r['fitted_s']):>11} {err:>+7.1%}")
     if m.contention:
-        fitted = ", ".join(f"{pair} threads a = {a:.2f}" for pair, a in sorted(m.contention.items()))
-        print(f"\nbeside busy processes, past the cores: slowdown 1 + a (busy / cores - 1); {fitted}")
+        fitted = "; ".join(
+            f"{pair} threads: " + ", ".join(f"x{y:.2f} at {x:.2f}" for x, y in points)
+            for pair, points in sorted(m.contention.items())
+        )
+        print(f"\nbeside busy processes (own/theirs threads: slowdown at busy threads per core): {fitted}")
         for r in m.notes["contention"]:
             print(
                 f"  {r['threads']} thread(s), {r['competitors']} busy of {r['competitor_threads']}: "

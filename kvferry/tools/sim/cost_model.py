@@ -11,10 +11,11 @@ shared machine the placement decides how many cores a worker really gets. A KV t
 a part per block, measured with the workers' own sender and receiver.
 
 Processes that share a machine slow each other once their busy threads pass its cores. A fair share of the cores
-would slow a step by busy threads over cores. Multi-threaded processes lose far more: each parallel region waits
-for its slowest thread, and a thread that waits spins on a core another process needs. So the slowdown is
-1 + a * (busy / cores - 1) past the cores, with `a` measured for each pair of the worker's own thread count and
-the widest other busy process's, by running steps beside busy processes of that width (1 when not measured).
+would slow a step by busy threads over cores. Multi-threaded processes lose far more, and not in proportion: each
+parallel region waits for its slowest thread, and a thread that waits spins on a core another process needs. So
+the slowdown is measured, for each pair of the worker's own thread count and the widest other busy process's, at
+a few loads (busy threads per core) by running steps beside busy processes of that width, and interpolated
+between them (1 up to one busy thread per core; the fair share, busy per core, where nothing was measured).
 
 Saved as a small JSON file (`save`, `load`), with the machine and the model it was measured on.
 """
@@ -29,6 +30,14 @@ COST_MODEL_VERSION = 1
 def attention_pairs(num_computed: int, num_new: int) -> int:
     """Query-key pairs of a chunk of num_new tokens after num_computed: each attends to all before it and itself."""
     return num_new * num_computed + num_new * (num_new + 1) // 2
+
+
+def interpolate(points: list[list[float]], x: float) -> float:
+    """Piecewise linear through (x, y) points sorted by x; past the last, the last segment's slope goes on."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x <= x1 or (x1, y1) == tuple(points[-1]):
+            return max(1.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0)) if x1 > x0 else y1
+    return points[-1][1]
 
 
 @dataclass
@@ -69,8 +78,8 @@ class CostModel:
     model: str = ""
     measured_at: str = ""  # ISO date
     notes: dict = field(default_factory=dict)  # the fit's residuals and what was measured, for the record
-    # "own threads/widest other's threads" -> a, in the slowdown past the cores
-    contention: dict[str, float] = field(default_factory=dict)
+    # "own threads/widest other's threads" -> [[busy threads per core, slowdown], ...], by load
+    contention: dict[str, list[list[float]]] = field(default_factory=dict)
     version: int = COST_MODEL_VERSION
 
     def costs(self, threads: int) -> ThreadCosts:
@@ -88,14 +97,14 @@ class CostModel:
         """How much longer a step of a worker with this many threads takes while busy_threads (its own included)
         run on the machine's cores, the widest other busy process having widest_other threads; cores 0: every
         worker has cores of its own."""
-        if cores <= 0 or busy_threads <= cores:
+        load = busy_threads / cores if cores > 0 else 0.0
+        if load <= 1.0:
             return 1.0
-        a = 1.0
-        if self.contention:
-            pairs = {tuple(int(x) for x in key.split("/")): value for key, value in self.contention.items()}
-            nearest = min(pairs, key=lambda p: (abs(p[0] - threads), abs(p[1] - widest_other), p))
-            a = pairs[nearest]
-        return 1.0 + a * (busy_threads / cores - 1.0)
+        if not self.contention:
+            return load
+        pairs = {tuple(int(x) for x in key.split("/")): value for key, value in self.contention.items()}
+        nearest = min(pairs, key=lambda p: (abs(p[0] - threads), abs(p[1] - widest_other), p))
+        return interpolate([[1.0, 1.0], *sorted(pairs[nearest])], load)
 
     def transfer_seconds(self, num_blocks: int) -> float:
         return self.kv_transfer_fixed_s + self.kv_transfer_per_block_s * num_blocks
