@@ -293,4 +293,9 @@ def test_workers_sharing_too_few_cores_slow_each_other_by_the_fitted_contention(
         report = Simulator(work, model, config, placement, 2, 1, SimOptions()).run()
         ttfts[cores] = sorted(r["ttft_s"] for r in report.requests)
     assert ttfts[1] == pytest.approx([0.2, 0.2], abs=ROUND)
+    # One prompt alone, beside a core's worth of background work (a gateway, a load generator) on one core: 3x.
+    alone = [record("a", 0.0, [tokens(16)], [tokens(1, 500)])]
+    placement = Placement(cores=1, prefill_threads=1, decode_threads=1, background_threads=1.0)
+    report = Simulator(workloads.from_records(alone), model, config, placement, 1, 1, SimOptions()).run()
+    assert report.requests[0]["ttft_s"] == pytest.approx(0.3, abs=ROUND)
     assert ttfts[0] == pytest.approx([0.1, 0.1], abs=ROUND)

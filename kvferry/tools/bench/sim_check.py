@@ -4,7 +4,9 @@ For each shape (P prefill and D decode workers) and each workload (std-32 all at
 rate), it starts a fresh stack with --capture-dir, warms it up, runs the workload over HTTP, and stops it. The
 capture's workload lines (the warm-up's left out) then go through `kvferry simulate` with the given cost model and
 the stack's own placement: the same threads per worker on this machine's cores. Measured and predicted TTFT and
-inter-token latency are printed side by side, both as the gateway sees them.
+inter-token latency are printed side by side, both as the gateway sees them. The gateway and this load generator
+share the cores with the workers: the CPU they used during the workload, over its duration, is given to the
+simulator as background threads.
 """
 
 import asyncio
@@ -13,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from kvferry.common import capture, settings
@@ -22,6 +25,7 @@ from kvferry.tools.bench.stack import fresh_stack, served_model
 from kvferry.tools.replay.compare import percentiles
 
 WARMUP_REQUESTS = 2  # bench serve's warm-up: the first lines of every capture
+BACKGROUND_FILE = "background.json"  # beside a kept capture: the gateway's and the load generator's CPU share
 
 
 def add_parser(bench) -> None:
@@ -45,15 +49,27 @@ def _capture(shape: tuple[int, int], requests: list[dict], warmup: list[dict], f
     raw = folder / "raw"
     env = {settings.env_name("capture_dir"): str(raw)}
     threads = dict(prefill_threads=args.prefill_threads, decode_threads=args.decode_threads)
-    with fresh_stack(args.model, env, shape[0], shape[1], **threads) as (url, _):
+    with fresh_stack(args.model, env, shape[0], shape[1], **threads) as (url, procs):
         model = served_model(url)
         asyncio.run(replay(url, model, warmup))
+        before, started = _cpu_s(procs[0].pid), time.perf_counter()  # procs[0]: the gateway
         asyncio.run(replay(url, model, requests))
+        after, elapsed = _cpu_s(procs[0].pid), time.perf_counter() - started
+        background = (after[0] - before[0] + after[1] - before[1]) / elapsed
     records = capture.load([raw])[WARMUP_REQUESTS:]  # written by the stopped gateway, every line flushed
     kept = folder / "workload"
     kept.mkdir()
     (kept / f"{capture.FILE_PREFIX}workload{capture.FILE_SUFFIX}").write_text("".join(r.to_line() for r in records))
+    (folder / BACKGROUND_FILE).write_text(json.dumps({"background_threads": round(background, 3)}))
     return kept
+
+
+def _cpu_s(gateway_pid: int) -> tuple[float, float]:
+    """(the gateway's CPU seconds, this process's: the load generator's)."""
+    fields = open(f"/proc/{gateway_pid}/stat").read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    mine = os.times()
+    return (int(fields[11]) + int(fields[12])) / ticks, mine.user + mine.system
 
 
 def _measured(folder: Path) -> dict:
@@ -66,14 +82,16 @@ def _measured(folder: Path) -> dict:
 
 
 def _predicted(folder: Path, shape: tuple[int, int], args) -> dict:
+    background = json.loads((folder.parent / BACKGROUND_FILE).read_text())["background_threads"]
     command = [sys.executable, "-m", "kvferry.tools.cli", "simulate", str(folder), "--costs", args.costs]
+    command += ["--background-threads", str(background)]
     command += ["--prefill", str(shape[0]), "--decode", str(shape[1]), "--cores", str(os.cpu_count()), "--json"]
     command += ["--prefill-threads", str(args.prefill_threads), "--decode-threads", str(args.decode_threads)]
     if args.model:
         command += ["--model", args.model]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     summary = json.loads(done.stdout)["summary"]
-    return {"ttft": summary["ttft"], "itl": summary["itl"], "wall_s": summary["wall_s"]}
+    return {"ttft": summary["ttft"], "itl": summary["itl"], "wall_s": summary["wall_s"], "background": background}
 
 
 def cmd_bench_simulator(args) -> int:
@@ -113,7 +131,7 @@ def cmd_bench_simulator(args) -> int:
 
 def _header() -> str:
     cells = [f"{what} {q} ms measured / predicted (ratio)" for what in ("TTFT", "ITL") for q in ("p50", "p90")]
-    return f"{'shape':<8}{'workload':<14}" + "".join(f"{c:>38}" for c in cells)
+    return f"{'shape':<8}{'workload':<14}{'bg':>6}" + "".join(f"{c:>38}" for c in cells)
 
 
 def _line(row: dict) -> str:
@@ -123,4 +141,5 @@ def _line(row: dict) -> str:
             m, p = row["measured"][what][q], row["predicted"][what][q]
             ratio = f"{p / m:.2f}" if m and p is not None else "-"
             cells.append(f"{(m or 0) * 1000:.1f} / {(p or 0) * 1000:.1f} ({ratio})")
-    return f"{row['shape']:<8}{row['workload']:<14}" + "".join(f"{c:>38}" for c in cells)
+    background = f"{row['predicted']['background']:.2f}"
+    return f"{row['shape']:<8}{row['workload']:<14}{background:>6}" + "".join(f"{c:>38}" for c in cells)

@@ -92,6 +92,13 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         help="the cores the workers share (default: this machine's); 0: each worker has cores of its own",
     )
     p.add_argument(
+        "--background-threads",
+        type=_non_negative_float,
+        default=0.0,
+        metavar="X",
+        help="cores' worth of other work on the same cores all along (the gateway, a load generator); default 0",
+    )
+    p.add_argument(
         "--rate-scale",
         "--speed",
         dest="rate_scale",
@@ -154,6 +161,13 @@ def _non_negative_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -191,6 +205,7 @@ def _inputs(args):
         cores=args.cores,
         prefill_threads=args.prefill_threads or _setting(args, "prefill_threads"),
         decode_threads=args.decode_threads or _setting(args, "decode_threads"),
+        background_threads=args.background_threads,
     )
     options = SimOptions(
         rate_scale=args.rate_scale,

@@ -145,6 +145,7 @@ def build_report(sim) -> Report:
         "prefill_threads": placement.prefill_threads,
         "decode_threads": placement.decode_threads,
         "cores": placement.cores,
+        "background_threads": placement.background_threads,
         "rate_scale": sim.options.rate_scale,
         "worker": dataclasses.asdict(config),
     }

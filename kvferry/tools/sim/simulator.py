@@ -246,7 +246,7 @@ class Simulator:
         """The running steps changed: each step progresses at its old pace until now, then at the pace the new
         set of running workers allows (the cost model's slowdown past the cores), and its end is moved to match.
         The end events pushed before are left on the heap, stale: _step_done tells them by their version."""
-        busy_threads = sum(r.threads for r in self.running)
+        busy_threads = sum(r.threads for r in self.running) + self.placement.background_threads
         widths = collections.Counter(r.threads for r in self.running)
         for r in self.running:
             if r.pace:

@@ -80,8 +80,12 @@ class Placement:
     cores: int = os.cpu_count() or 1
     prefill_threads: int = settings.default("prefill_threads")
     decode_threads: int = settings.default("decode_threads")
+    # Cores' worth of other work on the same cores all along: the gateway and a load generator beside the workers.
+    background_threads: float = 0.0
 
     def __post_init__(self):
+        if self.background_threads < 0:
+            raise ConfigError(f"background threads must be at least 0, got {self.background_threads}")
         if self.cores < 0:
             raise ConfigError(f"cores must be at least 0 (0: each worker has its own), got {self.cores}")
         for name in ("prefill_threads", "decode_threads"):
