@@ -432,7 +432,7 @@ def served(api, monkeypatch):
     answer: list[Event] = []
     received: list = []
 
-    async def generate(prompt_ids, params, request_id=None, trace=None, n=1):
+    async def generate(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
         received.append(params)
         for event in answer:
             yield event

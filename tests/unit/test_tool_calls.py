@@ -454,7 +454,7 @@ def served(api, monkeypatch):
     outputs: list[tuple[str, FinishReason]] = []
     received = []
 
-    async def generate(prompt_ids, params, request_id=None, trace=None, n=1):
+    async def generate(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
         received.append((prompt_ids, params))
         ids = [api.tokenizer.encode(text, add_special_tokens=False) for text, _ in outputs]
         for at in range(0, max(map(len, ids)), 3):  # the choices' events interleaved

@@ -80,6 +80,9 @@ class Api:
         self.limits, self.api_key = limits or Limits(), api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
+        # Requests let in that have not had their first event (a token or an error): what --max-waiting bounds.
+        # Counted from the moment they are let in, so that a burst cannot pass the bound while it is parsed.
+        self.num_unanswered = 0
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -209,13 +212,14 @@ class Api:
             error = ApiError(503, "the server is shutting down", kind="service_unavailable")
             trace.finish(503, error=error.message)
             return error_response(error, headers)
-        if self.core.admission_full():
+        if self.core.max_waiting and self.num_unanswered >= self.core.max_waiting:
             # Refused at once, not queued until it times out: the client backs off and comes back.
             error = ApiError(
                 429, f"too many requests waiting ({self.core.max_waiting}); retry shortly", kind="rate_limit_error"
             )
             trace.finish(429, error=error.message)
             return error_response(error, {**headers, "retry-after": "1"})
+        self.num_unanswered += 1
         try:
             body = await self.json_body(request)
             if capture is not None:
@@ -258,6 +262,8 @@ class Api:
         except ClientDisconnect:  # the client left: whatever it had started ended on every worker
             trace.finish(499)
             return Response(status_code=499)  # nobody reads it
+        finally:
+            self.num_unanswered -= 1
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
         choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]

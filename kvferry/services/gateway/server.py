@@ -88,7 +88,7 @@ class GatewayCore:
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
         self.deadlines = deadlines or Deadlines()
-        self.max_waiting = max_waiting  # requests routed but without a first token; 0: unbounded
+        self.max_waiting = max_waiting  # requests let in without a first token (the API counts them); 0: unbounded
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
@@ -111,9 +111,6 @@ class GatewayCore:
 
     def num_waiting(self) -> int:
         return sum(not f.got_first_token for f in self.flights.values())
-
-    def admission_full(self) -> bool:
-        return bool(self.max_waiting) and self.num_waiting() >= self.max_waiting
 
     # -- control messages -------------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
