@@ -334,7 +334,9 @@ def test_a_replay_against_another_model_reports_where_outputs_differ(traced, tmp
     other = tiny_stack(tmp_path)
     try:
         other.start_pair()
-        replay = kvferry("replay", str(s.log_dir / "capture"), "--url", other.url, "--model", "tiny-chat", "--json")
+        replay = kvferry(
+            "replay", str(s.log_dir / "capture"), "--url", other.url, "--model", "tiny-chat", "--speed", "50", "--json"
+        )
     finally:
         other.close()
     assert replay.returncode == 1, replay.stdout + replay.stderr
