@@ -206,8 +206,9 @@ class Api:
         request_id_var.set(rid)
         ctx = self._trace_context(request.headers.get("traceparent"))
         headers = {"x-request-id": rid, "traceparent": tracing.format_traceparent(ctx)}
-        capture = self.capture.request(rid, ctx.trace_id, self.model_name, request.url.path) if self.capture else None
-        trace = RequestTrace(self.metrics, rid, ctx, request.url.path, arrived_at, capture)
+        path = request.url.path
+        capture = self.capture.request(rid, ctx.trace_id, self.model_name, path, arrived_at) if self.capture else None
+        trace = RequestTrace(self.metrics, rid, ctx, path, arrived_at, capture)
         if self.core.draining:
             error = ApiError(503, "the server is shutting down", kind="service_unavailable")
             trace.finish(503, error=error.message)

@@ -131,42 +131,40 @@ class CaptureWriter:
         self.queue.put(None)
         self.thread.join(timeout_s)
 
-    def request(self, request_id: str, trace_id: str, model: str, endpoint: str) -> "CapturedRequest":
+    def request(self, request_id: str, trace_id: str, model: str, endpoint: str, arrived_at: float):
+        """A new request's record; arrived_at: its arrival on the wall clock, as its RequestTrace has it."""
+        arrived_monotonic = time.monotonic() - (time.time() - arrived_at)
         return CapturedRequest(
-            self, Record(request_id, trace_id, model, time.time(), time.monotonic(), endpoint, 0, None)
+            self, Record(request_id, trace_id, model, arrived_at, arrived_monotonic, endpoint, 0, None)
         )
 
 
 @dataclass
 class CapturedRequest:
-    """One request's record as it forms, fed by the gateway's RequestTrace."""
+    """One request's record as it forms, fed by the gateway's RequestTrace: its times are the ones the trace
+    measures for the metrics (TTFT, each inter-token gap, e2e), so the capture and /metrics agree."""
 
     writer: CaptureWriter
     record: Record
     flights: list = field(default_factory=list)  # its Flights (one per prompt), for the workers that served it
     choices: object = None  # its Choices, for the output text
-    last_token_at: dict[int, float] = field(default_factory=dict)  # per choice, monotonic
-    finished: bool = False
 
-    def tokens(self, choice: int, token_ids: list[int]) -> None:
-        now, r = time.monotonic(), self.record
+    def tokens(self, choice: int, token_ids: list[int], since_arrival_s: float, gap_s: float | None) -> None:
+        """A choice's tokens came, since_arrival_s after the request; gap_s: how long each waited after the choice's
+        token before (None for its first)."""
+        r = self.record
         while len(r.output_token_ids) <= choice:
             r.output_token_ids.append([])
             r.itl_s.append([])
         if r.ttft_s is None:
-            r.ttft_s = now - r.arrival_monotonic
-        previous = self.last_token_at.get(choice)
-        if previous is not None:
-            r.itl_s[choice].extend([(now - previous) / len(token_ids)] * len(token_ids))
-        self.last_token_at[choice] = now
+            r.ttft_s = since_arrival_s
+        if gap_s is not None:
+            r.itl_s[choice].extend([gap_s] * len(token_ids))
         r.output_token_ids[choice].extend(token_ids)
 
-    def finish(self, status: int, reasons: str | None, error: str | None) -> None:
-        if self.finished:
-            return
-        self.finished = True
-        r = self.record
-        r.status, r.error, r.e2e_s = status, error or "", time.monotonic() - r.arrival_monotonic
+    def finish(self, status: int, reasons: str | None, error: str | None, since_arrival_s: float) -> None:
+        r = self.record  # called once: RequestTrace.finish ends a request once
+        r.status, r.error, r.e2e_s = status, error or "", since_arrival_s
         r.finish_reasons = reasons.split(",") if reasons else []
         if self.choices is not None:
             r.output_text = ["".join(state.pieces) for state in self.choices.states]

@@ -48,8 +48,10 @@ class RequestTrace:
         now, n = time.time(), len(event.token_ids)
         if not n:
             return
+        previous = self.last_token_at_by_choice.get(event.choice)
+        gap = (now - previous) / n if previous is not None else None  # each of the n tokens waited this long
         if self.capture is not None:
-            self.capture.tokens(event.choice, event.token_ids)
+            self.capture.tokens(event.choice, event.token_ids, now - self.arrived_at, gap)
         m = self.metrics
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
@@ -57,10 +59,9 @@ class RequestTrace:
         if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
             m.queue.observe(first.queue_s)  # each prompt's first token: one prefill per prompt of a batch
             m.prefill.observe(first.prefill_s)
-        previous = self.last_token_at_by_choice.get(event.choice)
-        if previous is not None:
+        if gap is not None:
             for _ in range(n):
-                m.itl.observe((now - previous) / n)
+                m.itl.observe(gap)
         self.last_token_at_by_choice[event.choice] = now
         decoded = event.decode_tokens
         if decoded is not None and decoded.kv_transfer_bytes:
@@ -84,7 +85,7 @@ class RequestTrace:
         self.finished = True
         now = time.time()
         if self.capture is not None:
-            self.capture.finish(status, reason, error)
+            self.capture.finish(status, reason, error, now - self.arrived_at)
         if error is None:
             for one in (reason or "abort").split(","):  # each choice counts, as vLLM counts its child requests
                 self.metrics.request_success.labels(one).inc()
