@@ -6,12 +6,10 @@ seed count in the latencies alone. A difference is placed at the first character
 the server returned token ids, at the first token.
 """
 
-import math
-
 from kvferry.common.capture import Record
 from kvferry.tools.replay.sender import Replayed
+from kvferry.tools.sim.slo import QUANTILES, percentile
 
-PERCENTILES = (50, 90, 99)
 MAX_LISTED = 20  # differences and errors listed one by one in the text report
 
 
@@ -48,11 +46,9 @@ def differences(record: Record, answer: Replayed) -> list[dict]:
 
 
 def percentiles(values: list[float]) -> dict:
-    if not values:
-        return {f"p{q}": None for q in PERCENTILES}
+    """p50, p90 and p99, interpolated as the simulator's are (slo.percentile), so that the two compare."""
     ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-    return {f"p{q}": round(pick(q), 6) for q in PERCENTILES}
+    return {f"p{q}": round(percentile(ordered, q), 6) if ordered else None for q in QUANTILES}
 
 
 def latencies(ttft: list, itl: list, e2e: list) -> dict:
