@@ -299,3 +299,21 @@ def test_workers_sharing_too_few_cores_slow_each_other_by_the_fitted_contention(
     report = Simulator(workloads.from_records(alone), model, config, placement, 1, 1, SimOptions()).run()
     assert report.requests[0]["ttft_s"] == pytest.approx(0.3, abs=ROUND)
     assert ttfts[0] == pytest.approx([0.1, 0.1], abs=ROUND)
+
+
+def test_a_simulated_workers_blocks_are_sized_as_the_runners(tmp_path):
+    import torch
+    from transformers import AutoConfig
+
+    from kvferry.common.config import EngineConfig
+    from kvferry.common.model.runner import kv_cache_layout
+    from kvferry.common.model_files import read_config
+    from kvferry.tools.sim.worker_config import bytes_per_block
+    from tests.tiny_models import save_tiny_chat_model
+
+    save_tiny_chat_model(tmp_path / "tiny")
+    raw, hf = read_config(tmp_path / "tiny"), AutoConfig.from_pretrained(tmp_path / "tiny")
+    cpu = EngineConfig(model=str(tmp_path / "tiny"), device="cpu", block_size=16)
+    assert bytes_per_block(raw, 16, cpu) == kv_cache_layout(hf, 16, torch.float32).bytes_per_block
+    gpu = EngineConfig(model=str(tmp_path / "tiny"), device="cuda", block_size=16)  # named: planned, not present
+    assert bytes_per_block(raw, 16, gpu) == kv_cache_layout(hf, 16, torch.bfloat16).bytes_per_block

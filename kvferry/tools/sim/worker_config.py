@@ -3,8 +3,8 @@
 A real worker builds its Scheduler and BlockManager from an EngineConfig (common/engine.py); the simulated ones are
 built from the same EngineConfig, so a setting changed for the stack (--max-num-seqs, --kv-cache-memory, ...) is
 changed for the simulation by the same flag or KVFERRY_ variable. The one figure a worker learns from its model is
-the size of a KV block in bytes, which turns --kv-cache-memory into a block count: it is read from the model's
-config.json (no torch), or given directly with --num-blocks.
+the size of a KV block in bytes, which turns --kv-cache-memory into a block count: it is worked out from the
+model's config.json by the runner's own KVCacheLayout and dtype resolution, or given directly with --num-blocks.
 """
 
 import os
@@ -14,8 +14,6 @@ from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.model_files import max_model_len_of, read_config, resolve_model
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -62,14 +60,24 @@ class WorkerConfig:
 
 
 def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -> int:
-    """K and V of one block in every layer, as runner.KVCacheLayout counts them. dtype auto is float32 (the CPU's)
-    unless --device names CUDA, where it is bfloat16."""
-    dtype = config.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if config.device.startswith("cuda") else "float32"
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"]
-    num_kv_heads = model_config.get("num_key_value_heads") or model_config["num_attention_heads"]
-    return 2 * model_config["num_hidden_layers"] * block_size * num_kv_heads * head_dim * _DTYPE_BYTES[dtype]
+    """K and V of one block in every layer, as a real worker sizes them: runner.KVCacheLayout, with the engine's own
+    dtype resolution (so --device auto means CUDA where this machine has it). Loads torch. A named --device is taken
+    as named, present or not, so that a GPU deployment can be planned on a machine without one."""
+    import torch
+
+    from kvferry.common.engine_setup import resolve_device, resolve_dtype
+    from kvferry.common.model.runner import KVCacheLayout
+
+    device = resolve_device(config.device) if config.device == "auto" else torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    layout = KVCacheLayout(
+        num_layers=model_config["num_hidden_layers"],
+        num_kv_heads=model_config.get("num_key_value_heads") or model_config["num_attention_heads"],
+        head_dim=model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"],
+        block_size=block_size,
+        dtype_bytes=dtype.itemsize,
+    )
+    return layout.bytes_per_block
 
 
 @dataclass(frozen=True)
