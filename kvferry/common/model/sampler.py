@@ -5,9 +5,42 @@ sampling from p. A seeded row draws its noise from its own generator, so its tok
 depend only on its seed and its logits, never on what else shares the batch.
 """
 
+from dataclasses import dataclass
+
 import torch
 
+from kvferry.common.model.host_staging import HostStaging, Staged
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
+
+
+@dataclass
+class SamplingTensors:
+    """The random rows' parameters, staged with a step's other host arrays (one copy to the device). Which filters
+    run is decided here, on the host, from the parameters: the device is never asked (a sync per step)."""
+
+    random_rows: list[int]
+    rows: Staged | None  # the random rows' indices; None when every row is random
+    temperatures: Staged
+    top_ks: Staged | None  # None when no row filters by top_k or top_p; a top_k of 0 keeps the whole vocabulary
+    top_ps: Staged | None
+    min_ps: Staged | None  # None when no row has a min_p
+
+
+def stage_sampling(params: list[SamplingParams], staging: HostStaging) -> SamplingTensors | None:
+    """None when every row is greedy."""
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if not random_rows:
+        return None
+    chosen = [params[i] for i in random_rows]
+    filtered = any(p.top_k > 0 or p.top_p < 1 for p in chosen)
+    return SamplingTensors(
+        random_rows,
+        None if len(random_rows) == len(params) else staging.add(random_rows, torch.long),
+        staging.add([p.temperature for p in chosen], torch.float32),
+        staging.add([p.top_k for p in chosen], torch.long) if filtered else None,
+        staging.add([p.top_p for p in chosen], torch.float32) if filtered else None,
+        staging.add([p.min_p for p in chosen], torch.float32) if any(p.min_p > 0 for p in chosen) else None,
+    )
 
 
 def sample(
@@ -15,33 +48,47 @@ def sample(
     params: list[SamplingParams],
     generators: list[torch.Generator | None],
     constraints: list | None = None,
+    staged: SamplingTensors | None = None,
 ) -> list[int]:
     """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row; a row with
-    one samples only among the tokens it allows, whatever the sampling method."""
+    one samples only among the tokens it allows, whatever the sampling method. staged: params' tensors, already
+    staged with the step's inputs (default: staged here)."""
     if constraints is not None:
         logits = mask_constrained(logits, constraints)
-    greedy_ids = logits.argmax(dim=-1)  # [N]
-    random_rows = [i for i, p in enumerate(params) if not p.greedy]
-    if not random_rows:
-        return greedy_ids.tolist()
-    rows = torch.tensor(random_rows, device=logits.device)
-    sub = logits[rows].float()  # [R, vocab]
-    sub = sub / torch.tensor([params[i].temperature for i in random_rows], device=sub.device)[:, None]
-    top_ks = [params[i].top_k for i in random_rows]
-    top_ps = [params[i].top_p for i in random_rows]
-    if any(k > 0 for k in top_ks) or any(p < 1 for p in top_ps):
-        sub = _apply_top_k_top_p(sub, top_ks, top_ps)
+    if staged is None:
+        staging = HostStaging(logits.device)
+        staged = stage_sampling(params, staging)
+        staging.upload()
+    if staged is None:
+        return logits.argmax(dim=-1).tolist()
+    rows = None if staged.rows is None else staged.rows.tensor
+    sub = (logits if rows is None else logits[rows]).float()  # [R, vocab]
+    sub = sub / staged.temperatures.tensor[:, None]
+    if staged.top_ks is not None:
+        sub = _apply_top_k_top_p(sub, staged.top_ks.tensor, staged.top_ps.tensor)
     probs = torch.softmax(sub, dim=-1)  # [R, vocab]
-    min_ps = torch.tensor([params[i].min_p for i in random_rows], device=probs.device)
-    if bool((min_ps > 0).any()):
-        # Relative to each row's most likely token; the race below needs no renormalisation.
+    if staged.min_ps is not None:
+        # Relative to each row's most likely token; the race below needs no renormalisation. A row without min_p
+        # has 0 here, which removes nothing.
+        min_ps = staged.min_ps.tensor
         probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)
-    for j, i in enumerate(random_rows):
+    for j, i in enumerate(staged.random_rows):
         noise[j].exponential_(generator=generators[i])
-    sampled = (probs / noise).argmax(dim=-1)
-    greedy_ids[rows] = sampled
-    return greedy_ids.tolist()
+    sampled = exponential_race(probs, noise)
+    if rows is None:
+        return sampled.tolist()
+    token_ids = logits.argmax(dim=-1)  # [N]: the greedy rows keep theirs
+    token_ids[rows] = sampled
+    return token_ids.tolist()
+
+
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The argmax of probs / noise per row (noise: Exp(1) draws). A draw can be exactly 0 (CUDA's generator can
+    return it), and 0 / 0 is NaN, which argmax takes for the largest: a token filtered to probability 0 would win.
+    The draw is clamped to the smallest positive normal number instead, so a filtered token scores 0 and never
+    wins, and a kept one scores finite."""
+    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
@@ -65,16 +112,17 @@ def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
     return out
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: list[int], top_ps: list[float]) -> torch.Tensor:
+def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """top_ks [R] (0: no top_k), top_ps [R]: each row's kept tokens' logits, the others at -inf."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
     vocab = logits.shape[-1]
-    ks = torch.tensor([k if k > 0 else vocab for k in top_ks], device=logits.device)
+    ks = torch.where(top_ks > 0, top_ks, vocab)
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     cut = ranks >= ks[:, None]
     probs = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: a token is cut when the mass before it already does.
     mass_before = probs.cumsum(dim=-1) - probs
-    cut |= mass_before >= torch.tensor(top_ps, device=logits.device)[:, None]
+    cut |= mass_before >= top_ps[:, None]
     sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

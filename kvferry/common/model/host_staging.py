@@ -1,0 +1,54 @@
+"""A step's small host arrays (token ids, positions, slots, block tables, sampling parameters) sent to the device
+as one copy.
+
+Each torch.tensor(..., device="cuda") of a Python list is its own pageable copy, and a pageable copy makes the host
+wait for it. On CUDA the arrays are packed into one pinned buffer, which goes over in one non-blocking copy; each
+array is then a view of the device buffer. PyTorch's pinned allocator keeps a buffer from reuse until its copy has
+run, so a step that does not wait for the device cannot overwrite the previous step's buffer. On the CPU each array
+is simply its own tensor: there is nothing to copy.
+"""
+
+import torch
+
+ALIGN = 8  # bytes: every part starts where its widest element type (int64, fp32) may start
+
+
+class Staged:
+    """One array's place in a HostStaging; `tensor` is set by the upload."""
+
+    def __init__(self, values: list, dtype: torch.dtype, shape: tuple[int, ...]):
+        self.values, self.dtype, self.shape = values, dtype, shape
+        self.tensor: torch.Tensor | None = None
+
+
+class HostStaging:
+    def __init__(self, device: torch.device, packed: bool | None = None):
+        """packed: one buffer (default on CUDA only; a test packs on the CPU to check the layout)."""
+        self.device = device
+        self.packed = device.type == "cuda" if packed is None else packed
+        self.parts: list[Staged] = []
+
+    def add(self, values: list, dtype: torch.dtype, shape: tuple[int, ...] | None = None) -> Staged:
+        """values: flat; shape: the tensor's shape (default: 1-D)."""
+        part = Staged(values, dtype, shape if shape is not None else (len(values),))
+        self.parts.append(part)
+        return part
+
+    def upload(self) -> None:
+        """Give every part its tensor on the device."""
+        if not self.packed:
+            for part in self.parts:
+                part.tensor = torch.tensor(part.values, dtype=part.dtype).view(part.shape)
+            return
+        offsets, total = [], 0
+        for part in self.parts:
+            offsets.append(total)
+            total += -(-len(part.values) * part.dtype.itemsize // ALIGN) * ALIGN
+        host = torch.empty(max(total, ALIGN), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        for part, start in zip(self.parts, offsets):
+            end = start + len(part.values) * part.dtype.itemsize
+            host[start:end].view(part.dtype).copy_(torch.tensor(part.values, dtype=part.dtype))
+        device_buffer = host.to(self.device, non_blocking=True)
+        for part, start in zip(self.parts, offsets):
+            end = start + len(part.values) * part.dtype.itemsize
+            part.tensor = device_buffer[start:end].view(part.dtype).view(part.shape)
