@@ -77,6 +77,28 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"not a yes or no: {text!r} (try {', '.join(_TRUE)} or {', '.join(_FALSE)})")
 
 
+MAX_NAMES, MAX_NAME_CHARS = 16, 256  # a names setting's bounds (--served-model-name)
+
+
+def parse_names(text: str | Iterable[str]) -> tuple[str, ...]:
+    """'a b' (a variable's text, or one flag argument) or names already split -> ('a', 'b'): at most MAX_NAMES,
+    each of 1 to MAX_NAME_CHARS printable characters without whitespace, none twice."""
+    names = tuple(text.split() if isinstance(text, str) else text)
+    if not names:
+        raise ValueError("needs at least one name")
+    if len(names) > MAX_NAMES:
+        raise ValueError(f"at most {MAX_NAMES} names, got {len(names)}")
+    for name in names:
+        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and name.isprintable()):
+            raise ValueError(f"a name has 1 to {MAX_NAME_CHARS} printable characters, got {str(name)[:80]!r}")
+        if len(name.split()) != 1:
+            raise ValueError(f"a name has no whitespace, got {name[:80]!r}")
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{twice[:80]!r} is named twice")
+    return names
+
+
 def _parse_int(text: str | int) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         return text
@@ -96,7 +118,8 @@ def _parse_float(text: str | float) -> float:
 
 
 # A setting's kind: how its text becomes a value, and how a value goes back into the environment.
-STR, INT, FLOAT, SIZE, PATH, SWITCH = "str", "int", "float", "size", "path", "switch"
+# NAMES: one or more names (a flag taking several arguments; a variable's text separated by spaces).
+STR, INT, FLOAT, SIZE, PATH, SWITCH, NAMES = "str", "int", "float", "size", "path", "switch", "names"
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     STR: str,
     INT: _parse_int,
@@ -104,6 +127,7 @@ _PARSERS: dict[str, Callable[[Any], Any]] = {
     SIZE: parse_size,
     PATH: str,
     SWITCH: parse_bool,
+    NAMES: parse_names,
 }
 
 
@@ -226,6 +250,8 @@ class Setting:
             return None
         if self.kind == PATH:
             return os.path.abspath(value)
+        if self.kind == NAMES:
+            return " ".join(value)
         return repr(value) if self.kind == FLOAT else str(value)
 
 
@@ -515,6 +541,17 @@ SPEC: tuple[Setting, ...] = (
         (GATEWAY, SERVE),
         "API",
     ),
+    Setting(
+        "served_model_name",
+        NAMES,
+        None,
+        "the model's names in the API, as vLLM's flag: the first is the one responses report, a request may name "
+        "any, /v1/models lists them all; default: the model's own name (the default model's is "
+        "HuggingFaceTB/SmolLM2-135M-Instruct, also answering to SmolLM2-135M-Instruct). The variable takes them "
+        "separated by spaces",
+        (GATEWAY, SERVE),
+        "API",
+    ),
     Setting("max_body_size", SIZE, "8MiB", "larger request bodies get 413", (GATEWAY, SERVE), "API", min=1),
     Setting("max_n", INT, "16", "the largest n a request may ask for", (GATEWAY, SERVE), "API", min=1),
     Setting(
@@ -704,6 +741,17 @@ class _Switch(argparse.Action):
         setattr(namespace, self.dest, self.const)
 
 
+class _Names(argparse.Action):
+    """A names setting's flag: its arguments (each parsed to names already) as one tuple, checked together."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        try:
+            names = parse_names([name for value in values for name in value])
+        except ValueError as exc:
+            raise argparse.ArgumentError(self, str(exc)) from None
+        setattr(namespace, self.dest, names)
+
+
 def add_arguments(
     parser: argparse.ArgumentParser, command: str, environ: Mapping[str, str] | None = None
 ) -> list[Setting]:
@@ -723,6 +771,8 @@ def add_arguments(
         kwargs: dict[str, Any] = dict(dest=s.attr, default=value, type=_ArgType(s), help=s.help)
         if s.kind == SWITCH:
             kwargs.update(action=_Switch, const=not s.negate)
+        elif s.kind == NAMES:
+            kwargs.update(action=_Names, nargs="+", metavar=s.metavar or "NAME")
         else:
             kwargs.update(choices=s.choices, metavar=s.metavar)
         groups[s.group].add_argument(s.option, **kwargs)

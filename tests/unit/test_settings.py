@@ -133,6 +133,28 @@ def test_a_bad_value_is_a_usage_error_naming_the_setting(command, environ, argv,
     assert message in err and "Traceback" not in err
 
 
+def test_served_model_name_takes_several_names_by_flag_or_by_variable(capsys):
+    names = lambda environ, argv: parser_for(settings.GATEWAY, environ).parse_args(argv).served_model_name  # noqa: E731
+    assert names({}, []) is None
+    assert names({}, ["--served-model-name", "org/m", "m", "--port", "1"]) == ("org/m", "m")
+    assert names({"KVFERRY_SERVED_MODEL_NAME": " org/m   m "}, []) == ("org/m", "m")
+    assert names({"KVFERRY_SERVED_MODEL_NAME": "a b"}, ["--served-model-name", "c"]) == ("c",)
+    serve = parser_for(settings.SERVE, {}).parse_args(["--served-model-name", "org/m", "m"])
+    child = settings.apply_environment({}, settings.child_environment(serve, settings.SERVE, [settings.GATEWAY]))
+    assert child["KVFERRY_SERVED_MODEL_NAME"] == "org/m m"
+    assert names(child, []) == ("org/m", "m")  # serve's gateway gets them all
+    for environ, argv, message in (
+        ({}, ["--served-model-name", "m", "m"], "argument --served-model-name: 'm' is named twice"),
+        ({}, ["--served-model-name"], "argument --served-model-name: expected at least one argument"),
+        ({}, ["--served-model-name", *map(str, range(17))], "at most 16 names, got 17"),
+        ({}, ["--served-model-name", "x" * 257], "a name has 1 to 256 printable characters"),
+        ({}, ["--served-model-name", "a\x01"], "a name has 1 to 256 printable characters"),
+        ({"KVFERRY_SERVED_MODEL_NAME": "a a"}, [], "'a' is named twice (from KVFERRY_SERVED_MODEL_NAME)"),
+    ):
+        err = parse_error(parser_for(settings.GATEWAY, environ), argv, capsys)
+        assert message in err and "Traceback" not in err, err
+
+
 def test_settings_read_without_a_command_line_name_their_variable():
     assert settings.from_env("port", {}) == 8000
     assert settings.from_env("port", {"KVFERRY_PORT": "9001"}) == 9001
