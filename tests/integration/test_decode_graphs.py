@@ -46,7 +46,7 @@ def generate(engine, check_cache_writes: bool = False):
                 # Only the real rows' slots change: a padding row that kept the slot of a sequence gone from the
                 # batch would write into its freed block.
                 changed = (runner.k_cache != before).any(dim=(0, 3, 4)).nonzero().tolist()  # [(block, offset)]
-                real = set(step_slots[-1][2].slot_mapping.tolist())
+                real = set(step_slots[-1].batch.slot_mapping.tolist())
                 assert changed and {block * BLOCK + offset for block, offset in changed} <= real
         for out, row in zip(outputs, runner.last_logits if outputs else ()):
             logits.setdefault(out.request_id, []).append(row.clone())

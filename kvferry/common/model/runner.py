@@ -12,10 +12,11 @@ from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.decode_graphs import DecodeGraphs
+from kvferry.common.model.host_staging import HostStaging
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
-from kvferry.common.model.sampler import sample, token_logprobs
+from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs
 from kvferry.common.scheduler import StepPlan
 from kvferry.common.sequence import Sequence
 
@@ -44,6 +45,17 @@ def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLa
         block_size,
         torch.empty((), dtype=dtype).element_size(),
     )
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    batch: PagedBatch
+    cu_seqlens: list[int]  # batch.cu_seqlens_q on the host: reading the device's would wait for it
+    sampling: list[int]  # the chunks that sample, in order
+    last_tokens: torch.Tensor  # [len(sampling)] each one's last token in the flat batch
+    sampling_tensors: SamplingTensors | None  # their sampling parameters; None when all are greedy
 
 
 class ModelRunner:
@@ -92,6 +104,8 @@ class ModelRunner:
         # Per request asking for them: entry p is prompt token p's logprobs given the tokens before it.
         self.prompt_logprobs: dict[str, list] = {}
         self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
+        # A step's inputs go to the device as one packed copy on CUDA; a CPU test packs them too, to run that layout.
+        self.pack_inputs = device.type == "cuda"
 
     def use_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
         """Run decode steps through DecodeGraphs: captured as CUDA graphs, or (capture=False) only through the
@@ -143,7 +157,8 @@ class ModelRunner:
             self.seq_generators[seq.request_id] = self._new_generator(seq.params)
         return self.seq_generators[seq.request_id]
 
-    def prepare(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor, PagedBatch]:
+    def prepare(self, plan: StepPlan) -> StepInputs:
+        """The step's inputs on the device, sent as one copy (host_staging.py)."""
         block_size = self.layout.block_size
         input_ids, positions, slots, tables, context_lens, cu = [], [], [], [], [], [0]
         for chunk in plan.chunks:
@@ -157,25 +172,38 @@ class ModelRunner:
             context_lens.append(end)
             cu.append(cu[-1] + chunk.num_new_tokens)
         width = max(len(t) for t in tables)
-        to = dict(device=self.device)
+        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        staging = HostStaging(self.device, self.pack_inputs)
+        staged = [
+            staging.add(input_ids, torch.long),
+            staging.add(positions, torch.long),
+            staging.add(slots, torch.long),
+            staging.add([b for t in tables for b in t + [0] * (width - len(t))], torch.int32, (len(tables), width)),
+            staging.add(context_lens, torch.int32),
+            staging.add(cu, torch.int32),
+            staging.add([cu[i + 1] - 1 for i in sampling], torch.long),  # each sampling chunk's last token
+        ]
+        sampling_tensors = stage_sampling([plan.chunks[i].seq.params for i in sampling], staging)
+        staging.upload()
+        ids, pos, slot_mapping, block_tables, lens, cu_seqlens, last_tokens = (part.tensor for part in staged)
         batch = PagedBatch(
             k_caches=self.k_caches,
             v_caches=self.v_caches,
             is_prefill=plan.is_prefill,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, **to),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, **to),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, **to),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, **to),
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
+            context_lens=lens,
+            cu_seqlens_q=cu_seqlens,
             max_q_len=max(c.num_new_tokens for c in plan.chunks),
         )
-        return torch.tensor(input_ids, **to), torch.tensor(positions, **to), batch
+        return StepInputs(ids, pos, batch, cu, sampling, last_tokens, sampling_tensors)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, after_layer=None) -> list[int | None]:
         """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it).
         after_layer(i): called as each layer's K/V lands in the cache (eager steps only)."""
-        input_ids, positions, batch = self.prepare(plan)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+        inputs = self.prepare(plan)
+        input_ids, positions, batch, sampling = inputs.input_ids, inputs.positions, inputs.batch, inputs.sampling
         self.last_logprobs = [None] * len(plan.chunks)
         graphs = self.decode_graphs
         if not plan.is_prefill and graphs is not None and graphs.fits(batch):
@@ -183,18 +211,18 @@ class ModelRunner:
         else:
             hidden = self.model(input_ids, positions, batch, after_layer)  # [T, hidden]
             if plan.is_prefill:
-                self._record_prompt_logprobs(plan, hidden, batch.cu_seqlens_q.tolist())
+                self._record_prompt_logprobs(plan, hidden, inputs.cu_seqlens)
             if not sampling:
                 return [None] * len(plan.chunks)
             # Only the last token of each finished prompt needs logits: the vocabulary projection is large.
-            last = batch.cu_seqlens_q[1:][sampling] - 1
-            logits = self.model.compute_logits(hidden[last])  # [num_sampling, vocab]
+            logits = self.model.compute_logits(hidden[inputs.last_tokens])  # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
         self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}
         processed = process_logits(logits, seqs, self.eos_token_ids)
         constraints = [s.constraint_state for s in seqs]
-        token_ids = sample(processed, [s.params for s in seqs], [self._generator_for(s) for s in seqs], constraints)
+        generators = [self._generator_for(s) for s in seqs]
+        token_ids = sample(processed, [s.params for s in seqs], generators, constraints, inputs.sampling_tensors)
         result: list[int | None] = [None] * len(plan.chunks)
         for i, token_id in zip(sampling, token_ids):
             result[i] = token_id

@@ -1,0 +1,44 @@
+"""What the runner does differently on CUDA, run on the CPU as far as the CPU allows: the step's inputs packed into
+one buffer (one copy to the device), and a decode-graph capture that fails, after which the engine runs eager."""
+
+import pytest
+
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+from kvferry.common.sampling import SamplingParams
+from tests.tiny_models import save_tiny_model
+
+PROMPTS = [[11, 12, 13, 14, 15], list(range(40, 61)), [7] * 9, [3, 4]]
+
+
+def params():
+    return [
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, prompt_logprobs=2),
+        SamplingParams(max_tokens=8, temperature=0.8, top_k=20, seed=5, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=1.2, top_p=0.7, min_p=0.05, seed=6, ignore_eos=True, logprobs=3),
+        SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+    ]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    save_tiny_model("llama", folder)
+    return folder
+
+
+def config(folder):
+    return EngineConfig(
+        model=str(folder), kv_cache_memory=2**20, block_size=8, max_num_batched_tokens=16, max_num_seqs=4
+    )
+
+
+def outputs(engine):
+    return [(out.output_token_ids, out.prompt_logprobs, out.logprobs) for out in engine.generate(PROMPTS, params())]
+
+
+def test_packed_step_inputs_give_the_same_outputs(folder):
+    reference = outputs(LLMEngine(config(folder)))
+    engine = LLMEngine(config(folder))
+    engine.runner.pack_inputs = True  # CUDA's layout: every input a view of one buffer
+    assert outputs(engine) == reference
