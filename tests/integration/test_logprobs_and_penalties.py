@@ -64,14 +64,36 @@ def test_logit_bias_forces_and_bans_tokens(tiny):
     assert not set(avoided.output_token_ids) & set(plain.output_token_ids)
 
 
-def test_penalties_discourage_repeats(tiny):
-    engine, _ = tiny
+def penalised(row: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """The formula (vLLM's): repetition on prompt and output tokens (positive / penalty, negative * penalty), then
+    frequency per output occurrence and presence per distinct output token."""
+    row = row.clone()
+    for token in set(prompt) | set(output):
+        value = row[token].item()
+        row[token] = value / params.repetition_penalty if value > 0 else value * params.repetition_penalty
+    for token in set(output):
+        row[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return row
+
+
+@pytest.mark.parametrize(
+    "kw", [{"presence_penalty": 2.0}, {"frequency_penalty": 1.5}, {"repetition_penalty": 2.0}], ids=lambda kw: [*kw][0]
+)
+def test_penalised_greedy_tokens_are_the_argmax_of_the_reference_formula(tiny, kw):
+    """Through the engine: each greedy token under a penalty is the argmax of transformers' logits with the formula
+    applied to the tokens so far, and the penalty changed the output (greedy on random weights loops)."""
+    engine, hf = tiny
     prompt = [9, 9, 9, 9]
     [plain] = engine.generate([prompt], greedy(max_tokens=24))
-    assert len(set(plain.output_token_ids)) < 24  # greedy on random weights loops
-    for kw in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 2.0}):
-        [out] = engine.generate([prompt], greedy(max_tokens=24, **kw))
-        assert len(set(out.output_token_ids)) > len(set(plain.output_token_ids)), kw
+    assert len(set(plain.output_token_ids)) < 24
+    [out] = engine.generate([prompt], greedy(max_tokens=24, **kw))
+    assert out.output_token_ids != plain.output_token_ids
+    params = SamplingParams(**kw)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + out.output_token_ids])).logits[0].float()  # [len, vocab]
+    for i, token in enumerate(out.output_token_ids):
+        row = penalised(logits[len(prompt) - 1 + i], params, prompt, out.output_token_ids[:i])
+        assert row.max().item() - row[token].item() < 1e-4, (kw, i, token, row.argmax().item())
 
 
 def test_min_tokens_masks_stop_tokens(tiny):

@@ -1,9 +1,11 @@
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import sample
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams, for_choice
 
@@ -102,3 +104,135 @@ def test_logit_bias_and_stop_token_ids_are_bounded():
     with pytest.raises(InvalidRequest, match="stop_token_ids"):
         SamplingParams(stop_token_ids=tuple(range(MAX_STOP_TOKEN_IDS + 1)))
     SamplingParams(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS)), stop_token_ids=(1,) * 1024)
+
+
+# -- the logit processors and min_p against formula references --------------------------------------------------
+def reference_processed(row: list[float], params: SamplingParams, prompt: list[int], output: list[int]) -> list[float]:
+    """vLLM's and OpenAI's semantics, element by element: logit bias first; then the repetition penalty on every
+    token of the prompt or the output (a positive logit divided by it, a negative one multiplied); then the
+    frequency penalty once per occurrence in the output and the presence penalty once per distinct output token."""
+    out = list(row)
+    for token, bias in params.logit_bias:
+        out[token] += bias
+    for token in set(prompt) | set(output):
+        out[token] = (
+            out[token] / params.repetition_penalty if out[token] > 0 else out[token] * params.repetition_penalty
+        )
+    for token in set(output):
+        out[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    return out
+
+
+def seq(params: SamplingParams, prompt: list[int], output: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(params=params, prompt_token_ids=prompt, output_token_ids=output)
+
+
+# Positive, negative and zero logits; token 3 comes four times in the output, 5 once, 7 only in the prompt.
+ROW = [2.0, -1.5, 0.75, 3.0, -2.25, 1.25, 0.0, -0.5, 4.0, -3.0, 0.5, 1.0]
+PROMPT, OUTPUT = [7, 9, 3], [3, 5, 3, 3, 6, 3]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(presence_penalty=1.5),
+        SamplingParams(frequency_penalty=0.5),
+        SamplingParams(presence_penalty=-0.75, frequency_penalty=-0.25),  # negative: repeats encouraged
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(repetition_penalty=0.5),  # below 1: seen tokens made more likely, negatives halved
+        SamplingParams(repetition_penalty=1.25, frequency_penalty=0.5, presence_penalty=1.0),
+        SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, logit_bias=((9, 5.0), (3, -4.5), (1, 2.0))),
+    ],
+    ids=["presence", "frequency", "negative", "repetition", "repetition<1", "all three", "with bias"],
+)
+def test_penalties_give_exactly_the_reference_logits(params):
+    logits = torch.tensor([ROW])
+    got = process_logits(logits, [seq(params, PROMPT, OUTPUT)], eos_token_ids=(0,))
+    want = reference_processed(ROW, params, PROMPT, OUTPUT)
+    assert torch.allclose(got[0], torch.tensor(want), rtol=1e-6, atol=1e-6), (got[0].tolist(), want)
+    assert logits[0].tolist() == ROW  # the model's logits stay as they were (logprobs report them)
+    untouched = [t for t in range(len(ROW)) if t not in set(PROMPT) | set(OUTPUT) and t not in dict(params.logit_bias)]
+    assert got[0, untouched].tolist() == [ROW[t] for t in untouched]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    params = SamplingParams(repetition_penalty=1.6)
+    got = process_logits(torch.tensor([ROW]), [seq(params, [8, 4, 6], [9, 2])], eos_token_ids=())[0]
+    assert got[8].item() == pytest.approx(4.0 / 1.6) and got[2].item() == pytest.approx(0.75 / 1.6)  # towards 0
+    assert got[4].item() == pytest.approx(-2.25 * 1.6) and got[9].item() == pytest.approx(-3.0 * 1.6)  # away from 0
+    assert got[6].item() == 0.0  # zero stays zero
+    # A prompt token alone is penalised as much as an output token: the penalty covers both.
+    assert got[4].item() / ROW[4] == pytest.approx(got[9].item() / ROW[9])
+
+
+def test_presence_counts_a_repeated_token_once_and_frequency_every_time():
+    prompt, output = [1], [3, 3, 3, 3, 5]  # token 3 four times, token 5 once; token 1 only in the prompt
+    presence = process_logits(torch.tensor([ROW]), [seq(SamplingParams(presence_penalty=1.0), prompt, output)], ())
+    frequency = process_logits(torch.tensor([ROW]), [seq(SamplingParams(frequency_penalty=1.0), prompt, output)], ())
+    drop_p = [ROW[t] - presence[0, t].item() for t in (3, 5, 1)]
+    drop_f = [ROW[t] - frequency[0, t].item() for t in (3, 5, 1)]
+    assert drop_p == pytest.approx([1.0, 1.0, 0.0])  # once per distinct output token; prompt tokens are free
+    assert drop_f == pytest.approx([4.0, 1.0, 0.0])  # once per occurrence
+
+
+def test_each_row_gets_its_own_penalties_and_rows_that_ask_for_none_are_untouched():
+    logits = torch.tensor([ROW, ROW[::-1], ROW])
+    rows = [
+        seq(SamplingParams(frequency_penalty=0.5), PROMPT, OUTPUT),
+        seq(SamplingParams(), PROMPT, OUTPUT),
+        seq(SamplingParams(repetition_penalty=1.5, presence_penalty=2.0), [0, 1], [2, 2]),
+    ]
+    got = process_logits(logits, rows, eos_token_ids=())
+    assert torch.allclose(got[0], torch.tensor(reference_processed(ROW, rows[0].params, PROMPT, OUTPUT)))
+    assert got[1].tolist() == ROW[::-1]
+    assert torch.allclose(got[2], torch.tensor(reference_processed(ROW, rows[2].params, [0, 1], [2, 2])))
+    assert process_logits(logits, [rows[1]] * 3, eos_token_ids=()) is logits  # nothing asked: no copy
+
+
+# Probabilities whose ratios to the most likely one are 1, .8, .6, .4, .27, .17, .1: each min_p below keeps a
+# different number of tokens, well clear of its threshold, and every token cut has mass enough to show if it leaked.
+PROBS = [0.30, 0.24, 0.18, 0.12, 0.08, 0.05, 0.03]
+
+
+def reference_min_p(probs: list[float], min_p: float) -> list[float]:
+    """Keep the tokens with p >= min_p * p_max, renormalised."""
+    kept = [p if p >= min_p * max(probs) else 0.0 for p in probs]
+    return [p / sum(kept) for p in kept]
+
+
+@pytest.mark.parametrize(
+    "min_p,temperature,top_k,num_kept",
+    [
+        (0.7, 1.0, 0, 2),
+        (0.5, 1.0, 0, 3),
+        (0.35, 1.0, 0, 4),
+        (0.2, 1.0, 0, 5),
+        (0.3, 0.5, 0, 3),  # on the tempered probabilities (p squared): ratios 1, .64, .36, .16
+        (0.2, 1.0, 3, 3),  # min_p keeps 5, top_k 3 of them
+    ],
+)
+def test_min_p_keeps_the_tokens_within_min_p_of_the_most_likely(min_p, temperature, top_k, num_kept):
+    draws = 2000
+    tempered = [p ** (1 / temperature) for p in PROBS]
+    want = reference_min_p([p / sum(tempered) for p in tempered], min_p)
+    if top_k:
+        cut = sorted(want, reverse=True)[top_k - 1]
+        want = [p / sum(q for q in want if q >= cut) if p >= cut else 0.0 for p in want]
+    assert sum(p > 0 for p in want) == num_kept
+    # One row per draw, each with its own generator, beside greedy and unfiltered rows: per-row parameters.
+    logits = torch.log(torch.tensor([PROBS] * (draws + 2)))
+    params = [SamplingParams(min_p=min_p, temperature=temperature, top_k=top_k)] * draws
+    params += [SamplingParams(temperature=0), SamplingParams(min_p=0.0)]
+    tokens = sample(logits, params, [gen(i) for i in range(draws + 2)])
+    counts = torch.bincount(torch.tensor(tokens[:draws]), minlength=len(PROBS)).float() / draws
+    assert {t for t in tokens[:draws]} == {t for t, p in enumerate(want) if p > 0}
+    assert torch.allclose(counts, torch.tensor(want), atol=0.04), (counts.tolist(), want)
+    assert tokens[draws] == 0
+
+
+def test_min_p_keeps_a_token_just_above_the_threshold_and_cuts_one_just_below():
+    """p >= min_p * p_max: at min_p 0.5, a token at 0.50005 of the top one's probability stays, one at 0.49995
+    goes (relative margins far above float32 rounding)."""
+    logits = torch.log(torch.tensor([[1.0, 0.50005, 0.49995, 0.3]]))
+    seen = {sample(logits, [SamplingParams(min_p=0.5)], [gen(i)])[0] for i in range(200)}
+    assert seen == {0, 1}
