@@ -1,4 +1,6 @@
+import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -8,15 +10,49 @@ from kvferry.tools.bench.floor import GRID, floor_from_costs
 
 REFERENCE = Path(__file__).resolve().parents[2].parent / "shared" / "bench" / "workload.py"
 
+# The reference generator's figures (../shared/bench/workload.py, computed once from it), kept here so that a clone
+# without ../shared checks them too: (name, rate, seed, vocab) -> (requests, prompt tokens, output tokens, last
+# arrival_s, sha256 of the [prompt length, max_tokens] pairs, sha256 of every request in full), hashes cut to 16 hex.
+EXPECTED = {
+    ("std-32", 0.0, 0, 49152): (32, 3681, 3076, 0.0, "923cbb02c0920500", "45f4ea8777664b85"),
+    ("std-32", 2.0, 0, 49152): (32, 4170, 3178, 14.064946, "2f6867e16c942f20", "b7a353e7ed70d126"),
+    ("std-32", 0.5, 3, 32000): (32, 4669, 3387, 58.193744, "e484fe80929a4e9f", "4c7049e6c046136e"),
+    ("std-128", 0.0, 0, 49152): (128, 19723, 13090, 0.0, "1f61606429722717", "5a7d05ffc3027a96"),
+    ("std-128", 2.0, 0, 49152): (128, 18343, 13497, 69.683967, "35fafbbf30c75901", "1b4290e5ad649342"),
+    ("std-128", 0.5, 3, 32000): (128, 18761, 12932, 261.115617, "ddfa53f27b714961", "1964a7b431c84e27"),
+}
+
+
+def figures(requests: list[dict]) -> tuple:
+    lengths = [(len(r["prompt_token_ids"]), r["max_tokens"]) for r in requests]
+    return (
+        len(requests),
+        sum(n for n, _ in lengths),
+        sum(m for _, m in lengths),
+        requests[-1]["arrival_s"],
+        hashlib.sha256(json.dumps(lengths).encode()).hexdigest()[:16],
+        hashlib.sha256(json.dumps(requests, sort_keys=True).encode()).hexdigest()[:16],
+    )
+
+
+@pytest.mark.parametrize("case", list(EXPECTED), ids=lambda c: "-".join(map(str, c)))
+def test_workload_has_the_reference_figures(case):
+    """Runs everywhere: the totals, the lengths and every token against the reference's recorded figures."""
+    name, rate, seed, vocab = case
+    assert figures(workload.generate(name, vocab, rate, seed)) == EXPECTED[case]
+
 
 @pytest.mark.skipif(not REFERENCE.is_file(), reason="../shared/bench is not beside this clone")
-@pytest.mark.parametrize("name", ["std-32", "std-128"])
-@pytest.mark.parametrize("rate,seed,vocab", [(0.0, 0, 49152), (2.0, 0, 49152), (0.5, 3, 32000)])
-def test_workload_matches_the_reference_request_for_request(name, rate, seed, vocab):
+@pytest.mark.parametrize("case", list(EXPECTED), ids=lambda c: "-".join(map(str, c)))
+def test_workload_matches_the_reference_request_for_request(case):
+    """Where ../shared is present: request for request the reference's output, whose figures are the ones above."""
+    name, rate, seed, vocab = case
     spec = importlib.util.spec_from_file_location("reference_workload", REFERENCE)
     ref = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(ref)
-    assert workload.generate(name, vocab, rate, seed) == ref.generate(name, vocab, rate, seed)
+    expected = ref.generate(name, vocab, rate, seed)
+    assert workload.generate(name, vocab, rate, seed) == expected
+    assert figures(expected) == EXPECTED[case]
 
 
 def test_workload_shape():

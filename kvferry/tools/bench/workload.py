@@ -1,7 +1,8 @@
 """The benchmark workloads, seeded so that every tool replays the same requests.
 
 std-*: request for request the same as the reference generator the project was specified with
-(a test checks this when ../shared is present): log-uniform prompt and output lengths,
+(tests/unit/test_workload_and_floor.py checks the reference's recorded totals and checksums everywhere, and
+request for request against ../shared where it is present): log-uniform prompt and output lengths,
 token ids clear of the special tokens at both ends of the vocabulary, Poisson arrivals.
 
 Scenarios that one feature is measured by:
