@@ -25,6 +25,7 @@ from kvferry.common.engine_setup import (
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    use_device,
 )
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
 from kvferry.common.kv_connector import KVConnector
@@ -52,6 +53,7 @@ class LLMEngine(ReceivedKV):
         if config.num_threads is not None:  # EngineConfig checked its bound
             torch.set_num_threads(config.num_threads)
         self.device = resolve_device(config.device)
+        use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)

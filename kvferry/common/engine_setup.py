@@ -27,6 +27,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make a CUDA device the current one, before anything is allocated or launched on it: Triton launches, CUDA
+    graph pools, streams and "cuda" without an index all go to the current device, which is otherwise device 0."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -37,6 +44,18 @@ def is_device_failure(exc: Exception) -> bool:
     """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
     return (accelerator_error is not None and isinstance(exc, accelerator_error)) or "CUDA error" in str(exc)
+
+
+def device_works(device: torch.device) -> bool:
+    """Whether the device still runs work: after a CUDA fault every later call fails."""
+    if device.type != "cuda":
+        return True
+    try:
+        torch.cuda.synchronize(device)
+        torch.zeros(1, device=device).add_(1).item()
+    except Exception:
+        return False
+    return True
 
 
 def load_tokenizer(model_dir):
@@ -77,6 +96,9 @@ def build_runner(model, layout, num_blocks: int, device, dtype, config, schedule
 
 
 def capture_decode_graphs(runner, config, max_model_len: int) -> None:
+    """Capture the decode steps' CUDA graphs. Out of memory is the user's to fix (a ConfigError naming the
+    settings); any other failure (a kernel that does not compile, an operation that cannot be captured) leaves
+    decode eager, slower at small batches but right, with a warning naming the cause."""
     started = time.perf_counter()
     try:
         runner.use_decode_graphs(config.max_num_seqs, -(-max_model_len // config.block_size))
@@ -85,6 +107,16 @@ def capture_decode_graphs(runner, config, max_model_len: int) -> None:
             "no memory left to capture the decode CUDA graphs: lower --kv-cache-memory or "
             "--max-num-seqs, or pass --enforce-eager"
         ) from None
+    except Exception as exc:
+        runner.decode_graphs = None  # DecodeGraphs let go of what it had captured
+        if not device_works(runner.device):  # a fault that poisoned the context: eager would fail as well
+            raise
+        log.warning(
+            "capturing the decode CUDA graphs failed, so decode steps run eager (slower at small batches): %s: %s",
+            type(exc).__name__,
+            exc,
+        )
+        return
     log.info(
         "decode CUDA graphs for batch sizes %s captured in %.1f s (--enforce-eager skips them)",
         runner.decode_graphs.sizes,

@@ -1,10 +1,14 @@
 """What the runner does differently on CUDA, run on the CPU as far as the CPU allows: the step's inputs packed into
 one buffer (one copy to the device), and a decode-graph capture that fails, after which the engine runs eager."""
 
+import logging
+
 import pytest
+import torch
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
+from kvferry.common.engine_setup import capture_decode_graphs
 from kvferry.common.sampling import SamplingParams
 from tests.tiny_models import save_tiny_model
 
@@ -42,3 +46,17 @@ def test_packed_step_inputs_give_the_same_outputs(folder):
     engine = LLMEngine(config(folder))
     engine.runner.pack_inputs = True  # CUDA's layout: every input a view of one buffer
     assert outputs(engine) == reference
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the capture fails here for want of CUDA, as a bad kernel would")
+def test_a_failed_graph_capture_leaves_decode_eager_with_the_same_tokens(folder, caplog):
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    reference = [out.output_token_ids for out in LLMEngine(config(folder)).generate(PROMPTS, greedy)]
+    engine = LLMEngine(config(folder))
+    # The real capture routine, which fails here as a kernel that does not compile would: no CUDA to capture on.
+    with caplog.at_level(logging.WARNING, logger="kvferry.engine"):
+        capture_decode_graphs(engine.runner, engine.config, engine.max_model_len)
+    assert engine.runner.decode_graphs is None
+    [warning] = [r.getMessage() for r in caplog.records if "graphs failed" in r.getMessage()]
+    assert "decode steps run eager" in warning and "RuntimeError" in warning
+    assert [out.output_token_ids for out in engine.generate(PROMPTS, greedy)] == reference

@@ -42,6 +42,7 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
         self.capture = capture
+        self._pool = None
         top = self.sizes[-1]
         to = dict(device=device)
         self.input_ids = torch.zeros(top, dtype=torch.long, **to)
@@ -50,9 +51,17 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, **to)
         self.context_lens = torch.ones(top, dtype=torch.int32, **to)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, **to)
-        self._replays: dict[int, tuple] = {}  # size -> (replay, logits [size, vocab]) once captured
+        # One output for every size, each size's logits a slice of it: a graph's own output would stay allocated
+        # in the pool, [size, vocab] for every captured size.
+        dtype = model.embed_tokens.weight.dtype  # the dtype of the hidden states, and of the logits of every head
+        self.logits = torch.empty(top, model.config.vocab_size, dtype=dtype, **to)
+        self._replays: dict[int, torch.cuda.CUDAGraph] = {}  # size -> its graph, once captured
         if capture:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except BaseException:
+                self.release()
+                raise
 
     def fits(self, batch: PagedBatch) -> bool:
         return batch.context_lens.shape[0] <= self.sizes[-1] and batch.block_tables.shape[1] <= self.max_blocks_per_seq
@@ -70,11 +79,11 @@ class DecodeGraphs:
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:size], self.positions[:size], self._batch(size))
-        return self.model.compute_logits(hidden)
+        return self.logits[:size].copy_(self.model.compute_logits(hidden))
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
+        self._pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.sizes):  # largest first: the smaller graphs reuse its memory from the pool
             # Warm up on a side stream first: Triton compiles each kernel's specialisation on its first launch,
             # and nothing may compile or allocate from the default allocator during capture.
@@ -84,10 +93,20 @@ class DecodeGraphs:
                 self._forward(size)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self._replays[size] = (graph.replay, logits)
+            with torch.cuda.graph(graph, pool=self._pool):
+                self._forward(size)
+            self._replays[size] = graph
         torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Let go of the graphs captured so far and their memory pool (a capture that failed part way)."""
+        for graph in self._replays.values():
+            graph.reset()
+        self._replays.clear()
+        self._pool = None
+        self.capture = False
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # the pool's blocks go back to the device once nothing holds them
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
         """The logits [n, vocab] of a decode batch of n sequences (one new token each), through the smallest
@@ -107,8 +126,7 @@ class DecodeGraphs:
         self.block_tables[n:size] = 0
         self.context_lens[n:size] = 1
         if self.capture:
-            replay, logits = self._replays[size]
-            replay()
+            self._replays[size].replay()
         else:
-            logits = self._forward(size)
-        return logits[:n]
+            self._forward(size)
+        return self.logits[:n]
