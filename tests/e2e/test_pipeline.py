@@ -189,9 +189,9 @@ def test_bad_requests_get_openai_shaped_errors(stack, path, body, raw, status, c
 def test_late_joiner_gets_traffic_and_a_stopped_worker_disappears(make_stack):
     s = make_stack()
     s.start_gateway()
-    assert s.wait_for(lambda: s.get("/health")[0] == 503, 60, "gateway up") is None
-    status, health = s.get("/health")
-    assert "prefill" in health["reason"] and "decode" in health["reason"]
+    s.wait_for(lambda: s.get("/health")[0] == 503, 60, "gateway up")  # raises if it never answers
+    status, health = s.get("/health")  # up, and unhealthy for want of workers of both roles
+    assert status == 503 and "prefill" in health["reason"] and "decode" in health["reason"], health
     status, reply = s.post("/v1/completions", {"prompt": "hi", "max_tokens": 2})
     assert status == 503 and reply["error"]["type"] == "service_unavailable"
     s.start_worker("p1", "prefill")

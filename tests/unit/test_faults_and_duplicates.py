@@ -89,17 +89,30 @@ def test_curve_keys_are_written_loaded_and_checked(tmp_path):
     assert CurveKeys.load(None) is None
     with pytest.raises(ConfigError, match="kvferry keys"):
         CurveKeys.load(tmp_path / "missing")
-    # A server and a client with the keys talk; the traffic is CURVE. (More in test_curve_keys.py.)
+    # A server and a client with the keys talk; a plain (NULL-mechanism) client cannot: the server speaks CURVE.
+    # (More in test_curve_keys.py.)
+    from zmq.utils.monitor import recv_monitor_message
+
     ctx = zmq.Context.instance()
     auth = keys.authenticator(ctx)
-    server, client = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER)
+    server, client, plain = ctx.socket(zmq.ROUTER), ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    monitor = plain.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
     try:
         keys.serve(server)
         port = server.bind_to_random_port("tcp://127.0.0.1")
+        plain.connect(f"tcp://127.0.0.1:{port}")
+        plain.send(b"plain")  # queued on the client: the handshake it needs never succeeds
+        assert monitor.poll(5000), "no handshake event for the plain client"
+        event = recv_monitor_message(monitor)
+        assert event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL, event
+        assert event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH, event
         worker.connect(client)
         client.connect(f"tcp://127.0.0.1:{port}")
         client.send(b"hello")
         assert server.poll(5000) and server.recv_multipart()[1] == b"hello"
-        assert server.curve_server
+        assert not server.poll(0), "the plain client's message got through"
     finally:
-        server.close(0), client.close(0), auth.stop()
+        plain.disable_monitor()
+        for sock in (monitor, server, client, plain):
+            sock.close(0)
+        auth.stop()
