@@ -5,6 +5,8 @@ through the batch's `attend`, which reads and writes the paged KV cache. The q/k
 gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -29,9 +31,21 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """Tensors made without a dtype (a layer's parameters) get this one: a model built inside is in it at once."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for every position, [max_positions, head_dim], computed as transformers does."""
-    with torch.device("cpu"):  # the tables are computed in fp32 on the CPU whatever device the model is built on
+    # The tables are computed in fp32 on the CPU whatever device and dtype the model is built in.
+    with torch.device("cpu"), default_dtype(torch.float32):
         return _rope_cos_sin(config, max_positions)
 
 
@@ -140,9 +154,9 @@ class LlamaModel(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         cos, sin = rope_cos_sin(config, max_positions)
-        device = self.embed_tokens.weight.device
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)  # [max_positions, head_dim]
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        to = dict(device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)  # the model's
+        self.register_buffer("rope_cos", cos.to(**to), persistent=False)  # [max_positions, head_dim]
+        self.register_buffer("rope_sin", sin.to(**to), persistent=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, after_layer=None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]. after_layer(i), when

@@ -95,7 +95,7 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from kvferry.common.model.llama import LlamaModel
+    from kvferry.common.model.llama import LlamaModel, default_dtype
 
     config = AutoConfig.from_pretrained(model_dir)
     check_architecture(config.model_type, str(model_dir / "config.json"))
@@ -108,10 +108,12 @@ def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None)
         raise ModelLoadError(f"max_model_len {max_model_len} exceeds the model's limit {limit}")
     max_model_len = limit if max_model_len is None else max_model_len
     files = weight_files(model_dir)
-    with skip_weight_init(), torch.device(device):
+    # Built in its dtype on its device, and the checkpoint read on the host, each weight cast as it is copied in: the
+    # device never holds a float32 copy of the model beside the model (the peak of building in fp32, then casting).
+    with skip_weight_init(), torch.device(device), default_dtype(dtype):
         model = LlamaModel(config, max_model_len)
     weights = {}
     for f in files:
-        weights.update(load_file(f, device=str(device)))
+        weights.update(load_file(f))
     model.load_hf_state_dict(weights)
-    return model.to(dtype).eval().requires_grad_(False), config, max_model_len
+    return model.eval().requires_grad_(False), config, max_model_len
