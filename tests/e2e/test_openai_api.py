@@ -15,10 +15,12 @@ from tests.e2e.stack import running_pair
 pytestmark = pytest.mark.slow
 KEY = "sk-kvferry-test"
 PROMPT = "The capital of France is"
+NAMES = ("smol-135m", "HuggingFaceTB/SmolLM2-135M-Instruct")  # --served-model-name, through its variable
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
+    started = int(time.time())
     with running_pair(
         tmp_path_factory.mktemp("openai"),
         extra_env={
@@ -27,8 +29,10 @@ def stack(tmp_path_factory):
             "KVFERRY_MAX_TOKENS_LIMIT": "256",
             "KVFERRY_MAX_BODY_SIZE": "64KiB",
             "KVFERRY_MAX_STOP": "4",
+            "KVFERRY_SERVED_MODEL_NAME": " ".join(NAMES),
         },
     ) as s:
+        s.started = started  # before the gateway loaded the model
         yield s
 
 
@@ -153,6 +157,44 @@ def test_streaming_usage_and_finish_reasons(client, model):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
 
 
+def test_the_served_names_are_listed_answered_to_and_the_first_reported(stack, client, model):
+    from openai import NotFoundError
+
+    listed = client.models.list().data
+    assert model == NAMES[0] and [m.id for m in listed] == list(NAMES)
+    assert len({m.created for m in listed}) == 1 and stack.started <= listed[0].created <= time.time()
+    done = client.completions.create(model=NAMES[1], prompt=PROMPT, max_tokens=2, temperature=0)
+    assert done.model == NAMES[0]
+    with pytest.raises(NotFoundError) as caught:  # not one of this stack's names, though the default's short name
+        client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found" and NAMES[1] in caught.value.body["message"]
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(client, model, chat):
+    options = {"include_usage": True, "continuous_usage_stats": True}  # what guidellm sends
+    common = dict(model=model, max_tokens=6, temperature=0, stream=True, stream_options=options)
+    common["extra_body"] = {"ignore_eos": True, **({} if chat else {"return_token_ids": True})}
+    if chat:
+        chunks = list(client.chat.completions.create(**common, messages=[{"role": "user", "content": "Hi"}]))
+        whole = client.chat.completions.create(model=model, max_tokens=1, messages=[{"role": "user", "content": "Hi"}])
+    else:
+        chunks = list(client.completions.create(**common, prompt=PROMPT))
+        whole = client.completions.create(model=model, max_tokens=1, prompt=PROMPT)
+    *with_choices, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    assert all(c.choices and c.usage is not None for c in with_choices)
+    assert {c.usage.prompt_tokens for c in chunks} == {whole.usage.prompt_tokens}
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    so_far = [c.usage.completion_tokens for c in with_choices]
+    assert so_far == sorted(so_far) and so_far[-1] == 6
+    if chat:
+        assert so_far[0] == 0  # the role's chunk, before any token
+    else:  # exactly the tokens sent so far
+        counted = [len(c.choices[0].model_extra["token_ids"]) for c in with_choices]
+        assert so_far == [sum(counted[: i + 1]) for i in range(len(counted))]
+
+
 def free_blocks(stack) -> dict[str, int]:
     return {name: w["free_blocks"] for name, w in stack.workers().items()}
 
@@ -237,6 +279,10 @@ def test_api_keys(stack, model):
         ({"logprobs": 21}, "logprobs"),
         ({"logit_bias": {"99999999": 1}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
+        (
+            {"stream": True, "stream_options": {"continuous_usage_stats": "yes"}},
+            "stream_options.continuous_usage_stats",
+        ),
         ({"max_tokens": 300}, "max_tokens"),
         ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
         ({"frequency_penalty": 3}, "frequency_penalty"),

@@ -286,8 +286,9 @@ def test_the_capture_holds_what_each_client_received(traced):
     for (path, body), (status, headers, reply) in zip(asks, answers):
         assert status == 200, reply
         seen.append((records[reply["id"]], path, {**body, "return_token_ids": True}, reply["choices"], headers))
+    served = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the name responses report: the default model's hub id
     for r, path, body, choices, headers in seen:
-        assert (r.status, r.endpoint, r.model, r.moves, r.body) == (200, path, "SmolLM2-135M-Instruct", 0, body)
+        assert (r.status, r.endpoint, r.model, r.moves, r.body) == (200, path, served, 0, body)
         if headers is not None:
             assert r.trace_id == headers["traceparent"].split("-")[1]
         assert r.output_token_ids == [c["token_ids"] for c in choices]

@@ -74,6 +74,26 @@ def test_logit_bias_and_stop_token_ids_are_bounded_before_their_entries_are_chec
     assert refused({"stop_token_ids": [7] * (MAX_STOP_TOKEN_IDS + 1)}).param == "stop_token_ids"
 
 
+def test_stream_options_are_booleans_read_only_with_stream():
+    streamed = lambda options: parse({"stream": True, "stream_options": options})  # noqa: E731
+    g = streamed({"include_usage": True, "continuous_usage_stats": True})
+    assert (g.include_usage, g.continuous_usage) == (True, True)
+    g = streamed({"continuous_usage_stats": True})  # usage in every chunk, without the last usage-only chunk
+    assert (g.include_usage, g.continuous_usage) == (False, True)
+    assert (streamed({}).include_usage, streamed(None).continuous_usage) == (False, False)
+    assert streamed({"include_usage": None, "continuous_usage_stats": False}).continuous_usage is False
+    for options, param in (
+        ({"continuous_usage_stats": "true"}, "stream_options.continuous_usage_stats"),
+        ({"continuous_usage_stats": 0}, "stream_options.continuous_usage_stats"),
+        ({"include_usage": [True]}, "stream_options.include_usage"),
+        ({"include_usage": True, "x" * 10_000: True}, "stream_options"),
+        (["include_usage"], "stream_options"),
+    ):
+        error = refused({"stream": True, "stream_options": options})
+        assert error.param == param and len(error.message) < 200, options
+    assert refused({"stream_options": {"continuous_usage_stats": True}}).param == "stream_options"  # no stream
+
+
 def app_with_guards(**kwargs):
     async def ok(request):
         return JSONResponse({"ok": True, "body_bytes": len(await request.body())})

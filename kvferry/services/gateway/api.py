@@ -16,6 +16,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from starlette.applications import Starlette
@@ -48,6 +49,7 @@ VERSION = "0.1.0"
 # Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
 # few: each encode is one core's work, and more at once would only queue on the cores.
 TEXT_THREADS = 4
+MAX_SHOWN_NAME = 100  # an unknown model's name, as a 404 repeats it: its first characters
 FIELD_NAME = re.compile(r"[\w.$\[\]-]{1,200}")  # how a worker's refusal names the request field it is about
 
 
@@ -69,14 +71,20 @@ class Api:
         self,
         core: GatewayCore,
         tokenizer,
-        model_name: str,
+        model_names: str | Sequence[str],
         max_model_len: int,
         limits: Limits | None = None,
         api_key: str | None = None,
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
+        loaded_at: float | None = None,
     ):
-        self.core, self.tokenizer, self.model_name, self.model_max_len = core, tokenizer, model_name, max_model_len
+        """model_names: the names a request may give (--served-model-name), the first the one responses report;
+        loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
+        self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
+        self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
+        self.model_name = self.model_names[0]
+        self.created = int(time.time() if loaded_at is None else loaded_at)
         self.limits, self.api_key = limits or Limits(), api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
@@ -142,20 +150,16 @@ class Api:
 
     # -- simple routes -------------------------------------------------------------------------------------
     async def models(self, request: Request) -> JSONResponse:
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    {
-                        "id": self.model_name,
-                        "object": "model",
-                        "created": 0,
-                        "owned_by": "kvferry",
-                        "max_model_len": self.max_model_len,
-                    }
-                ],
-            }
-        )
+        """The one model under each of its names, as vLLM lists them; created: when the gateway loaded it."""
+        max_model_len = self.max_model_len
+        card = lambda name: {  # noqa: E731
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvferry",
+            "max_model_len": max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card(name) for name in self.model_names]})
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": VERSION})
@@ -331,10 +335,14 @@ class Api:
     async def json_body(self, request: Request) -> dict:
         body = await self.off_loop(parse_json_body, await request.body())  # ClientDisconnect if the client left
         model = body.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and not isinstance(model, str):
+            raise ApiError(400, "'model' must be a string", "model")
+        if model is not None and model not in self.model_names:
+            served = " or ".join(f"'{name}'" for name in self.model_names)
+            shown = model if len(model) <= MAX_SHOWN_NAME else model[:MAX_SHOWN_NAME] + "..."
             raise ApiError(
                 404,
-                f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                f"the model '{shown}' does not exist; this server serves {served}",
                 "model",
                 "model_not_found",
                 kind="not_found_error",
@@ -426,11 +434,14 @@ class Api:
 
     async def _stream(self, events, first, choices: Choices, shape, trace, generation: Generation):
         event, kv_transfer_s = first, 0.0
+        # stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's field)
+        so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
         try:
             if shape.has_role_chunk:
                 yield sse(
                     shape.chunk(
-                        [shape.delta_choice(state.index, "", None, None, first_chunk=True) for state in choices.states]
+                        [shape.delta_choice(state.index, "", None, None, first_chunk=True) for state in choices.states],
+                        so_far(),
                     )
                 )
             while True:
@@ -445,7 +456,8 @@ class Api:
                 if delta is not None:
                     # At least one chunk per token event, even when the text is held back: clients time tokens by
                     # chunks. A chat with tools sends one per content or tool-call piece.
-                    chunks = [shape.chunk([choice]) for choice in shape.delta_choices(event.choice, delta)]
+                    use = so_far()
+                    chunks = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
                     if choices.states[event.choice].generation.return_token_ids:
                         chunks[0]["choices"][0]["token_ids"] = delta.token_ids
                     if choices.done:

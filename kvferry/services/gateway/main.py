@@ -7,13 +7,21 @@ in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctr
 import asyncio
 import logging
 import signal
+import time
+from pathlib import Path
 
 import uvicorn
 
 from kvferry.common import settings
 from kvferry.common.bind_check import listen_tcp
 from kvferry.common.curve import CurveKeys
-from kvferry.common.model_files import max_model_len_of, read_config, resolve_model, served_model_name
+from kvferry.common.model_files import (
+    DEFAULT_MODEL_NAME,
+    max_model_len_of,
+    read_config,
+    resolve_model,
+    served_model_name,
+)
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
@@ -22,6 +30,9 @@ from kvferry.services.gateway.server import Deadlines, GatewayCore
 from kvferry.services.gateway.tool_prompt import ToolPrompt
 
 log = logging.getLogger("kvferry.gateway")
+# The default model's own id on the Hugging Face Hub, where its tokenizer resolves (the GGUF it ships as is a
+# quantization of it).
+DEFAULT_MODEL_SOURCE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
 class DrainingServer(uvicorn.Server):
@@ -66,13 +77,25 @@ def load_text_side(model) -> tuple[TextTokenizer, int]:
     return tokenizer, max_model_len_of(read_config(model_dir))
 
 
+def served_names(model, configured: tuple[str, ...] | None = None) -> tuple[str, ...]:
+    """The names the API serves the model under, the first the one responses report: --served-model-name's, else
+    the model's own name; for the default model, its Hugging Face id first (benchmark clients such as guidellm load
+    the tokenizer by the served name) and its short name after it, which clients have always sent."""
+    if configured:
+        return tuple(configured)
+    if model is None or str(model) == "":
+        return DEFAULT_MODEL_SOURCE, DEFAULT_MODEL_NAME
+    path = Path(model).expanduser().resolve()
+    return (path.name if path.is_dir() else path.stem,)  # a folder's whole name: Qwen3-0.6B, not Qwen3-0
+
+
 def run_gateway(args) -> None:
     from kvferry.common.observability import observe
 
     observe(args, "gateway", "gateway")
     # Bound before the model loads: a taken port fails at once, naming the setting.
     http_socket = listen_tcp(args.host, args.port, settings.label("port"))
-    name = served_model_name(args.model)
+    name = served_model_name(args.model)  # what workers register with; clients may know it by other names
     deadlines = Deadlines(
         first_token_s=args.first_token_timeout,
         step_s=args.step_timeout,
@@ -90,6 +113,8 @@ def run_gateway(args) -> None:
         insecure=args.insecure,
     )  # binds --control: before the tokenizer loads, too
     tokenizer, model_max_len = load_text_side(args.model)
+    loaded_at = time.time()  # /v1/models' created
+    names = served_names(args.model, args.served_model_name)
     tool_prompt = ToolPrompt.from_file(args.tool_prompt_template)  # a template that does not render stops us here
     limits = Limits(
         max_body_bytes=args.max_body_size,
@@ -106,8 +131,25 @@ def run_gateway(args) -> None:
         limits_of_files = CaptureLimits(args.capture_max_bytes, args.capture_max_total_bytes)
         capture = CaptureWriter(args.capture_dir, core.gateway_id, limits_of_files, (args.api_key,))
         log.info("capturing every finished request into %s", args.capture_dir)
-    api = Api(core, tokenizer, name, args.max_model_len or model_max_len, limits, args.api_key, tool_prompt, capture)
-    log.info("serving %s on http://%s:%d, workers register at %s", name, args.host, args.port, core.control_endpoint)
+    api = Api(
+        core,
+        tokenizer,
+        names,
+        args.max_model_len or model_max_len,
+        limits,
+        args.api_key,
+        tool_prompt,
+        capture,
+        loaded_at=loaded_at,
+    )
+    log.info(
+        "serving %s as %s on http://%s:%d, workers register at %s",
+        name,
+        ", ".join(names),
+        args.host,
+        args.port,
+        core.control_endpoint,
+    )
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not
     # memory. A request's head is bounded by h11's own limit (16 KiB), and its body by the Guards.

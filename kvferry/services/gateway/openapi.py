@@ -70,7 +70,24 @@ def _sampling(limits) -> dict:
             "nullable": True,
         },
         "stream": {"type": "boolean", "nullable": True},
-        "stream_options": {"type": "object", "nullable": True, "properties": {"include_usage": {"type": "boolean"}}},
+        "stream_options": {
+            "type": "object",
+            "nullable": True,
+            "additionalProperties": False,
+            "properties": {
+                "include_usage": {
+                    "type": "boolean",
+                    "nullable": True,
+                    "description": "a last chunk, with no choices, carries the request's usage",
+                },
+                "continuous_usage_stats": {
+                    "type": "boolean",
+                    "nullable": True,
+                    "description": "vLLM's: every chunk carries the request's usage so far",
+                },
+            },
+            "description": "only with stream: true",
+        },
         "user": {"type": "string", "nullable": True},
     }
 
@@ -370,7 +387,9 @@ def openapi_spec(version: str, limits) -> dict:
     paths = {
         "/v1/completions": _post("Text completion (OpenAI)", "CompletionRequest"),
         "/v1/chat/completions": _post("Chat completion (OpenAI)", "ChatCompletionRequest", reply="ChatCompletion"),
-        "/v1/models": _get("The served model", {"401": _errors()["401"]}),
+        "/v1/models": _get(
+            "The served model, once under each of its names (--served-model-name)", {"401": _errors()["401"]}
+        ),
         "/tokenize": _post("Text or chat messages to token ids", "TokenizeRequest"),
         "/detokenize": _post("Token ids to text", "DetokenizeRequest"),
         "/tokenizer_info": _get("The tokenizer's special tokens and chat template", {"401": _errors()["401"]}),

@@ -53,6 +53,7 @@ CHAT_FIELDS = COMMON | {
     "tool_choice",
     "parallel_tool_calls",
 }
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats")
 # Known, not honoured: accepted only with the value that asks for nothing.
 NEUTRAL = {
     "best_of": (None, 1),
@@ -87,6 +88,7 @@ class Generation:
     prompt_only: bool = False  # echo with max_tokens 0: the prompt and its logprobs, nothing generated
     tool_calls: bool = False  # chat with tools it may call: the output's <tool_call> blocks become tool_calls
     return_token_ids: bool = False  # each choice (each chunk, streamed) carries its output's token ids
+    continuous_usage: bool = False  # streamed: every chunk carries the usage so far
 
 
 class ApiError(Exception):
@@ -170,7 +172,7 @@ def parse_generation(
     stream = field(body, "stream", (bool,), False)
     if body.get("stream_options") is not None and not stream:
         raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
-    options = field(body, "stream_options", (dict,), {}) or {}
+    options = _stream_options(body)
     stop = _stop(body, limits)
     logprobs = _logprobs(body, chat)
     try:
@@ -199,14 +201,28 @@ def parse_generation(
         params,
         stop or [],
         stream,
-        bool(options.get("include_usage")),
+        options["include_usage"],
         n,
         echo,
         logprobs,
         prompt_only=echo and max_tokens == 0,
         tool_calls=tool_calls,
         return_token_ids=field(body, "return_token_ids", (bool,), False),
+        continuous_usage=options["continuous_usage_stats"],
     )
+
+
+def _stream_options(body: dict) -> dict[str, bool]:
+    """stream_options: OpenAI's include_usage (a last chunk with the usage) and vLLM's continuous_usage_stats (the
+    usage so far in every chunk), each true or false; any other key is refused."""
+    options = field(body, "stream_options", (dict,), {}) or {}
+    for key, value in options.items():
+        if key not in STREAM_OPTIONS:
+            shown = key if len(key) <= 100 else key[:100] + "..."
+            raise ApiError(400, f"unknown parameter 'stream_options.{shown}'", "stream_options")
+        if value is not None and not isinstance(value, bool):
+            raise ApiError(400, f"'stream_options.{key}' must be true or false", f"stream_options.{key}")
+    return {key: bool(options.get(key)) for key in STREAM_OPTIONS}
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
