@@ -2,7 +2,9 @@
 
 32 sequences with 256-token prompts are prefilled, then decode steps are timed whole (`engine.step()`:
 scheduling, building the step's tensors, the forward, sampling, bookkeeping) and, inside them, the model's
-forward and logits alone. What is left is the step's overhead.
+forward and logits alone: the eager forward, or the decode graph's run (its input copies and the replay). On
+CUDA the model's part is timed with CUDA events, since a launch or a replay returns before the work is done.
+What is left is the step's overhead.
 """
 
 import json
@@ -18,24 +20,52 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 
 
-class TimedModel:
-    """The runner's model with the time spent in its forward and logits added up."""
+class Clock:
+    """Adds up the time spent inside the calls it wraps. On CUDA a call only queues work, so there it reads CUDA
+    events recorded around each call once the step has synchronised: the device's time from the call's start to
+    its last kernel, a replayed CUDA graph's included. On the CPU, wall time."""
 
-    def __init__(self, model):
-        self.model, self.seconds = model, 0.0
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.spans: list = []  # (start, end) events or perf_counter seconds
 
-    def _timed(self, fn, *args):
+    def reset(self) -> None:
+        self.spans = []
+
+    def call(self, fn, *args):
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return fn(*args)
+            finally:
+                end.record()
+                self.spans.append((start, end))
         started = time.perf_counter()
         try:
             return fn(*args)
         finally:
-            self.seconds += time.perf_counter() - started
+            self.spans.append(time.perf_counter() - started)
+
+    def seconds(self) -> float:
+        if not self.cuda:
+            return sum(self.spans)
+        for _, end in self.spans:
+            end.synchronize()
+        return sum(start.elapsed_time(end) for start, end in self.spans) / 1000
+
+
+class TimedModel:
+    """The runner's model with the time spent in its forward and logits added up (the eager path)."""
+
+    def __init__(self, model, clock: Clock):
+        self.model, self.clock = model, clock
 
     def __call__(self, *args):
-        return self._timed(self.model, *args)
+        return self.clock.call(self.model, *args)
 
     def compute_logits(self, hidden):
-        return self._timed(self.model.compute_logits, hidden)
+        return self.clock.call(self.model.compute_logits, hidden)
 
 
 def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constraint=None) -> dict:
@@ -47,17 +77,26 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constr
         engine.add_request([rng.randrange(low, high) for _ in range(context)], params)
     while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
         engine.step()  # the prompts
-    timed = engine.runner.model = TimedModel(engine.runner.model)
+    runner = engine.runner
+    clock = Clock(torch.device(runner.device))
+    runner.model = TimedModel(runner.model, clock)
+    graphs = runner.decode_graphs
+    if graphs is not None:  # a decode step replays a graph (or, uncaptured, runs its buffers) instead of the model
+        graph_run = graphs.run
+        graphs.run = lambda *args: clock.call(graph_run, *args)
     totals, models = [], []
     try:
         for _ in range(steps + 2):
-            timed.seconds, started = 0.0, time.perf_counter()
-            outputs = engine.step()
+            clock.reset()
+            started = time.perf_counter()
+            outputs = engine.step()  # it ends in the sampled tokens' .tolist(): the device is done
             totals.append(time.perf_counter() - started)
-            models.append(timed.seconds)
+            models.append(clock.seconds())
             assert len(outputs) == batch and not engine.last_plan.is_prefill
     finally:
-        engine.runner.model = timed.model
+        runner.model = runner.model.model
+        if graphs is not None:
+            del graphs.run  # the instance attribute: the method again
         for seq in list(engine.scheduler.running):
             engine.abort(seq.request_id)
     totals, models = totals[2:], models[2:]  # the first steps warm up
