@@ -300,7 +300,8 @@ class LLMEngine(ReceivedKV):
 
     def read_kv(self, block_ids: list[int], layers: tuple[int, int]):
         """K and V of these blocks in layers [lo, hi): [layers, blocks, block_size, 2, kvh, d], contiguous on the
-        CPU, ready to go out as one raw frame."""
+        CPU, ready to go out as one raw frame. From a CUDA cache the copy may still be running, overlapping the
+        compute queued after it: as_frames (the KV sender waits) and kv_blocks.wait_copied wait for it."""
         return self.runner.read_blocks(block_ids, layers)
 
     def first_tokens(

@@ -22,7 +22,8 @@ def layer_groups(num_layers: int, num_groups: int = LAYER_GROUPS) -> list[tuple[
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
     """K and V of these blocks in these layers (default all), [num_layers, len(block_ids), block_size, 2, kv_heads,
-    head_dim], contiguous on the CPU: ready to go out as a raw frame."""
+    head_dim], contiguous on the CPU: ready to go out as a raw frame. (A CUDA cache's runner gathers without waiting:
+    kv_gather.py.)"""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     # index_select, not kv_cache[:, index]: advanced indexing of the cache is markedly slower on the CPU.
@@ -35,12 +36,41 @@ def scatter_blocks(
     """Place received K and V ([num_layers, len(block_ids), block_size, 2, ...]) into these blocks of these layers."""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache[lo:hi].index_copy_(1, index, kv.to(kv_cache.device, kv_cache.dtype))
+    kv_cache[lo:hi].index_copy_(1, index, wait_copied(kv).to(kv_cache.device, kv_cache.dtype))
+
+
+class PendingFrame:
+    """A frame whose bytes a device-to-host copy may still be writing (kv_gather.py): `wait()` returns them once the
+    copy has run. Whoever puts it on the wire waits, off the step loop."""
+
+    def __init__(self, array: np.ndarray, copied):
+        self.array, self.copied = array, copied  # copied: the copy's torch.cuda.Event
+        self.nbytes = array.nbytes
+
+    def wait(self) -> np.ndarray:
+        self.copied.synchronize()
+        return self.array
+
+
+def wait_copied(kv: torch.Tensor) -> torch.Tensor:
+    """kv, once the device-to-host copy that fills it (if any) has run."""
+    copied = getattr(kv, "copied", None)
+    if copied is not None:
+        copied.synchronize()
+    return kv
 
 
 def as_frames(kv: torch.Tensor) -> list:
-    """The raw bytes of gathered K and V, viewed (not copied) so that ZeroMQ sends them in place."""
-    return [kv.view(-1).view(torch.uint8).numpy()]
+    """The raw bytes of gathered K and V, viewed (not copied) so that ZeroMQ sends them in place; a PendingFrame
+    while a copy from the device is filling them."""
+    frame = kv.view(-1).view(torch.uint8).numpy()
+    copied = getattr(kv, "copied", None)
+    return [frame if copied is None else PendingFrame(frame, copied)]
+
+
+def ready_frames(frames: list) -> list:
+    """frames with each PendingFrame waited for: what can go on the wire."""
+    return [f.wait() if isinstance(f, PendingFrame) else f for f in frames]
 
 
 def frame_tensor(frame, dtype: str, shape: list[int]) -> torch.Tensor:

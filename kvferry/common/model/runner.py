@@ -14,6 +14,7 @@ from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.decode_graphs import DecodeGraphs
 from kvferry.common.model.host_staging import HostStaging
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
+from kvferry.common.model.kv_gather import DeviceGather
 from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs
@@ -91,6 +92,7 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
+        self.device_gather = DeviceGather(device) if device.type == "cuda" else None  # KV going out to the host
         # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
         self.shared_generator = torch.Generator(device=device)
         if seed is not None:
@@ -120,8 +122,11 @@ class ModelRunner:
 
     def read_blocks(self, block_table: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
         """A sequence's K and V in these layers (default all), [layers, num_blocks, block_size, 2, kv_heads,
-        head_dim], contiguous on the CPU: ready to go out as a raw frame."""
-        return gather_blocks(self.kv_cache, block_table, layers)
+        head_dim], contiguous on the CPU: ready to go out as a raw frame. On CUDA the copy may still be running
+        (kv_gather.py): as_frames and kv_blocks.wait_copied wait for it."""
+        if self.device_gather is None:
+            return gather_blocks(self.kv_cache, block_table, layers)
+        return self.device_gather.gather(self.kv_cache, block_table, layers or (0, self.layout.num_layers))
 
     def write_blocks(self, block_table: list[int], kv: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
         """Place received K and V ([layers, n, block_size, 2, kv_heads, head_dim]) into these blocks."""

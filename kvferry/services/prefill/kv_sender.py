@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import zmq
 
 from kvferry.common import protocol as p
+from kvferry.common.model.kv_blocks import ready_frames
 from kvferry.common.transport import Channel, limit_socket
 from kvferry.services.wake_pipe import clear, pipe, signal
 
@@ -181,7 +182,9 @@ class KVSender:
                             return
                         try:
                             channel = self._ready_channel(out, poller, address_of)
-                            channel.send(out.message, out.request_id, out.trace, frames=out.frames)
+                            # KV copied from a CUDA cache may still be arriving: waited for here, off the step loop.
+                            frames = ready_frames(out.frames) if out.frames else out.frames
+                            channel.send(out.message, out.request_id, out.trace, frames=frames)
                         except Exception as exc:  # one request's bad address must not stop the others'
                             log.warning("%s: cannot send to %r: %s", self.worker_id, out.address, exc)
                             self._deliver(SendFailed(out, str(exc)))
