@@ -1,5 +1,8 @@
-"""Int8 weights: the quantizer, the CPU product with float outlier channels, the Triton kernel (interpreter),
-calibration, and the setting."""
+"""Int8 weights: the quantizer, the CPU product with float outlier channels, the Triton kernel (compiled on a GPU,
+interpreted elsewhere), calibration, and the setting."""
+
+import math
+import os
 
 import pytest
 import torch
@@ -81,20 +84,42 @@ def test_quantize_linears_swaps_every_linear_and_keeps_a_tied_embedding_in_float
     assert torch.equal(model["head"].qweight, quantize_weight(emb.weight)[0])  # the head: the tied rows, in int8
 
 
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+# The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bit patterns (Triton's debugging guide:
+# the interpreter does not support bf16 operations), so bf16 is checked compiled, on a GPU.
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    pytest.param(
+        torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="the Triton interpreter cannot do bf16 dots")
+    ),
+]
+
+
+def matmul_tolerance(dtype, x, w, b, k):
+    """int8 weights widen to any of these dtypes exactly, and the products are exact in fp32. What is left: the
+    output's rounding to dtype (half an eps of its size, at most |x|.|w| + |b|), and fp32 sums over k terms, in the
+    kernel and in the reference, whose rounding grows like the square root of k."""
+    bound = (x.abs() @ w.abs().T + (b.abs() if b is not None else 0)).max().item()
+    return bound * (torch.finfo(dtype).eps + 2 * torch.finfo(torch.float32).eps * math.sqrt(k))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,k,n,bias", [(1, 64, 48, False), (5, 100, 70, True), (33, 40, 130, True)])
-def test_triton_int8_matmul_matches_the_dequantized_product(m, k, n, bias):
+def test_triton_int8_matmul_matches_the_dequantized_product(m, k, n, bias, dtype):
     g = torch.Generator().manual_seed(m)
-    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias else None
+    x, w = torch.randn(m, k, generator=g).to(dtype), torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
     q, scale = quantize_weight(w)
-    expected = x @ dequantized(q, scale).T + (b if bias else 0)
-    torch.testing.assert_close(int8_matmul(x, q, scale, b), expected, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(int8_matmul(x.reshape(1, m, k), q, scale, b), expected[None], rtol=1e-4, atol=1e-4)
-    # Half-precision activations (CUDA's dtypes) come back in their own dtype. fp16 only: the interpreter
-    # mishandles bfloat16 even in a plain load and store, so bf16 can only be checked on a GPU.
-    half = int8_matmul(x.half(), q, scale, None if b is None else b.half())
-    assert half.dtype == torch.float16
-    torch.testing.assert_close(half.float(), expected, rtol=2e-2, atol=2e-2)
+    w_float, b_float = dequantized(q, scale), (b.float() if bias else None)
+    expected = x.float() @ w_float.T + (b_float if bias else 0)  # the fp32 reference of the same inputs
+    tolerance = matmul_tolerance(dtype, x.float(), w_float, b_float, k)
+    x, q, scale, b, expected = (t.to(DEVICE) if t is not None else None for t in (x, q, scale, b, expected))
+    out = int8_matmul(x, q, scale, b)
+    assert out.dtype == dtype  # activations come back in their own dtype
+    assert (out.float() - expected).abs().max().item() <= tolerance
+    assert torch.equal(int8_matmul(x.reshape(1, m, k), q, scale, b), out[None])  # leading dims are flattened
 
 
 def test_calibration_finds_a_planted_outlier_channel(tmp_path):

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvferry.kernels.triton.launch_config import dot_precision
+
 
 @triton.jit
 def _int8_matmul_kernel(
@@ -27,6 +29,7 @@ def _int8_matmul_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     pid_m, pid_n = tl.program_id(0), tl.program_id(1)
     # int64: row * stride overflows int32 once a weight or an activation passes 2^31 elements.
@@ -42,7 +45,7 @@ def _int8_matmul_kernel(
         w = tl.load(
             w_ptr + cols[None, :] * stride_wn + ks[:, None], mask=(cols[None, :] < N) & (ks[:, None] < K), other=0
         )  # [BK, BN] int8
-        acc += tl.dot(x, w.to(x.dtype), input_precision="ieee")  # ieee: fp32 must not silently drop to tf32
+        acc += tl.dot(x, w.to(x.dtype), input_precision=DOT_PRECISION, out_dtype=tl.float32)
     acc *= tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
@@ -85,5 +88,6 @@ def int8_matmul(
         BLOCK_M=block_m,
         BLOCK_N=64,
         BLOCK_K=64,
+        DOT_PRECISION=dot_precision(x.dtype),
     )
     return y.reshape(*lead, N)

@@ -1,8 +1,16 @@
-"""Triton: prefill attention of new tokens over a paged prefix (flash-attention style, causal)."""
+"""Triton: prefill attention of new tokens over a paged prefix (flash-attention style, causal).
+
+Q, K and V stay in the cache's dtype, so that bf16 and fp16 dots run on the tensor cores; scores, the softmax
+statistics and the output accumulate in fp32.
+"""
+
+import math
 
 import torch
 import triton
 import triton.language as tl
+
+from kvferry.kernels.triton.launch_config import dot_precision, prefill_tiles, shared_memory_budget
 
 
 @triton.jit
@@ -14,7 +22,7 @@ def _paged_prefill_kernel(
     cu_seqlens_q_ptr,
     context_lens_ptr,
     out_ptr,
-    scale,
+    qk_scale,
     stride_q_t,
     stride_q_h,
     stride_bt_s,
@@ -29,6 +37,7 @@ def _paged_prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -48,7 +57,7 @@ def _paged_prefill_kernel(
             q_ptr + (q_start + offs_m)[:, None] * stride_q_t + head * stride_q_h + offs_d[None, :],
             mask=mask_m[:, None] & mask_d[None, :],
             other=0.0,
-        ).to(tl.float32)  # [BLOCK_M, D]
+        ).to(k_cache_ptr.dtype.element_ty)  # [BLOCK_M, D]
         m_i = tl.full([BLOCK_M], -float("inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
@@ -64,18 +73,19 @@ def _paged_prefill_kernel(
             )
             base = block_id * stride_c_block + (key_pos % BLOCK_SIZE) * stride_c_tok + kv_head * stride_c_head
             kv_mask = mask_n[:, None] & mask_d[None, :]
-            k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            # ieee: fp32 must not silently drop to tf32 on the tensor cores.
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [BLOCK_M, BLOCK_N]
+            k = tl.load(k_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            # Scores in log2 units (qk_scale folds in log2(e)): exp2 is the cheaper instruction.
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION, out_dtype=tl.float32) * qk_scale
             visible = (key_pos[None, :] <= query_pos[:, None]) & mask_n[None, :]
             scores = tl.where(visible, scores, -float("inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             # Rows that have seen no key yet keep m = -inf; guard their rescale against nan.
             m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(scores - m_safe[:, None])
+            v = tl.load(v_cache_ptr + base[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            # p in [0, 1] rounded to V's dtype, as flash-attention does, so that P.V is a tensor-core dot too.
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION, out_dtype=tl.float32)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             m_i = m_new
         out = acc / l_i[:, None]
@@ -105,8 +115,9 @@ def paged_prefill_attention(
     if max_q_len is None:
         max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     out = torch.empty_like(query)
-    block_m = 32
-    grid = (num_seqs, num_heads, triton.cdiv(max_q_len, block_m))
+    head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    tiles = prefill_tiles(head_dim_pad, k_cache.element_size(), shared_memory_budget(query.device))
+    grid = (num_seqs, num_heads, triton.cdiv(max_q_len, tiles.block_m))
     _paged_prefill_kernel[grid](
         query,
         k_cache,
@@ -115,7 +126,7 @@ def paged_prefill_attention(
         cu_seqlens_q,
         context_lens,
         out,
-        scale,
+        scale * math.log2(math.e),
         query.stride(0),
         query.stride(1),
         block_tables.stride(0),
@@ -126,9 +137,12 @@ def paged_prefill_attention(
         k_cache.stride(2),
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        HEAD_DIM_PAD=head_dim_pad,
         BLOCK_SIZE=block_size,
-        BLOCK_M=block_m,
-        BLOCK_N=32,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        DOT_PRECISION=dot_precision(k_cache.dtype),
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
     )
     return out
