@@ -146,7 +146,9 @@ def max_model_len_of(config) -> int:
 
 
 def served_model_name(model: str | os.PathLike | None) -> str:
-    """The name clients and workers use for --model: the default model's, or the folder's or file's stem."""
+    """The name clients and workers use for --model: the default model's, a folder's name, or a file's stem
+    (a folder such as `Qwen3-0.6B` keeps its dot; only a file's suffix, `.gguf`, is dropped)."""
     if model is None or str(model) == "":
         return DEFAULT_MODEL_NAME
-    return Path(model).expanduser().resolve().stem
+    path = Path(model).expanduser().resolve()
+    return path.name if path.is_dir() else path.stem
