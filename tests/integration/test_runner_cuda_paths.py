@@ -60,3 +60,14 @@ def test_a_failed_graph_capture_leaves_decode_eager_with_the_same_tokens(folder,
     [warning] = [r.getMessage() for r in caplog.records if "graphs failed" in r.getMessage()]
     assert "decode steps run eager" in warning and "RuntimeError" in warning
     assert [out.output_token_ids for out in engine.generate(PROMPTS, greedy)] == reference
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs, pinned memory and streams need CUDA")
+def test_on_cuda_the_captured_graphs_give_the_eager_tokens_in_fp32(folder):
+    settings = dict(model=str(folder), kv_cache_memory=2**20, block_size=8, max_num_seqs=4, dtype="float32")
+    eager = LLMEngine(EngineConfig(**settings, device="cuda:0", enforce_eager=True))
+    graphs = LLMEngine(EngineConfig(**settings, device="cuda:0"))
+    assert torch.cuda.current_device() == 0
+    assert graphs.runner.decode_graphs is not None and graphs.runner.decode_graphs.capture
+    tokens = [[out.output_token_ids for out in engine.generate(PROMPTS, params())] for engine in (eager, graphs)]
+    assert tokens[0] == tokens[1]
