@@ -1,12 +1,12 @@
-"""Soak: 1,000 requests over 2 prefill and 2 decode workers, about a fifth cancelled at random points (queued,
-prefilling, decoding). No block leaks, no stuck request, and no process grows by more than 10% after warm-up."""
+"""Soak: 1,000 requests over 2 prefill and 2 decode workers, a seeded fifth of them cancelled at random points
+(queued, prefilling, decoding), each before its last token, so that exactly the planned number ends cancelled. No block leaks, no stuck request, and no process grows by more than 10% after warm-up."""
 
 import os
 
 import pytest
 
 from kvferry.services.launcher import free_port, start_services, stop_all
-from kvferry.tools.bench.soak import soak
+from kvferry.tools.bench.soak import plan, soak
 from tests.tiny_models import save_tiny_chat_model
 
 pytestmark = pytest.mark.slow
@@ -37,6 +37,9 @@ def test_soak_with_cancellations_leaks_nothing(tmp_path):
     print(f"\nsoak: {report}")
     outcomes = report["outcomes"]
     assert set(outcomes) <= {"ok", "cancelled"}, outcomes
-    assert 150 <= outcomes["cancelled"] <= 250 and outcomes["ok"] + outcomes["cancelled"] == 1000
+    planned = [cancel for _, _, cancel in plan(1000, 0.2, 0.15, seed=0)]  # soak's defaults: share 0.2, seed 0
+    assert report["cancels_planned"] == sum(c is not None for c in planned) == 209  # the seed's own count
+    assert {kind for kind, _ in filter(None, planned)} == {"tokens", "time"}
+    assert outcomes["cancelled"] == 209 and outcomes["ok"] == 1000 - 209
     assert report["workers"] == 4 and report["blocks_leaked"] == {} and report["requests_stuck"] == 0
     assert all(growth < 0.10 for growth in report["rss_growth"].values()), report["rss_mib_every_100"]

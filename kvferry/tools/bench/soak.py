@@ -1,4 +1,4 @@
-"""`kvferry bench soak`: many requests, a fifth of them cancelled at random points, over 2 prefill and 2 decode
+"""`kvferry bench soak`: many requests, a seeded fifth of them cancelled at random points, over 2 prefill and 2 decode
 workers. Afterwards nothing may be left: every worker's blocks free, no request in flight, and no process
 grown by more than 10% in memory since warm-up."""
 
@@ -26,9 +26,30 @@ def workers_state(url: str) -> dict:
         return json.loads(r.read())
 
 
+def plan(num_requests: int, cancel_share: float, cancel_within_s: float, seed: int) -> list[tuple]:
+    """The requests, drawn from the seed alone: (prompt, max_tokens, cancel) each. cancel is None, ('tokens', k):
+    close the stream after k tokens (1 <= k < max_tokens), or ('time', s): close it s seconds after sending,
+    wherever the request is (queued, prefilling, decoding), or after max_tokens - 1 tokens if that comes first.
+    Either way a cancelled request never gets its last token, so the number cancelled is the number planned,
+    however fast the stack runs."""
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_requests):
+        prompt = [rng.randrange(256, 40000) for _ in range(rng.randint(16, 96))]
+        max_tokens = rng.randint(4, 24)
+        cancel = None
+        if rng.random() < cancel_share:
+            cancel = (
+                ("tokens", rng.randint(1, max_tokens - 1))
+                if rng.random() < 0.5
+                else ("time", rng.uniform(0, cancel_within_s))
+            )
+        requests.append((prompt, max_tokens, cancel))
+    return requests
+
+
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, cancel: tuple | None) -> str:
-    """-> 'ok', 'cancelled' or an error. cancel: ('tokens', k) closes the stream after k tokens; ('time', s)
-    closes it s seconds after sending, wherever the request is (queued, prefilling, decoding)."""
+    """-> 'ok', 'cancelled' or an error; cancel as in plan()."""
     body = {
         "model": model,
         "prompt": prompt,
@@ -37,6 +58,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
         "ignore_eos": True,
         "stream": True,
     }
+    close_after = None if cancel is None else cancel[1] if cancel[0] == "tokens" else max_tokens - 1
 
     async def stream() -> str:
         num_tokens = 0
@@ -50,7 +72,7 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
                 if "error" in chunk:
                     return f"error {chunk['error'].get('message', '')[:80]}"
                 num_tokens += len(chunk["choices"])
-                if cancel and cancel[0] == "tokens" and num_tokens >= cancel[1]:
+                if close_after is not None and num_tokens >= close_after:
                     return "cancelled"  # leaving the block closes the connection: the gateway must abort
         return "ok" if num_tokens == max_tokens else f"short {num_tokens}/{max_tokens}"
 
@@ -62,33 +84,14 @@ async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int,
     return await stream()
 
 
-async def _drive(
-    url: str,
-    model: str,
-    num_requests: int,
-    concurrency: int,
-    cancel_share: float,
-    cancel_within_s: float,
-    seed: int,
-    on_hundred,
-) -> list[str]:
+async def _drive(url: str, model: str, requests: list[tuple], concurrency: int, on_hundred) -> list[str]:
     import httpx
 
-    rng = random.Random(seed)
     semaphore = asyncio.Semaphore(concurrency)
     done = 0
 
-    async def one(i: int) -> str:
+    async def one(prompt, max_tokens, cancel) -> str:
         nonlocal done
-        prompt = [rng.randrange(256, 40000) for _ in range(rng.randint(16, 96))]
-        max_tokens = rng.randint(4, 24)
-        cancel = None
-        if rng.random() < cancel_share:
-            cancel = (
-                ("tokens", rng.randint(1, max_tokens - 1))
-                if rng.random() < 0.5
-                else ("time", rng.uniform(0, cancel_within_s))
-            )
         async with semaphore:
             outcome = await _one(client, url, model, prompt, max_tokens, cancel)
         done += 1
@@ -99,7 +102,7 @@ async def _drive(
     async with httpx.AsyncClient(
         timeout=httpx.Timeout(300.0), limits=httpx.Limits(max_connections=concurrency * 2)
     ) as client:
-        return await asyncio.gather(*(one(i) for i in range(num_requests)))
+        return await asyncio.gather(*(one(*request) for request in requests))
 
 
 def soak(
@@ -113,8 +116,9 @@ def soak(
     cancel_within_s: float = 0.6,
 ) -> dict:
     """Drive the stack at url; pids: process name -> pid, for memory. Returns the report. Half the cancellations
-    close the stream after a number of tokens, half after up to cancel_within_s seconds: a request's usual
-    length, so that they land while it is queued, prefilling or decoding."""
+    close the stream after a number of tokens, half after up to cancel_within_s seconds (a request's usual
+    length, so that they land while it is queued, prefilling or decoding) or one token short of the end;
+    outcomes' 'cancelled' is always cancels_planned (see plan())."""
     model = served_model(url)
     trace: dict[str, list[float]] = {name: [] for name in pids}  # MiB after every 100 requests
 
@@ -122,8 +126,9 @@ def soak(
         for name, pid in pids.items():
             trace[name].append(round(rss_bytes(pid) / 2**20, 1))
 
+    requests = plan(num_requests, cancel_share, cancel_within_s, seed)
     started = time.monotonic()
-    outcomes = asyncio.run(_drive(url, model, num_requests, concurrency, cancel_share, cancel_within_s, seed, sample))
+    outcomes = asyncio.run(_drive(url, model, requests, concurrency, sample))
     elapsed = time.monotonic() - started
     deadline = time.monotonic() + settle_s  # heartbeats carry the final block counts
     while True:
@@ -142,6 +147,7 @@ def soak(
         counts[outcome] = counts.get(outcome, 0) + 1
     return {
         "requests": num_requests,
+        "cancels_planned": sum(cancel is not None for _, _, cancel in requests),
         "elapsed_s": round(elapsed, 1),
         "outcomes": counts,
         "blocks_leaked": leaks,
