@@ -46,3 +46,14 @@ bench: model
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# The GPU check: `make gpu-check-prepare` here (network, .venv), then on the GPU machine, with .gpu-check/
+# carried along, `make gpu-check OUT=DIR`. It runs on that machine's own python3 and needs no .venv.
+.PHONY: gpu-check gpu-check-prepare
+OUT ?= out/gpu-check
+
+gpu-check:
+	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(OUT)
+
+gpu-check-prepare: $(STAMP)
+	PY=$(abspath $(PY)) bash scripts/gpu_check_prepare.sh

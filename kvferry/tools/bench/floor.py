@@ -20,9 +20,11 @@ def step_costs(hf_model, reps: int = 3) -> dict[int, float]:
     """Seconds per forward for each grid size: above 64, one sequence of n tokens (logits for the last);
     otherwise n sequences of one token."""
     costs = {}
+    sync = torch.cuda.synchronize if hf_model.device.type == "cuda" else lambda: None
     for n in GRID:
         prefill_like = n > 64
-        ids = torch.randint(1000, 2000, (1, n)) if prefill_like else torch.randint(1000, 2000, (n, 1))
+        shape = (1, n) if prefill_like else (n, 1)
+        ids = torch.randint(1000, 2000, shape, device=hf_model.device)
 
         def forward():
             if prefill_like:
@@ -32,9 +34,11 @@ def step_costs(hf_model, reps: int = 3) -> dict[int, float]:
                 hf_model(ids)
 
         forward()
+        sync()
         start = time.perf_counter()
         for _ in range(reps):
             forward()
+        sync()  # on a GPU the forwards only queued
         costs[n] = (time.perf_counter() - start) / reps
     return costs
 

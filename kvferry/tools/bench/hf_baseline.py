@@ -13,7 +13,9 @@ def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int =
     generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests), eos_token_id=-1, pad_token_id=0
     )
-    cb_config = ContinuousBatchingConfig(page_size=block_size, num_blocks=None, max_batch_tokens=None)
+    # transformers 5.17 names the page size block_size; later releases renamed it page_size.
+    size_field = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"
+    cb_config = ContinuousBatchingConfig(**{size_field: block_size}, num_blocks=None, max_batch_tokens=None)
     manager = hf_model.init_continuous_batching(
         generation_config=generation_config, continuous_batching_config=cb_config
     )
@@ -39,14 +41,21 @@ def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int =
     return {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1)}
 
 
-def load_hf_model_dir(model_dir):
+def load_hf_model_dir(model_dir, device: torch.device | None = None, dtype: torch.dtype | None = None):
+    """On the device and in the dtype kvferry's settings resolve to by default (KVFERRY_DEVICE, KVFERRY_DTYPE):
+    a stack started with the same environment runs there too."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    from kvferry.common import settings
+    from kvferry.common.engine_setup import resolve_device, resolve_dtype
+
+    device = device or resolve_device(settings.from_env("device"))
+    dtype = dtype or resolve_dtype(settings.from_env("dtype"), device)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
 
 
 def load_hf_model(engine):
-    """transformers' model of the engine's own weights."""
+    """transformers' model of the engine's own weights, on its device, in its dtype."""
     from kvferry.common.model_files import resolve_model
 
-    return load_hf_model_dir(resolve_model(engine.config.model))
+    return load_hf_model_dir(resolve_model(engine.config.model), engine.device, engine.dtype)

@@ -1,0 +1,143 @@
+"""Parts that run the project's own commands: the kernel tests, `kvferry bench step`, `bench engine`, and a real
+stack under `bench serve` against transformers' continuous batching."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+from kvferry.common import settings
+from kvferry.tools.gpu_check.part import SOURCE_ROOT, Context, PartFailed
+
+KERNEL_TESTS = ("tests/unit/test_kernels.py", "tests/unit/test_int8.py")
+# Run inside pytest's process, to see what tests/conftest.py left in the environment once the tests ran.
+PYTEST_THEN_REPORT_INTERPRETER = (
+    "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); "
+    "print('gpu-check: TRITON_INTERPRET during the tests: %r' % os.environ.get('TRITON_INTERPRET'), flush=True); "
+    "sys.exit(int(rc))"
+)
+GRAPHS_FAILED = re.compile(r"captur\w* the decode CUDA graphs failed")
+PYTEST_WORKERS = 4  # processes compiling at once; each holds a CUDA context of its own
+MAX_NUM_SEQS = "32"  # std-32 and bench step's batch fit; fewer graph sizes to capture than the default's
+
+
+def kernel_tests(ctx: Context) -> None:
+    missing = [t for t in KERNEL_TESTS if not (SOURCE_ROOT / t).is_file()]
+    if missing:
+        raise PartFailed(f"{', '.join(missing)} not found under {SOURCE_ROOT}: run the check from a source tree")
+    junit = ctx.work / "kernel_tests.xml"
+    argv = [sys.executable, "-c", PYTEST_THEN_REPORT_INTERPRETER, "-q", "-p", "no:cacheprovider", "-rfE"]
+    if not ctx.dry_run and importlib.util.find_spec("xdist"):
+        argv += ["-n", str(PYTEST_WORKERS)]  # each test's first launch compiles its kernels: on several cores
+    argv += [f"--junitxml={junit}", *KERNEL_TESTS]
+    print("gpu-check: $ " + " ".join(argv), file=sys.stderr, flush=True)
+    done = subprocess.run(argv, cwd=SOURCE_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(done.stdout, file=sys.stderr, flush=True)
+    interpreted = re.search(r"TRITON_INTERPRET during the tests: (.*)", done.stdout)
+    counts = _junit_counts(junit)
+    ctx.record("tests", counts)
+    ctx.record("exit_status", done.returncode)
+    ctx.record("TRITON_INTERPRET_during_tests", interpreted.group(1) if interpreted else "unknown")
+    compiled = interpreted is not None and interpreted.group(1) == "None"
+    ctx.summary = (
+        f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped, "
+        + ("compiled" if compiled else "UNDER THE INTERPRETER")
+    )
+    if done.returncode != 0:
+        raise PartFailed(f"{ctx.summary}; failing: {', '.join(counts.get('failing', [])) or 'see the output tail'}")
+    if not compiled and not ctx.dry_run:
+        raise PartFailed(f"{ctx.summary}: TRITON_INTERPRET was set during the tests (tests/conftest.py?)")
+
+
+def _junit_counts(path) -> dict:
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    cases = list(root.iter("testcase"))
+    failing = [f"{c.get('name')}" for c in cases if c.find("failure") is not None or c.find("error") is not None]
+    skipped = sum(c.find("skipped") is not None for c in cases)
+    return {
+        "total": len(cases),
+        "passed": len(cases) - len(failing) - skipped,
+        "failed": len(failing),
+        "skipped": skipped,
+        "failing": failing[:30],
+        "seconds": round(sum(float(c.get("time") or 0) for c in cases), 1),
+    }
+
+
+def bench_step(ctx: Context) -> None:
+    sizes = ["--batch", "4", "--context", "32", "--steps", "4"] if ctx.dry_run else []
+    _eager_against_graphs(ctx, ["bench", "step", *sizes], "step_ms")
+    e, g = ctx.findings["eager"], ctx.findings["graphs"]
+    ctx.summary = (
+        f"decode step at batch {g['batch']}, context {g['context']}: eager {e['step_ms']} ms (model {e['model_ms']} "
+        f"ms), graphs {g['step_ms']} ms (model {g['model_ms']} ms): {ctx.findings['graphs_speedup']}x"
+    )
+
+
+def bench_engine(ctx: Context) -> None:
+    flags = ["--workload", "std-32", "--no-floor", "--no-paging", "--repeat", "1"]
+    _eager_against_graphs(ctx, ["bench", "engine", *flags], "elapsed_s")
+    e, g = ctx.findings["eager"]["kvferry"], ctx.findings["graphs"]["kvferry"]
+    ctx.summary = (
+        f"std-32: eager {e['output_tok_per_s']} tok/s (TPOT p50 {e['tpot_p50_ms']} ms), graphs "
+        f"{g['output_tok_per_s']} tok/s (TPOT p50 {g['tpot_p50_ms']} ms): {ctx.findings['graphs_speedup']}x"
+    )
+
+
+def _eager_against_graphs(ctx: Context, command: list[str], time_key: str) -> None:
+    base = ctx.kvferry(*command, "--model", ctx.model_dir, "--max-num-seqs", MAX_NUM_SEQS, "--json")
+    eager, _ = ctx.run_json([*base, "--enforce-eager"])
+    ctx.record("eager", eager)
+    graphs, log = ctx.run_json(base)
+    ctx.record("graphs", graphs)
+    if GRAPHS_FAILED.search(log):
+        raise PartFailed("the decode CUDA graphs were not captured, so 'graphs' ran eager (see the output tail)")
+    seconds = lambda r: r[time_key] if time_key in r else r["kvferry"][time_key]
+    ctx.record("graphs_speedup", round(seconds(eager) / max(1e-9, seconds(graphs)), 2))
+
+
+def serve(ctx: Context) -> None:
+    """The stack first, alone on the GPU; then, once it has stopped, transformers' continuous batching on the
+    same requests (bench serve --baseline hf does the same in one process, but a slow baseline would then take
+    the stack's figures down with it)."""
+    from kvferry.tools.bench.stack import fresh_stack
+
+    env = {settings.env_name("max_num_seqs"): MAX_NUM_SEQS}
+    with fresh_stack(str(ctx.model_dir), env) as (url, procs):
+        ctx.record("stack", {"url": url, "processes": {"gateway": procs[0].pid, "workers": [p.pid for p in procs[1:]]}})
+        flags = ["--workload", "std-32", "--no-floor", "--repeat", "1", "--json"]
+        report, _ = ctx.run_json(ctx.kvferry("bench", "serve", "--url", url, "--model", ctx.model_dir, *flags))
+    ctx.record("bench_serve", report)
+    k = report["kvferry"]
+    ctx.summary = (
+        f"std-32 over HTTP: {k['output_tok_per_s']} tok/s (TTFT p50 {k['ttft_p50_s']} s, TPOT p50 {k['tpot_p50_ms']} "
+        f"ms, KV transfer p50 {k['kv_transfer_p50_ms']} ms)"
+    )
+    hf = _hf_continuous_batching(ctx)
+    hf["kvferry_speedup"] = round(k["output_tok_per_s"] / hf["output_tok_per_s"], 2)
+    ctx.record("transformers_continuous_batching", hf)
+    ctx.summary += (
+        f"; transformers' continuous batching {hf['output_tok_per_s']} tok/s: kvferry {hf['kvferry_speedup']}x"
+    )
+
+
+def _hf_continuous_batching(ctx: Context) -> dict:
+    import torch
+    from transformers import AutoConfig
+
+    from kvferry.tools.bench import hf_baseline, workload
+
+    print("gpu-check: transformers' continuous batching on std-32", file=sys.stderr, flush=True)
+    model = hf_baseline.load_hf_model_dir(ctx.model_dir)
+    requests = workload.generate("std-32", AutoConfig.from_pretrained(ctx.model_dir).vocab_size)
+    result = hf_baseline.run_hf_continuous_batching(model, requests)
+    return {
+        **result,
+        "device": str(model.device),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+    }

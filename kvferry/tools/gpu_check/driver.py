@@ -1,0 +1,212 @@
+"""Runs the GPU check's parts in order, each in a process group of its own under its own timeout, plus the
+time the parts before it left unused (the whole run stays within the budget).
+
+A part that fails or times out is recorded with the tail of its output, its whole process group (a stack's
+gateway and workers too) is killed, and the next part runs. The report is rewritten after every part.
+Exit status: 0 when every part passed, 1 when one failed, 2 when there is no usable GPU.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from kvferry.tools.gpu_check import part as part_module
+from kvferry.tools.gpu_check.parts import BUDGET_S, DRY_RUN_ENV, DRY_RUN_SLOWDOWN, Part, by_name
+from kvferry.tools.gpu_check.report import Report
+
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
+OUTPUT_TAIL_CHARS = 3000
+
+
+class Interrupted(Exception):
+    pass
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("outdir", help="where report.json, report.txt and log.txt go (created)")
+    p.add_argument(
+        "--prepared",
+        default=str(SOURCE_ROOT / ".gpu-check"),
+        help="the folder `make gpu-check-prepare` filled (model/ is read from it)",
+    )
+    p.add_argument("--parts", default=None, help="comma-separated part names to run (default: all, in order)")
+    p.add_argument("--keep-workdir", action="store_true", help="keep the temporary folder with the built model")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvferry.tools.gpu_check", description=__doc__)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    dry_run = bool(os.environ.get(DRY_RUN_ENV))
+    parts = by_name(args.parts.split(",") if args.parts else None)
+    slowdown = DRY_RUN_SLOWDOWN if dry_run else 1
+    out = Path(args.outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvferry-gpu-check-"))
+    mode = "cpu dry run (KVFERRY_GPU_CHECK_ALLOW_CPU: tests the check only, measures nothing)" if dry_run else "cuda"
+    report = Report(out, mode, BUDGET_S * slowdown, [p.name for p in parts])
+    log_path = out / "log.txt"
+    log_path.write_text("")
+    env = part_environment(work, Path(args.prepared), dry_run)
+    deadline = time.monotonic() + BUDGET_S * slowdown
+    previous = _on_signals(_raise_interrupted)
+    note, failed_setup = None, set()
+    try:
+        for i, part in enumerate(parts, 1):
+            if "environment" in failed_setup:
+                report.add(_skipped(part, "no usable GPU (the environment part failed)"))
+                continue
+            if part.needs_model and "model" in failed_setup:
+                report.add(_skipped(part, "the model part failed"))
+                continue
+            # Its own timeout and whatever the parts before it left unused; never the time of the parts after it.
+            after = sum(later.timeout_s for later in parts[i:]) * slowdown
+            timeout = deadline - time.monotonic() - after
+            if timeout < 3:
+                report.add(_skipped(part, "the run's time budget is spent"))
+                continue
+            print(f"gpu-check: [{i}/{len(parts)}] {part.name}: {part.what} (at most {timeout:.0f} s)", flush=True)
+            entry = run_part(part, timeout, env, work, log_path)
+            report.add(entry)
+            detail = entry["summary"] if entry["status"] == "passed" else entry["error"]
+            print(f"gpu-check:   {entry['status'].upper()} in {entry['seconds']} s: {detail}", flush=True)
+            if entry["status"] != "passed" and part.name in ("environment", "model"):
+                failed_setup.add(part.name)
+    except Interrupted:
+        note = "interrupted by a signal: the parts after the one running then were not run"
+    finally:
+        _on_signals(previous)
+        report.finish(note)
+        if not args.keep_workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    print(report.text(), end="", flush=True)
+    print(f"gpu-check: the report is in {out}/report.json and report.txt, every part's output in {log_path}")
+    if "environment" in failed_setup:
+        return 2
+    return 0 if report.ok else 1
+
+
+def part_environment(work: Path, prepared: Path, dry_run: bool) -> dict:
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # on the GPU the kernels must compile; graph capture needs them compiled
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"
+        env.setdefault("KVFERRY_KV_CACHE_MEMORY", "64MiB")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SOURCE_ROOT), env.get("PYTHONPATH")]))
+    env.update(
+        PYTHONUNBUFFERED="1",
+        HF_HUB_OFFLINE="1",  # the GPU machine has no network: fail at once rather than wait on a connection
+        TRANSFORMERS_OFFLINE="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        TQDM_DISABLE="1",
+        TOKENIZERS_PARALLELISM="false",
+        KVFERRY_CACHE_DIR=str(work / "cache"),
+    )
+    env[part_module.WORK_ENV] = str(work)
+    env[part_module.PREPARED_ENV] = str(prepared.resolve())
+    return env
+
+
+def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) -> dict:
+    result_path = work / f"{part.name}.json"
+    result_path.unlink(missing_ok=True)
+    started = time.monotonic()
+    with open(log_path, "a") as log:
+        log.write(f"\n===== {part.name}: {part.what} ({time.strftime('%H:%M:%S')}, at most {timeout:.0f} s)\n")
+        log.flush()
+        offset = log.tell()
+        # A process group of its own (not a session: the machine's own clean-up still reaches it), so that a
+        # timeout kills the part's children too: a stack's gateway and workers hold the GPU.
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvferry.tools.gpu_check.run_part", part.name, part.code],
+            env={**env, part_module.RESULT_ENV: str(result_path)},
+            cwd=SOURCE_ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            process_group=0,
+        )
+        timed_out = False
+        try:
+            proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+        except Interrupted:
+            _kill_group(proc)
+            raise
+        finally:
+            _kill_group(proc)  # whatever the part left running
+    seconds = round(time.monotonic() - started, 1)
+    found = _read_result(result_path)
+    entry = {
+        "name": part.name,
+        "what": part.what,
+        "status": "passed",
+        "seconds": seconds,
+        "timeout_s": round(timeout),
+        "summary": found.get("summary", ""),
+        "error": found.get("error"),
+        "findings": found.get("findings", {}),
+    }
+    if timed_out:
+        entry.update(status="timed out", error=f"timed out after {timeout:.0f} s; " + (entry["error"] or ""))
+    elif proc.returncode != 0 or not found.get("ok"):
+        entry.update(status="failed", error=entry["error"] or f"exited with status {proc.returncode}")
+    if entry["status"] != "passed":
+        entry["output_tail"] = _tail(log_path, offset)
+    return entry
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        if sig == signal.SIGTERM:
+            # Give a stack's processes a moment to end their children and release the GPU on SIGTERM.
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(0.5)
+    proc.wait()
+
+
+def _read_result(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _tail(log_path: Path, offset: int) -> str:
+    with open(log_path, "rb") as f:
+        f.seek(offset)
+        text = f.read().decode(errors="replace")
+    return text[-OUTPUT_TAIL_CHARS:]
+
+
+def _skipped(part: Part, why: str) -> dict:
+    return {"name": part.name, "what": part.what, "status": "skipped", "seconds": 0.0, "summary": "", "error": why}
+
+
+def _raise_interrupted(*_):
+    raise Interrupted
+
+
+def _on_signals(handler):
+    """Install handler for SIGTERM and SIGINT; returns what was there before (a dict to pass back)."""
+    if not isinstance(handler, dict):
+        handler = {signal.SIGTERM: handler, signal.SIGINT: handler}
+    return {sig: signal.signal(sig, h) for sig, h in handler.items()}

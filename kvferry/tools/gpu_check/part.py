@@ -1,0 +1,78 @@
+"""What a part of the GPU check works with, in its own process (run_part.py): its Context, and PartFailed.
+
+The part's findings go to the file RESULT_ENV names, rewritten at every finding, so that the driver still
+has what a part found before it was killed at its timeout.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from kvferry.tools.gpu_check.parts import DRY_RUN_ENV
+
+RESULT_ENV = "KVFERRY_GPU_CHECK_RESULT"
+WORK_ENV = "KVFERRY_GPU_CHECK_WORK"
+PREPARED_ENV = "KVFERRY_GPU_CHECK_PREPARED"
+SOURCE_ROOT = Path(__file__).resolve().parents[3]
+
+
+class PartFailed(Exception):
+    """A check that ran and found something wrong; what it found is recorded."""
+
+
+class Context:
+    def __init__(self):
+        self.result_path = Path(os.environ[RESULT_ENV])
+        self.work = Path(os.environ[WORK_ENV])
+        self.prepared = Path(os.environ[PREPARED_ENV])
+        self.model_dir = self.work / "model"
+        self.dry_run = bool(os.environ.get(DRY_RUN_ENV))
+        self.findings: dict = {}
+        self.summary = ""
+        self._write(None, None)
+
+    def record(self, key: str, value) -> None:
+        self.findings[key] = value
+        self._write(None, None)
+
+    def finish(self, ok: bool, error: str | None) -> None:
+        self._write(ok, error)
+
+    def _write(self, ok, error) -> None:
+        data = {"ok": ok, "error": error, "summary": self.summary, "findings": self.findings}
+        tmp = self.result_path.with_name(self.result_path.name + ".tmp")
+        tmp.write_text(json.dumps(data, default=str))
+        os.replace(tmp, self.result_path)
+
+    @staticmethod
+    def kvferry(*args: str) -> list[str]:
+        return [sys.executable, "-m", "kvferry.tools.cli", *map(str, args)]
+
+    def run_json(self, argv: list[str], env: dict | None = None) -> tuple[dict, str]:
+        """Run a command that prints one JSON object on stdout; returns it and the command's stderr, which also
+        goes to the log line by line as it comes (a part killed mid-command still leaves it there)."""
+        print("gpu-check: $ " + " ".join(argv), file=sys.stderr, flush=True)
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=SOURCE_ROOT
+        )
+        stdout: list[str] = []
+        reader = threading.Thread(target=lambda: stdout.extend(proc.stdout), daemon=True)
+        reader.start()
+        stderr = []
+        for line in proc.stderr:
+            stderr.append(line)
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        proc.wait()
+        reader.join()
+        print("".join(stdout), file=sys.stderr, flush=True)
+        what = " ".join(argv[3:])
+        if proc.returncode != 0:
+            raise PartFailed(f"`{what}` exited with status {proc.returncode} (see the output tail)")
+        for line in reversed(stdout):
+            if line.startswith("{"):
+                return json.loads(line), "".join(stderr)
+        raise PartFailed(f"`{what}` printed no JSON object")

@@ -1,0 +1,44 @@
+"""The GPU check's parts, in the order they run, with the time each may take on one H100.
+
+The timeouts add up to less than five minutes: the machine is lent for minutes, and a part that hangs must
+not take the parts after it down with it. A part also gets the time the parts before it left unused. Each part's code is a function, "module:function", that takes a
+part.Context; it runs in a process of its own (run_part.py).
+"""
+
+from dataclasses import dataclass
+
+HERE = "kvferry.tools.gpu_check"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    timeout_s: int
+    what: str
+    code: str  # "module:function"
+    needs_model: bool = True  # skipped when the model part failed
+
+
+PARTS = (
+    Part("environment", 20, "GPU, driver and versions; the carried packages", f"{HERE}.setup_parts:environment", False),
+    Part("model", 25, "SmolLM2's config and tokenizer, random weights", f"{HERE}.setup_parts:model", False),
+    Part("kernel_tests", 60, "test_kernels.py and test_int8.py, compiled", f"{HERE}.bench_parts:kernel_tests", False),
+    Part("graphs_vs_eager", 40, "greedy decode, CUDA graphs against eager", f"{HERE}.decode_parts:graphs"),
+    Part("bench_step", 30, "kvferry bench step, eager against graphs", f"{HERE}.bench_parts:bench_step"),
+    Part("bench_engine", 35, "kvferry bench engine std-32, eager against graphs", f"{HERE}.bench_parts:bench_engine"),
+    Part("int8", 45, "the int8 kernel against its reference; bench quantization", f"{HERE}.decode_parts:int8"),
+    Part("serve", 35, "a stack under bench serve std-32; transformers' CB", f"{HERE}.bench_parts:serve"),
+)
+BUDGET_S = 290  # the whole run: the parts' timeouts together; the script's own set-up takes seconds more
+DRY_RUN_ENV = "KVFERRY_GPU_CHECK_ALLOW_CPU"  # for testing the check itself on a CPU machine: measures nothing
+DRY_RUN_SLOWDOWN = 10  # on the CPU every timeout is this much longer: the kernels run under the interpreter
+
+
+def by_name(names: list[str] | None) -> list[Part]:
+    if not names:
+        return list(PARTS)
+    known = {p.name: p for p in PARTS}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(known)}")
+    return [p for p in PARTS if p.name in names]
