@@ -40,9 +40,9 @@ class PrefillConnector(KVConnector):
 
     def bind(self, engine) -> None:
         super().bind(engine)
-        # Not on CUDA yet: the gather's copy to the host would wait for every queued layer, a stall, not an
-        # overlap (that needs a copy into pinned memory on a side stream).
-        self.wants_layer_events = engine.device.type == "cpu" and engine.num_layers > 1
+        # On CUDA each group's gather is queued on a side stream into pinned memory (`KVCache.read_blocks`), so it
+        # overlaps the next group's layers as the CPU's gather thread does.
+        self.wants_layer_events = engine.device.type in ("cpu", "cuda") and engine.num_layers > 1
 
     # -- scheduler side ---------------------------------------------------------------------------------------
     def on_step_start(self, plan) -> None:
