@@ -2,7 +2,8 @@
 # The GPU check (kvferry/tools/gpu_check): run on a CUDA machine, from the source tree, on that machine's own
 # python3 (torch, triton and transformers already there; pyproject.toml's pins play no part). What that
 # Python lacks travels as wheels in .gpu-check/, filled by `make gpu-check-prepare` on a machine with network.
-#   scripts/gpu_check.sh OUTDIR      writes OUTDIR/report.json, report.txt and log.txt as each part finishes
+#   scripts/gpu_check.sh OUTDIR [--parts a,b]   writes OUTDIR/report.json, report.txt and log.txt as each part
+#                                               finishes (--parts: only those, to run some again)
 set -euo pipefail
 
 OUT="${1:?usage: scripts/gpu_check.sh OUTDIR}"
@@ -28,8 +29,14 @@ trap 'rm -rf "$SITE"' EXIT
 shopt -s nullglob
 WHEELS=("$PREPARED"/wheels/*.whl)
 if [ ${#WHEELS[@]} -gt 0 ]; then
-    "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" \
-        "${WHEELS[@]}"
+    if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --disable-pip-version-check --target "$SITE" \
+        "${WHEELS[@]}"; then
+        message="gpu-check: FAILED: the wheels in $PREPARED/wheels do not install on $PY (the lines above say why;"
+        message+=" they are built for CPython 3.12 on x86-64 Linux)"
+        mkdir -p "$OUT" && echo "$message" >"$OUT/report.txt"
+        echo "$message" >&2
+        exit 2
+    fi
 elif ! "$PY" -c 'import zmq, starlette, uvicorn, jsonschema' 2>/dev/null; then
     echo "gpu-check: FAILED: $PY lacks pyzmq, starlette, uvicorn or jsonschema and $PREPARED/wheels is empty:" \
         "run \`make gpu-check-prepare\` on a machine with network, and bring .gpu-check/ along." >&2
@@ -44,4 +51,4 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"  # the driver runs from the repository's root
 export PYTHONPATH="$ROOT:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 cd "$ROOT"
-"$PY" -m kvferry.tools.gpu_check "$OUT" --prepared "$PREPARED"
+"$PY" -m kvferry.tools.gpu_check "$OUT" --prepared "$PREPARED" "${@:2}"

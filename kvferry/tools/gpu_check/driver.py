@@ -60,13 +60,13 @@ def run(args) -> int:
     env = part_environment(work, Path(args.prepared), dry_run)
     deadline = time.monotonic() + BUDGET_S * slowdown
     previous = _on_signals(_raise_interrupted)
-    note, failed_setup = None, set()
+    note, no_gpu, no_model = None, False, False
     try:
         for i, part in enumerate(parts, 1):
-            if "environment" in failed_setup:
-                report.add(_skipped(part, "no usable GPU (the environment part failed)"))
+            if no_gpu:
+                report.add(_skipped(part, "no CUDA GPU (see the environment part)"))
                 continue
-            if part.needs_model and "model" in failed_setup:
+            if part.needs_model and no_model:
                 report.add(_skipped(part, "the model part failed"))
                 continue
             # Its own timeout and whatever the parts before it left unused; never the time of the parts after it.
@@ -80,8 +80,11 @@ def run(args) -> int:
             report.add(entry)
             detail = entry["summary"] if entry["status"] == "passed" else entry["error"]
             print(f"gpu-check:   {entry['status'].upper()} in {entry['seconds']} s: {detail}", flush=True)
-            if entry["status"] != "passed" and part.name in ("environment", "model"):
-                failed_setup.add(part.name)
+            if entry["status"] == "interrupted":
+                raise Interrupted
+            if part.name == "environment" and not dry_run:
+                no_gpu = entry["findings"].get("versions", {}).get("cuda_available") is not True
+            no_model = no_model or (part.name == "model" and entry["status"] != "passed")
     except Interrupted:
         note = "interrupted by a signal: the parts after the one running then were not run"
     finally:
@@ -91,7 +94,7 @@ def run(args) -> int:
             shutil.rmtree(work, ignore_errors=True)
     print(report.text(), end="", flush=True)
     print(f"gpu-check: the report is in {out}/report.json and report.txt, every part's output in {log_path}")
-    if "environment" in failed_setup:
+    if no_gpu:
         return 2
     return 0 if report.ok else 1
 
@@ -136,14 +139,13 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
             stdin=subprocess.DEVNULL,
             process_group=0,
         )
-        timed_out = False
+        stopped = None
         try:
             proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            timed_out = True
+            stopped = "timed out"
         except Interrupted:
-            _kill_group(proc)
-            raise
+            stopped = "interrupted"
         finally:
             _kill_group(proc)  # whatever the part left running
     seconds = round(time.monotonic() - started, 1)
@@ -158,8 +160,10 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
         "error": found.get("error"),
         "findings": found.get("findings", {}),
     }
-    if timed_out:
-        entry.update(status="timed out", error=f"timed out after {timeout:.0f} s; " + (entry["error"] or ""))
+    if stopped == "timed out":
+        entry.update(status=stopped, error=f"timed out after {timeout:.0f} s; " + (entry["error"] or ""))
+    elif stopped:
+        entry.update(status=stopped, error="the check was stopped by a signal while this part ran")
     elif proc.returncode != 0 or not found.get("ok"):
         entry.update(status="failed", error=entry["error"] or f"exited with status {proc.returncode}")
     if entry["status"] != "passed":
@@ -209,4 +213,5 @@ def _on_signals(handler):
     """Install handler for SIGTERM and SIGINT; returns what was there before (a dict to pass back)."""
     if not isinstance(handler, dict):
         handler = {signal.SIGTERM: handler, signal.SIGINT: handler}
-    return {sig: signal.signal(sig, h) for sig, h in handler.items()}
+    previous = {sig: signal.signal(sig, h) for sig, h in handler.items()}
+    return {sig: signal.SIG_DFL if h is None else h for sig, h in previous.items()}  # None: not set from Python

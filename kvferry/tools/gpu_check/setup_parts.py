@@ -124,8 +124,10 @@ def _carried() -> dict:
                 unmet.append(f"{req} (have {have})")
         where = ""
         if dist_name in CARRIED:
-            module = importlib.import_module(CARRIED[dist_name])
-            where = f" from {os.path.dirname(module.__file__)}"
+            try:
+                where = f" from {os.path.dirname(importlib.import_module(CARRIED[dist_name]).__file__)}"
+            except Exception as exc:  # a wheel for another Python or platform: say so, and go on
+                unmet.append(f"import {CARRIED[dist_name]}: {type(exc).__name__}: {exc}")
         found[dist_name] = f"ok {dist.version}{where}" if not unmet else f"{dist.version}: unmet {', '.join(unmet)}"
     return found
 
