@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from honcho.command import _read_env
-from honcho.environ import expand_processes, parse_procfile
+from honcho.environ import expand_processes, parse, parse_procfile
 
 from kvferry.common import settings
 from tests.e2e.stack import tiny_stack
@@ -34,7 +33,7 @@ def test_the_procfile_reads_kvferry_settings_and_falls_back_to_their_defaults():
         assert by_env[var].parse(value) == by_env[var].value_default, f"{var}'s fallback in the Procfile"
     processes = parse_procfile(text).processes
     assert list(processes) == ["gateway", "prefill", "decode"]
-    expanded = {p.name: p.env for p in expand_processes(processes, env=_read_env(str(ROOT), ".env"), port=5000)}
+    expanded = {p.name: p.env for p in expand_processes(processes, env=parse((ROOT / ".env").read_text()), port=5000)}
     assert expanded["gateway.1"]["PORT"] == str(settings.default("port"))
 
 
