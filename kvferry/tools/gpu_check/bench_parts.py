@@ -18,6 +18,7 @@ PYTEST_THEN_REPORT_INTERPRETER = (
     "sys.exit(int(rc))"
 )
 GRAPHS_FAILED = re.compile(r"captur\w* the decode CUDA graphs failed")
+GRAPHS_CAPTURED = "decode CUDA graphs for batch sizes"  # the engine's log line once they are captured
 PYTEST_WORKERS = 4  # processes compiling at once; each holds a CUDA context of its own
 MAX_NUM_SEQS = "32"  # std-32 and bench step's batch fit; fewer graph sizes to capture than the default's
 
@@ -94,6 +95,7 @@ def _eager_against_graphs(ctx: Context, command: list[str], time_key: str) -> No
     ctx.record("eager", eager)
     graphs, log = ctx.run_json(base)
     ctx.record("graphs", graphs)
+    ctx.record("graphs_captured_line", next((line for line in log.splitlines() if GRAPHS_CAPTURED in line), None))
     if GRAPHS_FAILED.search(log):
         raise PartFailed("the decode CUDA graphs were not captured, so 'graphs' ran eager (see the output tail)")
     seconds = lambda r: r[time_key] if time_key in r else r["kvferry"][time_key]

@@ -5,6 +5,7 @@ import gc
 import random
 import time
 
+from kvferry.tools.gpu_check.bench_parts import GRAPHS_FAILED
 from kvferry.tools.gpu_check.part import Context, PartFailed
 
 # The same shapes in every step (8 sequences of equal length and output): each step runs at a captured size,
@@ -133,8 +134,10 @@ def int8(ctx: Context) -> None:
     worst = {d: max(r["relative_error"] for r in errors if r["dtype"] == d) for d in {r["dtype"] for r in errors}}
     ctx.summary = "kernel worst relative error " + ", ".join(f"{d} {e:.1e}" for d, e in sorted(worst.items()))
     argv = ctx.kvferry("bench", "quantization", "--model", ctx.model_dir, "--repeat", "1", "--no-floor", "--json")
-    report, _ = ctx.run_json([*argv, "--max-num-seqs", "32"])
+    report, log = ctx.run_json([*argv, "--max-num-seqs", "32"])
     ctx.record("bench_quantization", report)
+    failed_captures = [line for line in log.splitlines() if GRAPHS_FAILED.search(line)]
+    ctx.record("graph_capture_failures", failed_captures)
     a, s = report["accuracy"], report.get("std32", {})
     ctx.summary += (
         f"; bench quantization ({report['dtype']}, random weights): top-1 agreement {a['top1_agreement']:.1%}, "
@@ -143,6 +146,8 @@ def int8(ctx: Context) -> None:
     over = {d: e for d, e in worst.items() if e > INT8_TOLERANCE[d]}
     if over:
         raise PartFailed(f"int8 matmul off its reference beyond the tolerance {INT8_TOLERANCE}: worst {over}")
+    if failed_captures:
+        raise PartFailed(f"bench quantization's engines could not capture their decode graphs: {failed_captures[0]}")
 
 
 def _int8_kernel(ctx: Context) -> dict:
