@@ -3,12 +3,11 @@ stack under `bench serve` against transformers' continuous batching."""
 
 import importlib.util
 import re
-import subprocess
 import sys
 import xml.etree.ElementTree as ET
 
 from kvferry.common import settings
-from kvferry.tools.gpu_check.part import SOURCE_ROOT, Context, PartFailed
+from kvferry.tools.gpu_check.part import SOURCE_ROOT, Context, PartFailed, stream
 
 KERNEL_TESTS = ("tests/unit/test_kernels.py", "tests/unit/test_int8.py")
 # Run inside pytest's process, to see what tests/conftest.py left in the environment once the tests ran.
@@ -32,20 +31,18 @@ def kernel_tests(ctx: Context) -> None:
     if not ctx.dry_run and importlib.util.find_spec("xdist"):
         argv += ["-n", str(PYTEST_WORKERS)]  # each test's first launch compiles its kernels: on several cores
     argv += [f"--junitxml={junit}", *KERNEL_TESTS]
-    print("gpu-check: $ " + " ".join(argv), file=sys.stderr, flush=True)
-    done = subprocess.run(argv, cwd=SOURCE_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    print(done.stdout, file=sys.stderr, flush=True)
-    interpreted = re.search(r"TRITON_INTERPRET during the tests: (.*)", done.stdout)
+    returncode, output = stream(argv)
+    interpreted = re.search(r"TRITON_INTERPRET during the tests: (.*)", output)
     counts = _junit_counts(junit)
     ctx.record("tests", counts)
-    ctx.record("exit_status", done.returncode)
+    ctx.record("exit_status", returncode)
     ctx.record("TRITON_INTERPRET_during_tests", interpreted.group(1) if interpreted else "unknown")
     compiled = interpreted is not None and interpreted.group(1) == "None"
     ctx.summary = (
         f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('skipped', 0)} skipped, "
         + ("compiled" if compiled else "UNDER THE INTERPRETER")
     )
-    if done.returncode != 0:
+    if returncode != 0:
         raise PartFailed(f"{ctx.summary}; failing: {', '.join(counts.get('failing', [])) or 'see the output tail'}")
     if not compiled and not ctx.dry_run:
         raise PartFailed(f"{ctx.summary}: TRITON_INTERPRET was set during the tests (tests/conftest.py?)")

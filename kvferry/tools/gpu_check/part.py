@@ -52,27 +52,43 @@ class Context:
         return [sys.executable, "-m", "kvferry.tools.cli", *map(str, args)]
 
     def run_json(self, argv: list[str], env: dict | None = None) -> tuple[dict, str]:
-        """Run a command that prints one JSON object on stdout; returns it and the command's stderr, which also
-        goes to the log line by line as it comes (a part killed mid-command still leaves it there)."""
-        print("gpu-check: $ " + " ".join(argv), file=sys.stderr, flush=True)
-        proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=SOURCE_ROOT
-        )
+        """Run a command that prints one JSON object on stdout; returns it and the command's stderr (which goes
+        to the log as it comes)."""
         stdout: list[str] = []
-        reader = threading.Thread(target=lambda: stdout.extend(proc.stdout), daemon=True)
-        reader.start()
-        stderr = []
-        for line in proc.stderr:
-            stderr.append(line)
-            sys.stderr.write(line)
-            sys.stderr.flush()
-        proc.wait()
-        reader.join()
-        print("".join(stdout), file=sys.stderr, flush=True)
+        returncode, stderr = stream(argv, env, stdout)
         what = " ".join(argv[3:])
-        if proc.returncode != 0:
-            raise PartFailed(f"`{what}` exited with status {proc.returncode} (see the output tail)")
+        if returncode != 0:
+            raise PartFailed(f"`{what}` exited with status {returncode} (see the output tail)")
         for line in reversed(stdout):
             if line.startswith("{"):
-                return json.loads(line), "".join(stderr)
+                return json.loads(line), stderr
         raise PartFailed(f"`{what}` printed no JSON object")
+
+
+def stream(argv: list[str], env: dict | None = None, stdout: list[str] | None = None) -> tuple[int, str]:
+    """Run a command with its output copied to this part's log line by line as it comes (a part killed
+    mid-command still leaves it there); returns its exit status and that output. stdout: a list to collect
+    the command's stdout in apart (it is then copied to the log at the end), or None to log it with the rest."""
+    print("gpu-check: $ " + " ".join(map(str, argv)), file=sys.stderr, flush=True)
+    proc = subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE if stdout is not None else subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=SOURCE_ROOT,
+    )
+    reader = None
+    if stdout is not None:
+        reader = threading.Thread(target=lambda: stdout.extend(proc.stdout), daemon=True)
+        reader.start()
+    logged = []
+    for line in proc.stderr if stdout is not None else proc.stdout:
+        logged.append(line)
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    proc.wait()
+    if reader is not None:
+        reader.join()
+        print("".join(stdout), file=sys.stderr, flush=True)
+    return proc.returncode, "".join(logged)

@@ -41,4 +41,7 @@ def by_name(names: list[str] | None) -> list[Part]:
     unknown = [n for n in names if n not in known]
     if unknown:
         raise ValueError(f"unknown part(s) {', '.join(unknown)}; the parts are {', '.join(known)}")
+    chosen = [p for p in PARTS if p.name in names]
+    if any(p.needs_model for p in chosen):
+        names = [*names, "model"]  # they run on the model it builds
     return [p for p in PARTS if p.name in names]
