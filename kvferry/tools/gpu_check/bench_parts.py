@@ -9,7 +9,12 @@ import xml.etree.ElementTree as ET
 from kvferry.common import settings
 from kvferry.tools.gpu_check.part import SOURCE_ROOT, Context, PartFailed, stream
 
-KERNEL_TESTS = ("tests/unit/test_kernels.py", "tests/unit/test_int8.py")
+KERNEL_TESTS = (  # the kernels, compiled; and the tests that skip without CUDA (graphs, pinned copies, side streams)
+    "tests/unit/test_kernels.py",
+    "tests/unit/test_int8.py",
+    "tests/integration/test_runner_cuda_paths.py",
+    "tests/unit/test_kv_gather_frames.py",
+)
 # Run inside pytest's process, to see what tests/conftest.py left in the environment once the tests ran.
 PYTEST_THEN_REPORT_INTERPRETER = (
     "import os, sys, pytest; rc = pytest.main(sys.argv[1:]); "

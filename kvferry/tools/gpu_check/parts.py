@@ -22,7 +22,13 @@ class Part:
 PARTS = (
     Part("environment", 20, "GPU, driver and versions; the carried packages", f"{HERE}.setup_parts:environment", False),
     Part("model", 25, "SmolLM2's config and tokenizer, random weights", f"{HERE}.setup_parts:model", False),
-    Part("kernel_tests", 60, "test_kernels.py and test_int8.py, compiled", f"{HERE}.bench_parts:kernel_tests", False),
+    Part(
+        "kernel_tests",
+        60,
+        "the kernel tests compiled, and the CUDA-only runner tests",
+        f"{HERE}.bench_parts:kernel_tests",
+        False,
+    ),
     Part("graphs_vs_eager", 40, "greedy decode, CUDA graphs against eager", f"{HERE}.decode_parts:graphs"),
     Part("bench_step", 30, "kvferry bench step, eager against graphs", f"{HERE}.bench_parts:bench_step"),
     Part("bench_engine", 35, "kvferry bench engine std-32, eager against graphs", f"{HERE}.bench_parts:bench_engine"),
