@@ -99,7 +99,12 @@ def test_openai_client(stack):
     from openai import OpenAI
 
     client = OpenAI(base_url=stack.url + "/v1", api_key="unused")
-    [model] = [m.id for m in client.models.list().data]
+    names = [m.id for m in client.models.list().data]
+    assert names == [
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct",
+    ]  # its hub id first, then the short name
+    model = names[0]
     done = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in done.choices[0].text and done.usage.completion_tokens == 8
     streamed = "".join(
