@@ -92,11 +92,11 @@ def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
             stack.wait_for(lambda: in_flight_on(stack, victim) == 8, 30, f"8 streams on {victim}")
             time.sleep(delay)
             stack.stop(victim)  # SIGKILL
+            stack.start_worker(f"decode-{round + 1}", "decode")  # the next victim loads while the streams move
             assert [s.result(timeout=240) for s in streams] == reference, f"round {round}"
             moved, moves = stack.get("/v1/workers")[1]["gateway"]["moves"] - moves, moves
             moves += moved
             assert moved >= 1, f"round {round}: the streams ended before the kill; nothing was tested"
-            stack.start_worker(f"decode-{round + 1}", "decode")
             stack.wait_workers({f"decode-{round + 1}"})
     wait_blocks_free(stack)
 
