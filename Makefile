@@ -61,5 +61,5 @@ OUT ?= out/gpu-check
 gpu-check:
 	PYTHON=$(PYTHON) bash scripts/gpu_check.sh $(OUT)
 
-gpu-check-prepare: $(STAMP)
+gpu-check-prepare: $(SERVE_STAMP)
 	PY=$(abspath $(PY)) bash scripts/gpu_check_prepare.sh
