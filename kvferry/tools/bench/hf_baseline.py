@@ -1,44 +1,159 @@
 """transformers as the baseline: its model for the compute floor, and its own continuous batching (its
 paged-attention manager) on the same workload."""
 
+import dataclasses
+import inspect
 import time
 
 import torch
 
+POLL_S = 1.0  # how long each wait for a result lasts before the manager's thread is checked
 
-@torch.inference_mode()
-def run_hf_continuous_batching(hf_model, requests: list[dict], block_size: int = 256) -> dict:
+
+# no_grad, as transformers' own generate_batch: not inference_mode, whose tensors (the paged cache a warmup here
+# makes) the manager's generation thread, outside inference mode, may not update in place.
+@torch.no_grad()
+def run_hf_continuous_batching(
+    hf_model,
+    requests: list[dict],
+    block_size: int = 256,
+    max_batch_tokens: int = 2048,
+    timeout_s: float = 600.0,
+    warmup: bool = True,
+    stage=lambda name: None,
+) -> dict:
+    """transformers' continuous batching (init_continuous_batching and its manager) on the requests, each to its
+    exact max_tokens. Its paged cache holds the requests all at once (sized to them, not to the device's memory,
+    which would make its warmup run attention over the whole device's worth of cache), at most max_batch_tokens
+    a step (kvferry's own default) and as many requests as there are. Every argument goes by a name this
+    transformers takes (its API moves between releases);
+    a generation thread that dies raises its own exception, and the whole run raises TimeoutError past
+    timeout_s. warmup: let the manager capture its CUDA graphs first, outside the timing, as kvferry's engine
+    captures its own before it serves (and as transformers' generate_batch does). stage: called with the name of
+    each step as it begins, for a caller that must say where a run was cut off."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(
         do_sample=False, max_new_tokens=max(r["max_tokens"] for r in requests), eos_token_id=-1, pad_token_id=0
     )
     # transformers 5.17 names the page size block_size; later releases renamed it page_size.
-    size_field = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"
-    cb_config = ContinuousBatchingConfig(**{size_field: block_size}, num_blocks=None, max_batch_tokens=None)
+    fields = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    size_field = "page_size" if "page_size" in fields else "block_size"
+    blocks = sum(-(-(len(r["prompt_token_ids"]) + r["max_tokens"]) // block_size) for r in requests)
+    wanted = {
+        size_field: block_size,
+        "num_blocks": blocks + len(requests),  # one spare each: a last token that opens a block
+        "max_batch_tokens": max_batch_tokens,
+        "max_requests_per_batch": len(requests),
+    }
+    cb_config = ContinuousBatchingConfig(**{k: v for k, v in wanted.items() if k in fields})
     manager = hf_model.init_continuous_batching(
-        generation_config=generation_config, continuous_batching_config=cb_config
+        **_accepted(
+            hf_model.init_continuous_batching,
+            generation_config=generation_config,
+            continuous_batching_config=cb_config,
+            workload_hints=_workload_hints(requests),
+        )
     )
-    manager.start()
-    start = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
+    warmup_s, finished = None, False
     try:
+        if warmup and hasattr(manager, "warmup"):
+            stage("warmup (its CUDA graphs)")
+            started = time.perf_counter()
+            manager.warmup()
+            warmup_s = round(time.perf_counter() - started, 2)
+        stage("generation")
+        manager.start()
+        start = time.perf_counter()
         for r in requests:
             # eos_token_id=-1 never matches: the same exact output lengths as ignore_eos.
             manager.add_request(
-                r["prompt_token_ids"], request_id=r["id"], max_new_tokens=r["max_tokens"], eos_token_id=-1
+                r["prompt_token_ids"],
+                **_accepted(manager.add_request, request_id=r["id"], max_new_tokens=r["max_tokens"], eos_token_id=-1),
             )
         num_out = {}
         while len(num_out) < len(requests):
-            result = manager.get_result(timeout=600)
+            result = manager.get_result(timeout=POLL_S)
             if result is None:
-                raise RuntimeError("transformers' continuous batching stopped before finishing the workload")
+                _check_alive(manager, len(num_out), len(requests))
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"transformers' continuous batching finished {len(num_out)} of {len(requests)} requests "
+                        f"in {timeout_s:.0f} s"
+                    )
+                continue
             if result.is_finished():
+                if getattr(result, "error", None):
+                    raise RuntimeError(
+                        f"transformers' continuous batching failed request {result.request_id}: {result.error}"
+                    )
                 num_out[result.request_id] = len(result.generated_tokens)
         elapsed = time.perf_counter() - start
+        finished = True
     finally:
-        manager.stop(block=True, timeout=30)
+        if finished:  # else the stage that failed stays the last one named
+            stage("stop")
+        _stop(manager, quietly=not finished)
     total = sum(num_out.values())
-    return {"elapsed_s": round(elapsed, 2), "output_tokens": total, "output_tok_per_s": round(total / elapsed, 1)}
+    return {
+        "elapsed_s": round(elapsed, 2),
+        "output_tokens": total,
+        "output_tok_per_s": round(total / elapsed, 1),
+        "warmup_s": warmup_s,
+        "device": str(hf_model.device),
+        "dtype": str(hf_model.dtype).removeprefix("torch."),
+    }
+
+
+def _workload_hints(requests: list[dict]):
+    """transformers' WorkloadHints for these requests (it sizes the decode path's block tables by them), or None
+    where this transformers has none."""
+    try:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+    except ImportError:
+        return None
+    hints = dict(
+        max_prompt_length=max(len(r["prompt_token_ids"]) for r in requests),
+        max_generated_length=max(r["max_tokens"] for r in requests),
+        num_requests=len(requests),
+    )
+    fields = {f.name for f in dataclasses.fields(WorkloadHints)}
+    return WorkloadHints(**{k: v for k, v in hints.items() if k in fields})
+
+
+def _accepted(function, **kwargs) -> dict:
+    """kwargs less the names function does not declare (add_request passes names it does not know on to the
+    logits processors, so a **kwargs does not count)."""
+    parameters = inspect.signature(function).parameters
+    return {k: v for k, v in kwargs.items() if k in parameters}
+
+
+def _check_alive(manager, finished: int, total: int) -> None:
+    """Raise what stopped the manager's generation thread, if it stopped."""
+    is_running = getattr(manager, "is_running", None)
+    if is_running is None or is_running():
+        return
+    status = getattr(manager, "background_thread_status", None)
+    error = getattr(status, "fatal_error", None)
+    message = f"transformers' generation thread stopped after {finished} of {total} requests"
+    if error is not None:
+        raise RuntimeError(f"{message}: {type(error).__name__}: {error}") from error
+    raise RuntimeError(message)
+
+
+def _stop(manager, quietly: bool) -> None:
+    """Stop the manager's thread (at most 10 s) and let go of what it holds; quietly: an error that is already
+    on its way out must not be replaced by one of these."""
+    try:
+        manager.stop(**_accepted(manager.stop, block=True, timeout=10))
+        is_running = getattr(manager, "is_running", lambda: False)
+        destroy = getattr(manager, "destroy", None)
+        if destroy is not None and not is_running():  # destroy would wait, unbounded, for a thread still running
+            destroy()
+    except Exception:
+        if not quietly:
+            raise
 
 
 def load_hf_model_dir(model_dir, device: torch.device | None = None, dtype: torch.dtype | None = None):
