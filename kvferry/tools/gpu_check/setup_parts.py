@@ -39,9 +39,9 @@ TINY = dict(
 
 
 def environment(ctx: Context) -> None:
+    # Each finding recorded as soon as it is known: a part killed at its timeout still says how far it got, and
+    # the driver takes the GPU for missing only where torch said so (cuda_available False).
     import torch
-    import transformers
-    import triton
 
     cuda = torch.cuda.is_available()
     versions = {
@@ -49,11 +49,15 @@ def environment(ctx: Context) -> None:
         "python_executable": sys.executable,
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
         "cuda_available": cuda,
         "TRITON_INTERPRET": os.environ.get("TRITON_INTERPRET"),
     }
+    ctx.record("versions", versions)
+    import transformers
+    import triton
+
+    versions.update(triton=triton.__version__, transformers=transformers.__version__)
+    ctx.record("versions", versions)
     if cuda:
         props = torch.cuda.get_device_properties(0)
         free, total = torch.cuda.mem_get_info(0)
@@ -64,9 +68,8 @@ def environment(ctx: Context) -> None:
             free_gib=round(free / 2**30, 1),
             capability=f"{props.major}.{props.minor}",
             multiprocessors=props.multi_processor_count,
-            driver=_nvidia_smi("driver_version"),
         )
-    ctx.record("versions", versions)
+        ctx.record("versions", versions)
     ctx.record("carried_packages", _carried())
     broken = {}
     for name in KVFERRY_MODULES:
@@ -75,6 +78,9 @@ def environment(ctx: Context) -> None:
         except Exception as exc:  # every import error is a finding
             broken[name] = f"{type(exc).__name__}: {exc}"
     ctx.record("kvferry_imports", broken or "all import")
+    if cuda:
+        versions["driver"] = _nvidia_smi("driver_version")  # last: a slow nvidia-smi must not hide the rest
+        ctx.record("versions", versions)
     ctx.summary = (
         f"{versions.get('gpu', 'no GPU')}, {versions.get('memory_gib', '-')} GiB, driver {versions.get('driver', '-')}; "
         f"python {versions['python']}, torch {versions['torch']}, triton {versions['triton']}, "
@@ -92,7 +98,7 @@ def environment(ctx: Context) -> None:
 def _nvidia_smi(field: str) -> str | None:
     try:
         done = subprocess.run(
-            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True, text=True, timeout=5
         )
     except (OSError, subprocess.TimeoutExpired):
         return None
@@ -145,6 +151,7 @@ def model(ctx: Context) -> None:
     shutil.rmtree(ctx.model_dir, ignore_errors=True)
     shutil.copytree(source, ctx.model_dir)
     config = AutoConfig.from_pretrained(ctx.model_dir)
+    ctx.record("tokenizer", _tokenizer(ctx, config))
     if ctx.dry_run:
         for key, value in TINY.items():
             setattr(config, key, value)
@@ -176,6 +183,36 @@ def model(ctx: Context) -> None:
         },
     )
     ctx.summary = (
+        f"{ctx.findings['tokenizer']['class']} loads; "
         f"{params / 1e6:.1f}M parameters, {config.num_hidden_layers} layers, random weights "
         f"(bf16 values in fp32), built on {device} in {time.monotonic() - started:.1f} s"
     )
+
+
+def _tokenizer(ctx: Context, config) -> dict:
+    """The prepared tokenizer, loaded as the engine loads it (AutoTokenizer): files written by a later
+    transformers than this machine's must fail here, once, saying so, rather than in every part after it."""
+    import transformers
+
+    from kvferry.common.engine_setup import load_tokenizer
+
+    written_by = getattr(config, "transformers_version", None)
+    try:
+        tokenizer = load_tokenizer(str(ctx.model_dir))
+        if tokenizer is None:
+            raise ValueError("the prepared folder has no tokenizer.json")
+        ids = tokenizer.encode("The GPU check")
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    except Exception as exc:
+        raise PartFailed(
+            f"transformers {transformers.__version__} cannot load the prepared tokenizer (its files were written by "
+            f"transformers {written_by}; the engine loads it the same way, so every later part would fail): "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return {
+        "class": type(tokenizer).__name__,
+        "files_written_by_transformers": written_by,
+        "vocabulary": len(tokenizer),
+        "encodes": ids,
+        "chat_template": bool(chat),
+    }
