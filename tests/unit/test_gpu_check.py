@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvferry.tools.gpu_check import driver
-from kvferry.tools.gpu_check.part import Context, PartFailed
+from kvferry.tools.gpu_check.part import Context, PartFailed, excerpt
 from kvferry.tools.gpu_check.parts import Part
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -99,3 +99,95 @@ def _alive(pid: int) -> bool:
             return False
         time.sleep(0.1)
     return True
+
+
+def test_without_the_prepared_folder_the_script_says_to_carry_it(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "KVFERRY_GPU_CHECK_ALLOW_CPU": "1"}
+    env["KVFERRY_GPU_CHECK_PREPARED"] = str(tmp_path / "not-carried")
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", str(tmp_path / "out")], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    report = (tmp_path / "out" / "report.txt").read_text()
+    assert "nothing was run" in report and 'carry: [".gpu-check"]' in report
+    assert 'carry: [".gpu-check"]' in done.stderr
+
+
+def test_the_deadline_counts_from_the_scripts_start(monkeypatch):
+    monkeypatch.setenv(driver.STARTED_ENV, str(time.time() - 40))
+    assert 244 < driver._seconds_left(285) <= 245
+    monkeypatch.setenv(driver.STARTED_ENV, "not a time")
+    assert driver._seconds_left(285) == 285
+
+
+def test_a_failed_parts_output_tail_is_its_first_traceback_then_the_end(tmp_path):
+    log = tmp_path / "log.txt"
+    cause = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\n    g()\nValueError: the cause\n'
+    shutdown = "".join(f"INFO worker shutting down, line {i}\n" for i in range(400))
+    later = 'Traceback (most recent call last):\n  File "y.py", line 2\nKeyboardInterrupt\n'
+    log.write_text("start\n" + cause + shutdown + later + "the last line\n")
+    tail = driver._output_tail(log, 0, failed=True)
+    assert tail.startswith(cause.rstrip()) and "the last line" in tail and len(tail) < 3200
+    assert "ValueError: the cause" not in driver._output_tail(log, 0, failed=False)  # timed out: the end
+
+
+def test_a_failing_commands_message_ends_with_its_last_traceback():
+    output = "noise\n" * 1000 + 'Traceback (most recent call last):\n  File "z"\nRuntimeError: boom\n'
+    assert excerpt(output).startswith("Traceback") and excerpt(output).endswith("RuntimeError: boom")
+    assert len(excerpt("x" * 5000)) == 1503
+
+
+class _Logprobs:
+    def __init__(self, token, logprob, tops):
+        self.token_id, self.logprob = token, logprob
+        self.top_ids, self.top_logprobs = tuple(tops), tuple(tops.values())
+
+
+def test_graphs_against_eager_tells_a_near_tie_from_a_real_difference():
+    from kvferry.tools.gpu_check.decode_parts import _agreement
+
+    lp = _Logprobs(5, -1.0, {5: -1.0, 7: -1.0004, 9: -3.0})
+    reference = {"a": ([1, 5], [lp, lp]), "b": ([1, 5], [lp, lp]), "c": ([1, 5], [lp, lp]), "d": ([2], [lp])}
+    other = {"a": ([1, 7], []), "b": ([1, 9], []), "c": ([1, 4], []), "d": ([2], [])}
+    found = _agreement(reference, other)
+    assert found["identical_outputs"] == "1/4" and found["prefix_agreement"] == round(4 / 7, 4)
+    margins = {k: w["margin"] for k, w in found["first_divergence"].items()}
+    assert margins == {"a": 0.0004, "b": 2.0, "c": None}  # c: the other's token is not in the top ones
+
+
+class _DeadManager:
+    """transformers' manager after its generation thread died: no more results, not running."""
+
+    def __init__(self):
+        self.background_thread_status = type("Status", (), {"fatal_error": ValueError("out of pages")})()
+        self.added, self.stopped = [], False
+
+    def start(self):
+        pass
+
+    def add_request(self, input_ids, request_id=None, max_new_tokens=None):  # no eos_token_id: not passed
+        self.added.append(request_id)
+
+    def get_result(self, timeout=None):
+        return None
+
+    def is_running(self):
+        return False
+
+    def stop(self, block=True):
+        self.stopped = True
+
+
+def test_the_transformers_baseline_raises_what_killed_its_thread_and_passes_only_names_it_takes():
+    from kvferry.tools.bench.hf_baseline import run_hf_continuous_batching
+
+    manager = _DeadManager()
+
+    class Model:
+        def init_continuous_batching(self, generation_config=None, continuous_batching_config=None):
+            return manager
+
+    requests = [{"id": "r0", "prompt_token_ids": [1, 2], "max_tokens": 3}]
+    with pytest.raises(RuntimeError, match="stopped after 0 of 1 requests: ValueError: out of pages"):
+        run_hf_continuous_batching(Model(), requests, timeout_s=30)
+    assert manager.added == ["r0"] and manager.stopped

@@ -1,8 +1,9 @@
 """Runs the GPU check's parts in order, each in a process group of its own under its own timeout, plus the
-time the parts before it left unused (the whole run stays within the budget).
+time the parts before it left unused; the whole run ends within BUDGET_S of the script's start.
 
-A part that fails or times out is recorded with the tail of its output, its whole process group (a stack's
-gateway and workers too) is killed, and the next part runs. The report is rewritten after every part.
+A part that fails or times out is recorded with what says why (its error, the first traceback in its output
+and the end of that output), its whole process group (a stack's gateway and workers too) is killed, and the
+next part runs. The report is rewritten after every part.
 Exit status: 0 when every part passed, 1 when one failed, 2 when there is no usable GPU.
 """
 
@@ -18,11 +19,13 @@ import time
 from pathlib import Path
 
 from kvferry.tools.gpu_check import part as part_module
-from kvferry.tools.gpu_check.parts import BUDGET_S, DRY_RUN_ENV, DRY_RUN_SLOWDOWN, Part, by_name
+from kvferry.tools.gpu_check.parts import BUDGET_S, DRY_RUN_ENV, DRY_RUN_SLOWDOWN, STARTED_ENV, Part, by_name
 from kvferry.tools.gpu_check.report import Report
 
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
 OUTPUT_TAIL_CHARS = 3000
+REMOVE_ENV = "KVFERRY_GPU_CHECK_REMOVE"  # a folder scripts/gpu_check.sh leaves to the driver to remove
+TRACEBACK_CHARS = 2000  # of a failed part's first traceback, in its output_tail
 
 
 class Interrupted(Exception):
@@ -58,7 +61,7 @@ def run(args) -> int:
     log_path = out / "log.txt"
     log_path.write_text("")
     env = part_environment(work, Path(args.prepared), dry_run)
-    deadline = time.monotonic() + BUDGET_S * slowdown
+    deadline = time.monotonic() + _seconds_left(BUDGET_S * slowdown)
     previous = _on_signals(_raise_interrupted)
     note, no_gpu, no_model = None, False, False
     try:
@@ -69,21 +72,25 @@ def run(args) -> int:
             if part.needs_model and no_model:
                 report.add(_skipped(part, "the model part failed"))
                 continue
-            # Its own timeout and whatever the parts before it left unused; never the time of the parts after it.
+            # Its own timeout and whatever the parts before it left unused, never the time of the parts after it;
+            # but where the run is behind (a slow set-up), at least half its own, as far as the deadline allows.
+            left = deadline - time.monotonic()
             after = sum(later.timeout_s for later in parts[i:]) * slowdown
-            timeout = deadline - time.monotonic() - after
+            timeout = min(left, max(left - after, part.timeout_s * slowdown / 2))
             if timeout < 3:
                 report.add(_skipped(part, "the run's time budget is spent"))
                 continue
             print(f"gpu-check: [{i}/{len(parts)}] {part.name}: {part.what} (at most {timeout:.0f} s)", flush=True)
             entry = run_part(part, timeout, env, work, log_path)
             report.add(entry)
-            detail = entry["summary"] if entry["status"] == "passed" else entry["error"]
+            detail = entry["summary"] if entry["status"] == "passed" else (entry["error"] or "").split("\n")[0][:300]
             print(f"gpu-check:   {entry['status'].upper()} in {entry['seconds']} s: {detail}", flush=True)
             if entry["status"] == "interrupted":
                 raise Interrupted
             if part.name == "environment" and not dry_run:
-                no_gpu = entry["findings"].get("versions", {}).get("cuda_available") is not True
+                # Only torch saying so: the script has checked CUDA already, and a part that timed out or failed
+                # for another reason says nothing about the GPU.
+                no_gpu = entry["findings"].get("versions", {}).get("cuda_available") is False
             no_model = no_model or (part.name == "model" and entry["status"] != "passed")
     except Interrupted:
         note = "interrupted by a signal: the parts after the one running then were not run"
@@ -92,11 +99,31 @@ def run(args) -> int:
         report.finish(note)
         if not args.keep_workdir:
             shutil.rmtree(work, ignore_errors=True)
+        _remove_script_site()
     print(report.text(), end="", flush=True)
     print(f"gpu-check: the report is in {out}/report.json and report.txt, every part's output in {log_path}")
     if no_gpu:
         return 2
     return 0 if report.ok else 1
+
+
+def _remove_script_site() -> None:
+    """The folder scripts/gpu_check.sh installed the wheels into: it execs this driver, so its own clean-up is
+    gone with it."""
+    site = Path(os.environ.get(REMOVE_ENV, ""))
+    if site.name.startswith("kvferry-gpu-check-site.") and site.is_dir():
+        shutil.rmtree(site, ignore_errors=True)
+
+
+def _seconds_left(budget: float) -> float:
+    """The budget less what passed since scripts/gpu_check.sh started (STARTED_ENV), or all of it where that is
+    unknown or implausible."""
+    try:
+        started = float(os.environ[STARTED_ENV])
+    except (KeyError, ValueError):
+        return budget
+    passed = time.time() - started
+    return budget - passed if 0 <= passed < budget else budget
 
 
 def part_environment(work: Path, prepared: Path, dry_run: bool) -> dict:
@@ -132,7 +159,7 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
         # timeout kills the part's children too: a stack's gateway and workers hold the GPU.
         proc = subprocess.Popen(
             [sys.executable, "-m", "kvferry.tools.gpu_check.run_part", part.name, part.code],
-            env={**env, part_module.RESULT_ENV: str(result_path)},
+            env={**env, part_module.RESULT_ENV: str(result_path), part_module.TIMEOUT_ENV: f"{timeout:.1f}"},
             cwd=SOURCE_ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -167,7 +194,7 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
     elif proc.returncode != 0 or not found.get("ok"):
         entry.update(status="failed", error=entry["error"] or f"exited with status {proc.returncode}")
     if entry["status"] != "passed":
-        entry["output_tail"] = _tail(log_path, offset)
+        entry["output_tail"] = _output_tail(log_path, offset, entry["status"] == "failed")
     return entry
 
 
@@ -194,11 +221,46 @@ def _read_result(path: Path) -> dict:
         return {}
 
 
-def _tail(log_path: Path, offset: int) -> str:
+def _output_tail(log_path: Path, offset: int, failed: bool) -> str:
+    """The part's output since offset, cut to what says why: for a part that failed, its first traceback (what
+    came after it, a stack's shutdown say, is mostly its consequence) and then the output's last lines; for one
+    that timed out, the last lines (what it was doing)."""
     with open(log_path, "rb") as f:
         f.seek(offset)
         text = f.read().decode(errors="replace")
-    return text[-OUTPUT_TAIL_CHARS:]
+    if len(text) <= OUTPUT_TAIL_CHARS:
+        return text
+    traceback = _first_traceback(text) if failed else None
+    if traceback is None:
+        return "..." + text[-OUTPUT_TAIL_CHARS:]
+    if len(traceback) > TRACEBACK_CHARS:  # its end names the error; its start, where it began
+        traceback = traceback[: TRACEBACK_CHARS // 4] + "\n...\n" + traceback[-TRACEBACK_CHARS * 3 // 4 :]
+    rest = OUTPUT_TAIL_CHARS - len(traceback)
+    return f"{traceback}\n... (the output's end:)\n...{text[-rest:]}" if rest > 200 else traceback
+
+
+def _first_traceback(text: str) -> str | None:
+    """The first Python traceback in text, with the exceptions chained to it, up to the last one's message."""
+    start = text.find(part_module.TRACEBACK)
+    if start < 0:
+        return None
+    lines = text[start:].splitlines()
+    i = 1
+    while i < len(lines):
+        if lines[i].startswith((" ", "\t", "Traceback")) or not lines[i].strip():  # a frame
+            i += 1
+            continue
+        # The exception's line, and its message: up to a blank line (at most 15 lines).
+        end = min(len(lines), i + 15)
+        i += 1
+        while i < end and lines[i].strip() and not lines[i].startswith(("gpu-check:", "Traceback")):
+            i += 1
+        after = next((j for j in range(i, len(lines)) if lines[j].strip()), len(lines))
+        if after < len(lines) and lines[after].startswith(("During handling", "The above exception")):
+            i = after + 1  # a chained exception's traceback follows
+            continue
+        break
+    return "\n".join(lines[:i])
 
 
 def _skipped(part: Part, why: str) -> dict:

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from kvferry.tools.gpu_check.parts import DRY_RUN_ENV
@@ -16,7 +17,10 @@ from kvferry.tools.gpu_check.parts import DRY_RUN_ENV
 RESULT_ENV = "KVFERRY_GPU_CHECK_RESULT"
 WORK_ENV = "KVFERRY_GPU_CHECK_WORK"
 PREPARED_ENV = "KVFERRY_GPU_CHECK_PREPARED"
+TIMEOUT_ENV = "KVFERRY_GPU_CHECK_PART_TIMEOUT"  # the part's timeout, in seconds: the driver kills it then
 SOURCE_ROOT = Path(__file__).resolve().parents[3]
+FAILED_OUTPUT_CHARS = 1500  # of a failing command's output, in its PartFailed message
+TRACEBACK = "Traceback (most recent call last):"
 
 
 class PartFailed(Exception):
@@ -30,9 +34,14 @@ class Context:
         self.prepared = Path(os.environ[PREPARED_ENV])
         self.model_dir = self.work / "model"
         self.dry_run = bool(os.environ.get(DRY_RUN_ENV))
+        self._deadline = time.monotonic() + float(os.environ.get(TIMEOUT_ENV) or 600)
         self.findings: dict = {}
         self.summary = ""
         self._write(None, None)
+
+    def seconds_left(self) -> float:
+        """Until the driver kills this part."""
+        return self._deadline - time.monotonic()
 
     def record(self, key: str, value) -> None:
         self.findings[key] = value
@@ -58,11 +67,20 @@ class Context:
         returncode, stderr = stream(argv, env, stdout)
         what = " ".join(argv[3:])
         if returncode != 0:
-            raise PartFailed(f"`{what}` exited with status {returncode} (see the output tail)")
+            raise PartFailed(f"`{what}` exited with status {returncode}:\n{excerpt(stderr)}")
         for line in reversed(stdout):
             if line.startswith("{"):
                 return json.loads(line), stderr
-        raise PartFailed(f"`{what}` printed no JSON object")
+        raise PartFailed(f"`{what}` printed no JSON object:\n{excerpt(stderr)}")
+
+
+def excerpt(output: str, limit: int = FAILED_OUTPUT_CHARS) -> str:
+    """What says why a command failed, in at most limit characters: from its last traceback on (a command's
+    fatal error is the last thing it prints), else its last lines."""
+    start = output.rfind(TRACEBACK)
+    text = output[start:] if start >= 0 else output
+    text = text.rstrip()
+    return text if len(text) <= limit else "..." + text[-limit:]
 
 
 def stream(argv: list[str], env: dict | None = None, stdout: list[str] | None = None) -> tuple[int, str]:

@@ -1,5 +1,6 @@
 """The GPU check's report: OUTDIR/report.json, rewritten whole after each part (always valid JSON), and
-OUTDIR/report.txt, one line per part."""
+OUTDIR/report.txt: what went wrong in each part that did not pass, then one line per part (the lines last, so
+that the end of a printed report, which is what a console keeps, holds them)."""
 
 import json
 import os
@@ -7,6 +8,8 @@ import platform
 import subprocess
 import time
 from pathlib import Path
+
+DETAIL_CHARS = 1500  # of a part's error, and of its output where the error says little, in report.txt
 
 
 def _git(*args: str) -> str | None:
@@ -62,6 +65,12 @@ class Report:
             + (" with uncommitted changes" if d["uncommitted_changes"] else ""),
         ]
         for p in d["parts"]:
+            if p["status"] in ("passed", "skipped"):
+                continue
+            lines.append(f"--- {p['name']} {p['status'].upper()}: {_cut(p['error'] or '')}")
+            if len(p["error"] or "") < 300 and p.get("output_tail"):
+                lines.append(f"--- {p['name']}'s output (log.txt has all of it):\n{_cut(p['output_tail'])}")
+        for p in d["parts"]:
             detail = p["summary"] if p["status"] == "passed" else (p["error"] or "")
             detail = " ".join(str(detail).split())[:400]
             lines.append(f"{p['status'].upper():<9} {p['name']:<16} {p['seconds']:>6.1f} s  {detail}")
@@ -75,6 +84,11 @@ class Report:
             + (f"; {d['note']}" if d.get("note") else "")
         )
         return "\n".join(lines) + "\n"
+
+
+def _cut(text: str) -> str:
+    text = text.strip()
+    return text if len(text) <= DETAIL_CHARS else "..." + text[-DETAIL_CHARS:]
 
 
 def _replace(path: Path, text: str) -> None:
