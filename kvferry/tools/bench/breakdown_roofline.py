@@ -1,0 +1,117 @@
+"""`bench breakdown`'s rooflines: this machine's GEMM rate and read bandwidth, measured in the same invocation,
+and the least time each part of a step could take on them.
+
+A GEMM's roofline is the larger of its FLOPs at the rate a packed GEMM of the same shape reaches (the same
+oneDNN path as the model's, cpu_linear.py, with its weight hot in the cache) and the bytes it must read and
+write at the measured read bandwidth. An elementwise part's roofline is the bytes it must move, once, at that
+bandwidth: what a fused kernel could reach. Attention's is the larger of its FLOPs at the best GEMM rate
+measured and its K/V bytes at the bandwidth.
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from kvferry.common.model.cpu_linear import PackedLinear, can_pack
+from kvferry.common.model.llama import head_dim_of
+
+GEMM_PARTS = {  # the model's module name (its last component) -> the part
+    "qkv_proj": "QKV GEMM",
+    "o_proj": "O GEMM",
+    "gate_up_proj": "gate/up GEMM",
+    "down_proj": "down GEMM",
+    "lm_head": "lm_head GEMM",
+}
+
+
+def best_seconds(fn, budget_s: float = 0.1, least: int = 3) -> float:
+    """The fastest of several calls: a shared machine's slow spells only ever add time."""
+    started = time.perf_counter()
+    fn()
+    first = time.perf_counter() - started
+    best = first
+    for _ in range(max(least, min(50, int(budget_s / max(first, 1e-6))))):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def read_bandwidth(nbytes: int = 128 * 2**20) -> float:
+    """Bytes per second of a read streaming through a buffer far larger than the caches."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+    return nbytes / best_seconds(buffer.sum, budget_s=0.3, least=4)
+
+
+@dataclass
+class Machine:
+    read_bytes_per_s: float
+    dtype: torch.dtype
+    gemm_flops_per_s: dict = field(default_factory=dict)  # (rows, in, out) -> FLOP/s
+    budget_s: float = 0.1  # the time each GEMM shape is given
+
+    @torch.inference_mode()
+    def gemm_rate(self, rows: int, in_features: int, out_features: int) -> float:
+        """FLOP/s of a GEMM of this shape through the model's path: packed for oneDNN where the model packs."""
+        shape = (rows, in_features, out_features)
+        if shape not in self.gemm_flops_per_s:
+            linear = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
+            if can_pack(torch.device("cpu"), self.dtype):
+                linear = PackedLinear(linear)
+            x = torch.randn(rows, in_features, dtype=self.dtype)
+            self.gemm_flops_per_s[shape] = (
+                2 * rows * in_features * out_features / best_seconds(lambda: linear(x), self.budget_s)
+            )
+        return self.gemm_flops_per_s[shape]
+
+    def gemm_s(self, rows: int, in_features: int, out_features: int, weight_bytes: int, act_bytes: int) -> float:
+        flops_s = 2 * rows * in_features * out_features / self.gemm_rate(rows, in_features, out_features)
+        moved = weight_bytes + rows * (in_features + out_features) * act_bytes
+        return max(flops_s, moved / self.read_bytes_per_s)
+
+    def peak_flops_per_s(self) -> float:
+        return max(self.gemm_flops_per_s.values())
+
+
+def weight_bytes(module: nn.Module, dtype_bytes: int) -> int:
+    """What the module's weights take where they are read from: int8 layers hold fewer bytes than fp32 ones; a
+    oneDNN-packed weight is opaque, so it counts at the model's dtype."""
+    if isinstance(module, PackedLinear):
+        return module.in_features * module.out_features * dtype_bytes
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()) if t is not None)
+
+
+def gemm_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    return [
+        (GEMM_PARTS[name.rsplit(".", 1)[-1]], m)
+        for name, m in model.named_modules()
+        if name.rsplit(".", 1)[-1] in GEMM_PARTS
+    ]
+
+
+def rooflines(model, machine: Machine, tokens: int, sampled: int, attended: int, context_tokens: int) -> dict:
+    """Seconds per part at the roofline for a step of `tokens` new tokens, `sampled` rows through the lm_head,
+    `attended` (query, key) pairs and `context_tokens` tokens of K/V read per layer."""
+    config = model.config
+    e = torch.empty((), dtype=machine.dtype).element_size()
+    hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+    bw = machine.read_bytes_per_s
+    out = dict.fromkeys(GEMM_PARTS.values(), 0.0)
+    for part, m in gemm_layers(model):
+        rows = sampled if part == "lm_head GEMM" else tokens
+        out[part] += machine.gemm_s(rows, m.in_features, m.out_features, weight_bytes(m, e), e)
+    qk_norm_bytes = 2 * tokens * (heads + kv_heads) * d * e if config.model_type == "qwen3" else 0
+    kv_bytes = (context_tokens + tokens) * 2 * kv_heads * d * e  # read once, this step's written once
+    out["attention"] = layers * max(
+        4 * attended * heads * d / machine.peak_flops_per_s(), (kv_bytes + 2 * tokens * heads * d * e) / bw
+    )
+    out["norms"] = ((2 * layers + 1) * 2 * tokens * hidden * e + layers * qk_norm_bytes) / bw
+    out["RoPE"] = layers * 2 * tokens * ((heads + kv_heads) * d + d) * e / bw  # q and k in and out, cos and sin
+    out["SiLU·mul"] = layers * 3 * tokens * inter * e / bw  # gate and up in, their product out
+    out["residual adds"] = layers * 2 * 3 * tokens * hidden * e / bw
+    out["embedding, RoPE tables"] = (2 * tokens * hidden + 4 * tokens * d) * e / bw
+    out["sampling"] = sampled * config.vocab_size * 4 / bw  # the fp32 logits read once
+    return out
