@@ -21,6 +21,7 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--no-floor", action="store_true", help="skip the compute-floor measurement")
     p.add_argument("--no-paging", action="store_true", help="skip the paged-vs-contiguous decode step")
+    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (`bench roofline`, measured quickly)")
     p.add_argument(
         "--repeat",
         type=int,
@@ -52,6 +53,7 @@ def add_bench_parser(sub) -> None:
         help="another OpenAI-compatible server (llama.cpp's, vLLM): the same workload, alternating rounds",
     )
     p.add_argument("--no-floor", action="store_true")
+    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (`bench roofline`, measured quickly)")
     p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the floor and the baseline")
     p.add_argument("--json", action="store_true")
@@ -69,7 +71,7 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_bench_observer)
 
-    from kvferry.tools.bench import costs, feature, quantization, sim_check, step, transfer
+    from kvferry.tools.bench import costs, feature, quantization, roofline_measure, sim_check, step, transfer
 
     costs.add_parser(bench)
     sim_check.add_parser(bench)
@@ -77,6 +79,7 @@ def add_bench_parser(sub) -> None:
     transfer.add_parser(bench)
     step.add_parser(bench)
     quantization.add_parser(bench)
+    roofline_measure.add_parser(bench)
 
     p = bench.add_parser(
         "soak",
@@ -175,6 +178,7 @@ def cmd_bench_engine(args) -> int:
     import torch
 
     from kvferry.common.engine import LLMEngine
+    from kvferry.common.model_files import resolve_model
     from kvferry.tools.bench import hf_baseline
     from kvferry.tools.bench.offline import run_engine
 
@@ -196,6 +200,8 @@ def cmd_bench_engine(args) -> int:
         requests,
         report,
     )
+    if not args.no_roofline:
+        _roofline(args, resolve_model(config.model), engine.device, engine.dtype, requests, report)
     if not args.no_paging:
         from kvferry.tools.bench.paging import paging_overhead
 
@@ -250,6 +256,11 @@ def cmd_bench_serve(args) -> int:
         report,
         baseline_once,
     )
+    if not args.no_roofline:
+        from kvferry.common.engine_setup import resolve_device, resolve_dtype
+
+        device = resolve_device(settings.from_env("device"))  # as the floor's model: a stack started here runs there
+        _roofline(args, model_dir, device, resolve_dtype(settings.from_env("dtype"), device), requests, report)
     report["prefill_all_runs"] = counters_delta(
         before, prefill_counters(args.url, (before or {}).get("prompts_prefilled", 0) + args.repeat * len(requests))
     )
@@ -299,6 +310,7 @@ def cmd_bench_serve(args) -> int:
                 f"compute floor {f['floor_output_tok_per_s']} tok/s ({f['floor_s']} s): the stack reaches "
                 f"{k['fraction_of_floor']:.0%} of it"
             )
+        _roofline_line(report)
         if "baseline" in report:
             b = report["baseline"]
             extra = f", {b['fraction_of_floor']:.0%} of the floor" if "fraction_of_floor" in b else ""
@@ -393,6 +405,19 @@ def _alternate_with_floor(
             best["fraction_of_floor"] = round(report["floor"]["floor_s"] / best["elapsed_s"], 3)
 
 
+def _roofline(args, model_dir, device, dtype, requests: list[dict], report: dict) -> None:
+    """`bench roofline`'s figure for the workload, measured quickly, and kvferry's share of it."""
+    from kvferry.tools.bench.roofline_measure import quick_roofline
+
+    if getattr(args, "quantization", None):
+        report["roofline"] = {"cannot_compute": f"it counts weights in the model's dtype, not {args.quantization}"}
+        return
+    r = report["roofline"] = quick_roofline(model_dir, device, dtype, requests)
+    if "total_s" in r:
+        report["kvferry"]["fraction_of_roofline"] = round(r["total_s"] / report["kvferry"]["elapsed_s"], 3)
+    say(args, "roofline", r)
+
+
 def _hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
     from kvferry.tools.bench.hf_baseline import run_hf_continuous_batching
 
@@ -417,6 +442,7 @@ def _summary(report: dict) -> None:
             f"compute floor               {f['floor_output_tok_per_s']:>10}   ({f['floor_s']} s; runs {f['runs_s']} s)   "
             f"kvferry reaches {k['fraction_of_floor']:.0%} of it"
         )
+    _roofline_line(report)
     if "hf" in report:
         h = report["hf"]
         extra = f", {h['fraction_of_floor']:.0%} of floor" if "fraction_of_floor" in h else ""
@@ -434,3 +460,16 @@ def _summary(report: dict) -> None:
             f"  vs a preallocated buffer  {p['overhead_vs_preallocated']:>10}x  (idealised: all sequences at one "
             f"position, attended through a view: {p['preallocated_step_ms']} ms)"
         )
+
+
+def _roofline_line(report: dict) -> None:
+    r = report.get("roofline")
+    if r is None:
+        return
+    if "total_s" not in r:
+        print(f"roofline                    cannot compute: {r['cannot_compute']}")
+        return
+    print(
+        f"roofline                    {r['output_tok_per_s']:>10}   ({r['total_s']} s, {r['limits_used']}; "
+        f"`kvferry bench roofline` for its figures)   kvferry reaches {report['kvferry']['fraction_of_roofline']:.0%} of it"
+    )

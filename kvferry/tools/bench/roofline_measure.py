@@ -1,0 +1,233 @@
+"""`kvferry bench roofline`: this machine's limits measured, and the roofline of a workload worked out from them.
+
+The GEMM rate goes through the path the model's linears take: on the CPU, fp32 weights packed for oneDNN
+(common/model/cpu_linear.py); on CUDA, torch.matmul in the model's dtype. It is measured at the model's
+hidden -> intermediate shape, with PREFILL_CHUNK rows (the large shape, used for prefill) and with each decode
+batch size. The read bandwidth is a sum over a tensor several times the last-level cache. Best of a few trials
+each: on a shared machine the best trial is the one least disturbed. A measurement that cannot run here says why
+instead, and the rest goes on.
+"""
+
+import json
+import time
+
+import torch
+
+from kvferry.common import settings
+from kvferry.tools.bench import roofline, workload
+from kvferry.tools.bench.floor import PREFILL_CHUNK
+
+DECODE_SIZES = (1, 2, 4, 8, 16, 32)
+FALLBACK_LLC_BYTES = 32 * 2**20
+
+
+def add_parser(bench) -> None:
+    p = bench.add_parser("roofline", help="this machine's GEMM rate and read bandwidth, and a workload's roofline")
+    p.add_argument("--workload", default="std-32", choices=list(workload.WORKLOADS))
+    p.add_argument("--trials", type=int, default=3, help="trials of each measurement; the best is kept")
+    p.add_argument("--measured-tok-s", type=float, default=None, help="a measured output tok/s to set against it")
+    p.add_argument("--engine", action="store_true", help="also run the workload through the in-process engine")
+    p.add_argument("--json", action="store_true")
+    settings.add_arguments(p, settings.BENCH)
+    p.set_defaults(func=cmd_bench_roofline)
+
+
+def _device(name: str) -> torch.device:
+    # Not engine_setup.resolve_device: a CUDA device this machine lacks is reported as not measured, not refused.
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else ("cpu" if name == "auto" else name))
+
+
+def _cuda_missing(device: torch.device) -> str | None:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return "CUDA is not available on this machine (torch.cuda.is_available() is False)"
+    return None
+
+
+def _best_seconds(run, sync, trials: int, min_s: float = 0.05) -> float:
+    """Seconds of one run, best of trials; each trial repeats it for at least min_s, so that short runs are not
+    lost in the clock's and the call's own cost."""
+    run()
+    sync()
+    repeats, best = 1, float("inf")
+    for _ in range(trials):
+        while True:
+            start = time.perf_counter()
+            for _ in range(repeats):
+                run()
+            sync()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_s:
+                break
+            repeats *= 2
+        best = min(best, elapsed / repeats)
+    return best
+
+
+def _gemm(device: torch.device, dtype: torch.dtype, k: int, n: int):
+    """A function of x computing x @ W.T through the model's path, or a string saying why there is none."""
+    if device.type == "cpu":
+        from kvferry.common.model.cpu_linear import PackedLinear, can_pack
+
+        if not can_pack(device, dtype):
+            why = "torch has no oneDNN" if not torch.backends.mkldnn.is_available() else f"dtype {dtype} is not fp32"
+            return f"no packed oneDNN path ({why}), the model's CPU GEMM path"
+        return PackedLinear(torch.nn.Linear(k, n, bias=False))
+    weight = torch.randn(n, k, device=device, dtype=dtype)
+    return lambda x: torch.matmul(x, weight.t())
+
+
+@torch.inference_mode()
+def measure_gemm(device: torch.device, dtype: torch.dtype, k: int, n: int, trials: int) -> dict:
+    """FLOP/s of a rows x k by k x n GEMM at each decode batch size and at PREFILL_CHUNK rows."""
+    why = _cuda_missing(device)
+    gemm = why or _gemm(device, dtype, k, n)
+    if isinstance(gemm, str):
+        return {"not_measured": gemm}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    rates = {}
+    try:
+        for rows in (*DECODE_SIZES, PREFILL_CHUNK):
+            x = torch.randn(rows, k, device=device, dtype=dtype)
+            rates[rows] = 2 * rows * k * n / _best_seconds(lambda: gemm(x), sync, trials)
+    except RuntimeError as exc:  # a GPU without the library the matmul needs (cuBLAS) fails at the first call
+        return {"not_measured": f"the GEMM failed: {str(exc).splitlines()[0]}"}
+    peak = rates.pop(PREFILL_CHUNK)
+    return {"shape": f"rows x {k} -> {n}", "decode_flop_per_s": rates, "peak_flop_per_s": peak}
+
+
+def _llc_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 64 * 2**20
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()  # e.g. 32768K
+        return int(text.rstrip("KMG")) * {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+    except (OSError, ValueError):
+        return FALLBACK_LLC_BYTES
+
+
+@torch.inference_mode()
+def measure_bandwidth(device: torch.device, trials: int) -> dict:
+    why = _cuda_missing(device)
+    if why:
+        return {"not_measured": why}
+    size = 8 * _llc_bytes(device)  # far past the cache: every trial reads from memory
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    try:
+        data = torch.ones(size // 4, device=device, dtype=torch.float32)
+        seconds = _best_seconds(lambda: data.sum(), sync, max(trials, 5), min_s=0.02)
+    except RuntimeError as exc:
+        return {"not_measured": f"the read failed: {str(exc).splitlines()[0]}"}
+    return {"tensor_bytes": size, "bytes_per_s": size / seconds}
+
+
+def measure(device: torch.device, dtype: torch.dtype, shape: roofline.ModelShape, trials: int) -> dict:
+    return {
+        "gemm": measure_gemm(device, dtype, shape.hidden, shape.intermediate, trials),
+        "bandwidth": measure_bandwidth(device, trials),
+    }
+
+
+def workload_roofline(shape: roofline.ModelShape, limits: dict, requests: list[dict]) -> dict:
+    gemm, bandwidth = limits["gemm"], limits["bandwidth"]
+    return roofline.roofline(
+        shape,
+        roofline.schedule(requests),
+        gemm.get("decode_flop_per_s"),
+        gemm.get("peak_flop_per_s"),
+        bandwidth.get("bytes_per_s"),
+    )
+
+
+def quick_roofline(model_dir, device: torch.device, dtype: torch.dtype, requests: list[dict], trials: int = 2) -> dict:
+    """The roofline beside another benchmark's figures (`bench engine`, `bench serve`), in a few seconds: the
+    workload's totals, and why a limit was not measured where one was not."""
+    from kvferry.common.model_files import read_config
+
+    shape = roofline.ModelShape.from_config(read_config(model_dir), torch.finfo(dtype).bits // 8)
+    limits = measure(device, dtype, shape, trials)
+    result = rounded(workload_roofline(shape, limits, requests))
+    for name, figures in limits.items():
+        if "not_measured" in figures:
+            result[f"{name}_not_measured"] = figures["not_measured"]
+    return result
+
+
+def rounded(result: dict) -> dict:
+    return {k: round(v, 1 if k.endswith("tok_per_s") else 3) if isinstance(v, float) else v for k, v in result.items()}
+
+
+def cmd_bench_roofline(args) -> int:
+    from kvferry.common.engine_setup import resolve_dtype
+    from kvferry.common.model_files import read_config, resolve_model
+
+    torch.set_num_threads(args.num_threads or 2)
+    device = _device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    config = read_config(resolve_model(args.model))
+    shape = roofline.ModelShape.from_config(config, torch.finfo(dtype).bits // 8)
+    requests = workload.generate(args.workload, shape.vocab)
+    report = {"workload": args.workload, "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads()}
+    report["model"] = {
+        "gemm_flops_per_token": shape.layer_flops_per_token() + shape.lm_head_flops_per_token(),
+        "attention_flops_per_context_token": shape.attention_flops_per_pair(),
+        "weight_bytes": shape.weight_bytes(),
+        "kv_bytes_per_token": shape.kv_bytes_per_token(),
+        "family_params": shape.family_params(),
+    }
+    report["limits"] = measure(device, dtype, shape, args.trials)
+    report["roofline"] = rounded(workload_roofline(shape, report["limits"], requests))
+    measured = args.measured_tok_s
+    if args.engine:
+        measured = report["engine_tok_per_s"] = _engine_tok_per_s(args, requests)
+    if measured and "total_s" in report["roofline"]:
+        report["fraction_of_roofline"] = measured / report["roofline"]["output_tok_per_s"]
+    print(json.dumps(report) if args.json else _text(report, measured))
+    return 0
+
+
+def _engine_tok_per_s(args, requests: list[dict]) -> float:
+    from kvferry.common.config import EngineConfig
+    from kvferry.common.engine import LLMEngine
+    from kvferry.tools.bench.offline import run_engine
+
+    config = EngineConfig.from_args(args)
+    config.num_threads = config.num_threads or 2
+    engine = LLMEngine(config)
+    engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
+    return run_engine(engine, requests)["output_tok_per_s"]
+
+
+def _text(report: dict, measured: float | None) -> str:
+    m, gemm, bw, r = report["model"], report["limits"]["gemm"], report["limits"]["bandwidth"], report["roofline"]
+    lines = [
+        f"== roofline of {report['workload']} on {report['device']} ({report['dtype']}, {report['threads']} threads) ==",
+        f"model: {m['gemm_flops_per_token'] / 1e6:.1f} MFLOP of GEMMs per token, "
+        f"{m['attention_flops_per_context_token'] / 1e3:.1f} kFLOP of attention per context token, "
+        f"{m['weight_bytes'] / 1e6:.1f} MB of weights, {m['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token",
+    ]
+    if "not_measured" in gemm:
+        lines.append(f"GEMM rate: not measured: {gemm['not_measured']}")
+    else:
+        rates = ", ".join(f"{rows}: {rate / 1e9:.1f}" for rows, rate in gemm["decode_flop_per_s"].items())
+        lines.append(
+            f"GEMM rate ({gemm['shape']}), GFLOP/s: {PREFILL_CHUNK} rows: {gemm['peak_flop_per_s'] / 1e9:.1f}; "
+            f"decode rows {rates}"
+        )
+    if "not_measured" in bw:
+        lines.append(f"read bandwidth: not measured: {bw['not_measured']}")
+    else:
+        lines.append(
+            f"read bandwidth: {bw['bytes_per_s'] / 1e9:.1f} GB/s (sum over {bw['tensor_bytes'] / 2**20:.0f} MiB)"
+        )
+    if "cannot_compute" in r:
+        lines.append(f"roofline: cannot compute: {r['cannot_compute']}")
+        return "\n".join(lines)
+    lines.append(
+        f"roofline ({r['limits_used']}): {r['total_s']:.2f} s (prefill {r['prefill_s']:.2f} s, decode "
+        f"{r['decode_s']:.2f} s; {r['memory_bound_steps']} of {r['steps']} steps memory-bound), "
+        f"{r['output_tok_per_s']:.1f} output tok/s; {r['gemm_flops'] / 1e12:.2f} TFLOP of GEMMs, "
+        f"{r['attention_flops'] / 1e9:.0f} GFLOP of attention, {r['bytes_read'] / 1e9:.1f} GB read"
+    )
+    if measured and "fraction_of_roofline" in report:
+        lines.append(f"measured {measured:.1f} tok/s: {report['fraction_of_roofline']:.0%} of the roofline")
+    return "\n".join(lines)
