@@ -101,7 +101,7 @@ def bench_step(ctx: Context) -> None:
 
 
 def bench_engine(ctx: Context) -> None:
-    flags = ["--workload", "std-32", "--no-floor", "--no-paging", "--repeat", "1"]
+    flags = ["--workload", "std-32", "--no-floor", "--no-paging", "--no-roofline", "--repeat", "1"]
     _eager_against_graphs(ctx, ["bench", "engine", *flags], "elapsed_s")
     e, g = ctx.findings["eager"]["kvferry"], ctx.findings["graphs"]["kvferry"]
     ctx.summary = (
