@@ -71,7 +71,16 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_bench_observer)
 
-    from kvferry.tools.bench import costs, feature, quantization, roofline_measure, sim_check, step, transfer
+    from kvferry.tools.bench import (
+        breakdown,
+        costs,
+        feature,
+        quantization,
+        roofline_measure,
+        sim_check,
+        step,
+        transfer,
+    )
 
     costs.add_parser(bench)
     sim_check.add_parser(bench)
@@ -79,6 +88,7 @@ def add_bench_parser(sub) -> None:
     transfer.add_parser(bench)
     step.add_parser(bench)
     quantization.add_parser(bench)
+    breakdown.add_parser(bench)
     roofline_measure.add_parser(bench)
 
     p = bench.add_parser(
