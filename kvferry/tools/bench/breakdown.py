@@ -247,6 +247,13 @@ def measure(
     plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
     with Wrapped(engine, spans):
         totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
+    if shape["tokens"] != chunk:
+        for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
+            engine.abort(seq.request_id)
+        raise ConfigError(
+            f"a {chunk}-token prompt ran in steps of {shape['tokens']} tokens: raise --long-prefill-threshold and "
+            "--max-num-batched-tokens to at least --chunk"
+        )
     report["prefill"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
 
     params = SamplingParams(max_tokens=2 * (warmup + steps) + 8, temperature=0, ignore_eos=True)
