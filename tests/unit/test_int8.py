@@ -1,9 +1,6 @@
 """Int8 weights: the quantizer, the CPU product with float outlier channels, the Triton kernel (compiled on a GPU,
 interpreted elsewhere), calibration, and the setting."""
 
-import math
-import os
-
 import pytest
 import torch
 from torch import nn
@@ -12,6 +9,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.model.int8_linear import Int8Linear, int8_rows_matmul, quantize_linears, quantize_weight
 from kvferry.kernels.triton.int8_matmul import int8_matmul
+from tests.kernel_dtypes import DEVICE, DTYPES, rounding_tolerance
 
 
 def dequantized(qweight, scale):
@@ -86,25 +84,12 @@ def test_quantize_linears_swaps_every_linear_and_keeps_a_tied_embedding_in_float
     assert torch.equal(model["head"].qweight, quantize_weight(emb.weight)[0])  # the head: the tied rows, in int8
 
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-# The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bit patterns (Triton's debugging guide:
-# the interpreter does not support bf16 operations), so bf16 is checked compiled, on a GPU.
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    pytest.param(
-        torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="the Triton interpreter cannot do bf16 dots")
-    ),
-]
-
-
 def matmul_tolerance(dtype, x, w, b, k):
     """int8 weights widen to any of these dtypes exactly, and the products are exact in fp32. What is left: the
     output's rounding to dtype (half an eps of its size, at most |x|.|w| + |b|), and fp32 sums over k terms, in the
     kernel and in the reference, whose rounding grows like the square root of k."""
     bound = (x.abs() @ w.abs().T + (b.abs() if b is not None else 0)).max().item()
-    return bound * (torch.finfo(dtype).eps + 2 * torch.finfo(torch.float32).eps * math.sqrt(k))
+    return rounding_tolerance(bound, dtype, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

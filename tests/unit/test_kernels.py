@@ -2,7 +2,6 @@
 attention. On a CUDA machine the kernels run compiled; elsewhere through the interpreter (tests/conftest.py)."""
 
 import math
-import os
 
 import pytest
 import torch
@@ -13,20 +12,9 @@ from kvferry.kernels.triton.decode_attention import paged_decode_attention as tr
 from kvferry.kernels.triton.decode_attention import paged_decode_attention_split as triton_decode_split
 from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as triton_prefill
 from kvferry.kernels.triton.store_kv import store_kv as triton_store_kv
+from tests.kernel_dtypes import DEVICE, DTYPES, rounding_tolerance
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ON_GPU = DEVICE.type == "cuda"
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
-# The interpreter keeps bf16 as raw uint16 and its tl.dot multiplies those bit patterns (Triton's debugging guide:
-# the interpreter does not support bf16 operations), so bf16 attention is checked compiled, on a GPU.
-DTYPES = [
-    torch.float32,
-    torch.float16,
-    pytest.param(
-        torch.bfloat16, marks=pytest.mark.skipif(INTERPRETED, reason="the Triton interpreter cannot do bf16 dots")
-    ),
-]
-FP32_EPS = torch.finfo(torch.float32).eps
 
 SHAPES = [  # (num_heads, num_kv_heads, head_dim)
     (4, 4, 16),  # MHA
@@ -65,7 +53,7 @@ def attention_tolerance(dtype, values, reduction_len):
     """The output is a convex combination of V's rows. Rounding P to dtype before P.V, and the output after, each
     move it by at most half an eps of max|V|; the fp32 sums over reduction_len terms, in the kernel and in the
     reference, add rounding that grows like the square root of their length."""
-    return values.abs().max().item() * (torch.finfo(dtype).eps + 2 * FP32_EPS * math.sqrt(reduction_len))
+    return rounding_tolerance(values.abs().max().item(), dtype, reduction_len)
 
 
 def assert_matches_fp32_reference(out, expected, dtype, values, reduction_len):
