@@ -8,7 +8,6 @@ import asyncio
 import logging
 import signal
 import time
-from pathlib import Path
 
 import uvicorn
 
@@ -85,8 +84,7 @@ def served_names(model, configured: tuple[str, ...] | None = None) -> tuple[str,
         return tuple(configured)
     if model is None or str(model) == "":
         return DEFAULT_MODEL_SOURCE, DEFAULT_MODEL_NAME
-    path = Path(model).expanduser().resolve()
-    return (path.name if path.is_dir() else path.stem,)  # a folder's whole name: Qwen3-0.6B, not Qwen3-0
+    return (served_model_name(model),)
 
 
 def run_gateway(args) -> None:
