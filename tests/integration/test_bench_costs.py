@@ -40,7 +40,7 @@ def test_quick_fit_writes_a_cost_model_that_predicts_its_own_points(tmp_path, ca
     # fixed cost alone, or with a term's sign wrong, fails), and no decode step below a smaller one.
     for prefill in (True, False):
         mine = sorted((p for p in points if (p[0] == "prefill") == prefill), key=lambda p: (p[3], p[5]))
-        predicted = [model.step_seconds(prefill, 1, *p[3:6]) for p in mine]
+        predicted = [model.step_seconds(prefill, 1, *p[3:7]) for p in mine]  # tokens, seqs, pairs, gathered
         assert predicted[-1] >= predicted[0] * (1.05 if prefill else 1)
     assert json.loads(out.read_text())["version"] == 1
     table = capsys.readouterr().out

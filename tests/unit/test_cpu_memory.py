@@ -1,7 +1,9 @@
 """The KV pool's memory: zeroed, on a huge-page boundary, and advised to Linux for huge pages without the
 advice reaching past it."""
 
-import re
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,22 +12,6 @@ import torch
 from kvferry.common.model.cpu_memory import huge_page_zeros
 
 HUGE_PAGE = 2 * 2**20
-
-
-def _mapping_of(address: int) -> tuple[int, int, dict[str, str]]:
-    """The start, end and /proc/self/smaps fields of the mapping that holds address."""
-    fields, span = {}, None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-        if head:
-            if span:
-                break
-            start, end = int(head[1], 16), int(head[2], 16)
-            span = (start, end) if start <= address < end else None
-        elif span and ":" in line:
-            key, value = line.split(":", 1)
-            fields[key] = value.strip()
-    return (*span, fields)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -39,14 +25,41 @@ def test_the_pool_is_zeroed_aligned_and_writable(dtype):
     assert torch.count_nonzero(pool) == pool[1, 2].numel()
 
 
+# Run in a fresh interpreter: in a long test process, memory a freed pool left advised can lie next to the new pool,
+# and Linux merges neighbouring mappings with the same flags, so the advised mapping would reach past this pool.
+_ADVICE_PROBE = """
+import json, re, sys
+from pathlib import Path
+import torch
+from kvferry.common.model.cpu_memory import huge_page_zeros
+numel = int(sys.argv[1])
+pool = huge_page_zeros((numel,), torch.float32)
+address, span, fields = pool.data_ptr(), None, {}
+for line in Path("/proc/self/smaps").read_text().splitlines():
+    head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+    if head:
+        if span:
+            break
+        start, end = int(head[1], 16), int(head[2], 16)
+        span = (start, end) if start <= address < end else None
+    elif span and ":" in line:
+        key, value = line.split(":", 1)
+        fields[key] = value.strip()
+print(json.dumps({"address": address, "span": span, "flags": fields["VmFlags"].split()}))
+"""
+
+
 @pytest.mark.skipif(
     not Path("/sys/kernel/mm/transparent_hugepage").exists(),
     reason="no transparent huge pages in this kernel (or not Linux)",
 )
 def test_the_advice_covers_the_pools_whole_huge_pages_and_nothing_past_them():
     numel = 16 * 2**20 + 3  # 64 MB and a 12-byte tail that no huge page can hold
-    pool = huge_page_zeros((numel,), torch.float32)
-    start, end, fields = _mapping_of(pool.data_ptr())
+    probe = subprocess.run(
+        [sys.executable, "-c", _ADVICE_PROBE, str(numel)], capture_output=True, text=True, timeout=120, check=True
+    )
+    found = json.loads(probe.stdout)
     # The kernel splits a mapping where the advice starts and ends: the advised part is a mapping of its own.
-    assert "hg" in fields["VmFlags"].split(), fields["VmFlags"]  # hg: MADV_HUGEPAGE, whatever the THP mode
-    assert start == pool.data_ptr() and end == pool.data_ptr() + numel * 4 // HUGE_PAGE * HUGE_PAGE
+    assert "hg" in found["flags"], found["flags"]  # hg: MADV_HUGEPAGE, whatever the THP mode
+    address, (start, end) = found["address"], found["span"]
+    assert start == address and end == address + numel * 4 // HUGE_PAGE * HUGE_PAGE
