@@ -1,8 +1,10 @@
-"""Paged-attention operations, dispatched by device: Triton on CUDA, the PyTorch reference elsewhere."""
+"""Paged-attention operations, dispatched by device: Triton on CUDA; on the CPU, decode attention in C where
+kernels/cpu has been enabled and takes the tensors, else the PyTorch reference."""
 
 import torch
 
 from kvferry.kernels import reference
+from kvferry.kernels.cpu import decode_attention as cpu_decode
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -17,6 +19,11 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
     impl(key, value, k_cache, v_cache, slot_mapping)
 
 
+def needs_decode_plan(query, k_cache, v_cache) -> bool:
+    """Whether decode attention runs on the reference, which wants reference.plan_decode's plan for the step."""
+    return not _use_triton(query) and not cpu_decode.handles(query, k_cache, v_cache)
+
+
 def paged_decode_attention(
     query, k_cache, v_cache, block_tables, context_lens, scale, reference_plan=None
 ) -> torch.Tensor:
@@ -25,6 +32,8 @@ def paged_decode_attention(
         from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
+    if cpu_decode.handles(query, k_cache, v_cache):
+        return cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens, scale, plan=reference_plan
     )

@@ -9,6 +9,7 @@ import torch
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.sampling import SamplingParams
+from kvferry.kernels.cpu import decode_attention as cpu_decode
 from tests.tiny_models import VOCAB, save_tiny_model
 
 
@@ -21,6 +22,9 @@ def test_logits_match_transformers(tmp_path, arch, block_size):
             model=str(tmp_path), block_size=block_size, kv_cache_memory=2**20, max_num_seqs=8, max_num_batched_tokens=24
         )
     )  # prompts get prefilled in chunks
+    # Decode attention runs in the C kernel where it takes the head size (16), else in the reference (Qwen3's 24).
+    k_cache, v_cache = engine.runner.k_caches[0], engine.runner.v_caches[0]
+    assert cpu_decode.handles(k_cache, k_cache, v_cache) == (arch != "qwen3")
     rng = random.Random(arch)
     prompts = {f"p{n}": [rng.randrange(3, VOCAB) for _ in range(n)] for n in (5, 17, 40, 9, 1)}
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

@@ -35,7 +35,7 @@ class PagedBatch:
                 scale,
                 max_q_len=self.max_q_len,
             )
-        if self._reference_plan is None and not q.is_cuda:  # every layer shares one gather plan
+        if self._reference_plan is None and kernels.needs_decode_plan(q, k_cache, v_cache):  # one for all layers
             self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache)
         return kernels.paged_decode_attention(
             q, k_cache, v_cache, self.block_tables, self.context_lens, scale, reference_plan=self._reference_plan

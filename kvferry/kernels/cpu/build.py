@@ -1,0 +1,65 @@
+"""Compile a C kernel for this machine once, and load it with ctypes.
+
+The library is built with the system's C compiler (`$CC`, else `cc`) for the host's own instruction set
+(-march=native) and kept in a build folder under a name that hashes the source, the flags, the compiler's version
+and the CPU's feature flags: another machine or compiler gets its own build, and a process finds a built one in
+milliseconds. No torch headers are needed, so a build takes about a second. It links libgomp, which the process
+already has loaded through torch, so the kernel's threads are torch's OpenMP threads.
+"""
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("kvferry.kernels")
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
+
+
+def _cpu_features() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(source: Path, build_dir: Path) -> Path:
+    """The compiled library of source for this machine, compiling it into build_dir unless it is there already.
+    Raises OSError or subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
+    compiler = shlex.split(os.environ.get("CC") or "cc")
+    version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_features()]).encode()).hexdigest()
+    target = build_dir / f"{source.stem}-{key[:16]}.so"
+    if target.exists():
+        return target
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # Compile to a temporary name, then rename: processes starting together never load a half-written file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=build_dir)
+    os.close(fd)
+    try:
+        subprocess.run([*compiler, *FLAGS, "-o", partial, str(source), "-lm"], capture_output=True, text=True,
+                       timeout=300, check=True)  # fmt: skip
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+def load(source: Path, build_dir: Path) -> tuple[ctypes.CDLL | None, str]:
+    """(the loaded library, "") or (None, why not): a missing or failing compiler is not an error, the caller
+    keeps its PyTorch path."""
+    try:
+        return ctypes.CDLL(str(build(source, build_dir))), ""
+    except subprocess.CalledProcessError as e:
+        return None, f"{shlex.join(e.cmd)} failed: {(e.stderr or e.stdout or '').strip()[-500:]}"
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, f"{type(e).__name__}: {e}"

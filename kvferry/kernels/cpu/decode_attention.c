@@ -1,0 +1,192 @@
+/* Paged decode attention for the CPU, fp32: one new query token per sequence attends to its cached context,
+ * reading K and V from the blocks where they lie instead of gathering them into a copy first.
+ *
+ * One work item is one sequence with all its heads, taken one block at a time (flash-decoding's online softmax):
+ * score the block's tokens, rescale what was summed so far if the running maximum rose, add the block's V. The
+ * next block is prefetched while this one is computed, so the memory system has many lines in flight, and a
+ * block's K and V stay in cache while each head passes over them: K and V are read from memory once per layer.
+ * Sequences are shared between threads by OpenMP; the library links the libgomp that torch has already loaded,
+ * so these are torch's own threads.
+ *
+ * Vectors are GCC's generic vector types of 16 floats: the compiler maps them onto whatever the machine has
+ * (-march=native: one AVX-512 register, two AVX2 ones, four NEON ones). A head's vector is a whole number of
+ * them (the Python side checks head_dim % 16 == 0).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_CHUNKS 16 /* head_dim up to 256 */
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vfloat load(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+
+/* A tree of halvings, not sixteen additions in a row: four dependent steps. */
+static inline float sum_lanes(vfloat v) {
+    v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* e^x for x <= 0, within a few ulp: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n built in
+ * the exponent bits. Below -87, e^x is taken as e^-87 (about 1.6e-38), which no softmax sum can notice. */
+static inline vfloat exp_nonpositive(vfloat x) {
+    vint low = x < splat(-87.0f);
+    x = (vfloat)(((vint)x & ~low) | ((vint)splat(-87.0f) & low));
+    const vfloat round = splat(12582912.0f); /* 1.5 * 2^23: adding and taking it off rounds to an integer */
+    vfloat n = (x * splat(1.44269504088896341f) + round) - round;
+    vfloat r = x - n * splat(0.693145751953125f) - n * splat(1.42860682030941723212e-6f);
+    vfloat p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    return p * (vfloat)bits;
+}
+
+static inline float exp_nonpositive_one(float x) {
+    vfloat v = splat(x);
+    return exp_nonpositive(v)[0];
+}
+
+/* Inlined into a copy per common head size (see attend_sequence), so that head_dim is a constant there: the
+ * loops over a head's chunks unroll, and its running sum stays in registers across a block.
+ * scores: [block_size] scratch; acc: [num_heads][head_dim] scratch. */
+static inline __attribute__((always_inline)) void attend(const float *q, const float *k_cache, const float *v_cache,
+                                                         int64_t block_stride, int64_t token_stride,
+                                                         int64_t head_stride, int kv_heads, const int32_t *blocks,
+                                                         int context_len, int block_size, int num_heads,
+                                                         const int head_dim, float scale, float *s, float *acc,
+                                                         float *out) {
+    const int chunks = head_dim / LANES, group = num_heads / kv_heads, row = kv_heads * head_dim;
+    float top[num_heads], total[num_heads];
+    for (int h = 0; h < num_heads; h++)
+        top[h] = -INFINITY, total[h] = 0.0f;
+    memset(acc, 0, sizeof(float) * num_heads * head_dim);
+    for (int t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
+        const float *k_block = k_cache + (int64_t)blocks[b] * block_stride;
+        const float *v_block = v_cache + (int64_t)blocks[b] * block_stride;
+        int n = context_len - t0 < block_size ? context_len - t0 : block_size;
+        if (t0 + block_size < context_len) {
+            int64_t next = (int64_t)blocks[b + 1] * block_stride;
+            for (int t = 0; t < block_size; t++)
+                for (int i = 0; i < row; i += LANES) { /* 16 floats: one 64-byte line */
+                    __builtin_prefetch(k_cache + next + t * token_stride + i);
+                    __builtin_prefetch(v_cache + next + t * token_stride + i);
+                }
+        }
+        for (int h = 0; h < num_heads; h++) {
+            const float *k_head = k_block + (h / group) * head_stride, *v_head = v_block + (h / group) * head_stride;
+            vfloat qh[MAX_CHUNKS], a[MAX_CHUNKS];
+            for (int c = 0; c < chunks; c++)
+                qh[c] = load(q + h * head_dim + c * LANES);
+            float highest = top[h], sum = 0.0f;
+            for (int t = 0; t < n; t++) {
+                const float *k = k_head + t * token_stride;
+                vfloat even = {0}, odd = {0}; /* two chains: the products do not wait on one another */
+                for (int c = 0; c < chunks; c += 2) {
+                    even += qh[c] * load(k + c * LANES);
+                    if (c + 1 < chunks)
+                        odd += qh[c + 1] * load(k + (c + 1) * LANES);
+                }
+                s[t] = sum_lanes(even + odd) * scale;
+                highest = s[t] > highest ? s[t] : highest;
+            }
+            for (int c = 0; c < chunks; c++)
+                a[c] = load(acc + h * head_dim + c * LANES);
+            if (highest > top[h]) { /* e^(old - new) <= 1; on the first block nothing is summed yet */
+                float shrink = top[h] == -INFINITY ? 0.0f : exp_nonpositive_one(top[h] - highest);
+                for (int c = 0; c < chunks; c++)
+                    a[c] *= splat(shrink);
+                total[h] *= shrink;
+                top[h] = highest;
+            }
+            int t = 0;
+            for (; t + LANES <= n; t += LANES) {
+                vfloat e = exp_nonpositive(load(s + t) - splat(highest));
+                store(s + t, e);
+                sum += sum_lanes(e);
+            }
+            for (; t < n; t++) {
+                s[t] = exp_nonpositive_one(s[t] - highest);
+                sum += s[t];
+            }
+            total[h] += sum;
+            for (t = 0; t < n; t++) {
+                const float *v = v_head + t * token_stride;
+                vfloat w = splat(s[t]);
+                for (int c = 0; c < chunks; c++)
+                    a[c] += w * load(v + c * LANES);
+            }
+            for (int c = 0; c < chunks; c++)
+                store(acc + h * head_dim + c * LANES, a[c]);
+        }
+    }
+    for (int h = 0; h < num_heads; h++)
+        for (int c = 0; c < chunks; c++)
+            store(out + h * head_dim + c * LANES, load(acc + h * head_dim + c * LANES) * splat(1.0f / total[h]));
+}
+
+static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, int64_t block_stride,
+                            int64_t token_stride, int64_t head_stride, int kv_heads, const int32_t *blocks,
+                            int context_len, int block_size, int num_heads, int head_dim, float scale, float *s,
+                            float *acc, float *out) {
+#define ATTEND(D)                                                                                                 \
+    attend(q, k_cache, v_cache, block_stride, token_stride, head_stride, kv_heads, blocks, context_len, block_size, \
+           num_heads, D, scale, s, acc, out)
+    switch (head_dim) {
+    case 64:
+        ATTEND(64);
+        break;
+    case 128:
+        ATTEND(128);
+        break;
+    default:
+        ATTEND(head_dim);
+    }
+#undef ATTEND
+}
+
+/* query, out: [batch, heads, head_dim] contiguous, head_dim a multiple of 16 and at most 256. k_cache, v_cache:
+ * element strides block_stride (a block), token_stride (a token in its block) and head_stride (a KV head), the
+ * same for both. block_tables: [batch, table_stride] int32; context_lens: [batch] int32, each at least 1.
+ * Returns 0, or -1 if scratch memory ran out. */
+int kvferry_paged_decode_attention_f32(const float *query, const float *k_cache, const float *v_cache,
+                                       int64_t block_stride, int64_t token_stride, int64_t head_stride,
+                                       const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                                       float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
+                                       int block_size, float scale, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    {
+        float *scratch = malloc(sizeof(float) * ((size_t)block_size + LANES + (size_t)num_heads * head_dim));
+        failed = scratch == NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int seq = 0; seq < batch; seq++) {
+            if (scratch == NULL)
+                continue;
+            int64_t first = (int64_t)seq * num_heads * head_dim;
+            attend_sequence(query + first, k_cache, v_cache, block_stride, token_stride, head_stride, num_kv_heads,
+                            block_tables + seq * table_stride, context_lens[seq], block_size, num_heads, head_dim,
+                            scale, scratch, scratch + block_size + LANES, out + first);
+        }
+        free(scratch);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,97 @@
+"""Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads each sequence's K and V
+from its blocks in place. The PyTorch reference (kernels/reference.py) gathers the blocks into a copy and then runs
+SDPA over it, so it moves the KV through memory about three times where this moves it once."""
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from kvferry.kernels.cpu import build
+
+log = logging.getLogger("kvferry.kernels")
+
+SOURCE = Path(__file__).with_suffix(".c")
+_kernel = None  # the C function, once enable() has loaded it
+
+
+def enable(build_dir: Path) -> str:
+    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
+    global _kernel
+    if _kernel is not None:
+        return ""
+    lib, why = build.load(SOURCE, build_dir)
+    if lib is None:
+        log.warning("CPU decode attention stays on the PyTorch reference: %s", why)
+        return why
+    function = lib.kvferry_paged_decode_attention_f32
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+    function.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    _kernel = function
+    return ""
+
+
+def disable() -> None:
+    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
+    global _kernel
+    _kernel = None
+
+
+def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the kernel is loaded and takes these tensors: fp32 on the CPU, each token's heads laid out alike in
+    K and V, every head's vector contiguous and a whole number of 16-float vectors, up to 256."""
+    return (
+        _kernel is not None
+        and not query.is_cuda
+        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and k_cache.device.type == "cpu"
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(-1) == 1
+        and k_cache.shape[-1] % 16 == 0  # whole vectors of 16 floats
+        and k_cache.shape[-1] <= 256
+        and k_cache.shape[2] * k_cache.stride(2) <= k_cache.stride(1)  # heads lie within their token's row
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [batch, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
+    block_tables [batch, max_blocks]; context_lens [batch], each at least 1. -> [batch, num_heads, head_dim]"""
+    batch, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    failed = _kernel(
+        query.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        tables.data_ptr(),
+        tables.stride(0),
+        lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("CPU decode attention: no memory for its scores")
+    return out

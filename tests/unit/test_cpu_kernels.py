@@ -1,0 +1,97 @@
+"""The C decode-attention kernel for the CPU against the PyTorch reference, and how it is built, loaded and chosen."""
+
+import pytest
+import torch
+
+from kvferry import kernels
+from kvferry.kernels import reference
+from kvferry.kernels.cpu import build
+from kvferry.kernels.cpu import decode_attention as cpu_decode
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    assert cpu_decode.enable(tmp_path_factory.mktemp("kernels")) == ""
+    yield
+    cpu_decode.disable()
+
+
+def _case(batch, heads, kv_heads, head_dim, block_size, lens, interleaved, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    num_blocks = 4 + sum(-(-n // block_size) for n in lens)
+    if interleaved:  # the runner's pool: a token's K and V side by side
+        pool = torch.randn(num_blocks, block_size, 2, kv_heads, head_dim, generator=generator)
+        k_cache, v_cache = pool[:, :, 0], pool[:, :, 1]
+    else:
+        k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+        v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=generator)
+    widest = max(-(-n // block_size) for n in lens)
+    # Scattered, never shared, blocks; padding past a context points at block 0, which the kernel must not read.
+    order = torch.randperm(num_blocks - 1, generator=generator) + 1
+    tables, used = torch.zeros(batch, widest, dtype=torch.int32), 0
+    for i, n in enumerate(lens):
+        count = -(-n // block_size)
+        tables[i, :count] = order[used : used + count]
+        used += count
+    query = torch.randn(batch, heads, head_dim, generator=generator)
+    return query, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block_size, lens, interleaved",
+    [
+        (9, 3, 64, 16, [1, 16, 17, 260, 33], True),  # SmolLM2's heads, contexts at and off block edges
+        (4, 4, 32, 8, [5, 64, 1], False),  # no grouping, separate K and V tensors
+        (8, 2, 128, 16, [300, 2, 129], True),  # a group of 4, a wide head
+        (6, 1, 16, 1, [7, 1, 40], False),  # one KV head for all, one token per block
+    ],
+)
+def test_the_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_size, lens, interleaved):
+    query, k_cache, v_cache, tables, context_lens = _case(
+        len(lens), heads, kv_heads, head_dim, block_size, lens, interleaved
+    )
+    scale = head_dim**-0.5
+    assert cpu_decode.handles(query, k_cache, v_cache)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")  # the padding's block: any read of it shows
+    found = cpu_decode.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, scale)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_large_scores_do_not_overflow_and_a_dominant_key_wins(kernel):
+    query, k_cache, v_cache, tables, lens = _case(2, 3, 1, 16, 4, [9, 30], True, seed=1)
+    query *= 200.0  # scores in the thousands: e^score overflows fp32 without taking off the maximum first
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+    found = cpu_decode.paged_decode_attention(query, k_cache, v_cache, tables, lens, 1.0)
+    assert torch.isfinite(found).all()
+    torch.testing.assert_close(found, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_dispatch_takes_the_kernel_only_for_what_it_handles(kernel):
+    query, k_cache, v_cache, tables, lens = _case(3, 9, 3, 64, 16, [5, 40, 17], True)
+    assert not kernels.needs_decode_plan(query, k_cache, v_cache)
+    with torch.no_grad():
+        half = [t.to(torch.bfloat16) for t in (query, k_cache, v_cache)]
+    assert not cpu_decode.handles(*half) and kernels.needs_decode_plan(*half)  # bf16: the reference's
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125)
+    torch.testing.assert_close(kernels.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.125), expected)
+
+
+def test_a_build_is_kept_and_a_missing_compiler_leaves_the_reference(tmp_path, monkeypatch):
+    first = build.build(cpu_decode.SOURCE, tmp_path)
+    stamp = first.stat().st_mtime_ns
+    assert build.build(cpu_decode.SOURCE, tmp_path) == first and first.stat().st_mtime_ns == stamp
+    monkeypatch.setenv("CC", "no-such-compiler-kvferry")
+    cpu_decode.disable()
+    why = cpu_decode.enable(tmp_path / "elsewhere")
+    assert "no-such-compiler-kvferry" in why
+    query, k_cache, v_cache, *_ = _case(1, 2, 1, 8, 4, [3], True)
+    assert not cpu_decode.handles(query, k_cache, v_cache) and kernels.needs_decode_plan(query, k_cache, v_cache)
+
+
+def test_a_failing_compile_says_what_the_compiler_said(tmp_path):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return }\n")
+    lib, why = build.load(broken, tmp_path / "out")
+    assert lib is None and "failed" in why and "error" in why
+    assert not list((tmp_path / "out").glob("*.so"))  # no half-built library left to load later
