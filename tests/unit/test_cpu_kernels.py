@@ -1,11 +1,13 @@
-"""The C decode-attention kernel for the CPU against the PyTorch reference, and how it is built, loaded and chosen."""
+"""The C kernels for the CPU against PyTorch: decode attention against the reference, the layer's elementwise functions
+against PyTorch's ops; and how they are built, loaded and chosen."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvferry import kernels
 from kvferry.kernels import reference
-from kvferry.kernels.cpu import build
+from kvferry.kernels.cpu import build, layer_ops
 from kvferry.kernels.cpu import decode_attention as cpu_decode
 
 
@@ -95,3 +97,64 @@ def test_a_failing_compile_says_what_the_compiler_said(tmp_path):
     lib, why = build.load(broken, tmp_path / "out")
     assert lib is None and "failed" in why and "error" in why
     assert not list((tmp_path / "out").glob("*.so"))  # no half-built library left to load later
+
+
+@pytest.fixture(scope="module")
+def elementwise(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("kernels")
+    assert layer_ops.enable(folder) == ""
+    yield folder
+    layer_ops.disable()
+
+
+def _torch_rope(x, cos, sin):  # transformers' rotate_half, as PyTorch ops
+    half = x.shape[-1] // 2
+    return x * cos[:, None, :] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None, :]
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (40, 576), (3, 24), (200, 1000)])  # one vector's tail, threads
+def test_the_residual_add_is_exact_and_the_norm_matches(elementwise, rows, dim):
+    generator = torch.Generator().manual_seed(rows)
+    x, residual, weight = (torch.randn(n, generator=generator) for n in ((rows, dim), (rows, dim), (dim,)))
+    expected_sum = x + residual
+    expected = F.rms_norm(expected_sum, (dim,), weight, 1e-5)
+    assert layer_ops.handles(x, residual, weight)
+    out, summed = layer_ops.add_rms_norm(x, residual, weight, 1e-5)
+    assert summed is residual and torch.equal(residual, expected_sum)  # in place, bit for bit
+    torch.testing.assert_close(out, expected, rtol=2e-6, atol=1e-6)
+    alone, passed = layer_ops.add_rms_norm(x, None, weight, 1e-5)
+    assert passed is x
+    torch.testing.assert_close(alone, F.rms_norm(x, (dim,), weight, 1e-5), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("rows, heads, head_dim", [(1, 12, 64), (33, 12, 64), (500, 6, 24)])
+def test_rope_in_place_is_bit_for_bit_pytorchs(elementwise, rows, heads, head_dim):
+    generator = torch.Generator().manual_seed(heads)
+    fused = torch.randn(rows, heads + 5, head_dim, generator=generator)  # rows strided: q and k beside v
+    x = fused[:, :heads]
+    angles = torch.rand(rows, head_dim // 2, generator=generator) * 100
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    expected, untouched = _torch_rope(x, cos, sin), fused[:, heads:].clone()
+    assert layer_ops.rope_handles(x, cos, sin)
+    assert layer_ops.rope_(x, cos, sin).data_ptr() == x.data_ptr()
+    assert torch.equal(x, expected) and torch.equal(fused[:, heads:], untouched)
+
+
+@pytest.mark.parametrize("rows, width", [(1, 1536), (32, 1536), (5, 40)])
+def test_silu_mul_matches(elementwise, rows, width):
+    gate_up = torch.randn(rows, 2 * width, generator=torch.Generator().manual_seed(width)) * 6
+    gate_up[0, :4] = torch.tensor([-200.0, 200.0, -88.5, 0.0])  # past the exponential's clamps, and zero
+    expected = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(layer_ops.silu_mul(gate_up), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_the_model_uses_pytorchs_ops_where_the_functions_are_not_loaded(elementwise):
+    x = torch.randn(3, 4, 16)
+    cos, sin = torch.ones(3, 16), torch.zeros(3, 16)
+    assert layer_ops.rope_handles(x, cos, sin) and not layer_ops.rope_handles(x.to(torch.bfloat16), cos, sin)
+    assert not layer_ops.rope_handles(x.transpose(1, 2), cos, sin)  # a head's vector not contiguous
+    layer_ops.disable()
+    try:
+        assert not layer_ops.handles(x) and not layer_ops.rope_handles(x, cos, sin)
+    finally:
+        assert layer_ops.enable(elementwise) == ""

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvferry.common.errors import ModelLoadError
+from kvferry.kernels.cpu import layer_ops
 
 STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
@@ -22,7 +23,18 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with a residual, (norm(x + residual), x + residual): a skip connection's add and the next
+        norm as one op, as vLLM has them (the sum may be written into residual in place)."""
+        if x.dim() == 2 and layer_ops.handles(x, self.weight, *([] if residual is None else [residual])):
+            out, summed = layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, summed)
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same maths as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
@@ -68,7 +80,9 @@ def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [num_tokens, heads, head_dim]; cos/sin [num_tokens, head_dim]."""
+    """x [num_tokens, heads, head_dim]; cos/sin [num_tokens, head_dim]. On the CPU in fp32, x is rotated in place."""
+    if layer_ops.rope_handles(x, cos, sin):
+        return layer_ops.rope_(x, cos, sin)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -126,7 +140,10 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if layer_ops.handles(gate_up):
+            return self.down_proj(layer_ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -138,9 +155,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output; residual: the sum of the outputs before it (None at the first layer).
+        -> (this layer's MLP output, the residual stream so far). The skip connections' adds happen in the next
+        norm, so residual + attention + MLP is the usual x + attn(norm(x)), then + mlp(norm(...))."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, cos, sin, batch), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -161,13 +185,13 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch, after_layer=None) -> torch.Tensor:
         """input_ids, positions [num_tokens] -> final hidden states [num_tokens, hidden]. after_layer(i), when
         given, runs once layer i has stored its K/V: a prefill worker ships finished layers while the rest compute."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, batch)
+            x, residual = layer(x, residual, cos, sin, batch)
             if after_layer is not None:
                 after_layer(i)
-        return self.norm(x)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab]

@@ -21,7 +21,7 @@ from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs
 from kvferry.common.scheduler import StepPlan
 from kvferry.common.sequence import Sequence
-from kvferry.kernels.cpu import decode_attention as cpu_decode
+from kvferry.kernels import cpu as cpu_kernels
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if device.type == "cpu":
             keep_freed_memory()
-            cpu_decode.enable(model_files.cache_root() / "kernels")  # compiled once per machine; else the reference
+            cpu_kernels.enable(model_files.cache_root() / "kernels")  # compiled once per machine; else PyTorch's ops
         if can_pack(device, dtype):
             pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
         # K and V of a token side by side: a block's K and V are one contiguous run of memory, so the CPU's

@@ -31,12 +31,15 @@ def _cpu_features() -> str:
     return ""
 
 
-def build(source: Path, build_dir: Path) -> Path:
+def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     """The compiled library of source for this machine, compiling it into build_dir unless it is there already.
     Raises OSError or subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
+    flags = (*FLAGS, *extra_flags)
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
-    key = hashlib.sha256("\0".join([source.read_text(), *FLAGS, version, _cpu_features()]).encode()).hexdigest()
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
+    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, version, _cpu_features()]).encode())
+    key = key.hexdigest()
     target = build_dir / f"{source.stem}-{key[:16]}.so"
     if target.exists():
         return target
@@ -45,7 +48,7 @@ def build(source: Path, build_dir: Path) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=build_dir)
     os.close(fd)
     try:
-        subprocess.run([*compiler, *FLAGS, "-o", partial, str(source), "-lm"], capture_output=True, text=True,
+        subprocess.run([*compiler, *flags, "-o", partial, str(source), "-lm"], capture_output=True, text=True,
                        timeout=300, check=True)  # fmt: skip
         os.replace(partial, target)
     finally:
@@ -54,11 +57,11 @@ def build(source: Path, build_dir: Path) -> Path:
     return target
 
 
-def load(source: Path, build_dir: Path) -> tuple[ctypes.CDLL | None, str]:
+def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not): a missing or failing compiler is not an error, the caller
     keeps its PyTorch path."""
     try:
-        return ctypes.CDLL(str(build(source, build_dir))), ""
+        return ctypes.CDLL(str(build(source, build_dir, extra_flags))), ""
     except subprocess.CalledProcessError as e:
         return None, f"{shlex.join(e.cmd)} failed: {(e.stderr or e.stdout or '').strip()[-500:]}"
     except (OSError, subprocess.SubprocessError) as e:

@@ -8,62 +8,16 @@
  * Sequences are shared between threads by OpenMP; the library links the libgomp that torch has already loaded,
  * so these are torch's own threads.
  *
- * Vectors are GCC's generic vector types of 16 floats: the compiler maps them onto whatever the machine has
- * (-march=native: one AVX-512 register, two AVX2 ones, four NEON ones). A head's vector is a whole number of
- * them (the Python side checks head_dim % 16 == 0).
+ * A head's vector is a whole number of 16-float vectors (vectors.h; the Python side checks head_dim % 16 == 0).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
+#include "vectors.h"
+
 #define MAX_CHUNKS 16 /* head_dim up to 256 */
-typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
-typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
-
-static inline vfloat load(const float *p) {
-    vfloat v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
-
-static inline vfloat splat(float x) { return (vfloat){0} + x; }
-
-/* A tree of halvings, not sixteen additions in a row: four dependent steps. */
-static inline float sum_lanes(vfloat v) {
-    v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
-    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
-    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
-    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
-    return v[0];
-}
-
-/* e^x for x <= 0, within a few ulp: x = n ln2 + r with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n built in
- * the exponent bits. Below -87, e^x is taken as e^-87 (about 1.6e-38), which no softmax sum can notice. */
-static inline vfloat exp_nonpositive(vfloat x) {
-    vint low = x < splat(-87.0f);
-    x = (vfloat)(((vint)x & ~low) | ((vint)splat(-87.0f) & low));
-    const vfloat round = splat(12582912.0f); /* 1.5 * 2^23: adding and taking it off rounds to an integer */
-    vfloat n = (x * splat(1.44269504088896341f) + round) - round;
-    vfloat r = x - n * splat(0.693145751953125f) - n * splat(1.42860682030941723212e-6f);
-    vfloat p = splat(1.0f / 720.0f);
-    p = p * r + splat(1.0f / 120.0f);
-    p = p * r + splat(1.0f / 24.0f);
-    p = p * r + splat(1.0f / 6.0f);
-    p = p * r + splat(0.5f);
-    p = p * r + splat(1.0f);
-    p = p * r + splat(1.0f);
-    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
-    return p * (vfloat)bits;
-}
-
-static inline float exp_nonpositive_one(float x) {
-    vfloat v = splat(x);
-    return exp_nonpositive(v)[0];
-}
 
 /* Inlined into a copy per common head size (see attend_sequence), so that head_dim is a constant there: the
  * loops over a head's chunks unroll, and its running sum stays in registers across a block.
@@ -111,7 +65,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             for (int c = 0; c < chunks; c++)
                 a[c] = load(acc + h * head_dim + c * LANES);
             if (highest > top[h]) { /* e^(old - new) <= 1; on the first block nothing is summed yet */
-                float shrink = top[h] == -INFINITY ? 0.0f : exp_nonpositive_one(top[h] - highest);
+                float shrink = top[h] == -INFINITY ? 0.0f : exp_one(top[h] - highest);
                 for (int c = 0; c < chunks; c++)
                     a[c] *= splat(shrink);
                 total[h] *= shrink;
@@ -119,12 +73,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
             }
             int t = 0;
             for (; t + LANES <= n; t += LANES) {
-                vfloat e = exp_nonpositive(load(s + t) - splat(highest));
+                vfloat e = exp_vector(load(s + t) - splat(highest));
                 store(s + t, e);
                 sum += sum_lanes(e);
             }
             for (; t < n; t++) {
-                s[t] = exp_nonpositive_one(s[t] - highest);
+                s[t] = exp_one(s[t] - highest);
                 sum += s[t];
             }
             total[h] += sum;

@@ -1,0 +1,84 @@
+/* A decoder layer's elementwise work for the CPU, fp32, one call each where PyTorch takes several ops: at decode
+ * batch sizes each op's dispatch costs more than its arithmetic.
+ *
+ * Built with -ffp-contract=off, so no multiply and add fuse into one rounding: the residual add and RoPE give
+ * PyTorch's results bit for bit; the norm's sum of squares and SiLU's exponential round differently from
+ * PyTorch's, by about an ulp. Rows are shared between threads only when there are enough of them to pay for it.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#include "vectors.h"
+
+/* Below these many elements, waking a second thread costs more than it saves (SiLU's exponential and division
+ * make its elements dearer than a norm's or RoPE's). */
+#define PARALLEL_ELEMENTS 65536
+#define PARALLEL_SILU_ELEMENTS 8192
+
+static inline float sum_of_squares(const float *x, int dim) {
+    vfloat acc = {0};
+    int d = 0;
+    for (; d + LANES <= dim; d += LANES) {
+        vfloat v = load(x + d);
+        acc += v * v;
+    }
+    float sum = sum_lanes(acc);
+    for (; d < dim; d++)
+        sum += x[d] * x[d];
+    return sum;
+}
+
+/* With residual: residual += x, then out = residual / rms(residual) * weight (a layer's skip connection and the
+ * next norm, as vLLM fuses them). Without (residual NULL): out = x / rms(x) * weight. All rows contiguous. */
+void kvferry_add_rms_norm_f32(const float *x, float *residual, const float *weight, float *out, int rows, int dim,
+                              float eps, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *in = x + (int64_t)r * dim;
+        float *o = out + (int64_t)r * dim;
+        if (residual != NULL) {
+            float *res = residual + (int64_t)r * dim;
+            for (int d = 0; d < dim; d++)
+                res[d] = in[d] + res[d];
+            in = res;
+        }
+        float scale = 1.0f / sqrtf(sum_of_squares(in, dim) / (float)dim + eps);
+        for (int d = 0; d < dim; d++)
+            o[d] = weight[d] * (in[d] * scale);
+    }
+}
+
+/* RoPE in place, as transformers' rotate_half: the first half of each head becomes x1 cos - x2 sin, the second
+ * x2 cos + x1 sin. x: rows of heads * head_dim floats (from row_stride apart); cos, sin: [rows][head_dim]. */
+void kvferry_rope_f32(float *x, int64_t row_stride, int rows, int heads, int head_dim, const float *cos,
+                      const float *sin, int num_threads) {
+    int half = head_dim / 2;
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * heads * head_dim >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
+        for (int h = 0; h < heads; h++) {
+            float *v = x + (int64_t)r * row_stride + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                float first = v[i], second = v[i + half];
+                v[i] = first * c[i] - second * s[i];
+                v[i + half] = second * c[i + half] + first * s[i + half];
+            }
+        }
+    }
+}
+
+/* out = silu(gate) * up, silu(g) = g / (1 + e^-g); gate_up: rows of gate (width floats) then up (width floats). */
+void kvferry_silu_mul_f32(const float *gate_up, float *out, int rows, int width, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * width >= PARALLEL_SILU_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *gate = gate_up + (int64_t)r * 2 * width, *up = gate + width;
+        float *o = out + (int64_t)r * width;
+        int d = 0;
+        for (; d + LANES <= width; d += LANES) {
+            vfloat g = load(gate + d);
+            store(o + d, g / (splat(1.0f) + exp_vector(-g)) * load(up + d));
+        }
+        for (; d < width; d++)
+            o[d] = gate[d] / (1.0f + exp_one(-gate[d])) * up[d];
+    }
+}

@@ -1,0 +1,92 @@
+"""A decoder layer's elementwise work on the CPU by the C functions in layer_ops.c: the residual add with the next
+RMSNorm, RoPE in place, and SiLU·mul, one call each. PyTorch runs each as several ops, and at decode batch sizes
+each op's dispatch costs more than its arithmetic."""
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from kvferry.kernels.cpu import build
+
+log = logging.getLogger("kvferry.kernels")
+
+SOURCE = Path(__file__).with_suffix(".c")
+FLAGS = ("-ffp-contract=off",)  # no fused multiply-adds: the add and RoPE round exactly as PyTorch's ops do
+_lib = None
+
+
+def enable(build_dir: Path) -> str:
+    """Compile (once per machine) and load the functions; returns "" or why PyTorch's ops stay in use."""
+    global _lib
+    if _lib is not None:
+        return ""
+    lib, why = build.load(SOURCE, build_dir, FLAGS)
+    if lib is None:
+        log.warning("a layer's elementwise work stays on PyTorch's ops: %s", why)
+        return why
+    pointer, size, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    lib.kvferry_add_rms_norm_f32.argtypes = [pointer] * 4 + [count, count, real, count]
+    lib.kvferry_rope_f32.argtypes = [pointer, size, count, count, count, pointer, pointer, count]
+    lib.kvferry_silu_mul_f32.argtypes = [pointer, pointer, count, count, count]
+    for function in (lib.kvferry_add_rms_norm_f32, lib.kvferry_rope_f32, lib.kvferry_silu_mul_f32):
+        function.restype = None
+    _lib = lib
+    return ""
+
+
+def disable() -> None:
+    """Back to PyTorch's ops, in this process (tests and benchmarks compare the two)."""
+    global _lib
+    _lib = None
+
+
+def handles(*tensors: torch.Tensor) -> bool:
+    """Whether the functions are loaded and take these tensors: fp32 on the CPU, and contiguous."""
+    return _lib is not None and all(
+        t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors
+    )
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual) * weight, x + residual), the sum written into residual in place; without a
+    residual, (rms_norm(x) * weight, x). x, residual [rows, dim]."""
+    rows, dim = x.shape
+    out = torch.empty_like(x)
+    sum_into = None if residual is None else residual.data_ptr()
+    _lib.kvferry_add_rms_norm_f32(
+        x.data_ptr(), sum_into, weight.data_ptr(), out.data_ptr(), rows, dim, eps, torch.get_num_threads()
+    )
+    return out, (x if residual is None else residual)
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [rows, heads, head_dim] in place (its rows may be strided, each row's heads contiguous); cos and
+    sin [rows, head_dim], contiguous."""
+    rows, heads, head_dim = x.shape
+    _lib.kvferry_rope_f32(
+        x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+    )
+    return x
+
+
+def rope_handles(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    return (
+        handles(cos, sin)
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.stride(2) == 1
+        and x.stride(1) == x.shape[2]
+        and x.shape[2] % 2 == 0
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, gate_up [rows, 2 * width] holding gate then up -> [rows, width]."""
+    rows, width = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, width, dtype=gate_up.dtype)
+    _lib.kvferry_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
+    return out

@@ -1,0 +1,56 @@
+/* GCC's generic vector types of 16 floats, shared by the CPU kernels: the compiler maps them onto whatever the
+ * machine has (-march=native: one AVX-512 register, two AVX2 ones, four NEON ones). */
+#ifndef KVFERRY_VECTORS_H
+#define KVFERRY_VECTORS_H
+
+#include <stdint.h>
+#include <string.h>
+
+#define LANES 16
+typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
+typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
+
+static inline vfloat load(const float *p) {
+    vfloat v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
+
+static inline vfloat splat(float x) { return (vfloat){0} + x; }
+
+/* Lanes of a where mask is set, else of b. */
+static inline vfloat pick(vint mask, vfloat a, vfloat b) { return (vfloat)(((vint)a & mask) | ((vint)b & ~mask)); }
+
+/* A tree of halvings, not sixteen additions in a row: four dependent steps. */
+static inline float sum_lanes(vfloat v) {
+    v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+    return v[0];
+}
+
+/* e^x within a few ulp, x clamped to [-87, 88] (e^-87 is about 1.6e-38, e^88 near float's top): x = n ln2 + r
+ * with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n built in the exponent bits. */
+static inline vfloat exp_vector(vfloat x) {
+    x = pick(x < splat(-87.0f), splat(-87.0f), x);
+    x = pick(x > splat(88.0f), splat(88.0f), x);
+    const vfloat round = splat(12582912.0f); /* 1.5 * 2^23: adding and taking it off rounds to an integer */
+    vfloat n = (x * splat(1.44269504088896341f) + round) - round;
+    vfloat r = x - n * splat(0.693145751953125f) - n * splat(1.42860682030941723212e-6f);
+    vfloat p = splat(1.0f / 720.0f);
+    p = p * r + splat(1.0f / 120.0f);
+    p = p * r + splat(1.0f / 24.0f);
+    p = p * r + splat(1.0f / 6.0f);
+    p = p * r + splat(0.5f);
+    p = p * r + splat(1.0f);
+    p = p * r + splat(1.0f);
+    vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
+    return p * (vfloat)bits;
+}
+
+static inline float exp_one(float x) { return exp_vector(splat(x))[0]; }
+
+#endif
