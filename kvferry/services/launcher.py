@@ -133,6 +133,10 @@ def serve(args) -> int:
     # serve and a child both take, as serve got it (flag, variable or default).
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
+    # The workers share this machine's cores. By default an OpenMP thread that finishes its work spins for a while
+    # before it sleeps, taking a core from the other worker; asleep at once, std-32 over HTTP ran about a tenth
+    # faster (docs/benchmarks.md). libgomp reads it when it loads, so only the children's environment can carry it.
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     procs = []
     try:
         procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)

@@ -2,8 +2,10 @@
 environment (the flag winning), as the settings spec hands them on."""
 
 import os
+from pathlib import Path
 
 from tests.e2e.stack import Stack
+from tests.e2e.test_procfile import descendants
 from tests.tiny_models import save_tiny_chat_model
 
 KEY = "serve-key"
@@ -43,3 +45,8 @@ def test_serve_hands_its_flags_and_variables_to_its_children(make_stack, tmp_pat
     traces = tmp_path / "traces"
     assert traces.is_dir() and len(os.listdir(traces)) >= 3, os.listdir(traces)  # each child writes its own
     assert any(line.startswith('{"ts"') for line in stack.log("serve").splitlines())  # --log-format json
+
+    # The workers share the machine's cores: their OpenMP threads sleep when idle (serve's default; a user's wins).
+    children = descendants(stack.procs["serve"].pid)
+    environs = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in children]
+    assert len(environs) >= 3 and all(b"OMP_WAIT_POLICY=PASSIVE" in e for e in environs)
