@@ -25,15 +25,18 @@ def needs_decode_plan(query, k_cache, v_cache) -> bool:
 
 
 def paged_decode_attention(
-    query, k_cache, v_cache, block_tables, context_lens, scale, reference_plan=None
+    query, k_cache, v_cache, block_tables, context_lens, scale, reference_plan=None, new=None
 ) -> torch.Tensor:
-    """reference_plan: reference.plan_decode's result, built once per step and shared by the layers."""
+    """reference_plan: reference.plan_decode's result, built once per step and shared by the layers. new: (key,
+    value, slot_mapping) of the step's tokens, stored into the cache first (by the C kernel, in the same call)."""
+    if cpu_decode.handles(query, k_cache, v_cache):
+        return cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, new)
+    if new is not None:
+        store_kv(new[0], new[1], k_cache, v_cache, new[2])
     if _use_triton(query):
         from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
-    if cpu_decode.handles(query, k_cache, v_cache):
-        return cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
     return reference.paged_decode_attention(
         query, k_cache, v_cache, block_tables, context_lens, scale, plan=reference_plan
     )

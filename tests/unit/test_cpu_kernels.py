@@ -60,6 +60,22 @@ def test_the_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, blo
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_the_new_tokens_are_stored_in_the_same_call_as_store_kv_stores_them(kernel):
+    lens = [7, 16, 33]
+    query, k_cache, v_cache, tables, context_lens = _case(3, 9, 3, 64, 16, lens, True, seed=2)
+    fused = torch.randn(3, 9 + 3 + 3, 64)  # q, k, v of each token side by side, as the QKV projection leaves them
+    key, value = fused[:, 9:12], fused[:, 12:]  # rows strided
+    last = [n - 1 for n in lens]
+    slots = torch.tensor([int(tables[i, p // 16]) * 16 + p % 16 for i, p in enumerate(last)])
+    slots[1] = -1  # a padding row: stores nothing
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(key, value, expected_k, expected_v, slots)
+    expected = reference.paged_decode_attention(query, expected_k, expected_v, tables, context_lens, 0.125)
+    found = cpu_decode.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.125, (key, value, slots))
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_large_scores_do_not_overflow_and_a_dominant_key_wins(kernel):
     query, k_cache, v_cache, tables, lens = _case(2, 3, 1, 16, 4, [9, 30], True, seed=1)
     query *= 200.0  # scores in the thousands: e^score overflows fp32 without taking off the maximum first

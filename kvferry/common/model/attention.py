@@ -23,8 +23,8 @@ class PagedBatch:
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Store this step's k/v [T, kvh, d], then attend q [T, H, d] over the cache -> [T, H, d]."""
         k_cache, v_cache = self.k_caches[layer], self.v_caches[layer]
-        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.is_prefill:
+            kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
             return kernels.paged_prefill_attention(
                 q,
                 k_cache,
@@ -38,5 +38,12 @@ class PagedBatch:
         if self._reference_plan is None and kernels.needs_decode_plan(q, k_cache, v_cache):  # one for all layers
             self._reference_plan = reference.plan_decode(self.block_tables, self.context_lens, k_cache)
         return kernels.paged_decode_attention(
-            q, k_cache, v_cache, self.block_tables, self.context_lens, scale, reference_plan=self._reference_plan
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.context_lens,
+            scale,
+            reference_plan=self._reference_plan,
+            new=(k, v, self.slot_mapping),
         )

@@ -1,10 +1,11 @@
 /* Paged decode attention for the CPU, fp32: one new query token per sequence attends to its cached context,
  * reading K and V from the blocks where they lie instead of gathering them into a copy first.
  *
- * One work item is one sequence with all its heads, taken one block at a time (flash-decoding's online softmax):
- * score the block's tokens, rescale what was summed so far if the running maximum rose, add the block's V. The
- * next block is prefetched while this one is computed, so the memory system has many lines in flight, and a
- * block's K and V stay in cache while each head passes over them: K and V are read from memory once per layer.
+ * One work item is one sequence with all its heads: first its new token's K and V go into their slot, then its
+ * blocks are taken one at a time (flash-decoding's online softmax): score the block's tokens, rescale what was
+ * summed so far if the running maximum rose, add the block's V. The next block is prefetched while this one is
+ * computed, and a block's K and V stay in cache while each head passes over them: K and V are read from memory
+ * once per layer.
  * Sequences are shared between threads by OpenMP; the library links the libgomp that torch has already loaded,
  * so these are torch's own threads.
  *
@@ -37,14 +38,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         const float *k_block = k_cache + (int64_t)blocks[b] * block_stride;
         const float *v_block = v_cache + (int64_t)blocks[b] * block_stride;
         int n = context_len - t0 < block_size ? context_len - t0 : block_size;
-        if (t0 + block_size < context_len) {
-            int64_t next = (int64_t)blocks[b + 1] * block_stride;
-            for (int t = 0; t < block_size; t++)
-                for (int i = 0; i < row; i += LANES) { /* 16 floats: one 64-byte line */
-                    __builtin_prefetch(k_cache + next + t * token_stride + i);
-                    __builtin_prefetch(v_cache + next + t * token_stride + i);
-                }
-        }
+        /* The next block's lines are prefetched into L2 a few at a time, spread over this block's work: issued
+         * all at once, they would fill the core's miss buffers and stall the arithmetic until they arrived. */
+        int64_t next = t0 + block_size < context_len ? (int64_t)blocks[b + 1] * block_stride : -1;
+        const int lines_per_row = row / LANES, lines = 2 * block_size * lines_per_row; /* K's and V's */
+        const int per_step = (lines + num_heads * n - 1) / (num_heads * n);
+        int issued = next >= 0 ? 0 : lines;
         for (int h = 0; h < num_heads; h++) {
             const float *k_head = k_block + (h / group) * head_stride, *v_head = v_block + (h / group) * head_stride;
             vfloat qh[MAX_CHUNKS], a[MAX_CHUNKS];
@@ -52,6 +51,12 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                 qh[c] = load(q + h * head_dim + c * LANES);
             float highest = top[h], sum = 0.0f;
             for (int t = 0; t < n; t++) {
+                for (int j = 0; j < per_step && issued < lines; j++, issued++) {
+                    int line = issued >> 1;
+                    __builtin_prefetch((issued & 1 ? v_cache : k_cache) + next + (line / lines_per_row) * token_stride +
+                                           (line % lines_per_row) * LANES,
+                                       0, 2);
+                }
                 const float *k = k_head + t * token_stride;
                 vfloat even = {0}, odd = {0}; /* two chains: the products do not wait on one another */
                 for (int c = 0; c < chunks; c += 2) {
@@ -117,11 +122,26 @@ static void attend_sequence(const float *q, const float *k_cache, const float *v
 #undef ATTEND
 }
 
-/* query, out: [batch, heads, head_dim] contiguous, head_dim a multiple of 16 and at most 256. k_cache, v_cache:
- * element strides block_stride (a block), token_stride (a token in its block) and head_stride (a KV head), the
- * same for both. block_tables: [batch, table_stride] int32; context_lens: [batch] int32, each at least 1.
- * Returns 0, or -1 if scratch memory ran out. */
-int kvferry_paged_decode_attention_f32(const float *query, const float *k_cache, const float *v_cache,
+/* Write one sequence's new K and V (kv_heads vectors each, contiguous) into its slot's place in the caches. */
+static void store_token(const float *new_k, const float *new_v, float *k_cache, float *v_cache, int64_t slot,
+                        int block_size, int64_t block_stride, int64_t token_stride, int64_t head_stride, int kv_heads,
+                        int head_dim) {
+    int64_t at = slot / block_size * block_stride + slot % block_size * token_stride;
+    for (int h = 0; h < kv_heads; h++) {
+        memcpy(k_cache + at + h * head_stride, new_k + h * head_dim, sizeof(float) * head_dim);
+        memcpy(v_cache + at + h * head_stride, new_v + h * head_dim, sizeof(float) * head_dim);
+    }
+}
+
+/* query, out: [batch, heads, head_dim] contiguous, head_dim a multiple of 16 and at most 256. new_k, new_v: each
+ * sequence's new token, kv_heads * head_dim floats, rows new_k_stride and new_v_stride apart, stored first at
+ * slots[seq] (a negative slot stores nothing; slots NULL: none). k_cache, v_cache: element strides block_stride (a block), token_stride (a token
+ * in its block) and head_stride (a KV head), the same for both. block_tables: [batch, table_stride] int32;
+ * context_lens: [batch] int32, each at least 1, the new token included. Returns 0, or -1 if scratch memory ran
+ * out. */
+int kvferry_paged_decode_attention_f32(const float *query, const float *new_k, int64_t new_k_stride,
+                                       const float *new_v, int64_t new_v_stride, const int64_t *slots,
+                                       float *k_cache, float *v_cache,
                                        int64_t block_stride, int64_t token_stride, int64_t head_stride,
                                        const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                                        float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
@@ -135,6 +155,9 @@ int kvferry_paged_decode_attention_f32(const float *query, const float *k_cache,
         for (int seq = 0; seq < batch; seq++) {
             if (scratch == NULL)
                 continue;
+            if (slots != NULL && slots[seq] >= 0)
+                store_token(new_k + seq * new_k_stride, new_v + seq * new_v_stride, k_cache, v_cache, slots[seq],
+                            block_size, block_stride, token_stride, head_stride, num_kv_heads, head_dim);
             int64_t first = (int64_t)seq * num_heads * head_dim;
             attend_sequence(query + first, k_cache, v_cache, block_stride, token_stride, head_stride, num_kv_heads,
                             block_tables + seq * table_stride, context_lens[seq], block_size, num_heads, head_dim,

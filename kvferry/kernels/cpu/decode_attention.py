@@ -27,8 +27,9 @@ def enable(build_dir: Path) -> str:
         return why
     function = lib.kvferry_paged_decode_attention_f32
     function.restype = ctypes.c_int
-    function.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
-    function.argtypes += [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
+    function.argtypes += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
     _kernel = function
     return ""
 
@@ -62,9 +63,12 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """query [batch, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables [batch, max_blocks]; context_lens [batch], each at least 1. -> [batch, num_heads, head_dim]"""
+    block_tables [batch, max_blocks]; context_lens [batch], each at least 1. new: (key, value, slot_mapping), the
+    step's K and V [batch, num_kv_heads, head_dim] (rows may be strided) stored into their slots first, as
+    store_kv does, by the same call. -> [batch, num_heads, head_dim]"""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     query = query.contiguous()
@@ -73,8 +77,19 @@ def paged_decode_attention(
     out = torch.empty_like(query)
     if batch == 0:
         return out
+    key = value = slots = None
+    if new is not None:
+        key, value, slots = new
+        if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1):
+            key, value = key.contiguous(), value.contiguous()  # each token's heads one run of floats
+        slots = slots.to(torch.int64).contiguous()
     failed = _kernel(
         query.data_ptr(),
+        None if key is None else key.data_ptr(),
+        0 if key is None else key.stride(0),
+        None if value is None else value.data_ptr(),
+        0 if value is None else value.stride(0),
+        None if slots is None else slots.data_ptr(),
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         k_cache.stride(0),
