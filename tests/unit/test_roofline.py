@@ -31,6 +31,24 @@ def test_model_shape_counts_by_hand():
     assert TINY.kv_bytes_per_token() == 2 * 2 * 4
 
 
+def test_int8_weights_are_a_byte_each_plus_what_each_output_channel_reads():
+    config = {"hidden_size": 4, "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2}
+    config |= {"num_key_value_heads": 1, "head_dim": 2, "vocab_size": 10}
+    cpu = roofline_measure.model_shape(config, torch.float32, "int8", torch.device("cpu"))
+    # Output channels: qkv 4 + 2 + 2, o 4, gate/up 16, down 4, lm_head 10 = 42; each reads a 4-byte scale and,
+    # on the CPU, 32 float outlier columns.
+    assert cpu.output_channels() == 42
+    assert cpu.weight_bytes() == 184 * 1 + 42 * (4 + 4 * 32)
+    assert cpu.kv_bytes_per_token() == TINY.kv_bytes_per_token()  # the KV cache stays in fp32
+    assert roofline_measure.model_shape(config, torch.float32, None, torch.device("cpu")) == TINY
+
+
+def test_the_int8_gemm_rate_is_measured_through_the_int8_path():
+    gemm = roofline_measure.measure_gemm(torch.device("cpu"), torch.float32, 64, 32, trials=1, quantization="int8")
+    assert "int8 weights" in gemm["shape"] and gemm["peak_flop_per_s"] > 0
+    assert set(gemm["decode_flop_per_s"]) == set(roofline_measure.DECODE_SIZES)
+
+
 def test_schedule_chunks_prefill_and_decodes_every_unfinished_request():
     S = roofline.Step
     assert roofline.schedule(REQUESTS, chunk=4) == [

@@ -417,12 +417,9 @@ def _alternate_with_floor(
 
 def _roofline(args, model_dir, device, dtype, requests: list[dict], report: dict) -> None:
     """`bench roofline`'s figure for the workload, measured quickly, and kvferry's share of it."""
-    from kvferry.tools.bench.roofline_measure import quick_roofline
+    from kvferry.tools.bench.roofline_measure import quantization_of, quick_roofline
 
-    if getattr(args, "quantization", None):
-        report["roofline"] = {"cannot_compute": f"it counts weights in the model's dtype, not {args.quantization}"}
-        return
-    r = report["roofline"] = quick_roofline(model_dir, device, dtype, requests)
+    r = report["roofline"] = quick_roofline(model_dir, device, dtype, requests, quantization=quantization_of(args))
     if "total_s" in r:
         report["kvferry"]["fraction_of_roofline"] = round(r["total_s"] / report["kvferry"]["elapsed_s"], 3)
     say(args, "roofline", r)

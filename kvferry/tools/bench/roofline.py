@@ -22,10 +22,14 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
-    bytes_per_param: int
+    bytes_per_param: int  # the activations' and the KV cache's dtype; the weights' too unless weight_bytes_per_param
+    weight_bytes_per_param: int | None = None  # int8: 1
+    bytes_per_output: int = 0  # read per output channel beside the weights: int8's scale and float outlier columns
 
     @classmethod
-    def from_config(cls, config: dict, bytes_per_param: int) -> "ModelShape":
+    def from_config(
+        cls, config: dict, bytes_per_param: int, weight_bytes_per_param: int | None = None, bytes_per_output: int = 0
+    ) -> "ModelShape":
         """config: read_config's dict (a Llama-like decoder; norms and biases are too small to count)."""
         heads = config["num_attention_heads"]
         return cls(
@@ -37,6 +41,8 @@ class ModelShape:
             head_dim=config.get("head_dim") or config["hidden_size"] // heads,
             vocab=config["vocab_size"],
             bytes_per_param=bytes_per_param,
+            weight_bytes_per_param=weight_bytes_per_param,
+            bytes_per_output=bytes_per_output,
         )
 
     def family_params(self) -> dict[str, int]:
@@ -50,6 +56,11 @@ class ModelShape:
             "lm_head": self.hidden * self.vocab,
         }
 
+    def output_channels(self) -> int:
+        """Output channels of every GEMM, all layers and the lm_head together."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return self.layers * (q + 2 * kv + self.hidden + 2 * self.intermediate + self.hidden) + self.vocab
+
     def layer_flops_per_token(self) -> int:
         params = self.family_params()
         return 2 * (sum(params.values()) - params["lm_head"])
@@ -58,7 +69,8 @@ class ModelShape:
         return 2 * self.hidden * self.vocab
 
     def weight_bytes(self) -> int:
-        return sum(self.family_params().values()) * self.bytes_per_param
+        per_param = self.weight_bytes_per_param or self.bytes_per_param
+        return sum(self.family_params().values()) * per_param + self.output_channels() * self.bytes_per_output
 
     def attention_flops_per_pair(self) -> int:
         """One query token against one context token, all layers: q·k and p·v, 2 FLOPs a multiply-add each."""

@@ -63,8 +63,31 @@ def _best_seconds(run, sync, trials: int, min_s: float = 0.05) -> float:
     return best
 
 
-def _gemm(device: torch.device, dtype: torch.dtype, k: int, n: int):
+def quantization_of(args) -> str | None:
+    value = getattr(args, "quantization", None)
+    return None if value in (None, "", "none") else value
+
+
+def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, device: torch.device):
+    """The model's shape with the bytes its weights take on this path: int8 weights are a byte each, and each
+    output channel also reads its fp32 scale and, on the CPU, its float outlier columns (int8_linear.py)."""
+    dtype_bytes = torch.finfo(dtype).bits // 8
+    if quantization != "int8":
+        return roofline.ModelShape.from_config(config, dtype_bytes)
+    from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS
+
+    outliers = NUM_OUTLIER_CHANNELS if device.type == "cpu" else 0
+    return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + 4 * outliers)
+
+
+def _gemm(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
     """A function of x computing x @ W.T through the model's path, or a string saying why there is none."""
+    if quantization == "int8":  # the int8 GEMM of dynamically quantized rows on the CPU, Triton's on CUDA
+        from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, Int8Linear
+
+        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+        outliers = torch.randperm(k)[:NUM_OUTLIER_CHANNELS] if device.type == "cpu" else None
+        return Int8Linear(linear, outliers)
     if device.type == "cpu":
         from kvferry.common.model.cpu_linear import PackedLinear, can_pack
 
@@ -77,10 +100,12 @@ def _gemm(device: torch.device, dtype: torch.dtype, k: int, n: int):
 
 
 @torch.inference_mode()
-def measure_gemm(device: torch.device, dtype: torch.dtype, k: int, n: int, trials: int) -> dict:
+def measure_gemm(
+    device: torch.device, dtype: torch.dtype, k: int, n: int, trials: int, quantization: str | None = None
+) -> dict:
     """FLOP/s of a rows x k by k x n GEMM at each decode batch size and at PREFILL_CHUNK rows."""
     why = _cuda_missing(device)
-    gemm = why or _gemm(device, dtype, k, n)
+    gemm = why or _gemm(device, dtype, k, n, quantization)
     if isinstance(gemm, str):
         return {"not_measured": gemm}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -92,7 +117,8 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, k: int, n: int, trial
     except RuntimeError as exc:  # a GPU without the library the matmul needs (cuBLAS) fails at the first call
         return {"not_measured": f"the GEMM failed: {str(exc).splitlines()[0]}"}
     peak = rates.pop(PREFILL_CHUNK)
-    return {"shape": f"rows x {k} -> {n}", "decode_flop_per_s": rates, "peak_flop_per_s": peak}
+    shape = f"rows x {k} -> {n}" + (f", {quantization} weights" if quantization else "")
+    return {"shape": shape, "decode_flop_per_s": rates, "peak_flop_per_s": peak}
 
 
 def _llc_bytes(device: torch.device) -> int:
@@ -120,9 +146,11 @@ def measure_bandwidth(device: torch.device, trials: int) -> dict:
     return {"tensor_bytes": size, "bytes_per_s": size / seconds}
 
 
-def measure(device: torch.device, dtype: torch.dtype, shape: roofline.ModelShape, trials: int) -> dict:
+def measure(
+    device: torch.device, dtype: torch.dtype, shape: roofline.ModelShape, trials: int, quantization: str | None = None
+) -> dict:
     return {
-        "gemm": measure_gemm(device, dtype, shape.hidden, shape.intermediate, trials),
+        "gemm": measure_gemm(device, dtype, shape.hidden, shape.intermediate, trials, quantization),
         "bandwidth": measure_bandwidth(device, trials),
     }
 
@@ -138,13 +166,20 @@ def workload_roofline(shape: roofline.ModelShape, limits: dict, requests: list[d
     )
 
 
-def quick_roofline(model_dir, device: torch.device, dtype: torch.dtype, requests: list[dict], trials: int = 2) -> dict:
+def quick_roofline(
+    model_dir,
+    device: torch.device,
+    dtype: torch.dtype,
+    requests: list[dict],
+    trials: int = 2,
+    quantization: str | None = None,
+) -> dict:
     """The roofline beside another benchmark's figures (`bench engine`, `bench serve`), in a few seconds: the
     workload's totals, and why a limit was not measured where one was not."""
     from kvferry.common.model_files import read_config
 
-    shape = roofline.ModelShape.from_config(read_config(model_dir), torch.finfo(dtype).bits // 8)
-    limits = measure(device, dtype, shape, trials)
+    shape = model_shape(read_config(model_dir), dtype, quantization, device)
+    limits = measure(device, dtype, shape, trials, quantization)
     result = rounded(workload_roofline(shape, limits, requests))
     for name, figures in limits.items():
         if "not_measured" in figures:
@@ -164,9 +199,11 @@ def cmd_bench_roofline(args) -> int:
     device = _device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     config = read_config(resolve_model(args.model))
-    shape = roofline.ModelShape.from_config(config, torch.finfo(dtype).bits // 8)
+    quantization = quantization_of(args)
+    shape = model_shape(config, dtype, quantization, device)
     requests = workload.generate(args.workload, shape.vocab)
     report = {"workload": args.workload, "device": str(device), "dtype": str(dtype), "threads": torch.get_num_threads()}
+    report["quantization"] = quantization or "none"
     report["model"] = {
         "gemm_flops_per_token": shape.layer_flops_per_token() + shape.lm_head_flops_per_token(),
         "attention_flops_per_context_token": shape.attention_flops_per_pair(),
@@ -174,7 +211,7 @@ def cmd_bench_roofline(args) -> int:
         "kv_bytes_per_token": shape.kv_bytes_per_token(),
         "family_params": shape.family_params(),
     }
-    report["limits"] = measure(device, dtype, shape, args.trials)
+    report["limits"] = measure(device, dtype, shape, args.trials, quantization)
     report["roofline"] = rounded(workload_roofline(shape, report["limits"], requests))
     measured = args.measured_tok_s
     if args.engine:
@@ -200,7 +237,9 @@ def _engine_tok_per_s(args, requests: list[dict]) -> float:
 def _text(report: dict, measured: float | None) -> str:
     m, gemm, bw, r = report["model"], report["limits"]["gemm"], report["limits"]["bandwidth"], report["roofline"]
     lines = [
-        f"== roofline of {report['workload']} on {report['device']} ({report['dtype']}, {report['threads']} threads) ==",
+        f"== roofline of {report['workload']} on {report['device']} ({report['dtype']}"
+        + ("" if report["quantization"] == "none" else f", {report['quantization']} weights")
+        + f", {report['threads']} threads) ==",
         f"model: {m['gemm_flops_per_token'] / 1e6:.1f} MFLOP of GEMMs per token, "
         f"{m['attention_flops_per_context_token'] / 1e3:.1f} kFLOP of attention per context token, "
         f"{m['weight_bytes'] / 1e6:.1f} MB of weights, {m['kv_bytes_per_token'] / 1e3:.1f} kB of KV per token",
