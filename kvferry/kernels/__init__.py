@@ -1,10 +1,11 @@
-"""Paged-attention operations, dispatched by device: Triton on CUDA; on the CPU, decode attention in C where
-kernels/cpu has been enabled and takes the tensors, else the PyTorch reference."""
+"""Paged-attention operations, dispatched by device: Triton on CUDA; on the CPU, decode and prefill attention in C
+where kernels/cpu has been enabled and takes the tensors, else the PyTorch reference."""
 
 import torch
 
 from kvferry.kernels import reference
 from kvferry.kernels.cpu import decode_attention as cpu_decode
+from kvferry.kernels.cpu import prefill_attention as cpu_prefill
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -50,4 +51,8 @@ def paged_prefill_attention(
         from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len=max_q_len)
+    if cpu_prefill.handles(query, k_cache, v_cache):
+        return cpu_prefill.paged_prefill_attention(
+            query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale
+        )
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)

@@ -9,6 +9,7 @@ from kvferry import kernels
 from kvferry.kernels import reference
 from kvferry.kernels.cpu import build, layer_ops
 from kvferry.kernels.cpu import decode_attention as cpu_decode
+from kvferry.kernels.cpu import prefill_attention as cpu_prefill
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +75,43 @@ def test_the_new_tokens_are_stored_in_the_same_call_as_store_kv_stores_them(kern
     found = cpu_decode.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.125, (key, value, slots))
     assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def prefill_kernel(tmp_path_factory):
+    assert cpu_prefill.enable(tmp_path_factory.mktemp("kernels")) == ""
+    yield
+    cpu_prefill.disable()
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, block_size, q_lens, context_lens, interleaved",
+    [
+        (9, 3, 64, 16, [512], [512], True),  # a whole prompt: 32 tiles of 16 rows
+        (9, 3, 64, 16, [5, 40, 17, 1], [5, 100, 33, 70], True),  # after cached prefixes, tiles cut short
+        (4, 4, 32, 8, [23, 9], [23, 41], False),  # no grouping, separate K and V tensors
+        (8, 2, 128, 32, [33], [90], True),  # a group of 4, a wide head, 32-token blocks
+        (6, 1, 16, 1, [20, 3], [20, 3], False),  # one KV head for all, one token per block
+    ],
+)
+def test_the_prefill_kernel_matches_the_reference(
+    prefill_kernel, heads, kv_heads, head_dim, block_size, q_lens, context_lens, interleaved
+):
+    query, k_cache, v_cache, tables, lens = _case(
+        len(q_lens), heads, kv_heads, head_dim, block_size, context_lens, interleaved, seed=3
+    )
+    fused = torch.randn(sum(q_lens), heads + 2 * kv_heads, head_dim)  # rows strided, as the QKV output leaves them
+    query = fused[:, :heads]
+    cu_seqlens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    scale = head_dim**-0.5
+    assert cpu_prefill.handles(query, k_cache, v_cache)
+    expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale)
+    k_cache[0], v_cache[0] = float("nan"), float("nan")  # the tables' padding: never read
+    found = cpu_prefill.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        kernels.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, scale), expected
+    )
 
 
 def test_large_scores_do_not_overflow_and_a_dominant_key_wins(kernel):

@@ -41,11 +41,15 @@ def disable() -> None:
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel is loaded and takes these tensors: fp32 on the CPU, each token's heads laid out alike in
-    K and V, every head's vector contiguous and a whole number of 16-float vectors, up to 256."""
+    """Whether the kernel is loaded and takes these tensors (see layout_fits)."""
+    return _kernel is not None and layout_fits(query, k_cache, v_cache)
+
+
+def layout_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """What the C attention kernels take: fp32 on the CPU, each token's heads laid out alike in K and V, every
+    head's vector contiguous and a whole number of 16-float vectors, up to 256."""
     return (
-        _kernel is not None
-        and not query.is_cuda
+        not query.is_cuda
         and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
         and k_cache.device.type == "cpu"
         and k_cache.stride() == v_cache.stride()

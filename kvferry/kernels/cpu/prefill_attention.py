@@ -1,0 +1,91 @@
+"""Paged prefill attention on the CPU by the C kernel in prefill_attention.c: new tokens attend causally to their
+sequence's context, read from its blocks in place, 16 query rows at a time. The PyTorch reference
+(kernels/reference.py) gathers each sequence's context into a copy and runs SDPA over it, sequence by sequence."""
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from kvferry.kernels.cpu import build
+from kvferry.kernels.cpu.decode_attention import layout_fits
+
+log = logging.getLogger("kvferry.kernels")
+
+SOURCE = Path(__file__).with_suffix(".c")
+_kernel = None
+
+
+def enable(build_dir: Path) -> str:
+    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
+    global _kernel
+    if _kernel is not None:
+        return ""
+    lib, why = build.load(SOURCE, build_dir)
+    if lib is None:
+        log.warning("CPU prefill attention stays on the PyTorch reference: %s", why)
+        return why
+    function = lib.kvferry_paged_prefill_attention_f32
+    pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    function.argtypes = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
+    function.argtypes += [count] * 5 + [ctypes.c_float, count]
+    function.restype = ctypes.c_int
+    _kernel = function
+    return ""
+
+
+def disable() -> None:
+    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
+    global _kernel
+    _kernel = None
+
+
+def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return _kernel is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """query [num_tokens, num_heads, head_dim] (rows may be strided); caches [num_blocks, block_size, num_kv_heads,
+    head_dim] holding the new tokens' K and V already; cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs], the
+    new tokens included. -> [num_tokens, num_heads, head_dim]"""
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
+    if num_tokens == 0:
+        return out
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = cu_seqlens_q.to(torch.int32).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    failed = _kernel(
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        tables.data_ptr(),
+        tables.stride(0),
+        starts.data_ptr(),
+        lens.data_ptr(),
+        out.data_ptr(),
+        len(lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        torch.get_num_threads(),
+    )
+    if failed:
+        raise MemoryError("CPU prefill attention: no memory for its scratch")
+    return out
