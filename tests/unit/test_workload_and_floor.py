@@ -137,3 +137,9 @@ def test_later_rounds_share_no_block_with_earlier_ones_but_keep_their_shape(name
         seen |= hashes
         if name == "shared-prefix":  # still one system prompt within the round
             assert len({tuple(r["prompt_token_ids"][:400]) for r in requests}) == 1
+
+
+def test_single_stream_is_one_request_of_128_prompt_tokens_and_64_outputs():
+    (request,) = workload.generate("single-stream")
+    assert len(request["prompt_token_ids"]) == 128 and request["max_tokens"] == 64 and request["arrival_s"] == 0
+    assert request["prompt_token_ids"] == workload.generate("single-stream")[0]["prompt_token_ids"]  # seeded

@@ -9,7 +9,9 @@ Scenarios that one feature is measured by:
 - shared-prefix: 32 requests behind one 400-token system prompt, each with 50 to 100 tokens of its own
   and 50 to 100 output tokens (prefix caching);
 - head-of-line: one 4,000-token prompt, then 16 prompts of 64 tokens arriving 0.3 s later, group "short",
-  whose TTFT the long one must not hold back (chunked prefill).
+  whose TTFT the long one must not hold back (chunked prefill);
+- single-stream: one request alone, 128 prompt tokens and 64 output tokens (guidellm's one-stream run): its
+  TPOT is the inter-token latency, and its roofline the time to read the weights once per token.
 """
 
 import math
@@ -110,10 +112,16 @@ def _head_of_line(rng: random.Random, vocab_size: int, rate: float) -> list[dict
     return requests
 
 
+def _single_stream(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
+    return [
+        {"id": "single-stream", "prompt_token_ids": _tokens(rng, vocab_size, 128), "max_tokens": 64, "arrival_s": 0.0}
+    ]
+
+
 def warmup_prompt(vocab_size: int) -> list[int]:
     """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
     return generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
 
 
-SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line}
+SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line, "single-stream": _single_stream}
 NAMES = [*WORKLOADS, *SCENARIOS]
