@@ -3,8 +3,9 @@
 A decode step at a full batch and a prefill chunk run through `engine.step()` with the model's parts wrapped
 from outside: each submodule's forward, and the functions the model looks up by name at call time (RoPE, the
 batch's attention, the runner's logits processing and sampling). A wrapper times its call less the wrapped calls
-inside it, so the parts do not overlap: the residual adds are what a decoder layer does outside its attention,
-MLP and norms; SiLU·mul what the MLP does outside its two GEMMs. The wrappers' own cost, calibrated on a no-op,
+inside it, so the parts do not overlap: the skip connections' adds run inside the norms (the layers carry the
+residual stream into them), a decoder layer's glue is what it does outside its attention, MLP and norms, and
+SiLU·mul what the MLP does outside its two GEMMs. The wrappers' own cost, calibrated on a no-op,
 is taken out of the part that made the wrapped call and shown as a part of its own. What the step spends
 outside every part is scheduling and Python. The CPU only: there an op is done when it returns, so the host's
 clock times it, and the rooflines are measured on the same cores.
@@ -30,18 +31,18 @@ PARTS = (
     *limits.GEMM_PARTS.values(),
     "attention",
     "attention's views",
-    "norms",
+    "norms, residual adds",
     "RoPE",
     "SiLU·mul",
-    "residual adds",
+    "decoder layers' glue",
     "embedding, RoPE tables",
     "sampling",
 )
 WRAPPERS, REST = "timing wrappers", "scheduling + Python"
 MODULE_PARTS = {  # a module class -> its part: what it does outside its wrapped children
-    llama.RMSNorm: "norms",
+    llama.RMSNorm: "norms, residual adds",
     llama.MLP: "SiLU·mul",
-    llama.DecoderLayer: "residual adds",
+    llama.DecoderLayer: "decoder layers' glue",
     llama.Attention: "attention's views",
     llama.LlamaModel: "embedding, RoPE tables",
 }

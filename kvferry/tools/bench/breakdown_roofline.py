@@ -108,10 +108,11 @@ def rooflines(model, machine: Machine, tokens: int, sampled: int, attended: int,
     out["attention"] = layers * max(
         4 * attended * heads * d / machine.peak_flops_per_s(), (kv_bytes + 2 * tokens * heads * d * e) / bw
     )
-    out["norms"] = ((2 * layers + 1) * 2 * tokens * hidden * e + layers * qk_norm_bytes) / bw
+    # The first layer's input norm reads x and writes its output; every later norm, the final one included, also
+    # reads the residual stream and writes the sum back: one pass over four rows of hidden.
+    out["norms, residual adds"] = ((2 + 2 * layers * 4) * tokens * hidden * e + layers * qk_norm_bytes) / bw
     out["RoPE"] = layers * 2 * tokens * ((heads + kv_heads) * d + d) * e / bw  # q and k in and out, cos and sin
     out["SiLU·mul"] = layers * 3 * tokens * inter * e / bw  # gate and up in, their product out
-    out["residual adds"] = layers * 2 * 3 * tokens * hidden * e / bw
     out["embedding, RoPE tables"] = (2 * tokens * hidden + 4 * tokens * d) * e / bw
     out["sampling"] = sampled * config.vocab_size * 4 / bw  # the fp32 logits read once
     return out
