@@ -6,6 +6,7 @@ import pytest
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.bench.serve import served_quantization
 
 pytestmark = pytest.mark.slow
 PROMPTS = ["The capital of France is", "Write a haiku about rivers.", "def fibonacci(n):"]
@@ -19,6 +20,7 @@ def test_int8_stack_matches_the_in_process_int8_engine_and_refuses_an_unquantize
     assert odd.wait(timeout=180) != 0
     assert "quantization mismatch" in s.log("odd") and "quantization mismatch" in s.log("gateway")
     assert {w["quantization"] for w in s.workers().values()} == {"int8"}
+    assert served_quantization(s.url) == "int8"  # what `bench serve` takes its roofline's weights from
 
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, quantization="int8", num_threads=1))
     params = SamplingParams(max_tokens=20, temperature=0)

@@ -234,7 +234,7 @@ def cmd_bench_serve(args) -> int:
 
     from kvferry.common.model_files import resolve_model
     from kvferry.tools.bench import hf_baseline
-    from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
+    from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay, served_quantization
     from kvferry.tools.bench.stack import served_model
 
     torch.set_num_threads(args.threads)
@@ -270,6 +270,7 @@ def cmd_bench_serve(args) -> int:
         from kvferry.common.engine_setup import resolve_device, resolve_dtype
 
         device = resolve_device(settings.from_env("device"))  # as the floor's model: a stack started here runs there
+        args.quantization = served_quantization(args.url)  # the roofline of the weights the stack reads
         _roofline(args, model_dir, device, resolve_dtype(settings.from_env("dtype"), device), requests, report)
     report["prefill_all_runs"] = counters_delta(
         before, prefill_counters(args.url, (before or {}).get("prompts_prefilled", 0) + args.repeat * len(requests))

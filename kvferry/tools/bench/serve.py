@@ -80,6 +80,19 @@ def _latencies(results: list[dict]) -> dict:
     }
 
 
+def served_quantization(url: str) -> str | None:
+    """The quantization kvferry's workers at url compute with ("int8"), from /v1/workers; None for float weights,
+    or from a server without /v1/workers."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url + "/v1/workers", timeout=5) as r:
+            found = {w.get("quantization", "none") for w in json.loads(r.read())["workers"]}
+    except (OSError, ValueError, KeyError):
+        return None
+    return None if found <= {"none"} else "/".join(sorted(found - {"none"}))
+
+
 def prefill_counters(url: str, num_prompts: int = 0, timeout_s: float = 10.0) -> dict | None:
     """kvferry's prompt counters summed over its prefill workers, once they count num_prompts prefilled prompts
     (stats ride on heartbeats, so they lag a little); None from a server without /v1/workers."""
