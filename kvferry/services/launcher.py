@@ -133,10 +133,12 @@ def serve(args) -> int:
     # serve and a child both take, as serve got it (flag, variable or default).
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
-    # The workers share this machine's cores. By default an OpenMP thread that finishes its work spins for a while
-    # before it sleeps, taking a core from the other worker; asleep at once, std-32 over HTTP ran about a tenth
-    # faster (docs/benchmarks.md). libgomp reads it when it loads, so only the children's environment can carry it.
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # The workers share this machine's cores. An OpenMP thread that runs out of work spins for 300,000 rounds by
+    # default before it sleeps, taking a core from the other worker; 10,000 rounds keep it awake across the short
+    # gaps between one step's parallel regions and no longer: std-32 over HTTP ran about a tenth faster, and one
+    # stream's inter-token latency barely moved, where sleeping at once (OMP_WAIT_POLICY=PASSIVE) cost it a third
+    # (docs/benchmarks.md). libgomp reads it when it loads, so only the children's environment can carry it.
+    env.setdefault("GOMP_SPINCOUNT", "10000")
     procs = []
     try:
         procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)

@@ -35,7 +35,7 @@ def test_the_procfile_reads_kvferry_settings_and_falls_back_to_their_defaults():
     assert list(processes) == ["gateway", "prefill", "decode"]
     expanded = {p.name: p.env for p in expand_processes(processes, env=parse((ROOT / ".env").read_text()), port=5000)}
     assert expanded["gateway.1"]["PORT"] == str(settings.default("port"))
-    assert expanded["prefill.1"]["OMP_WAIT_POLICY"] == expanded["decode.1"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert expanded["prefill.1"]["GOMP_SPINCOUNT"] == expanded["decode.1"]["GOMP_SPINCOUNT"] == "10000"
 
 
 def _stat(pid: int) -> tuple[int, str, int] | None:
