@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from kvferry import kernels
+from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.kernels import reference
 from kvferry.kernels.cpu import build, layer_ops
 from kvferry.kernels.cpu import decode_attention as cpu_decode
@@ -212,3 +213,26 @@ def test_the_model_uses_pytorchs_ops_where_the_functions_are_not_loaded(elementw
         assert not layer_ops.handles(x) and not layer_ops.rope_handles(x, cos, sin)
     finally:
         assert layer_ops.enable(elementwise) == ""
+
+
+@pytest.mark.parametrize("rows, with_outliers", [(1, True), (32, True), (7, False), (300, True)])
+def test_int8_activations_in_c_equal_the_pytorch_ops_bit_for_bit(elementwise, rows, with_outliers):
+    generator = torch.Generator().manual_seed(rows)
+    linear = torch.nn.Linear(96, 40)
+    x = torch.randn(rows, 96, generator=generator) * 3
+    x[:, 5] *= 50  # a loud channel
+    x[0] = 0.0  # a silent row: its scale is the floor, 1e-12 / 127
+    outliers = torch.tensor([5, 17, 90]) if with_outliers else None
+    layer = Int8Linear(linear, outliers)
+    with torch.no_grad():
+        fused = layer(x)
+        layer_ops.disable()
+        try:
+            expected = layer(x)
+        finally:
+            assert layer_ops.enable(elementwise) == ""
+    assert torch.equal(fused, expected)
+    xq, row_scale, x_out = layer_ops.quantize_rows(x, outliers)
+    if with_outliers:
+        assert torch.equal(x_out, x[:, outliers]) and (xq[:, outliers] == 0).all()
+    assert (xq[1:].abs().amax(1) == 127).all() and row_scale[0, 0] == torch.tensor(1e-12) / 127  # each row's own

@@ -19,6 +19,8 @@ fp32 floor. How the product runs depends on the device:
 import torch
 from torch import nn
 
+from kvferry.kernels.cpu import layer_ops
+
 QUANTIZATIONS = ("int8",)
 NUM_OUTLIER_CHANNELS = 32  # per layer; found by calibration (quant_calibration.py)
 
@@ -63,7 +65,14 @@ class Int8Linear(nn.Module):
             return int8_matmul(x, self.qweight, self.scale, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        if self.outliers is None:
+        if layer_ops.handles(x2, self.scale) and (self.outliers is None or self.outliers.device.type == "cpu"):
+            # The same arithmetic in two C passes instead of a dozen ops: at decode sizes the ops' dispatch costs
+            # more than their work.
+            xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
+            y = layer_ops.dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale)
+            if self.outliers is not None:
+                y.addmm_(x_out, self.outlier_weight.t())
+        elif self.outliers is None:
             y = int8_rows_matmul(x2, self.qweight, self.scale)
         else:
             y = int8_rows_matmul(x2.index_fill(1, self.outliers, 0.0), self.qweight, self.scale)

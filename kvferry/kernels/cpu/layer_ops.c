@@ -82,3 +82,42 @@ void kvferry_silu_mul_f32(const float *gate_up, float *out, int rows, int width,
             o[d] = gate[d] / (1.0f + exp_one(-gate[d])) * up[d];
     }
 }
+
+/* Int8 activations for an int8 GEMM (common/model/int8_linear.py), in one pass over each row: the outlier
+ * channels (sorted indices, may be none) copied out to x_out [rows][num_outliers] and taken as zero, then the row
+ * quantized with its own scale, max|x| / 127 (at least 1e-12 / 127), rounded half to even: the same values, bit
+ * for bit, as PyTorch's index_fill, abs, amax, clamp, division and round. */
+void kvferry_quantize_rows_f32(const float *x, int rows, int dim, const int64_t *outliers, int num_outliers,
+                               int8_t *xq, float *row_scale, float *x_out, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++) {
+        const float *in = x + (int64_t)r * dim;
+        int8_t *q = xq + (int64_t)r * dim;
+        float top = 0.0f;
+        for (int i = 0, o = 0; i < dim; i++) {
+            if (o < num_outliers && outliers[o] == i) {
+                o++;
+                continue;
+            }
+            float a = fabsf(in[i]);
+            top = a > top ? a : top;
+        }
+        float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f;
+        for (int i = 0; i < dim; i++)
+            q[i] = (int8_t)nearbyintf(in[i] / scale);
+        for (int o = 0; o < num_outliers; o++) {
+            x_out[(int64_t)r * num_outliers + o] = in[outliers[o]];
+            q[outliers[o]] = 0;
+        }
+        row_scale[r] = scale;
+    }
+}
+
+/* y = acc * row_scale[r] * col_scale[c], in that order, as PyTorch's float(), mul_ and mul_ compute it. */
+void kvferry_dequantize_f32(const int32_t *acc, const float *row_scale, const float *col_scale, float *y, int rows,
+                            int cols, int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * cols >= PARALLEL_ELEMENTS)
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++)
+            y[(int64_t)r * cols + c] = (float)acc[(int64_t)r * cols + c] * row_scale[r] * col_scale[c];
+}

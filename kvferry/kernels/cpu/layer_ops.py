@@ -30,7 +30,10 @@ def enable(build_dir: Path) -> str:
     lib.kvferry_add_rms_norm_f32.argtypes = [pointer] * 4 + [count, count, real, count]
     lib.kvferry_rope_f32.argtypes = [pointer, size, count, count, count, pointer, pointer, count]
     lib.kvferry_silu_mul_f32.argtypes = [pointer, pointer, count, count, count]
-    for function in (lib.kvferry_add_rms_norm_f32, lib.kvferry_rope_f32, lib.kvferry_silu_mul_f32):
+    lib.kvferry_quantize_rows_f32.argtypes = [pointer, count, count, pointer, count, pointer, pointer, pointer, count]
+    lib.kvferry_dequantize_f32.argtypes = [pointer, pointer, pointer, pointer, count, count, count]
+    functions = (lib.kvferry_add_rms_norm_f32, lib.kvferry_rope_f32, lib.kvferry_silu_mul_f32)
+    for function in (*functions, lib.kvferry_quantize_rows_f32, lib.kvferry_dequantize_f32):
         function.restype = None
     _lib = lib
     return ""
@@ -90,3 +93,36 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, width, dtype=gate_up.dtype)
     _lib.kvferry_silu_mul_f32(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
     return out
+
+
+def quantize_rows(x: torch.Tensor, outliers: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [rows, dim] -> (int8 rows [rows, dim], each row's scale [rows, 1], the outlier channels' values
+    [rows, len(outliers)]): the outlier channels (sorted int64 indices, or None) taken out and quantized as zero,
+    each row to int8 with its own scale, as int8_linear.int8_rows_matmul does it in PyTorch ops."""
+    rows, dim = x.shape
+    count = 0 if outliers is None else len(outliers)
+    xq = torch.empty(rows, dim, dtype=torch.int8)
+    row_scale = torch.empty(rows, 1)
+    x_out = torch.empty(rows, count)
+    _lib.kvferry_quantize_rows_f32(
+        x.data_ptr(),
+        rows,
+        dim,
+        None if outliers is None else outliers.data_ptr(),
+        count,
+        xq.data_ptr(),
+        row_scale.data_ptr(),
+        x_out.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return xq, row_scale, x_out
+
+
+def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor) -> torch.Tensor:
+    """An int8 GEMM's int32 [rows, cols] times each row's and each column's scale -> fp32 [rows, cols]."""
+    rows, cols = acc.shape
+    y = torch.empty(rows, cols)
+    _lib.kvferry_dequantize_f32(
+        acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), y.data_ptr(), rows, cols, torch.get_num_threads()
+    )
+    return y
