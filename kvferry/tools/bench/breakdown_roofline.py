@@ -1,5 +1,5 @@
-"""`bench breakdown`'s rooflines: this machine's GEMM rate and read bandwidth, measured in the same invocation,
-and the least time each part of a step could take on them.
+"""`bench breakdown`'s rooflines: this machine's GEMM rate and read bandwidth, measured in the same invocation
+with `bench roofline`'s tools (roofline_measure.py), and the least time each part of a step could take on them.
 
 A GEMM's roofline is the larger of its FLOPs at the rate a packed GEMM of the same shape reaches (the same
 oneDNN path as the model's, cpu_linear.py, with its weight hot in the cache) and the bytes it must read and
@@ -8,14 +8,14 @@ bandwidth: what a fused kernel could reach. Attention's is the larger of its FLO
 measured and its K/V bytes at the bandwidth.
 """
 
-import time
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from kvferry.common.model.cpu_linear import PackedLinear, can_pack
+from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.llama import head_dim_of
+from kvferry.tools.bench.roofline_measure import best_seconds, gemm_path
 
 GEMM_PARTS = {  # the model's module name (its last component) -> the part
     "qkv_proj": "QKV GEMM",
@@ -26,44 +26,26 @@ GEMM_PARTS = {  # the model's module name (its last component) -> the part
 }
 
 
-def best_seconds(fn, budget_s: float = 0.1, least: int = 3) -> float:
-    """The fastest of several calls: a shared machine's slow spells only ever add time."""
-    started = time.perf_counter()
-    fn()
-    first = time.perf_counter() - started
-    best = first
-    for _ in range(max(least, min(50, int(budget_s / max(first, 1e-6))))):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
-
-
-def read_bandwidth(nbytes: int = 128 * 2**20) -> float:
-    """Bytes per second of a read streaming through a buffer far larger than the caches."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
-    return nbytes / best_seconds(buffer.sum, budget_s=0.3, least=4)
-
-
 @dataclass
 class Machine:
     read_bytes_per_s: float
     dtype: torch.dtype
+    quantization: str | None = None  # int8: the GEMM rates are the int8 path's
     gemm_flops_per_s: dict = field(default_factory=dict)  # (rows, in, out) -> FLOP/s
     budget_s: float = 0.1  # the time each GEMM shape is given
 
     @torch.inference_mode()
     def gemm_rate(self, rows: int, in_features: int, out_features: int) -> float:
-        """FLOP/s of a GEMM of this shape through the model's path: packed for oneDNN where the model packs."""
+        """FLOP/s of a GEMM of this shape through the model's path (`bench roofline`'s): packed for oneDNN where
+        the model packs, int8 where it is quantized, else a plain fp GEMM."""
         shape = (rows, in_features, out_features)
         if shape not in self.gemm_flops_per_s:
-            linear = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
-            if can_pack(torch.device("cpu"), self.dtype):
-                linear = PackedLinear(linear)
+            gemm = gemm_path(torch.device("cpu"), self.dtype, in_features, out_features, self.quantization)
+            if isinstance(gemm, str):  # no packed path for this dtype: the model runs plain nn.Linear
+                gemm = nn.Linear(in_features, out_features, bias=False, dtype=self.dtype)
             x = torch.randn(rows, in_features, dtype=self.dtype)
-            self.gemm_flops_per_s[shape] = (
-                2 * rows * in_features * out_features / best_seconds(lambda: linear(x), self.budget_s)
-            )
+            seconds = best_seconds(lambda: gemm(x), trials=2, min_s=self.budget_s / 2)
+            self.gemm_flops_per_s[shape] = 2 * rows * in_features * out_features / seconds
         return self.gemm_flops_per_s[shape]
 
     def gemm_s(self, rows: int, in_features: int, out_features: int, weight_bytes: int, act_bytes: int) -> float:

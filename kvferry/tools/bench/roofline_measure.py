@@ -43,9 +43,10 @@ def _cuda_missing(device: torch.device) -> str | None:
     return None
 
 
-def _best_seconds(run, sync, trials: int, min_s: float = 0.05) -> float:
-    """Seconds of one run, best of trials; each trial repeats it for at least min_s, so that short runs are not
-    lost in the clock's and the call's own cost."""
+def best_seconds(run, sync=lambda: None, trials: int = 3, min_s: float = 0.05) -> float:
+    """Seconds of one run, best of trials (on a shared machine the least disturbed one); each trial repeats it for
+    at least min_s, so that short runs are not lost in the clock's and the call's own cost. `bench breakdown`
+    times its limits with it too."""
     run()
     sync()
     repeats, best = 1, float("inf")
@@ -80,7 +81,7 @@ def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, devi
     return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + 4 * outliers)
 
 
-def _gemm(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
+def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
     """A function of x computing x @ W.T through the model's path, or a string saying why there is none."""
     if quantization == "int8":  # the int8 GEMM of dynamically quantized rows on the CPU, Triton's on CUDA
         from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, Int8Linear
@@ -105,7 +106,7 @@ def measure_gemm(
 ) -> dict:
     """FLOP/s of a rows x k by k x n GEMM at each decode batch size and at PREFILL_CHUNK rows."""
     why = _cuda_missing(device)
-    gemm = why or _gemm(device, dtype, k, n, quantization)
+    gemm = why or gemm_path(device, dtype, k, n, quantization)
     if isinstance(gemm, str):
         return {"not_measured": gemm}
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -113,7 +114,7 @@ def measure_gemm(
     try:
         for rows in (*DECODE_SIZES, PREFILL_CHUNK):
             x = torch.randn(rows, k, device=device, dtype=dtype)
-            rates[rows] = 2 * rows * k * n / _best_seconds(lambda: gemm(x), sync, trials)
+            rates[rows] = 2 * rows * k * n / best_seconds(lambda: gemm(x), sync, trials)
     except RuntimeError as exc:  # a GPU without the library the matmul needs (cuBLAS) fails at the first call
         return {"not_measured": f"the GEMM failed: {str(exc).splitlines()[0]}"}
     peak = rates.pop(PREFILL_CHUNK)
@@ -131,19 +132,23 @@ def _llc_bytes(device: torch.device) -> int:
         return FALLBACK_LLC_BYTES
 
 
+def read_bandwidth(device: torch.device, nbytes: int, trials: int) -> float:
+    """Bytes per second of a sum streaming through nbytes: far past the caches, every trial reads memory."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    data = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    return nbytes / best_seconds(lambda: data.sum(), sync, max(trials, 5), min_s=0.02)
+
+
 @torch.inference_mode()
 def measure_bandwidth(device: torch.device, trials: int) -> dict:
     why = _cuda_missing(device)
     if why:
         return {"not_measured": why}
     size = 8 * _llc_bytes(device)  # far past the cache: every trial reads from memory
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     try:
-        data = torch.ones(size // 4, device=device, dtype=torch.float32)
-        seconds = _best_seconds(lambda: data.sum(), sync, max(trials, 5), min_s=0.02)
+        return {"tensor_bytes": size, "bytes_per_s": read_bandwidth(device, size, trials)}
     except RuntimeError as exc:
         return {"not_measured": f"the read failed: {str(exc).splitlines()[0]}"}
-    return {"tensor_bytes": size, "bytes_per_s": size / seconds}
 
 
 def measure(
