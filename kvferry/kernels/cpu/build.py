@@ -66,3 +66,22 @@ def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tu
         return None, f"{shlex.join(e.cmd)} failed: {(e.stderr or e.stdout or '').strip()[-500:]}"
     except (OSError, subprocess.SubprocessError) as e:
         return None, f"{type(e).__name__}: {e}"
+
+
+def load_functions(
+    source: Path,
+    build_dir: Path,
+    signatures: dict[str, tuple[list, object]],
+    fallback: str,
+    flags: tuple[str, ...] = (),
+) -> tuple[ctypes.CDLL | None, str]:
+    """load, then give each named function its (argument types, result type): (the library, "") or (None, why
+    not), with a warning that `fallback` (what the caller runs instead) stays in use."""
+    lib, why = load(source, build_dir, flags)
+    if lib is None:
+        log.warning("%s stays in use: %s", fallback, why)
+        return None, why
+    for name, (argtypes, restype) in signatures.items():
+        function = getattr(lib, name)
+        function.argtypes, function.restype = argtypes, restype
+    return lib, ""

@@ -3,14 +3,11 @@ from its blocks in place. The PyTorch reference (kernels/reference.py) gathers t
 SDPA over it, so it moves the KV through memory about three times where this moves it once."""
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from kvferry.kernels.cpu import build
-
-log = logging.getLogger("kvferry.kernels")
 
 SOURCE = Path(__file__).with_suffix(".c")
 _kernel = None  # the C function, once enable() has loaded it
@@ -19,18 +16,16 @@ _kernel = None  # the C function, once enable() has loaded it
 def enable(build_dir: Path) -> str:
     """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
     global _kernel
-    if _kernel is not None:
-        return ""
-    lib, why = build.load(SOURCE, build_dir)
-    if lib is None:
-        log.warning("CPU decode attention stays on the PyTorch reference: %s", why)
-        return why
-    function = lib.kvferry_paged_decode_attention_f32
-    function.restype = ctypes.c_int
-    pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
-    function.argtypes += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
-    _kernel = function
+    if _kernel is None:
+        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        argtypes = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
+        argtypes += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
+        name = "kvferry_paged_decode_attention_f32"
+        fallback = "the PyTorch reference for CPU decode attention"
+        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
+        if lib is None:
+            return why
+        _kernel = getattr(lib, name)
     return ""
 
 

@@ -3,14 +3,11 @@ RMSNorm, RoPE in place, and SiLU·mul, one call each. PyTorch runs each as sever
 each op's dispatch costs more than its arithmetic."""
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from kvferry.kernels.cpu import build
-
-log = logging.getLogger("kvferry.kernels")
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-ffp-contract=off",)  # no fused multiply-adds: the add and RoPE round exactly as PyTorch's ops do
@@ -20,22 +17,22 @@ _lib = None
 def enable(build_dir: Path) -> str:
     """Compile (once per machine) and load the functions; returns "" or why PyTorch's ops stay in use."""
     global _lib
-    if _lib is not None:
-        return ""
-    lib, why = build.load(SOURCE, build_dir, FLAGS)
-    if lib is None:
-        log.warning("a layer's elementwise work stays on PyTorch's ops: %s", why)
-        return why
-    pointer, size, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-    lib.kvferry_add_rms_norm_f32.argtypes = [pointer] * 4 + [count, count, real, count]
-    lib.kvferry_rope_f32.argtypes = [pointer, size, count, count, count, pointer, pointer, count]
-    lib.kvferry_silu_mul_f32.argtypes = [pointer, pointer, count, count, count]
-    lib.kvferry_quantize_rows_f32.argtypes = [pointer, count, count, pointer, count, pointer, pointer, pointer, count]
-    lib.kvferry_dequantize_f32.argtypes = [pointer, pointer, pointer, pointer, count, count, count]
-    functions = (lib.kvferry_add_rms_norm_f32, lib.kvferry_rope_f32, lib.kvferry_silu_mul_f32)
-    for function in (*functions, lib.kvferry_quantize_rows_f32, lib.kvferry_dequantize_f32):
-        function.restype = None
-    _lib = lib
+    if _lib is None:
+        pointer, size, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+        signatures = {
+            "kvferry_add_rms_norm_f32": ([pointer] * 4 + [count, count, real, count], None),
+            "kvferry_rope_f32": ([pointer, size, count, count, count, pointer, pointer, count], None),
+            "kvferry_silu_mul_f32": ([pointer, pointer, count, count, count], None),
+            "kvferry_quantize_rows_f32": (
+                [pointer, count, count, pointer, count, pointer, pointer, pointer, count],
+                None,
+            ),
+            "kvferry_dequantize_f32": ([pointer, pointer, pointer, pointer, count, count, count], None),
+        }
+        fallback = "PyTorch's ops for a layer's elementwise work"
+        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
+        if _lib is None:
+            return why
     return ""
 
 

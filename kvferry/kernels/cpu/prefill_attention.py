@@ -3,15 +3,12 @@ sequence's context, read from its blocks in place, 16 query rows at a time. The 
 (kernels/reference.py) gathers each sequence's context into a copy and runs SDPA over it, sequence by sequence."""
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
 from kvferry.kernels.cpu import build
 from kvferry.kernels.cpu.decode_attention import layout_fits
-
-log = logging.getLogger("kvferry.kernels")
 
 SOURCE = Path(__file__).with_suffix(".c")
 _kernel = None
@@ -20,18 +17,16 @@ _kernel = None
 def enable(build_dir: Path) -> str:
     """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
     global _kernel
-    if _kernel is not None:
-        return ""
-    lib, why = build.load(SOURCE, build_dir)
-    if lib is None:
-        log.warning("CPU prefill attention stays on the PyTorch reference: %s", why)
-        return why
-    function = lib.kvferry_paged_prefill_attention_f32
-    pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    function.argtypes = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
-    function.argtypes += [count] * 5 + [ctypes.c_float, count]
-    function.restype = ctypes.c_int
-    _kernel = function
+    if _kernel is None:
+        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        argtypes = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
+        argtypes += [count] * 5 + [ctypes.c_float, count]
+        name = "kvferry_paged_prefill_attention_f32"
+        fallback = "the PyTorch reference for CPU prefill attention"
+        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
+        if lib is None:
+            return why
+        _kernel = getattr(lib, name)
     return ""
 
 
