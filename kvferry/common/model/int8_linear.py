@@ -65,7 +65,7 @@ class Int8Linear(nn.Module):
             return int8_matmul(x, self.qweight, self.scale, self.bias)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
-        if layer_ops.handles(x2, self.scale) and (self.outliers is None or self.outliers.device.type == "cpu"):
+        if layer_ops.handles(x2, self.scale):  # the CPU's, so the outlier indices are on the CPU too
             # The same arithmetic in two C passes instead of a dozen ops: at decode sizes the ops' dispatch costs
             # more than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
