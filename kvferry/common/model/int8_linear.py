@@ -19,7 +19,7 @@ fp32 floor. How the product runs depends on the device:
 import torch
 from torch import nn
 
-from kvferry.kernels.cpu import layer_ops
+from kvferry.kernels.cpu import layer_ops, small_matmul
 
 QUANTIZATIONS = ("int8",)
 NUM_OUTLIER_CHANNELS = 32  # per layer; found by calibration (quant_calibration.py)
@@ -55,6 +55,7 @@ class Int8Linear(nn.Module):
             self.outliers = self.outlier_weight = None
         qweight, scale = quantize_weight(weight)
         self.register_buffer("qweight", qweight, persistent=False)  # [N, K] int8
+        self.register_buffer("qweight_sums", small_matmul.weight_sums(qweight), persistent=False)  # [N] int32
         self.register_buffer("scale", scale, persistent=False)  # [N] fp32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
@@ -69,7 +70,10 @@ class Int8Linear(nn.Module):
             # The same arithmetic in two C passes instead of a dozen ops: at decode sizes the ops' dispatch costs
             # more than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
-            y = layer_ops.dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale)
+            if small_matmul.handles(xq, self.qweight):  # a few rows: torch._int_mm's sums, read at the memory's pace
+                y = small_matmul.matmul_i8(xq, self.qweight, self.qweight_sums, row_scale, self.scale)
+            else:
+                y = layer_ops.dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale)
             if self.outliers is not None:
                 y.addmm_(x_out, self.outlier_weight.t())
         elif self.outliers is None:

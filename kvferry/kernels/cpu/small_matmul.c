@@ -1,0 +1,167 @@
+/* y = x · wᵀ for a few rows of x, with w in nn.Linear's own layout ([n][k], row-major), fp32 or int8.
+ *
+ * At one to a few rows a linear layer is a matrix-vector product: each weight is read once per step and used
+ * once per row, so the step is bound by how fast the weights stream from memory, not by arithmetic. oneDNN's
+ * GEMM reaches about half the read bandwidth at one row (`kvferry bench breakdown --batch 1`); reading each
+ * weight row straight through, four rows at a time, with every x row's product taken from the same load, keeps
+ * the memory busy. The weight's rows are split between the threads; x stays in the first-level cache.
+ *
+ * The int8 product sums in int32, exactly, so it equals torch._int_mm bit for bit; the fp32 one sums in its own
+ * order (sixteen lanes, then a tree), which differs from a GEMM library's by rounding only.
+ */
+#include <stdint.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "vectors.h"
+
+#define MAX_ROWS 4      /* of x; more rows, and a GEMM library's blocking wins (small_matmul.py) */
+#define WEIGHT_ROWS 4   /* of w at once: four streams from memory, and MAX_ROWS x 4 accumulators in registers */
+#define PREFETCH_ROWS 8 /* int8: rows are short, so the prefetcher is told two groups ahead (measured best) */
+#define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
+
+/* Weight rows [first, last) of an fp32 product; rows is a constant in each caller, so the loops unroll. */
+static inline __attribute__((always_inline)) void f32_block(const float *x, int rows, int k, const float *w, int n,
+                                                            float *y, int first, int last) {
+    int j = first;
+    for (; j + WEIGHT_ROWS <= last; j += WEIGHT_ROWS) {
+        vfloat acc[MAX_ROWS][WEIGHT_ROWS] = {{{0}}};
+        const float *wj = w + (int64_t)j * k;
+        int d = 0;
+        for (; d + LANES <= k; d += LANES) {
+            vfloat w0 = load(wj + d), w1 = load(wj + k + d), w2 = load(wj + 2 * k + d), w3 = load(wj + 3 * k + d);
+            for (int r = 0; r < rows; r++) {
+                vfloat xv = load(x + (int64_t)r * k + d);
+                acc[r][0] += w0 * xv;
+                acc[r][1] += w1 * xv;
+                acc[r][2] += w2 * xv;
+                acc[r][3] += w3 * xv;
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < WEIGHT_ROWS; i++) {
+                float sum = sum_lanes(acc[r][i]);
+                for (int t = d; t < k; t++)
+                    sum += x[(int64_t)r * k + t] * wj[(int64_t)i * k + t];
+                y[(int64_t)r * n + j + i] = sum;
+            }
+    }
+    for (; j < last; j++) {
+        const float *wj = w + (int64_t)j * k;
+        for (int r = 0; r < rows; r++) {
+            const float *xr = x + (int64_t)r * k;
+            vfloat acc = {0};
+            int d = 0;
+            for (; d + LANES <= k; d += LANES)
+                acc += load(wj + d) * load(xr + d);
+            float sum = sum_lanes(acc);
+            for (; d < k; d++)
+                sum += xr[d] * wj[d];
+            y[(int64_t)r * n + j] = sum;
+        }
+    }
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+/* The sums of four vectors' lanes, as one vector of four: pairs interleaved and added, twice, then the four
+ * 128-bit quarters added, instead of four separate reductions. */
+static inline __m128i sum_four(__m512i a, __m512i b, __m512i c, __m512i d) {
+    __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+    __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+    __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+    __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
+    return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+#endif
+
+/* The int8 product's weight rows [first, last), each sum then scaled as the PyTorch path does it:
+ * float(sum) * row_scale[r] * col_scale[j], in that order. */
+static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int rows, int k, const int8_t *w,
+                                                           const int32_t *w_sums, int n, const float *row_scale, const float *col_scale, float *y,
+                                                           int first, int last) {
+    int j = first;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+    /* vpdpbusd multiplies unsigned bytes by signed ones, 64 at a time: x is taken as x + 128 (its sign bit
+     * flipped), and 128 times the weight row's sum (w_sums, computed once) is taken off. Rows of k bytes,
+     * k a multiple of 64 (hidden sizes are); other widths take the loop below. */
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    for (; k % 64 == 0 && j + WEIGHT_ROWS <= last; j += WEIGHT_ROWS) {
+        __m512i acc[MAX_ROWS][WEIGHT_ROWS];
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < WEIGHT_ROWS; i++)
+                acc[r][i] = _mm512_setzero_si512();
+        const int8_t *wj = w + (int64_t)j * k;
+        for (int d = 0; d < k; d += 64) {
+            __m512i wv[WEIGHT_ROWS];
+            for (int i = 0; i < WEIGHT_ROWS; i++) {
+                wv[i] = _mm512_loadu_si512(wj + (int64_t)i * k + d);
+                _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T0);
+            }
+            for (int r = 0; r < rows; r++) {
+                __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x + (int64_t)r * k + d), flip);
+                for (int i = 0; i < WEIGHT_ROWS; i++)
+                    acc[r][i] = _mm512_dpbusd_epi32(acc[r][i], xv, wv[i]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            int32_t sums[WEIGHT_ROWS];
+            _mm_storeu_si128((__m128i *)sums, sum_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+            for (int i = 0; i < WEIGHT_ROWS; i++)
+                y[(int64_t)r * n + j + i] = (float)(sums[i] - 128 * w_sums[j + i]) * row_scale[r] * col_scale[j + i];
+        }
+    }
+#endif
+    for (; j < last; j++) { /* without VNNI, the compiler's vectors: correct, several times slower */
+        const int8_t *wj = w + (int64_t)j * k;
+        for (int r = 0; r < rows; r++) {
+            int32_t sum = 0;
+            for (int d = 0; d < k; d++)
+                sum += (int32_t)x[(int64_t)r * k + d] * wj[d];
+            y[(int64_t)r * n + j] = (float)sum * row_scale[r] * col_scale[j];
+        }
+    }
+}
+
+#include <omp.h>
+
+/* This thread's share of a weight's n rows: one contiguous run, a multiple of WEIGHT_ROWS except at the end. */
+static inline void my_share(int n, int *first, int *last) {
+    int threads = omp_get_num_threads(), me = omp_get_thread_num();
+    int groups = (n + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
+    *first = (int)((int64_t)groups * me / threads) * WEIGHT_ROWS;
+    *last = (int)((int64_t)groups * (me + 1) / threads) * WEIGHT_ROWS;
+    *last = *last < n ? *last : n;
+}
+
+/* y [rows][n] = x [rows][k] · w [n][k]ᵀ, fp32, 1 <= rows <= MAX_ROWS. */
+void kvferry_small_matmul_f32(const float *x, int rows, int k, const float *w, int n, float *y, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if ((int64_t)n * k * 4 >= PARALLEL_WEIGHT_BYTES)
+    {
+        int first, last;
+        my_share(n, &first, &last);
+        switch (rows) {
+        case 1: f32_block(x, 1, k, w, n, y, first, last); break;
+        case 2: f32_block(x, 2, k, w, n, y, first, last); break;
+        case 3: f32_block(x, 3, k, w, n, y, first, last); break;
+        default: f32_block(x, 4, k, w, n, y, first, last); break;
+        }
+    }
+}
+
+/* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j], 1 <= rows <= MAX_ROWS;
+ * w_sums [n]: each weight row's sum. */
+void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n, const float *row_scale,
+                             const float *col_scale, float *y, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if ((int64_t)n * k >= PARALLEL_WEIGHT_BYTES)
+    {
+        int first, last;
+        my_share(n, &first, &last);
+        switch (rows) {
+        case 1: i8_block(x, 1, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
+        case 2: i8_block(x, 2, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
+        case 3: i8_block(x, 3, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
+        default: i8_block(x, 4, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
+        }
+    }
+}
