@@ -407,10 +407,23 @@ SPEC: tuple[Setting, ...] = (
         min=1,
         max=65535,
     ),
-    # The decode worker is busy all the time, the prefill worker in bursts: the decode worker gets the larger
-    # share of a small machine's cores (the split measured in docs/benchmarks.md).
-    Setting("prefill_threads", INT, "1", "torch threads of serve's prefill worker", (SERVE,), "gateway", min=1),
+    # On a small machine both workers take every core, and the decode worker runs at a lower priority: a prompt's
+    # prefill then has the cores while it lasts (its GEMMs are the machine's most efficient work, and its requests
+    # join the decode batch sooner), and decode takes what prefill leaves. std-32 over HTTP ran about 14%
+    # faster than with the cores split between them (docs/benchmarks.md), at the price of decode's pace while a
+    # burst of prompts is prefilled. decode_nice 0 shares the cores evenly.
+    Setting("prefill_threads", INT, "2", "torch threads of serve's prefill worker", (SERVE,), "gateway", min=1),
     Setting("decode_threads", INT, "2", "torch threads of serve's decode worker", (SERVE,), "gateway", min=1),
+    Setting(
+        "decode_nice",
+        INT,
+        "10",
+        "niceness of serve's decode worker, as nice(1)'s: how far it yields the cores to prefill",
+        (SERVE,),
+        "gateway",
+        min=0,
+        max=19,
+    ),
     # Workers.
     Setting(
         "gateway",

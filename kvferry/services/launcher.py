@@ -16,8 +16,10 @@ from kvferry.common.errors import KvferryError
 READY_TIMEOUT_S = 300.0
 
 
-def spawn(*args: str, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "kvferry.services.commands", *args], env=env)
+def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
+    """nice: the child's niceness, set before it starts a thread, so every thread it starts inherits it."""
+    command = [sys.executable, "-m", "kvferry.services.commands", *args]
+    return subprocess.Popen(command, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
 def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -96,8 +98,10 @@ def start_services(
     env: dict,
     num_prefill: int = 1,
     num_decode: int = 1,
+    decode_nice: int = 0,
 ) -> list[subprocess.Popen]:
-    """The gateway and the workers; returns once they are healthy (stopped again if they fail)."""
+    """The gateway and the workers; returns once they are healthy (stopped again if they fail). decode_nice: the
+    decode workers' niceness."""
     control = f"tcp://127.0.0.1:{control_port}"
     procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
     try:
@@ -106,7 +110,7 @@ def start_services(
             for _ in range(num_prefill)
         ]
         procs += [
-            spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env)
+            spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env, nice=decode_nice)
             for _ in range(num_decode)
         ]
         if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
@@ -141,7 +145,15 @@ def serve(args) -> int:
     env.setdefault("GOMP_SPINCOUNT", "10000")
     procs = []
     try:
-        procs = start_services(args.host, args.port, args.control_port, args.prefill_threads, args.decode_threads, env)
+        procs = start_services(
+            args.host,
+            args.port,
+            args.control_port,
+            args.prefill_threads,
+            args.decode_threads,
+            env,
+            decode_nice=args.decode_nice,
+        )
         print(f"kvferry: serving on http://{args.host}:{args.port}  (Ctrl-C stops all)", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

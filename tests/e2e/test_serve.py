@@ -4,6 +4,7 @@ environment (the flag winning), as the settings spec hands them on."""
 import os
 from pathlib import Path
 
+from kvferry.common import settings
 from tests.e2e.stack import Stack
 from tests.e2e.test_procfile import descendants
 from tests.tiny_models import save_tiny_chat_model
@@ -50,3 +51,19 @@ def test_serve_hands_its_flags_and_variables_to_its_children(make_stack, tmp_pat
     children = descendants(stack.procs["serve"].pid)
     environs = [Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in children]
     assert len(environs) >= 3 and all(b"GOMP_SPINCOUNT=10000" in e for e in environs)
+
+    # The decode worker yields the cores to prefill: it and every thread it started run at serve's default niceness.
+    niceness = {_role(pid): _niceness_of_threads(pid) for pid in children if _role(pid)}
+    assert niceness["prefill"] == {0} and niceness["gateway"] == {0}, niceness
+    assert niceness["decode"] == {int(settings.default("decode_nice"))} != {0}, niceness
+
+
+def _role(pid: int) -> str | None:
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    return next((a.decode() for a in args if a in (b"gateway", b"prefill", b"decode")), None)
+
+
+def _niceness_of_threads(pid: int) -> set[int]:
+    # /proc/<pid>/task/<tid>/stat: the niceness is the 19th field; the 2nd, the name in parentheses, may hold spaces.
+    stats = [(task / "stat").read_text() for task in Path(f"/proc/{pid}/task").iterdir()]
+    return {int(stat.rsplit(")", 1)[1].split()[16]) for stat in stats}

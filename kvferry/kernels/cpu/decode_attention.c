@@ -147,7 +147,8 @@ int kvferry_paged_decode_attention_f32(const float *query, const float *new_k, i
                                        float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
                                        int block_size, float scale, int num_threads) {
     int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+    /* One sequence is one thread's work: waking the others for it only costs their wake-up. */
+#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (batch > 1)
     {
         float *scratch = malloc(sizeof(float) * ((size_t)block_size + LANES + (size_t)num_heads * head_dim));
         failed = scratch == NULL;
