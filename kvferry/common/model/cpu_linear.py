@@ -3,17 +3,10 @@
 PyTorch's default CPU GEMM (MKL) picks a slow path on AMD processors; oneDNN with a
 weight packed once in its blocked layout is faster at decode batch sizes on this project's
 machines (`kvferry bench engine` shows the effect end to end; figures in docs/benchmarks.md).
-
-At one or two rows (a single stream's decode) a GEMM is a matrix-vector product bound by reading the weights,
-and oneDNN reads them at about half the memory's bandwidth; kernels/cpu/small_matmul.c streams nn.Linear's own
-layout faster. So the plain weight stays too: the packed copy is the extra memory (a tied lm_head's plain weight
-is the embedding table, shared).
 """
 
 import torch
 from torch import nn
-
-from kvferry.kernels.cpu import small_matmul
 
 DECODE_BATCH_HINT = 32  # the packed layout is tuned for this many rows; any row count works
 
@@ -29,12 +22,9 @@ class PackedLinear(nn.Module):
         with torch.no_grad():
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
-        self.register_buffer("weight", linear.weight.detach(), persistent=False)  # [out, in], for a few rows
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None and small_matmul.handles(x, self.weight):
-            return small_matmul.matmul_f32(x, self.weight)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 

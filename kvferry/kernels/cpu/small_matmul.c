@@ -1,67 +1,24 @@
-/* y = x · wᵀ for a few rows of x, with w in nn.Linear's own layout ([n][k], row-major), fp32 or int8.
+/* y = x · wᵀ in int8 for a few rows of x, with w in nn.Linear's own layout ([n][k], row-major), each sum scaled
+ * back to fp32 in the same pass.
  *
- * At one to a few rows a linear layer is a matrix-vector product: each weight is read once per step and used
- * once per row, so the step is bound by how fast the weights stream from memory, not by arithmetic. oneDNN's
- * GEMM reaches about half the read bandwidth at one row (`kvferry bench breakdown --batch 1`); reading each
- * weight row straight through, four rows at a time, with every x row's product taken from the same load, keeps
- * the memory busy. The weight's rows are split between the threads; x stays in the first-level cache.
+ * At one to a few rows a linear layer is a matrix-vector product: each weight is read once per step and used once
+ * per row, so the step is bound by how fast the weights stream from memory. Each weight row is read straight
+ * through, four rows at a time, with every x row's product taken from the same load (VNNI's vpdpbusd, 64 bytes an
+ * instruction); the weight's rows are split between the threads, and x stays in the first-level cache. Against
+ * torch._int_mm and a separate scaling pass, this saves the pass, and of the product's own time about 7% at one
+ * row and a fifth to a quarter at two to four (docs/benchmarks.md).
  *
- * The int8 product sums in int32, exactly, so it equals torch._int_mm bit for bit; the fp32 one sums in its own
- * order (sixteen lanes, then a tree), which differs from a GEMM library's by rounding only.
+ * The sums are int32 and exact, so they equal torch._int_mm's bit for bit.
  */
 #include <stdint.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
-#include "vectors.h"
-
-#define MAX_ROWS 4      /* of x; more rows, and a GEMM library's blocking wins (small_matmul.py) */
+#define MAX_ROWS 4      /* of x, at most */
 #define WEIGHT_ROWS 4   /* of w at once: four streams from memory, and MAX_ROWS x 4 accumulators in registers */
-#define PREFETCH_ROWS 8 /* int8: rows are short, so the prefetcher is told two groups ahead (measured best) */
+#define PREFETCH_ROWS 8 /* rows are short, so the prefetcher is told two groups ahead (measured best) */
 #define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
-
-/* Weight rows [first, last) of an fp32 product; rows is a constant in each caller, so the loops unroll. */
-static inline __attribute__((always_inline)) void f32_block(const float *x, int rows, int k, const float *w, int n,
-                                                            float *y, int first, int last) {
-    int j = first;
-    for (; j + WEIGHT_ROWS <= last; j += WEIGHT_ROWS) {
-        vfloat acc[MAX_ROWS][WEIGHT_ROWS] = {{{0}}};
-        const float *wj = w + (int64_t)j * k;
-        int d = 0;
-        for (; d + LANES <= k; d += LANES) {
-            vfloat w0 = load(wj + d), w1 = load(wj + k + d), w2 = load(wj + 2 * k + d), w3 = load(wj + 3 * k + d);
-            for (int r = 0; r < rows; r++) {
-                vfloat xv = load(x + (int64_t)r * k + d);
-                acc[r][0] += w0 * xv;
-                acc[r][1] += w1 * xv;
-                acc[r][2] += w2 * xv;
-                acc[r][3] += w3 * xv;
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            for (int i = 0; i < WEIGHT_ROWS; i++) {
-                float sum = sum_lanes(acc[r][i]);
-                for (int t = d; t < k; t++)
-                    sum += x[(int64_t)r * k + t] * wj[(int64_t)i * k + t];
-                y[(int64_t)r * n + j + i] = sum;
-            }
-    }
-    for (; j < last; j++) {
-        const float *wj = w + (int64_t)j * k;
-        for (int r = 0; r < rows; r++) {
-            const float *xr = x + (int64_t)r * k;
-            vfloat acc = {0};
-            int d = 0;
-            for (; d + LANES <= k; d += LANES)
-                acc += load(wj + d) * load(xr + d);
-            float sum = sum_lanes(acc);
-            for (; d < k; d++)
-                sum += xr[d] * wj[d];
-            y[(int64_t)r * n + j] = sum;
-        }
-    }
-}
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* The sums of four vectors' lanes, as one vector of four: pairs interleaved and added, twice, then the four
@@ -132,21 +89,6 @@ static inline void my_share(int n, int *first, int *last) {
     *first = (int)((int64_t)groups * me / threads) * WEIGHT_ROWS;
     *last = (int)((int64_t)groups * (me + 1) / threads) * WEIGHT_ROWS;
     *last = *last < n ? *last : n;
-}
-
-/* y [rows][n] = x [rows][k] · w [n][k]ᵀ, fp32, 1 <= rows <= MAX_ROWS. */
-void kvferry_small_matmul_f32(const float *x, int rows, int k, const float *w, int n, float *y, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if ((int64_t)n * k * 4 >= PARALLEL_WEIGHT_BYTES)
-    {
-        int first, last;
-        my_share(n, &first, &last);
-        switch (rows) {
-        case 1: f32_block(x, 1, k, w, n, y, first, last); break;
-        case 2: f32_block(x, 2, k, w, n, y, first, last); break;
-        case 3: f32_block(x, 3, k, w, n, y, first, last); break;
-        default: f32_block(x, 4, k, w, n, y, first, last); break;
-        }
-    }
 }
 
 /* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j], 1 <= rows <= MAX_ROWS;
