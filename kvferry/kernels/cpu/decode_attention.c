@@ -135,10 +135,10 @@ static void store_token(const float *new_k, const float *new_v, float *k_cache, 
 
 /* query, out: [batch, heads, head_dim] contiguous, head_dim a multiple of 16 and at most 256. new_k, new_v: each
  * sequence's new token, kv_heads * head_dim floats, rows new_k_stride and new_v_stride apart, stored first at
- * slots[seq] (a negative slot stores nothing; slots NULL: none). k_cache, v_cache: element strides block_stride (a block), token_stride (a token
- * in its block) and head_stride (a KV head), the same for both. block_tables: [batch, table_stride] int32;
- * context_lens: [batch] int32, each at least 1, the new token included. Returns 0, or -1 if scratch memory ran
- * out. */
+ * slots[seq] (a negative slot stores nothing; slots NULL: none). k_cache, v_cache: element strides block_stride
+ * (a block), token_stride (a token in its block) and head_stride (a KV head), the same for both. block_tables:
+ * [batch, table_stride] int32; context_lens: [batch] int32, each at least 1, the new token included. Returns 0,
+ * or -1 if scratch memory ran out. */
 int kvferry_paged_decode_attention_f32(const float *query, const float *new_k, int64_t new_k_stride,
                                        const float *new_v, int64_t new_v_stride, const int64_t *slots,
                                        float *k_cache, float *v_cache,

@@ -10,6 +10,7 @@
  *
  * The sums are int32 and exact, so they equal torch._int_mm's bit for bit.
  */
+#include <omp.h>
 #include <stdint.h>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -35,8 +36,8 @@ static inline __m128i sum_four(__m512i a, __m512i b, __m512i c, __m512i d) {
 /* The int8 product's weight rows [first, last), each sum then scaled as the PyTorch path does it:
  * float(sum) * row_scale[r] * col_scale[j], in that order. */
 static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int rows, int k, const int8_t *w,
-                                                           const int32_t *w_sums, int n, const float *row_scale, const float *col_scale, float *y,
-                                                           int first, int last) {
+                                                           const int32_t *w_sums, int n, const float *row_scale,
+                                                           const float *col_scale, float *y, int first, int last) {
     int j = first;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     /* vpdpbusd multiplies unsigned bytes by signed ones, 64 at a time: x is taken as x + 128 (its sign bit
@@ -53,6 +54,7 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
             __m512i wv[WEIGHT_ROWS];
             for (int i = 0; i < WEIGHT_ROWS; i++) {
                 wv[i] = _mm512_loadu_si512(wj + (int64_t)i * k + d);
+                /* Past the last row this hints at memory that is not read: a prefetch never faults. */
                 _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T0);
             }
             for (int r = 0; r < rows; r++) {
@@ -65,11 +67,14 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
             int32_t sums[WEIGHT_ROWS];
             _mm_storeu_si128((__m128i *)sums, sum_four(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
             for (int i = 0; i < WEIGHT_ROWS; i++)
-                y[(int64_t)r * n + j + i] = (float)(sums[i] - 128 * w_sums[j + i]) * row_scale[r] * col_scale[j + i];
+                y[(int64_t)r * n + j + i] =
+                    (float)(sums[i] - 128 * w_sums[j + i]) * row_scale[r] * col_scale[j + i];
         }
     }
 #endif
-    for (; j < last; j++) { /* without VNNI, the compiler's vectors: correct, several times slower */
+    /* The rows left over, or all of them without VNNI or at other widths: the compiler's own vectors, the same
+     * sums, several times slower. */
+    for (; j < last; j++) {
         const int8_t *wj = w + (int64_t)j * k;
         for (int r = 0; r < rows; r++) {
             int32_t sum = 0;
@@ -79,8 +84,6 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
         }
     }
 }
-
-#include <omp.h>
 
 /* This thread's share of a weight's n rows: one contiguous run, a multiple of WEIGHT_ROWS except at the end. */
 static inline void my_share(int n, int *first, int *last) {
@@ -93,8 +96,8 @@ static inline void my_share(int n, int *first, int *last) {
 
 /* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j], 1 <= rows <= MAX_ROWS;
  * w_sums [n]: each weight row's sum. */
-void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n, const float *row_scale,
-                             const float *col_scale, float *y, int num_threads) {
+void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n,
+                             const float *row_scale, const float *col_scale, float *y, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if ((int64_t)n * k >= PARALLEL_WEIGHT_BYTES)
     {
         int first, last;
