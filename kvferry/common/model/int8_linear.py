@@ -67,10 +67,10 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
         if layer_ops.handles(x2, self.scale):  # the CPU's, so the outlier indices are on the CPU too
-            # The same arithmetic in two C passes instead of a dozen ops: at decode sizes the ops' dispatch costs
-            # more than their work.
+            # The same arithmetic in C passes instead of a dozen ops: at decode sizes the ops' dispatch costs more
+            # than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
-            if small_matmul.handles(xq, self.qweight):  # a few rows: torch._int_mm's sums, read at the memory's pace
+            if small_matmul.handles(xq, self.qweight):  # a few rows: the same sums, and the scaling in the same pass
                 y = small_matmul.matmul_i8(xq, self.qweight, self.qweight_sums, row_scale, self.scale)
             else:
                 y = layer_ops.dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale)
