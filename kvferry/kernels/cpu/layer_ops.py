@@ -28,6 +28,7 @@ def enable(build_dir: Path) -> str:
                 None,
             ),
             "kvferry_dequantize_f32": ([pointer, pointer, pointer, pointer, count, count, count], None),
+            "kvferry_add_outlier_columns_f32": ([pointer, count, count, pointer, pointer, count, pointer, count], None),
         }
         fallback = "PyTorch's ops for a layer's elementwise work"
         _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
@@ -122,4 +123,18 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
     _lib.kvferry_dequantize_f32(
         acc.data_ptr(), row_scale.data_ptr(), col_scale.data_ptr(), y.data_ptr(), rows, cols, torch.get_num_threads()
     )
+    return y
+
+
+def add_outlier_columns(
+    y: torch.Tensor, x_out: torch.Tensor, wt: torch.Tensor | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """In place: y [rows, n] += x_out [rows, count] · wt [count, n] (wt None: no outlier channels), then += bias [n]
+    (None: none); all contiguous fp32. The same roundings as small_matmul.matmul_i8's at a few rows."""
+    rows, n = y.shape
+    count = 0 if wt is None else wt.shape[0]
+    _lib.kvferry_add_outlier_columns_f32(
+        y.data_ptr(), rows, n, x_out.data_ptr(), None if wt is None else wt.data_ptr(), count,
+        None if bias is None else bias.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
     return y

@@ -8,10 +8,13 @@
  * torch._int_mm and a separate scaling pass, this saves the pass, and of the product's own time about 7% at one
  * row and a fifth to a quarter at two to four (docs/benchmarks.md).
  *
- * The sums are int32 and exact, so they equal torch._int_mm's bit for bit.
+ * The sums are int32 and exact, so they equal torch._int_mm's bit for bit; the outlier channels and the bias are
+ * added by the same loop as after torch._int_mm (outlier_columns.h), so the whole output is the same bit for bit.
  */
 #include <omp.h>
 #include <stdint.h>
+
+#include "outlier_columns.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -55,7 +58,7 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
             for (int i = 0; i < WEIGHT_ROWS; i++) {
                 wv[i] = _mm512_loadu_si512(wj + (int64_t)i * k + d);
                 /* Past the last row this hints at memory that is not read: a prefetch never faults. */
-                _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T2);
             }
             for (int r = 0; r < rows; r++) {
                 __m512i xv = _mm512_xor_si512(_mm512_loadu_si512(x + (int64_t)r * k + d), flip);
@@ -95,9 +98,11 @@ static inline void my_share(int n, int *first, int *last) {
 }
 
 /* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j], 1 <= rows <= MAX_ROWS;
- * w_sums [n]: each weight row's sum. */
+ * w_sums [n]: each weight row's sum. Then the outlier channels x_out [rows][count] · wt [count][n] and the bias [n]
+ * (NULL: none) are added (outlier_columns.h). */
 void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n,
-                             const float *row_scale, const float *col_scale, float *y, int num_threads) {
+                             const float *row_scale, const float *col_scale, const float *x_out, const float *wt,
+                             int count, const float *bias, float *y, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if ((int64_t)n * k >= PARALLEL_WEIGHT_BYTES)
     {
         int first, last;
@@ -108,5 +113,6 @@ void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, 
         case 3: i8_block(x, 3, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
         default: i8_block(x, 4, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
         }
+        add_outlier_columns(y, rows, n, x_out, wt, count, bias, first, last);
     }
 }

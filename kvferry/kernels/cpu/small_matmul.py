@@ -11,6 +11,8 @@ from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = 4  # as in small_matmul.c; at each of 1-4 it was faster than torch._int_mm (docs/benchmarks.md)
+# No fused multiply-adds: the outlier channels' sums round as layer_ops.c's do (outlier_columns.h)
+FLAGS = ("-ffp-contract=off",)
 _lib = None
 
 
@@ -21,12 +23,12 @@ def enable(build_dir: Path) -> str:
         pointer, count = ctypes.c_void_p, ctypes.c_int
         signatures = {
             "kvferry_small_matmul_i8": (
-                [pointer, count, count, pointer, pointer, count, pointer, pointer, pointer, count],
+                [pointer, count, count, pointer, pointer, count] + [pointer] * 4 + [count, pointer, pointer, count],
                 None,
             ),
         }
         fallback = "torch._int_mm for int8 linear layers at a few rows"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback)
+        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
         if _lib is None:
             return why
     return ""
@@ -58,16 +60,26 @@ def weight_sums(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def matmul_i8(
-    xq: torch.Tensor, qweight: torch.Tensor, sums: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tensor
+    xq: torch.Tensor,
+    qweight: torch.Tensor,
+    sums: torch.Tensor,
+    row_scale: torch.Tensor,
+    col_scale: torch.Tensor,
+    outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The int8 product xq [rows, k] · qweight [n, k]ᵀ summed in int32, times row_scale [rows] and col_scale [n]
     -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's scaling. sums: weight_sums(
-    qweight)."""
+    qweight). outliers: (x_out [rows, count], wt [count, n]), the float channels' product added, then the bias [n]
+    (all contiguous fp32), as layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = qweight.shape[0]
     y = torch.empty(rows, n)
+    x_out, wt = outliers if outliers is not None else (None, None)
     _lib.kvferry_small_matmul_i8(
-        xq.data_ptr(), rows, k, qweight.data_ptr(), sums.data_ptr(), n, row_scale.data_ptr(), col_scale.data_ptr(), y.data_ptr(),
+        xq.data_ptr(), rows, k, qweight.data_ptr(), sums.data_ptr(), n, row_scale.data_ptr(), col_scale.data_ptr(),
+        None if x_out is None else x_out.data_ptr(), None if wt is None else wt.data_ptr(),
+        0 if wt is None else wt.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return y

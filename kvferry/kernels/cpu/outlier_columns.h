@@ -1,0 +1,63 @@
+/* An int8 linear layer's float part (common/model/int8_linear.py): the outlier input channels' product, then the
+ * bias, added to the int8 product's scaled output. Both the few-rows product (small_matmul.c) and the pass after
+ * torch._int_mm (layer_ops.c) include this one loop, so each output gets the same roundings in the same order
+ * whatever the row count: a request's tokens do not depend on its batch.
+ */
+#ifndef KVFERRY_OUTLIER_COLUMNS_H
+#define KVFERRY_OUTLIER_COLUMNS_H
+
+#include <math.h>
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define OUTLIER_ROWS 8 /* rows summed at once: each weight vector loaded serves eight of them */
+
+/* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none).
+ * Each output's sum starts at zero and takes the channels in order with a fused multiply-add each (fmaf, or the same
+ * operation sixteen lanes at a time), then is added to y: the same roundings on every path. */
+static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const float *wt, int count,
+                                       const float *bias, int first, int last) {
+    int j = first;
+#if defined(__AVX512F__)
+    for (; count > 0 && j + 16 <= last; j += 16) {
+        int r = 0;
+        for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS) {
+            __m512 sum[OUTLIER_ROWS];
+            for (int i = 0; i < OUTLIER_ROWS; i++)
+                sum[i] = _mm512_setzero_ps();
+            for (int o = 0; o < count; o++) {
+                __m512 w = _mm512_loadu_ps(wt + (int64_t)o * n + j);
+                for (int i = 0; i < OUTLIER_ROWS; i++)
+                    sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)(r + i) * count + o]), w, sum[i]);
+            }
+            for (int i = 0; i < OUTLIER_ROWS; i++) {
+                float *yr = y + (int64_t)(r + i) * n + j;
+                _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum[i]));
+            }
+        }
+        for (; r < rows; r++) {
+            __m512 sum = _mm512_setzero_ps();
+            for (int o = 0; o < count; o++)
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)r * count + o]), _mm512_loadu_ps(wt + (int64_t)o * n + j),
+                                      sum);
+            float *yr = y + (int64_t)r * n + j;
+            _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum));
+        }
+    }
+#endif
+    for (; count > 0 && j < last; j++)
+        for (int r = 0; r < rows; r++) {
+            float sum = 0.0f;
+            for (int o = 0; o < count; o++)
+                sum = fmaf(x_out[(int64_t)r * count + o], wt[(int64_t)o * n + j], sum);
+            y[(int64_t)r * n + j] += sum;
+        }
+    if (bias != NULL)
+        for (int r = 0; r < rows; r++)
+            for (j = first; j < last; j++)
+                y[(int64_t)r * n + j] += bias[j];
+}
+
+#endif
