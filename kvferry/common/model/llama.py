@@ -177,6 +177,8 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+        # The runner's one-call loop over the layers for a few decode rows (fused_decode.py), where it applies.
+        self.fused_decode = None
         cos, sin = rope_cos_sin(config, max_positions)
         to = dict(device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)  # the model's
         self.register_buffer("rope_cos", cos.to(**to), persistent=False)  # [max_positions, head_dim]
@@ -187,10 +189,13 @@ class LlamaModel(nn.Module):
         given, runs once layer i has stored its K/V: a prefill worker ships finished layers while the rest compute."""
         x, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]  # [T, head_dim]
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, cos, sin, batch)
-            if after_layer is not None:
-                after_layer(i)
+        if after_layer is None and self.fused_decode is not None and self.fused_decode.takes(x, batch):
+            x, residual = self.fused_decode.run(x, cos, sin, batch)
+        else:
+            for i, layer in enumerate(self.layers):
+                x, residual = layer(x, residual, cos, sin, batch)
+                if after_layer is not None:
+                    after_layer(i)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import can_pack, pack_linears
 from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.decode_graphs import DecodeGraphs
+from kvferry.common.model.fused_decode import FusedDecode
 from kvferry.common.model.host_staging import HostStaging
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.kv_gather import DeviceGather
@@ -95,6 +96,8 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
+        if device.type == "cpu":  # int8 decode at a few rows: every layer in one call, where the model allows
+            model.fused_decode = FusedDecode.for_model(model, self.k_caches, self.v_caches)
         self.device_gather = DeviceGather(device) if device.type == "cuda" else None  # KV going out to the host
         # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
         self.shared_generator = torch.Generator(device=device)

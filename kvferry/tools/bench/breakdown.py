@@ -9,6 +9,9 @@ SiLU·mul what the MLP does outside its two GEMMs. The wrappers' own cost, calib
 is taken out of the part that made the wrapped call and shown as a part of its own. What the step spends
 outside every part is scheduling and Python. The CPU only: there an op is done when it returns, so the host's
 clock times it, and the rooflines are measured on the same cores.
+
+Where int8 decode runs every layer in one C call (a few rows: common/model/fused_decode.py), the unwrapped step
+does so, and the wrapped one goes layer by layer, so that its parts can be timed.
 """
 
 import json
@@ -26,6 +29,7 @@ from kvferry.common.model import attention, llama
 from kvferry.common.model import runner as runner_module
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
+from kvferry.kernels.cpu.decode_layers import MAX_ROWS as MAX_FUSED_ROWS
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
 
@@ -121,6 +125,7 @@ class Wrapped:
 
     def __enter__(self):
         model, spans = self.engine.runner.model, self.spans
+        self.fused_decode, model.fused_decode = model.fused_decode, None  # the parts run one by one, to be timed
         self.modules = []
         gemms = {id(m): part for part, m in limits.gemm_layers(model)}
         for m in model.modules():
@@ -140,6 +145,7 @@ class Wrapped:
         return self
 
     def __exit__(self, *exc):
+        self.engine.runner.model.fused_decode = self.fused_decode
         for m in self.modules:
             del m.forward  # the instance attribute: the class's forward again
         for (owner, name, _), original in zip(self.functions, self.originals):
@@ -275,6 +281,7 @@ def measure(
         for seq in list(engine.scheduler.running):
             engine.abort(seq.request_id)
     report["decode"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
+    report["decode"]["unwrapped_in_one_call"] = runner.model.fused_decode is not None and batch <= MAX_FUSED_ROWS
     report["gemm_gflops"] = {f"{m}x{k}x{n}": round(r / 1e9, 1) for (m, k, n), r in machine.gemm_flops_per_s.items()}
     return report
 
@@ -311,7 +318,8 @@ def cmd_bench_breakdown(args) -> int:
         r = report[kind]
         print(
             f"\n== {kind} step: {r['sequences']} sequences, {r['tokens']} new tokens; median of {r['steps']}: "
-            f"{r['step_ms']} ms ({r['step_ms_unwrapped']} ms unwrapped) =="
+            f"{r['step_ms']} ms ({r['step_ms_unwrapped']} ms unwrapped"
+            f"{', its layers in one C call' if r.get('unwrapped_in_one_call') else ''}) =="
         )
         print(f"{'part':<24} {'ms':>9} {'share':>7} {'roofline ms':>12} {'of roofline':>12}")
         for row in r["parts"]:

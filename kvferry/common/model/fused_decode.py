@@ -1,0 +1,86 @@
+"""Which models and steps take the one-call decode loop (kernels/cpu/decode_layers.py), and its weights.
+
+It takes a Llama-family model whose linear layers are all Int8Linear on the CPU in fp32 (`--quantization int8`),
+without per-head q/k norms (Qwen3's), and a decode step of at most MAX_ROWS rows whose attention the C kernel
+takes. Anything else runs layer by layer, with the same result where both can run.
+"""
+
+import torch
+
+from kvferry.common.model.int8_linear import Int8Linear
+from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops
+
+
+class FusedDecode:
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
+        def weights(linear: Int8Linear) -> decode_layers.Int8Weights:
+            outliers = linear.outliers
+            return decode_layers.Int8Weights(
+                linear.qweight, linear.qweight_sums, linear.scale, outliers, linear.outlier_weight, linear.bias
+            )
+
+        layers = [
+            decode_layers.LayerWeights(
+                layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                weights(layer.self_attn.qkv_proj),
+                weights(layer.self_attn.o_proj),
+                weights(layer.mlp.gate_up_proj),
+                weights(layer.mlp.down_proj),
+                k_cache,
+                v_cache,
+            )
+            for layer, k_cache, v_cache in zip(model.layers, k_caches, v_caches)
+        ]
+        attention = model.layers[0].self_attn
+        eps = model.layers[0].input_layernorm.eps
+        self.loop = decode_layers.DecodeLayers(
+            layers, attention.num_heads, attention.num_kv_heads, eps, attention.scale
+        )
+
+    @classmethod
+    def for_model(cls, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> "FusedDecode | None":
+        """The loop for this model and these caches, or None where it does not apply."""
+        if not decode_layers.available() or not model.layers:
+            return None
+        norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        linears = [
+            linear
+            for layer in model.layers
+            for linear in (
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
+            )
+        ]
+        fits = (
+            all(isinstance(linear, Int8Linear) and linear.qweight.device.type == "cpu" for linear in linears)
+            and not any(layer.self_attn.qk_norm for layer in model.layers)
+            and len({n.eps for n in norms}) == 1
+            and layer_ops.handles(*(n.weight for n in norms))
+            and all(layer_ops.handles(linear.scale) for linear in linears)
+            and all(decode_attention.handles(torch.empty(0), k, v) for k, v in zip(k_caches, v_caches))
+        )
+        return cls(model, k_caches, v_caches) if fits else None
+
+    def takes(self, x: torch.Tensor, batch) -> bool:
+        """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes
+        them."""
+        return (
+            not batch.is_prefill
+            and 1 <= x.shape[0] <= decode_layers.MAX_ROWS
+            and decode_layers.available()  # a test or benchmark may have switched a kernel off since
+            and layer_ops.handles(x)
+            and batch.block_tables.dtype == batch.context_lens.dtype == torch.int32
+            and batch.block_tables.is_contiguous()
+            and batch.context_lens.is_contiguous()
+            and batch.slot_mapping.dtype == torch.int64
+            and batch.slot_mapping.is_contiguous()
+        )
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the last layer's output, the residual stream), as LlamaModel's loop over its layers returns them."""
+        return self.loop.run(
+            x, cos.contiguous(), sin.contiguous(), batch.slot_mapping, batch.block_tables, batch.context_lens
+        )

@@ -1,0 +1,99 @@
+/* Every decoder layer of one decode step at a few rows, int8 weights on the CPU, in one call.
+ *
+ * At one to four rows a layer's work is small (a matrix-vector product over each weight, the rest elementwise), so
+ * PyTorch's dispatch of each op and each call's Python cost about as much as the work: 30 layers of a dozen calls
+ * each. Here the same C functions the layer calls one by one from Python (layer_ops.c, small_matmul.c,
+ * decode_attention.c) run in the same order on the same values, from one loop: the output is the same bit for bit.
+ * They come in as function pointers from their own libraries, each built with its own flags; this file does no
+ * arithmetic of its own.
+ *
+ * The layer is common/model/llama.py's DecoderLayer: norm, q/k/v, RoPE on q and k, the new K/V stored and
+ * attended over, o, the skip connection's add with the next norm, gate/up, SiLU·mul, down.
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { /* an Int8Linear's buffers (common/model/int8_linear.py) */
+    const int8_t *qweight;     /* [n][k] */
+    const int32_t *sums;       /* [n]: each weight row's sum */
+    const float *scale;        /* [n] */
+    const int64_t *outliers;   /* [count] sorted input channels kept in float, or NULL */
+    const float *outlier_rows; /* [count][n], or NULL */
+    const float *bias;         /* [n], or NULL */
+    int n, k, count;
+} Int8Weights;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* [hidden] each */
+    Int8Weights qkv, o, gate_up, down;
+    float *k_cache, *v_cache; /* this layer's: [blocks][block_size][kv_heads][head_dim] with the strides below */
+} Layer;
+
+typedef struct { /* the functions the layer runs; their contracts are in their own files */
+    void (*add_rms_norm)(const float *, float *, const float *, float *, int, int, float, int);
+    void (*rope)(float *, int64_t, int, int, int, const float *, const float *, int);
+    void (*silu_mul)(const float *, float *, int, int, int);
+    void (*quantize_rows)(const float *, int, int, const int64_t *, int, int8_t *, float *, float *, int);
+    void (*matmul_i8)(const int8_t *, int, int, const int8_t *, const int32_t *, int, const float *, const float *,
+                      const float *, const float *, int, const float *, float *, int);
+    int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, float *,
+                     float *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
+                     int, int, int, float, int);
+} Kernels;
+
+typedef struct {
+    int num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate, block_size;
+    float eps, attention_scale;
+    int64_t block_stride, token_stride, head_stride; /* the caches' element strides, as decode_attention.c's */
+} Shape;
+
+typedef struct { /* room for the largest row count the caller sends */
+    float *normed, *qkv, *query, *attended, *projected, *gate_up, *activated, *row_scale, *outlier_values;
+    int8_t *quantized;
+} Scratch;
+
+static void linear(const Kernels *f, const Int8Weights *w, const float *x, int rows, Scratch *s, float *y,
+                   int num_threads) {
+    f->quantize_rows(x, rows, w->k, w->outliers, w->count, s->quantized, s->row_scale, s->outlier_values,
+                     num_threads);
+    f->matmul_i8(s->quantized, rows, w->k, w->qweight, w->sums, w->n, s->row_scale, w->scale, s->outlier_values,
+                 w->outlier_rows, w->count, w->bias, y, num_threads);
+}
+
+/* x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual [rows][hidden]: the residual
+ * stream out (llama.py's LlamaModel.forward takes both to its final norm). cos, sin: [rows][head_dim]; slots [rows],
+ * block_tables [rows][table_stride], context_lens [rows]: as decode_attention.c takes them. Returns 0, or -1 when
+ * attention found no memory for its scratch. */
+int kvferry_decode_layers_i8(const Kernels *f, const Shape *shape, const Layer *layers, Scratch *s, float *x,
+                             float *residual, int rows, const float *cos, const float *sin, const int64_t *slots,
+                             const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                             int num_threads) {
+    const int hidden = shape->hidden, head_dim = shape->head_dim;
+    const int q_size = shape->num_heads * head_dim, kv_size = shape->num_kv_heads * head_dim;
+    const int qkv_width = q_size + 2 * kv_size;
+    memcpy(residual, x, sizeof(float) * rows * hidden); /* the first layer's norm has no skip connection before it */
+    for (int i = 0; i < shape->num_layers; i++) {
+        const Layer *layer = &layers[i];
+        f->add_rms_norm(x, i == 0 ? NULL : residual, layer->input_norm, s->normed, rows, hidden, shape->eps,
+                        num_threads);
+        linear(f, &layer->qkv, s->normed, rows, s, s->qkv, num_threads);
+        f->rope(s->qkv, qkv_width, rows, shape->num_heads + shape->num_kv_heads, head_dim, cos, sin, num_threads);
+        const float *query = s->qkv; /* one row's q is already contiguous; more rows' are gathered */
+        if (rows > 1) {
+            for (int r = 0; r < rows; r++)
+                memcpy(s->query + (int64_t)r * q_size, s->qkv + (int64_t)r * qkv_width, sizeof(float) * q_size);
+            query = s->query;
+        }
+        if (f->attention(query, s->qkv + q_size, qkv_width, s->qkv + q_size + kv_size, qkv_width, slots,
+                         layer->k_cache, layer->v_cache, shape->block_stride, shape->token_stride, shape->head_stride,
+                         block_tables, table_stride, context_lens, s->attended, rows, shape->num_heads,
+                         shape->num_kv_heads, head_dim, shape->block_size, shape->attention_scale, num_threads))
+            return -1;
+        linear(f, &layer->o, s->attended, rows, s, s->projected, num_threads);
+        f->add_rms_norm(s->projected, residual, layer->post_norm, s->normed, rows, hidden, shape->eps, num_threads);
+        linear(f, &layer->gate_up, s->normed, rows, s, s->gate_up, num_threads);
+        f->silu_mul(s->gate_up, s->activated, rows, shape->intermediate, num_threads);
+        linear(f, &layer->down, s->activated, rows, s, x, num_threads);
+    }
+    return 0;
+}

@@ -1,0 +1,179 @@
+"""Every decoder layer of a decode step at a few rows, int8 weights on the CPU, in one call to decode_layers.c.
+
+At one to four rows, a step's ~360 calls from Python (norms, the int8 layers' two C calls each, RoPE, attention,
+SiLU·mul) cost about as much as their work. decode_layers.c runs the same C functions in the same order from one
+loop, so the output is bit for bit the layer-by-layer path's. The model side (common/model/fused_decode.py) says
+which models and batches it takes and hands over the weights.
+"""
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvferry.kernels.cpu import build, decode_attention, layer_ops, small_matmul
+
+SOURCE = Path(__file__).with_suffix(".c")
+MAX_ROWS = small_matmul.MAX_ROWS  # past it the int8 layers take torch._int_mm, which this loop does not call
+_lib = None
+
+_p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
+
+
+class _Int8Weights(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("qweight", "sums", "scale", "outliers", "outlier_rows", "bias")]
+    _fields_ += [("n", _i), ("k", _i), ("count", _i)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _p), ("post_norm", _p)]
+    _fields_ += [(name, _Int8Weights) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [("k_cache", _p), ("v_cache", _p)]
+
+
+class _Kernels(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("add_rms_norm", "rope", "silu_mul", "quantize_rows", "matmul_i8", "attention")]
+
+
+class _Shape(ctypes.Structure):
+    _fields_ = [(name, _i) for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim")]
+    _fields_ += [("intermediate", _i), ("block_size", _i), ("eps", _f), ("attention_scale", _f)]
+    _fields_ += [(name, _i64) for name in ("block_stride", "token_stride", "head_stride")]
+
+
+class _Scratch(ctypes.Structure):
+    _fields_ = [
+        (name, _p)
+        for name in (
+            "normed", "qkv", "query", "attended", "projected", "gate_up", "activated", "row_scale",
+            "outlier_values", "quantized",
+        )
+    ]  # fmt: skip
+
+
+def enable(build_dir: Path) -> str:
+    """Compile (once per machine) and load the loop; returns "" or why the layers stay one call at a time."""
+    global _lib
+    if _lib is None:
+        argtypes = [_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i]
+        signatures = {"kvferry_decode_layers_i8": (argtypes, ctypes.c_int)}
+        _lib, why = build.load_functions(SOURCE, build_dir, signatures, "one call per op for int8 decode layers")
+        if _lib is None:
+            return why
+    return ""
+
+
+def disable() -> None:
+    """Back to one call per op, in this process (tests and benchmarks compare the two)."""
+    global _lib
+    _lib = None
+
+
+def available() -> bool:
+    """Whether this loop and every function it calls are loaded."""
+    return None not in (_lib, layer_ops._lib, small_matmul._lib, decode_attention._kernel)
+
+
+@dataclass
+class Int8Weights:
+    """An Int8Linear's buffers: qweight [n, k] int8, sums [n] int32, scale [n], and optionally outliers [count]
+    int64, outlier_rows [count, n] and bias [n]; all contiguous on the CPU."""
+
+    qweight: torch.Tensor
+    sums: torch.Tensor
+    scale: torch.Tensor
+    outliers: torch.Tensor | None
+    outlier_rows: torch.Tensor | None
+    bias: torch.Tensor | None
+
+    def as_struct(self) -> _Int8Weights:
+        n, k = self.qweight.shape
+        count = 0 if self.outliers is None else len(self.outliers)
+        pointers = [t if t is None else t.data_ptr() for t in (self.qweight, self.sums, self.scale)]
+        pointers += [t if t is None else t.data_ptr() for t in (self.outliers, self.outlier_rows, self.bias)]
+        return _Int8Weights(*pointers, n, k, count)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor  # [hidden] fp32
+    post_norm: torch.Tensor
+    qkv: Int8Weights
+    o: Int8Weights
+    gate_up: Int8Weights
+    down: Int8Weights
+    k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor  # the same shape and strides
+
+
+class DecodeLayers:
+    """The loop's arguments built once (the weights' and caches' addresses, the shapes, its scratch), then one call
+    a step. The caller keeps the tensors alive: this holds them too."""
+
+    def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float):
+        self.layers = layers
+        first = layers[0]
+        hidden = first.input_norm.shape[0]
+        head_dim = first.k_cache.shape[-1]
+        intermediate = first.down.qweight.shape[1]
+        cache = first.k_cache
+        self.hidden = hidden
+        self.shape = _Shape(
+            len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, cache.shape[1], eps, scale,
+            cache.stride(0), cache.stride(1), cache.stride(2),
+        )  # fmt: skip
+        structs = [
+            _Layer(
+                layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
+                layer.qkv.as_struct(), layer.o.as_struct(), layer.gate_up.as_struct(), layer.down.as_struct(),
+                layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
+            )
+            for layer in layers
+        ]  # fmt: skip
+        self.structs = (_Layer * len(structs))(*structs)
+        functions = (
+            layer_ops._lib.kvferry_add_rms_norm_f32,
+            layer_ops._lib.kvferry_rope_f32,
+            layer_ops._lib.kvferry_silu_mul_f32,
+            layer_ops._lib.kvferry_quantize_rows_f32,
+            small_matmul._lib.kvferry_small_matmul_i8,
+            decode_attention._kernel,
+        )
+        self.kernels = _Kernels(*(ctypes.cast(function, _p).value for function in functions))
+        widest = max(w.qweight.shape[1] for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        outliers = max((len(w.outliers) for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
+                        if w.outliers is not None), default=0)  # fmt: skip
+        q_size = num_heads * head_dim
+        sizes = {
+            "normed": hidden, "qkv": first.qkv.qweight.shape[0], "query": q_size, "attended": q_size,
+            "projected": hidden, "gate_up": 2 * intermediate, "activated": intermediate, "row_scale": 1,
+            "outlier_values": max(outliers, 1),
+        }  # fmt: skip
+        self.buffers = {name: torch.empty(MAX_ROWS, width) for name, width in sizes.items()}
+        self.buffers["quantized"] = torch.empty(MAX_ROWS, widest, dtype=torch.int8)
+        self.scratch = _Scratch(**{name: t.data_ptr() for name, t in self.buffers.items()})
+        self.residual = torch.empty(MAX_ROWS, hidden)
+
+    def run(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, hidden] (the embeddings, overwritten), cos and sin [rows, head_dim], slots [rows] int64,
+        block_tables [rows, width] and context_lens [rows] int32, all contiguous -> (the last layer's output,
+        which is x, and the residual stream [rows, hidden]), as the layers' own loop returns them."""
+        rows = x.shape[0]
+        residual = self.residual[:rows]
+        failed = _lib.kvferry_decode_layers_i8(
+            ctypes.byref(self.kernels), ctypes.byref(self.shape), self.structs, ctypes.byref(self.scratch),
+            x.data_ptr(), residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+            block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        if failed:
+            raise MemoryError("CPU decode attention: no memory for its scores")
+        return x, residual

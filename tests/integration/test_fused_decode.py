@@ -1,0 +1,89 @@
+"""int8 decode at a few rows runs every layer in one C call (common/model/fused_decode.py): the same logits, bit for
+bit, as the layers one call at a time, at each row count it takes; more rows and other models go layer by layer."""
+
+import random
+
+import pytest
+import torch
+
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+from kvferry.common.model.fused_decode import FusedDecode
+from kvferry.common.sampling import SamplingParams
+from kvferry.kernels.cpu import decode_layers
+from tests.tiny_models import VOCAB, save_tiny_model
+
+
+def int8_engine(folder, arch: str) -> LLMEngine:
+    save_tiny_model(arch, folder)
+    config = EngineConfig(
+        model=str(folder), kv_cache_memory=8 * 2**20, block_size=8, num_threads=1, quantization="int8"
+    )
+    return LLMEngine(config)
+
+
+def decode_logits(engine, prompts, fused: bool, monkeypatch) -> tuple[list, list[torch.Tensor], int]:
+    """Greedy outputs, each decode step's logits, and how many steps ran in the one-call loop."""
+    model = engine.runner.model
+    loop = model.fused_decode
+    model.fused_decode = loop if fused else None
+    steps, calls = [], []
+    original_run = FusedDecode.run
+
+    def counted_run(self, *args):
+        calls.append(1)
+        return original_run(self, *args)
+
+    monkeypatch.setattr(FusedDecode, "run", counted_run)
+    original_execute = engine.runner.execute
+
+    def recording_execute(plan, *args, **kwargs):
+        result = original_execute(plan, *args, **kwargs)
+        if not plan.is_prefill:
+            steps.append(engine.runner.last_logits.clone())
+        return result
+
+    monkeypatch.setattr(engine.runner, "execute", recording_execute)
+    try:
+        params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+        outputs = [o.output_token_ids for o in engine.generate(prompts, params)]
+    finally:
+        model.fused_decode = loop
+        monkeypatch.undo()
+    return outputs, steps, len(calls)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # biases everywhere, GQA, an untied head; MQA, no biases
+def test_the_one_call_loop_gives_the_layers_logits_bit_for_bit(tmp_path, arch, monkeypatch):
+    engine = int8_engine(tmp_path, arch)
+    assert engine.runner.model.fused_decode is not None
+    rng = random.Random(2)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 40))] for _ in range(decode_layers.MAX_ROWS)]
+    prompts[1] = prompts[1][:1] * 30  # a loud row beside quiet ones
+    for rows in range(1, decode_layers.MAX_ROWS + 1):
+        fused, fused_steps, calls = decode_logits(engine, prompts[:rows], True, monkeypatch)
+        layered, layered_steps, no_calls = decode_logits(engine, prompts[:rows], False, monkeypatch)
+        assert calls == len(fused_steps) > 0 and no_calls == 0
+        assert fused == layered
+        assert len(fused_steps) == len(layered_steps)
+        for got, expected in zip(fused_steps, layered_steps):
+            assert torch.equal(got, expected), (rows, (got - expected).abs().max())
+
+
+def test_more_rows_than_it_takes_go_layer_by_layer_with_the_same_tokens(tmp_path, monkeypatch):
+    engine = int8_engine(tmp_path, "llama")
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 40))] for _ in range(6)]
+    together, _, calls = decode_logits(engine, prompts, True, monkeypatch)
+    # All six decode to the end together (max_tokens, no EOS): every step has six rows, and none takes the loop.
+    assert calls == 0
+    alone = [decode_logits(engine, [p], True, monkeypatch)[0][0] for p in prompts[:2]]
+    assert alone == together[:2]
+
+
+def test_models_it_does_not_take_run_layer_by_layer(tmp_path):
+    qwen3 = int8_engine(tmp_path / "qwen3", "qwen3")  # per-head q/k norms
+    assert qwen3.runner.model.fused_decode is None
+    save_tiny_model("llama", tmp_path / "fp32")
+    fp32 = LLMEngine(EngineConfig(model=str(tmp_path / "fp32"), kv_cache_memory=8 * 2**20, block_size=8, num_threads=1))
+    assert fp32.runner.model.fused_decode is None
