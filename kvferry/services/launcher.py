@@ -99,14 +99,15 @@ def start_services(
     num_prefill: int = 1,
     num_decode: int = 1,
     decode_nice: int = 0,
+    prefill_env: dict | None = None,
 ) -> list[subprocess.Popen]:
     """The gateway and the workers; returns once they are healthy (stopped again if they fail). decode_nice: the
-    decode workers' niceness."""
+    decode workers' niceness; prefill_env: the prefill workers' environment, if not env."""
     control = f"tcp://127.0.0.1:{control_port}"
     procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
     try:
         procs += [
-            spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=env)
+            spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=prefill_env or env)
             for _ in range(num_prefill)
         ]
         procs += [
@@ -138,11 +139,12 @@ def serve(args) -> int:
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
     # The workers share this machine's cores. An OpenMP thread that runs out of work spins for 300,000 rounds by
-    # default before it sleeps, taking a core from the other worker; 10,000 rounds keep it awake across the short
-    # gaps between one step's parallel regions and no longer: std-32 over HTTP ran about a tenth faster, and one
-    # stream's inter-token latency barely moved, where sleeping at once (OMP_WAIT_POLICY=PASSIVE) cost it a third
+    # default before it sleeps, taking a core from the other worker. The prefill worker's threads spin 10,000 rounds,
+    # which keeps them awake across the short gaps between one step's parallel regions and no longer. The decode
+    # worker's keep libgomp's default: it runs niced, so its spinning yields to prefill, and a single stream's step
+    # (one to four rows: many short parallel regions) is about a sixth faster with its threads awake
     # (docs/benchmarks.md). libgomp reads it when it loads, so only the children's environment can carry it.
-    env.setdefault("GOMP_SPINCOUNT", "10000")
+    prefill_env = {"GOMP_SPINCOUNT": "10000", **env}  # a user's value wins
     procs = []
     try:
         procs = start_services(
@@ -153,6 +155,7 @@ def serve(args) -> int:
             args.decode_threads,
             env,
             decode_nice=args.decode_nice,
+            prefill_env=prefill_env,
         )
         print(f"kvferry: serving on http://{args.host}:{args.port}  (Ctrl-C stops all)", flush=True)
         while all(p.poll() is None for p in procs):

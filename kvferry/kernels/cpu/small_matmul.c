@@ -5,8 +5,7 @@
  * per row, so the step is bound by how fast the weights stream from memory. Each weight row is read straight
  * through, four rows at a time, with every x row's product taken from the same load (VNNI's vpdpbusd, 64 bytes an
  * instruction); the weight's rows are split between the threads, and x stays in the first-level cache. Against
- * torch._int_mm and a separate scaling pass, this saves the pass, and of the product's own time about 7% at one
- * row and a fifth to a quarter at two to four (docs/benchmarks.md).
+ * torch._int_mm and a separate scaling pass, this saves the pass and reads the weights faster (docs/benchmarks.md).
  *
  * The sums are int32 and exact, so they equal torch._int_mm's bit for bit; the outlier channels and the bias are
  * added by the same loop as after torch._int_mm (outlier_columns.h), so the whole output is the same bit for bit.
@@ -57,7 +56,9 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
             __m512i wv[WEIGHT_ROWS];
             for (int i = 0; i < WEIGHT_ROWS; i++) {
                 wv[i] = _mm512_loadu_si512(wj + (int64_t)i * k + d);
-                /* Past the last row this hints at memory that is not read: a prefetch never faults. */
+                /* Into the second-level cache: prefetched into the first, the lines held the miss buffers that the
+                 * loads need, and a step's products took longer (docs/benchmarks.md). Past the last row this hints at
+                 * memory that is not read: a prefetch never faults. */
                 _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T2);
             }
             for (int r = 0; r < rows; r++) {
