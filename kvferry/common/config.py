@@ -24,6 +24,7 @@ class EngineConfig:
     num_threads: int | None = _d("num_threads")  # torch CPU threads for this process
     seed: int | None = _d("seed")
     enable_prefix_caching: bool = _d("no_prefix_caching")  # reuse cached KV blocks of a prompt's longest cached prefix
+    kv_huge_pages: bool = _d("no_kv_huge_pages")  # the CPU KV cache on transparent huge pages (model/cpu_memory.py)
     enable_chunked_prefill: bool = _d("no_chunked_prefill")  # split long prompts into chunks beside other prompts
     long_prefill_threshold: int = _d("long_prefill_threshold")  # chunked: a prompt's most tokens in one step
     quantization: str | None = _d("quantization")  # None ("none"): weights in dtype; "int8": see model/int8_linear.py

@@ -85,7 +85,14 @@ def build_runner(model, layout, num_blocks: int, device, dtype, config, schedule
     """The model runner with its KV cache; a cache that does not fit is a ConfigError naming the setting."""
     try:
         return ModelRunner(
-            model, layout, num_blocks, device, dtype, seed=config.seed, eos_token_ids=scheduler.eos_token_ids
+            model,
+            layout,
+            num_blocks,
+            device,
+            dtype,
+            seed=config.seed,
+            eos_token_ids=scheduler.eos_token_ids,
+            kv_huge_pages=config.kv_huge_pages,
         )
     except (torch.OutOfMemoryError, RuntimeError) as exc:
         if "memory" not in str(exc).lower():

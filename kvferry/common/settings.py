@@ -348,6 +348,18 @@ SPEC: tuple[Setting, ...] = (
         negate=True,
     ),
     Setting(
+        "no_kv_huge_pages",
+        SWITCH,
+        False,
+        "on the CPU, back the KV cache with ordinary pages instead of asking Linux for transparent huge pages (huge "
+        "pages spare decode attention TLB misses, but the first touch can take a second or more per GiB while the "
+        "kernel compacts memory, at every start)",
+        ENGINE,
+        "model and engine",
+        dest="kv_huge_pages",
+        negate=True,
+    ),
+    Setting(
         "no_chunked_prefill",
         SWITCH,
         False,

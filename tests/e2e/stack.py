@@ -33,6 +33,9 @@ class Stack:
             "KVFERRY_NUM_THREADS": "1",
             "KVFERRY_KV_CACHE_MEMORY": kv_cache_memory,
             "KVFERRY_HEARTBEAT_INTERVAL": str(heartbeat_interval),
+            # Huge pages cost each worker's start about a second of the kernel's compaction, hundreds of starts a
+            # run; the in-process tests keep them on.
+            "KVFERRY_NO_KV_HUGE_PAGES": "1",
         }
         if model:
             self.env["KVFERRY_MODEL"] = model
@@ -165,13 +168,14 @@ def tiny_stack(folder: Path, **kwargs) -> Stack:
     return Stack(folder, model=str(folder / "tiny-chat"), kv_cache_memory="16MiB", **kwargs)
 
 
-def engine_texts(prompts: list[str], **sampling) -> list[str]:
-    """What the in-process engine (the default model) generates for each prompt: the reference a stack must match."""
+def engine_texts(prompts: list[str], model: str | None = None, **sampling) -> list[str]:
+    """What the in-process engine (the default model, or model) generates for each prompt: the reference a stack
+    must match."""
     from kvferry.common.config import EngineConfig
     from kvferry.common.engine import LLMEngine
     from kvferry.common.sampling import SamplingParams
 
-    engine = LLMEngine(EngineConfig(kv_cache_memory=256 * 2**20))
+    engine = LLMEngine(EngineConfig(model=model, kv_cache_memory=256 * 2**20))
     return [out.text for out in engine.generate(prompts, SamplingParams(**sampling))]
 
 

@@ -17,6 +17,7 @@ from kvferry.common import protocol as p
 from kvferry.common.model.kv_blocks import LAYER_GROUPS
 from kvferry.common.sampling import SamplingParams
 from tests.e2e.stack import Stack, engine_texts
+from tests.tiny_models import save_tiny_chat_model
 
 pytestmark = pytest.mark.slow
 PROMPTS = [
@@ -171,8 +172,13 @@ def test_with_no_prefill_worker_left_requests_fail_with_503_after_a_bounded_wait
 
 
 @pytest.fixture(scope="module")
-def chaos_reference():
-    return dict(zip(PROMPTS, engine_texts(PROMPTS, max_tokens=12, temperature=0, ignore_eos=True)))
+def chaos_model(tmp_path_factory) -> tuple[str, dict[str, str]]:
+    """The tiny random chat model (the chaos is about the serving system, not the text) and what the in-process
+    engine generates with it for each prompt."""
+    folder = tmp_path_factory.mktemp("chaos") / "tiny-chat"
+    save_tiny_chat_model(folder)
+    texts = engine_texts(PROMPTS, model=str(folder), max_tokens=12, temperature=0, ignore_eos=True)
+    return str(folder), dict(zip(PROMPTS, texts))
 
 
 def fewest_completed(num_requests: int, drop: float, messages: int, attempts: int, tail: float = 1e-6) -> int:
@@ -190,13 +196,15 @@ def fewest_completed(num_requests: int, drop: float, messages: int, attempts: in
         failed += 1
 
 
-def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, chaos_reference):
+def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, chaos_model):
     """200 requests while every process drops, repeats and delays its messages. How many must complete follows
-    from the drop rate, the messages an attempt needs and the attempts the retry policy allows (fewest_completed)."""
-    drop, max_moves, first_token_s, request_s, max_tokens = 0.02, 5, 6, 60, 12
+    from the drop rate, the messages an attempt needs and the attempts the retry policy allows (fewest_completed).
+    The tiny model answers in milliseconds, so the timeouts are short: most of the test's time is waiting them out."""
+    model, chaos_reference = chaos_model
+    drop, max_moves, first_token_s, request_s, max_tokens = 0.02, 5, 3, 30, 12
     faults = {
         "KVFERRY_FAULTS": f"drop={drop},dup=0.02,delay_ms=5,seed=7",
-        "KVFERRY_STEP_TIMEOUT": "4",
+        "KVFERRY_STEP_TIMEOUT": "2",
         "KVFERRY_FIRST_TOKEN_TIMEOUT": str(first_token_s),
         "KVFERRY_REQUEST_TIMEOUT": str(request_s),
         "KVFERRY_MAX_MOVES": str(max_moves),
@@ -209,7 +217,7 @@ def test_chaos_every_request_completes_correctly_or_fails_clearly(make_stack, ch
     attempts = min(max_moves + 1, request_s // first_token_s)
     at_least = fewest_completed(200, drop, messages, attempts)
     assert (messages, attempts, at_least) == (22, 6, 194)
-    stack = make_stack(extra_env=faults).start_pair()
+    stack = make_stack(model=model, extra_env=faults).start_pair()
     stack.start_worker("decode-b", "decode")
     stack.wait_workers({"decode-b"})
     rng = random.Random(1)

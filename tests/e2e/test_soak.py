@@ -21,6 +21,7 @@ def test_soak_with_cancellations_leaks_nothing(tmp_path):
         "KVFERRY_KV_CACHE_MEMORY": "256MiB",
         "KVFERRY_HEARTBEAT_INTERVAL": "0.5",
         "KVFERRY_MODEL": str(tmp_path / "tiny-chat"),
+        "KVFERRY_NO_KV_HUGE_PAGES": "1",  # as stack.py's: a faster start
     }
     port = free_port()
     procs = start_services("127.0.0.1", port, free_port(), 1, 1, env, num_prefill=2, num_decode=2)

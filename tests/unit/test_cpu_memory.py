@@ -47,6 +47,24 @@ for line in Path("/proc/self/smaps").read_text().splitlines():
         fields[key] = value.strip()
 print(json.dumps({"address": address, "span": span, "flags": fields["VmFlags"].split()}))
 """
+# The engine's KV cache with --no-kv-huge-pages (argv[2] == "off") or without: the flags of its mapping.
+_ENGINE_PROBE = """
+import json, re, sys
+from pathlib import Path
+from kvferry.common.config import EngineConfig
+from kvferry.common.engine import LLMEngine
+engine = LLMEngine(EngineConfig(model=sys.argv[1], kv_cache_memory=8 * 2**20, kv_huge_pages=sys.argv[2] == "on"))
+address, flags = engine.runner.kv_cache.data_ptr(), None
+for line in Path("/proc/self/smaps").read_text().splitlines():
+    head = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
+    if head:
+        if flags is not None:
+            break
+        inside = int(head[1], 16) <= address < int(head[2], 16)
+    elif inside and line.startswith("VmFlags:"):
+        flags = line.split(":", 1)[1].split()
+print(json.dumps(flags))
+"""
 
 
 @pytest.mark.skipif(
@@ -63,3 +81,24 @@ def test_the_advice_covers_the_pools_whole_huge_pages_and_nothing_past_them():
     assert "hg" in found["flags"], found["flags"]  # hg: MADV_HUGEPAGE, whatever the THP mode
     address, (start, end) = found["address"], found["span"]
     assert start == address and end == address + numel * 4 // HUGE_PAGE * HUGE_PAGE
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(),
+    reason="no transparent huge pages in this kernel (or not Linux)",
+)
+@pytest.mark.parametrize("huge_pages", ["on", "off"])
+def test_the_engine_asks_for_huge_pages_unless_told_not_to(tmp_path, huge_pages):
+    from tests.tiny_models import save_tiny_model
+
+    save_tiny_model("llama", tmp_path)
+    probe = subprocess.run(
+        [sys.executable, "-c", _ENGINE_PROBE, str(tmp_path), huge_pages],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).parents[2],
+    )
+    flags = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert ("hg" in flags) == (huge_pages == "on"), flags

@@ -72,6 +72,7 @@ class ModelRunner:
         dtype: torch.dtype,
         seed: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
+        kv_huge_pages: bool = True,
     ):
         self.model = model
         self.eos_token_ids = eos_token_ids
@@ -91,7 +92,9 @@ class ModelRunner:
             # Zeroed here, so every page is touched now. The OS hands out fresh memory lazily, so the pool's resident
             # size would otherwise creep up for as long as new blocks get their first use (it looks like a leak),
             # and each first touch would cost a page fault inside a step.
-            self.kv_cache = huge_page_zeros(shape, dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+            # On huge pages unless asked not to (--no-kv-huge-pages): the kernel may compact memory to find them.
+            zeros = huge_page_zeros if kv_huge_pages else torch.zeros
+            self.kv_cache = zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
