@@ -234,7 +234,7 @@ def test_int8_activations_in_c_equal_the_pytorch_ops_bit_for_bit(elementwise, ro
     if with_outliers:
         # The float channels' product is the one part summed differently: in C in a fixed order whatever the row
         # count (outlier_columns.h), by PyTorch's addmm in its own. They agree to the last bits of that product.
-        product = (x[:, outliers] @ layer.outlier_weight).abs().amax()
+        product = (x[:, outliers] @ layer.outlier_weight.float()).abs().amax()
         assert (fused - expected).abs().max() <= 4 * torch.finfo(torch.float32).eps * (product + expected.abs().amax())
     else:
         assert torch.equal(fused, expected)
@@ -242,3 +242,18 @@ def test_int8_activations_in_c_equal_the_pytorch_ops_bit_for_bit(elementwise, ro
     if with_outliers:
         assert torch.equal(x_out, x[:, outliers]) and (xq[:, outliers] == 0).all()
     assert (xq[1:].abs().amax(1) == 127).all() and row_scale[0, 0] == torch.tensor(1e-12) / 127  # each row's own
+
+
+def test_the_outlier_columns_widen_half_precision_weights_exactly(elementwise):
+    # Weights down to fp16's smallest subnormal, in the sixteen-column vector part and in the scalar tail, with
+    # products and sums that fp32 holds exactly: any mistake in widening a half shows as an unequal output.
+    tiny = 2.0**-24  # fp16's smallest subnormal
+    values = [tiny, -3 * tiny, 1023 * tiny, 2.0**-14, -1.5 * 2.0**-14, 0.0, -0.0, 7 * tiny, 2.0**-13]
+    generator = torch.Generator().manual_seed(0)
+    wt = torch.tensor(values)[torch.randint(len(values), (3, 20), generator=generator)].to(torch.float16)
+    x_out = torch.tensor([[1.0, 2.0, 0.5], [-4.0, 0.25, 8.0]])
+    y = torch.zeros(2, 20)
+    layer_ops.add_outlier_columns(y, x_out, wt, None)
+    exact = (x_out.double() @ wt.double()).float()
+    assert torch.equal(y, exact)
+    assert ((wt.float().abs() < 2.0**-14) & (wt != 0)).any()  # subnormals are really in it

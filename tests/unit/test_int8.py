@@ -7,7 +7,13 @@ from torch import nn
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
-from kvferry.common.model.int8_linear import Int8Linear, int8_rows_matmul, quantize_linears, quantize_weight
+from kvferry.common.model.int8_linear import (
+    OUTLIER_WEIGHT_DTYPE,
+    Int8Linear,
+    int8_rows_matmul,
+    quantize_linears,
+    quantize_weight,
+)
 from kvferry.kernels.triton.int8_matmul import int8_matmul
 from tests.kernel_dtypes import DEVICE, DTYPES, rounding_tolerance
 
@@ -62,8 +68,9 @@ def test_outlier_channels_stay_in_float():
     plain, split = Int8Linear(linear), Int8Linear(linear, outliers=torch.tensor([60, 5]))
     plain_err, split_err = (plain(x) - exact).abs().mean(), (split(x) - exact).abs().mean()
     assert split_err < plain_err / 5, (split_err, plain_err)
-    # Only the outliers' columns are left out of the int8 weights, and they are kept whole.
-    assert split.qweight[:, [5, 60]].eq(0).all() and torch.equal(split.outlier_weight, linear.weight[:, [5, 60]].t())
+    # Only the outliers' columns are left out of the int8 weights, and they are kept in half precision.
+    assert split.qweight[:, [5, 60]].eq(0).all()
+    assert torch.equal(split.outlier_weight, linear.weight[:, [5, 60]].t().to(OUTLIER_WEIGHT_DTYPE))
 
 
 def test_quantize_linears_swaps_every_linear_and_keeps_a_tied_embedding_in_float():

@@ -36,9 +36,9 @@ def test_int8_weights_are_a_byte_each_plus_what_each_output_channel_reads():
     config |= {"num_key_value_heads": 1, "head_dim": 2, "vocab_size": 10}
     cpu = roofline_measure.model_shape(config, torch.float32, "int8", torch.device("cpu"))
     # Output channels: qkv 4 + 2 + 2, o 4, gate/up 16, down 4, lm_head 10 = 42; each reads a 4-byte scale and,
-    # on the CPU, 32 float outlier columns.
+    # on the CPU, 32 outlier columns in half precision.
     assert cpu.output_channels() == 42
-    assert cpu.weight_bytes() == 184 * 1 + 42 * (4 + 4 * 32)
+    assert cpu.weight_bytes() == 184 * 1 + 42 * (4 + 2 * 32)
     assert cpu.kv_bytes_per_token() == TINY.kv_bytes_per_token()  # the KV cache stays in fp32
     assert roofline_measure.model_shape(config, torch.float32, None, torch.device("cpu")) == TINY
 

@@ -18,7 +18,7 @@ typedef struct { /* an Int8Linear's buffers (common/model/int8_linear.py) */
     const int32_t *sums;       /* [n]: each weight row's sum */
     const float *scale;        /* [n] */
     const int64_t *outliers;   /* [count] sorted input channels kept in float, or NULL */
-    const float *outlier_rows; /* [count][n], or NULL */
+    const uint16_t *outlier_rows; /* [count][n] half precision, or NULL */
     const float *bias;         /* [n], or NULL */
     int n, k, count;
 } Int8Weights;
@@ -35,7 +35,7 @@ typedef struct { /* the functions the layer runs; their contracts are in their o
     void (*silu_mul)(const float *, float *, int, int, int);
     void (*quantize_rows)(const float *, int, int, const int64_t *, int, int8_t *, float *, float *, int);
     void (*matmul_i8)(const int8_t *, int, int, const int8_t *, const int32_t *, int, const float *, const float *,
-                      const float *, const float *, int, const float *, float *, int);
+                      const float *, const uint16_t *, int, const float *, float *, int);
     int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, float *,
                      float *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
                      int, int, int, float, int);

@@ -78,7 +78,7 @@ def available() -> bool:
 @dataclass
 class Int8Weights:
     """An Int8Linear's buffers: qweight [n, k] int8, sums [n] int32, scale [n], and optionally outliers [count]
-    int64, outlier_rows [count, n] and bias [n]; all contiguous on the CPU."""
+    int64, outlier_rows [count, n] fp16 and bias [n]; all contiguous on the CPU."""
 
     qweight: torch.Tensor
     sums: torch.Tensor

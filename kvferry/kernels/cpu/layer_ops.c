@@ -126,7 +126,7 @@ void kvferry_dequantize_f32(const int32_t *acc, const float *row_scale, const fl
 
 /* The float part of an int8 layer after torch._int_mm and dequantize: outlier_columns.h's loop, the columns shared
  * between the threads in runs of 16. */
-void kvferry_add_outlier_columns_f32(float *y, int rows, int n, const float *x_out, const float *wt, int count,
+void kvferry_add_outlier_columns_f32(float *y, int rows, int n, const float *x_out, const uint16_t *wt, int count,
                                      const float *bias, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if ((int64_t)rows * n * (count + 1) >= PARALLEL_ELEMENTS)
     {

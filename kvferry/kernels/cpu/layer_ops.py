@@ -129,8 +129,8 @@ def dequantize(acc: torch.Tensor, row_scale: torch.Tensor, col_scale: torch.Tens
 def add_outlier_columns(
     y: torch.Tensor, x_out: torch.Tensor, wt: torch.Tensor | None, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """In place: y [rows, n] += x_out [rows, count] · wt [count, n] (wt None: no outlier channels), then += bias [n]
-    (None: none); all contiguous fp32. The same roundings as small_matmul.matmul_i8's at a few rows."""
+    """In place: y [rows, n] += x_out [rows, count] · wt [count, n] (fp16; None: no outlier channels), then += bias
+    [n] (None: none); the rest fp32, all contiguous. The same roundings as small_matmul.matmul_i8's at a few rows."""
     rows, n = y.shape
     count = 0 if wt is None else wt.shape[0]
     _lib.kvferry_add_outlier_columns_f32(

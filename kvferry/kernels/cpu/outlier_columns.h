@@ -8,16 +8,38 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+/* An IEEE half-precision value's bits -> the same value as a float (every half is a float exactly). */
+static inline float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exponent = (h >> 10) & 0x1f, mantissa = h & 0x3ff, bits;
+    if (exponent == 0x1f) /* infinity, NaN */
+        bits = sign | 0x7f800000 | (mantissa << 13);
+    else if (exponent != 0)
+        bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+    else if (mantissa == 0)
+        bits = sign;
+    else { /* subnormal: shift the leading one up to the implicit bit */
+        uint32_t shifts = 0;
+        while (!(mantissa & 0x400))
+            mantissa <<= 1, shifts++;
+        bits = sign | ((113 - shifts) << 23) | ((mantissa & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 #define OUTLIER_ROWS 8 /* rows summed at once: each weight vector loaded serves eight of them */
 
-/* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none).
+/* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none);
+ * wt in half precision (its bits), each weight widened exactly before it is used.
  * Each output's sum starts at zero and takes the channels in order with a fused multiply-add each (fmaf, or the same
  * operation sixteen lanes at a time), then is added to y: the same roundings on every path. */
-static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const float *wt, int count,
+static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const uint16_t *wt, int count,
                                        const float *bias, int first, int last) {
     int j = first;
 #if defined(__AVX512F__)
@@ -28,7 +50,7 @@ static inline void add_outlier_columns(float *y, int rows, int n, const float *x
             for (int i = 0; i < OUTLIER_ROWS; i++)
                 sum[i] = _mm512_setzero_ps();
             for (int o = 0; o < count; o++) {
-                __m512 w = _mm512_loadu_ps(wt + (int64_t)o * n + j);
+                __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt + (int64_t)o * n + j)));
                 for (int i = 0; i < OUTLIER_ROWS; i++)
                     sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)(r + i) * count + o]), w, sum[i]);
             }
@@ -39,9 +61,10 @@ static inline void add_outlier_columns(float *y, int rows, int n, const float *x
         }
         for (; r < rows; r++) {
             __m512 sum = _mm512_setzero_ps();
-            for (int o = 0; o < count; o++)
-                sum = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)r * count + o]), _mm512_loadu_ps(wt + (int64_t)o * n + j),
-                                      sum);
+            for (int o = 0; o < count; o++) {
+                __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt + (int64_t)o * n + j)));
+                sum = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)r * count + o]), w, sum);
+            }
             float *yr = y + (int64_t)r * n + j;
             _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum));
         }
@@ -51,7 +74,7 @@ static inline void add_outlier_columns(float *y, int rows, int n, const float *x
         for (int r = 0; r < rows; r++) {
             float sum = 0.0f;
             for (int o = 0; o < count; o++)
-                sum = fmaf(x_out[(int64_t)r * count + o], wt[(int64_t)o * n + j], sum);
+                sum = fmaf(x_out[(int64_t)r * count + o], half_to_float(wt[(int64_t)o * n + j]), sum);
             y[(int64_t)r * n + j] += sum;
         }
     if (bias != NULL)

@@ -102,7 +102,7 @@ static inline void my_share(int n, int *first, int *last) {
  * w_sums [n]: each weight row's sum. Then the outlier channels x_out [rows][count] · wt [count][n] and the bias [n]
  * (NULL: none) are added (outlier_columns.h). */
 void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n,
-                             const float *row_scale, const float *col_scale, const float *x_out, const float *wt,
+                             const float *row_scale, const float *col_scale, const float *x_out, const uint16_t *wt,
                              int count, const float *bias, float *y, int num_threads) {
 #pragma omp parallel num_threads(num_threads) if ((int64_t)n * k >= PARALLEL_WEIGHT_BYTES)
     {

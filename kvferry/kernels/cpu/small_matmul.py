@@ -70,8 +70,8 @@ def matmul_i8(
 ) -> torch.Tensor:
     """The int8 product xq [rows, k] · qweight [n, k]ᵀ summed in int32, times row_scale [rows] and col_scale [n]
     -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's scaling. sums: weight_sums(
-    qweight). outliers: (x_out [rows, count], wt [count, n]), the float channels' product added, then the bias [n]
-    (all contiguous fp32), as layer_ops.add_outlier_columns adds them."""
+    qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float channels' product added, then
+    the bias [n] (fp32; all contiguous), as layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = qweight.shape[0]
     y = torch.empty(rows, n)

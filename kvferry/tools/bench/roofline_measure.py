@@ -71,14 +71,14 @@ def quantization_of(args) -> str | None:
 
 def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, device: torch.device):
     """The model's shape with the bytes its weights take on this path: int8 weights are a byte each, and each
-    output channel also reads its fp32 scale and, on the CPU, its float outlier columns (int8_linear.py)."""
+    output channel also reads its fp32 scale and, on the CPU, its half-precision outlier columns (int8_linear.py)."""
     dtype_bytes = torch.finfo(dtype).bits // 8
     if quantization != "int8":
         return roofline.ModelShape.from_config(config, dtype_bytes)
-    from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS
+    from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, OUTLIER_WEIGHT_DTYPE
 
     outliers = NUM_OUTLIER_CHANNELS if device.type == "cpu" else 0
-    return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + 4 * outliers)
+    return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + OUTLIER_WEIGHT_DTYPE.itemsize * outliers)
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
