@@ -14,9 +14,8 @@ from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops
 class FusedDecode:
     def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         def weights(linear: Int8Linear) -> decode_layers.Int8Weights:
-            outliers = linear.outliers
             return decode_layers.Int8Weights(
-                linear.qweight, linear.qweight_sums, linear.scale, outliers, linear.outlier_weight, linear.bias
+                linear.qweight, linear.qweight_sums, linear.scale, linear.outliers, linear.outlier_weight, linear.bias
             )
 
         layers = [

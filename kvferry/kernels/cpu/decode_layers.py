@@ -106,6 +106,9 @@ class LayerWeights:
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor  # the same shape and strides
 
+    def linears(self) -> tuple[Int8Weights, ...]:
+        return self.qkv, self.o, self.gate_up, self.down
+
 
 class DecodeLayers:
     """The loop's arguments built once (the weights' and caches' addresses, the shapes, its scratch), then one call
@@ -118,7 +121,6 @@ class DecodeLayers:
         head_dim = first.k_cache.shape[-1]
         intermediate = first.down.qweight.shape[1]
         cache = first.k_cache
-        self.hidden = hidden
         self.shape = _Shape(
             len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, cache.shape[1], eps, scale,
             cache.stride(0), cache.stride(1), cache.stride(2),
@@ -126,7 +128,7 @@ class DecodeLayers:
         structs = [
             _Layer(
                 layer.input_norm.data_ptr(), layer.post_norm.data_ptr(),
-                layer.qkv.as_struct(), layer.o.as_struct(), layer.gate_up.as_struct(), layer.down.as_struct(),
+                *(w.as_struct() for w in layer.linears()),
                 layer.k_cache.data_ptr(), layer.v_cache.data_ptr(),
             )
             for layer in layers
@@ -141,9 +143,9 @@ class DecodeLayers:
             decode_attention._kernel,
         )
         self.kernels = _Kernels(*(ctypes.cast(function, _p).value for function in functions))
-        widest = max(w.qweight.shape[1] for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        outliers = max((len(w.outliers) for layer in layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)
-                        if w.outliers is not None), default=0)  # fmt: skip
+        linears = [w for layer in layers for w in layer.linears()]
+        widest = max(w.qweight.shape[1] for w in linears)
+        outliers = max((len(w.outliers) for w in linears if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
         sizes = {
             "normed": hidden, "qkv": first.qkv.qweight.shape[0], "query": q_size, "attended": q_size,
