@@ -1,5 +1,7 @@
-"""The C int8 product for a few rows (kernels/cpu/small_matmul.c): its sums equal torch._int_mm's bit for bit, and
+"""The C int8 product (kernels/cpu/small_matmul.c): its sums equal torch._int_mm's bit for bit at every row count, and
 int8 linear layers take it only where they should, with the same output as without it."""
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +19,7 @@ def kernels(tmp_path_factory):
     layer_ops.disable()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 70])  # a few; more, in groups of four and a tail
 @pytest.mark.parametrize("k, n", [(576, 203), (1536, 64), (100, 9), (64, 1)])  # vector widths, odd widths, tails
 def test_int8_sums_are_torch_int_mm_bit_for_bit(kernels, rows, k, n):
     generator = torch.Generator().manual_seed(rows * k + n)
@@ -30,10 +32,12 @@ def test_int8_sums_are_torch_int_mm_bit_for_bit(kernels, rows, k, n):
     assert torch.equal(got, expected)
 
 
-def test_only_a_few_contiguous_int8_rows_are_taken(kernels):
+def test_a_few_contiguous_int8_rows_are_taken_and_more_only_where_torch_int_mm_is_slow(kernels):
     q = torch.zeros(8, 32, dtype=torch.int8)
     assert small_matmul.handles(torch.zeros(small_matmul.MAX_ROWS, 32, dtype=torch.int8), q)
-    assert not small_matmul.handles(torch.zeros(small_matmul.MAX_ROWS + 1, 32, dtype=torch.int8), q)
+    int_mm_is_fast = "avx512_vnni" in Path("/proc/cpuinfo").read_text()  # PyTorch's oneDNN path needs it
+    more = torch.zeros(small_matmul.MAX_ROWS + 1, 32, dtype=torch.int8)
+    assert small_matmul.handles(more, q) == (not int_mm_is_fast)
     assert not small_matmul.handles(torch.zeros(32, 2, dtype=torch.int8).t(), q)  # not contiguous
     assert not small_matmul.handles(torch.zeros(1, 32), q.float())
 
@@ -46,7 +50,7 @@ def _without_small_matmul(layer, x, build_dir):
         assert small_matmul.enable(build_dir) == ""
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 40])
 def test_an_int8_layer_gives_the_int_mm_paths_output_at_any_row_count(kernels, tmp_path_factory, rows):
     generator = torch.Generator().manual_seed(rows)
     layer = Int8Linear(torch.nn.Linear(128, 72), outliers=torch.tensor([3, 70]))

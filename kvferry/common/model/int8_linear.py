@@ -8,8 +8,8 @@ fp32 floor. How the product runs depends on the device:
   dtype (weight-only in the strict sense).
 - CPU: PyTorch's weight-only kernel (aten._weight_int8pack_mm) is a matrix-vector loop, far
   slower than fp32 from a few rows up. So each activation row is quantized to int8 with its
-  own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm,
-  VNNI). A few input channels of every layer carry activations far larger than the others
+  own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm
+  with AVX-512 VNNI; our own C loop at a few rows, and at every row count on CPUs without it). A few input channels of every layer carry activations far larger than the others
   (SmolLM2's do; docs/benchmarks.md); they would wipe out the other channels' precision, so
   the `outliers` found by calibration stay in float and go through a thin float product of their
   own (as in LLM.int8(), with the channels fixed at load time): the activations in fp32, the weights
@@ -75,7 +75,8 @@ class Int8Linear(nn.Module):
             # The same arithmetic in C passes instead of a dozen ops: at decode sizes the ops' dispatch costs more
             # than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
-            if small_matmul.handles(xq, self.qweight):  # a few rows: the same output, in one pass over the weights
+            # A few rows, or any number where torch._int_mm is a scalar loop: the same output, in one C pass
+            if small_matmul.handles(xq, self.qweight):
                 outliers = None if self.outliers is None else (x_out, self.outlier_weight)
                 y = small_matmul.matmul_i8(
                     xq, self.qweight, self.qweight_sums, row_scale, self.scale, outliers, self.bias

@@ -15,7 +15,7 @@ import torch
 from kvferry.kernels.cpu import build, decode_attention, layer_ops, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
-MAX_ROWS = small_matmul.MAX_ROWS  # past it the int8 layers take torch._int_mm, which this loop does not call
+MAX_ROWS = small_matmul.MAX_ROWS  # past it the decode step goes layer by layer
 _lib = None
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -139,7 +139,7 @@ class DecodeLayers:
             layer_ops._lib.kvferry_rope_f32,
             layer_ops._lib.kvferry_silu_mul_f32,
             layer_ops._lib.kvferry_quantize_rows_f32,
-            small_matmul._lib.kvferry_small_matmul_i8,
+            small_matmul._lib.kvferry_matmul_i8,
             decode_attention._kernel,
         )
         self.kernels = _Kernels(*(ctypes.cast(function, _p).value for function in functions))

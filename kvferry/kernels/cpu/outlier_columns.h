@@ -9,7 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -67,6 +67,34 @@ static inline void add_outlier_columns(float *y, int rows, int n, const float *x
             }
             float *yr = y + (int64_t)r * n + j;
             _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum));
+        }
+    }
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+    /* The same loop eight lanes at a time (vcvtph2ps widens exactly, vfmadd rounds once as fmaf does). */
+    for (; count > 0 && j + 8 <= last; j += 8) {
+        int r = 0;
+        for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS) {
+            __m256 sum[OUTLIER_ROWS];
+            for (int i = 0; i < OUTLIER_ROWS; i++)
+                sum[i] = _mm256_setzero_ps();
+            for (int o = 0; o < count; o++) {
+                __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wt + (int64_t)o * n + j)));
+                for (int i = 0; i < OUTLIER_ROWS; i++)
+                    sum[i] = _mm256_fmadd_ps(_mm256_set1_ps(x_out[(int64_t)(r + i) * count + o]), w, sum[i]);
+            }
+            for (int i = 0; i < OUTLIER_ROWS; i++) {
+                float *yr = y + (int64_t)(r + i) * n + j;
+                _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), sum[i]));
+            }
+        }
+        for (; r < rows; r++) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int o = 0; o < count; o++) {
+                __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wt + (int64_t)o * n + j)));
+                sum = _mm256_fmadd_ps(_mm256_set1_ps(x_out[(int64_t)r * count + o]), w, sum);
+            }
+            float *yr = y + (int64_t)r * n + j;
+            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), sum));
         }
     }
 #endif

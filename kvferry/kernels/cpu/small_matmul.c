@@ -1,11 +1,13 @@
-/* y = x · wᵀ in int8 for a few rows of x, with w in nn.Linear's own layout ([n][k], row-major), each sum scaled
- * back to fp32 in the same pass.
+/* y = x · wᵀ in int8, with w in nn.Linear's own layout ([n][k], row-major), each sum scaled back to fp32 in the
+ * same pass: for a few rows of x everywhere, and for every row count where torch._int_mm has no fast path.
  *
  * At one to a few rows a linear layer is a matrix-vector product: each weight is read once per step and used once
  * per row, so the step is bound by how fast the weights stream from memory. Each weight row is read straight
- * through, four rows at a time, with every x row's product taken from the same load (VNNI's vpdpbusd, 64 bytes an
- * instruction); the weight's rows are split between the threads, and x stays in the first-level cache. Against
- * torch._int_mm and a separate scaling pass, this saves the pass and reads the weights faster (docs/benchmarks.md).
+ * through, four rows at a time (two with AVX2), with every x row's product taken from the same load (VNNI's
+ * vpdpbusd, 64 bytes an instruction; AVX2's vpmaddubsw, 32); the weight's rows are split between the threads, and
+ * x stays in the first-level cache. Against torch._int_mm and a separate scaling pass, this saves the pass and
+ * reads the weights faster (docs/benchmarks.md). At more rows the same block runs over each group of four x rows
+ * in turn while a block of weight rows stays in the cache.
  *
  * The sums are int32 and exact, so they equal torch._int_mm's bit for bit; the outlier channels and the bias are
  * added by the same loop as after torch._int_mm (outlier_columns.h), so the whole output is the same bit for bit.
@@ -21,6 +23,7 @@
 #define MAX_ROWS 4      /* of x, at most */
 #define WEIGHT_ROWS 4   /* of w at once: four streams from memory, and MAX_ROWS x 4 accumulators in registers */
 #define PREFETCH_ROWS 8 /* rows are short, so the prefetcher is told two groups ahead (measured best) */
+#define WEIGHT_BLOCK 32 /* weight rows (a multiple of WEIGHT_ROWS) that every group of x rows passes over in turn */
 #define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -32,6 +35,13 @@ static inline __m128i sum_four(__m512i a, __m512i b, __m512i c, __m512i d) {
     __m512i abcd = _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
     __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(abcd), _mm512_extracti64x4_epi64(abcd, 1));
     return _mm_add_epi32(_mm256_castsi256_si128(half), _mm256_extracti128_si256(half, 1));
+}
+#elif defined(__AVX2__)
+/* The sum of a vector's eight lanes. */
+static inline int32_t sum_eight(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
 }
 #endif
 
@@ -75,6 +85,36 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
                     (float)(sums[i] - 128 * w_sums[j + i]) * row_scale[r] * col_scale[j + i];
         }
     }
+#elif defined(__AVX2__)
+    /* vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into int16, saturating: |w| times x with
+     * w's sign moved onto it (vpsignb), so a pair is at most 2 * 127 * 127 and never saturates, as x and w are both
+     * in [-127, 127] (both quantizers clamp there); vpmaddwd then widens the pairs' sums into int32, exactly. Two
+     * weight rows at a time: MAX_ROWS x 2 accumulators, the weights and x fit AVX2's sixteen registers. */
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (; k % 32 == 0 && j + 2 <= last; j += 2) {
+        __m256i acc[MAX_ROWS][2];
+        for (int r = 0; r < rows; r++)
+            acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+        const int8_t *wj = w + (int64_t)j * k;
+        for (int d = 0; d < k; d += 32) {
+            __m256i wv[2], wabs[2];
+            for (int i = 0; i < 2; i++) {
+                wv[i] = _mm256_loadu_si256((const __m256i *)(wj + (int64_t)i * k + d));
+                wabs[i] = _mm256_abs_epi8(wv[i]);
+                _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T2);
+            }
+            for (int r = 0; r < rows; r++) {
+                __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (int64_t)r * k + d));
+                for (int i = 0; i < 2; i++) {
+                    __m256i pairs = _mm256_maddubs_epi16(wabs[i], _mm256_sign_epi8(xv, wv[i]));
+                    acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+        }
+        for (int r = 0; r < rows; r++)
+            for (int i = 0; i < 2; i++)
+                y[(int64_t)r * n + j + i] = (float)sum_eight(acc[r][i]) * row_scale[r] * col_scale[j + i];
+    }
 #endif
     /* The rows left over, or all of them without VNNI or at other widths: the compiler's own vectors, the same
      * sums, several times slower. */
@@ -98,21 +138,42 @@ static inline void my_share(int n, int *first, int *last) {
     *last = *last < n ? *last : n;
 }
 
-/* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j], 1 <= rows <= MAX_ROWS;
+/* Whether torch._int_mm has a fast path here: PyTorch takes oneDNN's int8 GEMM only with AVX-512 VNNI, and
+ * otherwise a scalar loop, 30 times slower than an fp32 GEMM at 512 rows (docs/benchmarks.md). Without it, this
+ * file's loop takes every row count. */
+int kvferry_int_mm_is_fast(void) {
+#if defined(__AVX512VNNI__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j]; x and w in [-127, 127];
  * w_sums [n]: each weight row's sum. Then the outlier channels x_out [rows][count] · wt [count][n] and the bias [n]
- * (NULL: none) are added (outlier_columns.h). */
-void kvferry_small_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n,
-                             const float *row_scale, const float *col_scale, const float *x_out, const uint16_t *wt,
-                             int count, const float *bias, float *y, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if ((int64_t)n * k >= PARALLEL_WEIGHT_BYTES)
+ * (NULL: none) are added (outlier_columns.h). Each thread takes a run of the weight's rows, WEIGHT_BLOCK at a time,
+ * and every group of MAX_ROWS x rows passes over a block while it is in the cache. */
+void kvferry_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, const int32_t *w_sums, int n,
+                       const float *row_scale, const float *col_scale, const float *x_out, const uint16_t *wt,
+                       int count, const float *bias, float *y, int num_threads) {
+    int64_t groups = (rows + MAX_ROWS - 1) / MAX_ROWS;
+#pragma omp parallel num_threads(num_threads) if ((int64_t)n * k * groups >= PARALLEL_WEIGHT_BYTES)
     {
         int first, last;
         my_share(n, &first, &last);
-        switch (rows) {
-        case 1: i8_block(x, 1, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
-        case 2: i8_block(x, 2, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
-        case 3: i8_block(x, 3, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
-        default: i8_block(x, 4, k, w, w_sums, n, row_scale, col_scale, y, first, last); break;
+        for (int block = first; block < last; block += WEIGHT_BLOCK) {
+            int end = block + WEIGHT_BLOCK < last ? block + WEIGHT_BLOCK : last;
+            for (int r = 0; r < rows; r += MAX_ROWS) {
+                const int8_t *xr = x + (int64_t)r * k;
+                const float *scale = row_scale + r;
+                float *yr = y + (int64_t)r * n;
+                switch (rows - r) {
+                case 1: i8_block(xr, 1, k, w, w_sums, n, scale, col_scale, yr, block, end); break;
+                case 2: i8_block(xr, 2, k, w, w_sums, n, scale, col_scale, yr, block, end); break;
+                case 3: i8_block(xr, 3, k, w, w_sums, n, scale, col_scale, yr, block, end); break;
+                default: i8_block(xr, 4, k, w, w_sums, n, scale, col_scale, yr, block, end); break;
+                }
+            }
         }
         add_outlier_columns(y, rows, n, x_out, wt, count, bias, first, last);
     }

@@ -1,6 +1,7 @@
-"""Int8 linear layers at a few rows (single-stream decode, a batch's tail) by the C function in small_matmul.c:
-the int8 weights read straight through in nn.Linear's own layout and each sum scaled back in the same pass, where
-torch._int_mm and a scaling pass take longer (docs/benchmarks.md)."""
+"""Int8 linear layers by the C function in small_matmul.c: the int8 weights read straight through in nn.Linear's own
+layout and each sum scaled back in the same pass. It takes a few rows (single-stream decode, a batch's tail) on every
+CPU, where torch._int_mm and a scaling pass take longer, and every row count on CPUs without AVX-512 VNNI, where
+torch._int_mm is a scalar loop (docs/benchmarks.md)."""
 
 import ctypes
 from pathlib import Path
@@ -10,19 +11,21 @@ import torch
 from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
-MAX_ROWS = 4  # as in small_matmul.c; at each of 1-4 it was faster than torch._int_mm (docs/benchmarks.md)
+MAX_ROWS = 4  # as in small_matmul.c: taken at 1-4 rows everywhere, faster than torch._int_mm (docs/benchmarks.md)
 # No fused multiply-adds: the outlier channels' sums round as layer_ops.c's do (outlier_columns.h)
 FLAGS = ("-ffp-contract=off",)
 _lib = None
+_any_rows = False  # every row count, not just MAX_ROWS: where torch._int_mm has no fast path
 
 
 def enable(build_dir: Path) -> str:
     """Compile (once per machine) and load the function; returns "" or why torch._int_mm stays in use."""
-    global _lib
+    global _lib, _any_rows
     if _lib is None:
         pointer, count = ctypes.c_void_p, ctypes.c_int
         signatures = {
-            "kvferry_small_matmul_i8": (
+            "kvferry_int_mm_is_fast": ([], ctypes.c_int),
+            "kvferry_matmul_i8": (
                 [pointer, count, count, pointer, pointer, count] + [pointer] * 4 + [count, pointer, pointer, count],
                 None,
             ),
@@ -31,6 +34,7 @@ def enable(build_dir: Path) -> str:
         _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
         if _lib is None:
             return why
+        _any_rows = not _lib.kvferry_int_mm_is_fast()
     return ""
 
 
@@ -41,12 +45,13 @@ def disable() -> None:
 
 
 def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k]: a few rows, on the CPU,
-    contiguous."""
+    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k]: a few rows, or any
+    number where torch._int_mm is slow; on the CPU, contiguous."""
     return (
         _lib is not None
         and xq.dim() == 2
-        and 1 <= xq.shape[0] <= MAX_ROWS
+        and 1 <= xq.shape[0]
+        and (xq.shape[0] <= MAX_ROWS or _any_rows)
         and xq.dtype == qweight.dtype == torch.int8
         and xq.device.type == qweight.device.type == "cpu"
         and xq.is_contiguous()
@@ -76,7 +81,7 @@ def matmul_i8(
     n = qweight.shape[0]
     y = torch.empty(rows, n)
     x_out, wt = outliers if outliers is not None else (None, None)
-    _lib.kvferry_small_matmul_i8(
+    _lib.kvferry_matmul_i8(
         xq.data_ptr(), rows, k, qweight.data_ptr(), sums.data_ptr(), n, row_scale.data_ptr(), col_scale.data_ptr(),
         None if x_out is None else x_out.data_ptr(), None if wt is None else wt.data_ptr(),
         0 if wt is None else wt.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr(),
