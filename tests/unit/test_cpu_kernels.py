@@ -48,6 +48,7 @@ def _case(batch, heads, kv_heads, head_dim, block_size, lens, interleaved, seed=
         (4, 4, 32, 8, [5, 64, 1], False),  # no grouping, separate K and V tensors
         (8, 2, 128, 16, [300, 2, 129], True),  # a group of 4, a wide head
         (6, 1, 16, 1, [7, 1, 40], False),  # one KV head for all, one token per block
+        (4, 2, 256, 16, [40, 3], False),  # the widest head taken: the most vectors a head can hold
     ],
 )
 def test_the_kernel_matches_the_reference(kernel, heads, kv_heads, head_dim, block_size, lens, interleaved):

@@ -9,7 +9,7 @@
  * Sequences are shared between threads by OpenMP; the library links the libgomp that torch has already loaded,
  * so these are torch's own threads.
  *
- * A head's vector is a whole number of 16-float vectors (vectors.h; the Python side checks head_dim % 16 == 0).
+ * A head's vector is a whole number of LANES-float vectors (vectors.h; the Python side checks head_dim % 16 == 0).
  */
 #include <math.h>
 #include <stdint.h>
@@ -18,7 +18,7 @@
 
 #include "vectors.h"
 
-#define MAX_CHUNKS 16 /* head_dim up to 256 */
+#define MAX_CHUNKS (256 / LANES) /* head_dim up to 256 */
 
 /* Inlined into a copy per common head size (see attend_sequence), so that head_dim is a constant there: the
  * loops over a head's chunks unroll, and its running sum stays in registers across a block.

@@ -2,11 +2,11 @@
  * prefix and themselves), reading K and V from the blocks where they lie. The new tokens' K and V are in the cache
  * already (store_kv ran first).
  *
- * One work item is 16 new tokens of one sequence and one head. Its queries are held transposed, one vector of 16
- * rows per dimension, so that every product runs across the 16 rows at once and needs no horizontal sums:
- * scores for 16 keys at a time are 16 vectors built dimension by dimension (a broadcast of the key's value times
- * the queries' vector), then one online-softmax update per chunk of keys (flash attention's), then V is added the
- * same way. Items are shared between threads by OpenMP.
+ * One work item is LANES new tokens (16 or 8, vectors.h) of one sequence and one head. Its queries are held
+ * transposed, one vector of LANES rows per dimension, so that every product runs across the rows at once and needs
+ * no horizontal sums: scores for LANES keys at a time are LANES vectors built dimension by dimension (a broadcast
+ * of the key's value times the queries' vector), then one online-softmax update per chunk of keys (flash
+ * attention's), then V is added the same way. Items are shared between threads by OpenMP.
  */
 #include <math.h>
 #include <stdint.h>
@@ -14,13 +14,13 @@
 
 #include "vectors.h"
 
-#define KEYS LANES /* keys per chunk: a constant trip count keeps the 16 score vectors in registers */
+#define KEYS LANES /* keys per chunk: a constant trip count keeps the score vectors in registers */
 
 static void attend_tile(const float *query, int64_t q_row_stride, int rows, int first_pos, const float *k_cache,
                         const float *v_cache, int64_t block_stride, int64_t token_stride, const int32_t *blocks,
                         int block_size, int head_dim, float scale, vfloat *qt, vfloat *ot, float *out,
                         int64_t out_row_stride) {
-    /* qt, ot: [head_dim] vectors of 16 rows each. Lane r is the query at position first_pos + r. */
+    /* qt, ot: [head_dim] vectors of LANES rows each. Lane r is the query at position first_pos + r. */
     for (int d = 0; d < head_dim; d++) {
         vfloat column = {0};
         for (int r = 0; r < rows; r++)

@@ -1,12 +1,16 @@
-/* GCC's generic vector types of 16 floats, shared by the CPU kernels: the compiler maps them onto whatever the
- * machine has (-march=native: one AVX-512 register, two AVX2 ones, four NEON ones). */
+/* GCC's generic vector types of LANES floats, shared by the CPU kernels: the compiler maps them onto whatever the
+ * machine has (-march=native: 16 in one AVX-512 register, 8 in one AVX2 register, 16 in four NEON ones). */
 #ifndef KVFERRY_VECTORS_H
 #define KVFERRY_VECTORS_H
 
 #include <stdint.h>
 #include <string.h>
 
+#if defined(__AVX512F__) || !defined(__AVX2__)
 #define LANES 16
+#else
+#define LANES 8 /* one AVX2 register: GCC keeps a wider generic vector in memory, and every kernel ran at a fifth */
+#endif
 typedef float vfloat __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t vint __attribute__((vector_size(LANES * sizeof(int32_t))));
 
@@ -25,10 +29,16 @@ static inline vfloat pick(vint mask, vfloat a, vfloat b) { return (vfloat)(((vin
 
 /* A tree of halvings, not sixteen additions in a row: four dependent steps. */
 static inline float sum_lanes(vfloat v) {
+#if LANES == 16
     v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
     v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
     v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
     v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+#else
+    v += __builtin_shuffle(v, (vint){4, 5, 6, 7, 0, 1, 2, 3});
+    v += __builtin_shuffle(v, (vint){2, 3, 0, 1, 6, 7, 4, 5});
+    v += __builtin_shuffle(v, (vint){1, 0, 3, 2, 5, 4, 7, 6});
+#endif
     return v[0];
 }
 
