@@ -6,7 +6,14 @@ from pathlib import Path
 def enable(build_dir: Path) -> list[str]:
     """Compile (once per machine) and load every CPU kernel; returns why any could not be, one line each (the
     PyTorch path stays in use for those)."""
-    from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops, prefill_attention, small_matmul
+    from kvferry.kernels.cpu import (
+        decode_attention,
+        decode_layers,
+        layer_ops,
+        panel_matmul,
+        prefill_attention,
+        small_matmul,
+    )
 
-    kernels = (decode_attention, prefill_attention, layer_ops, small_matmul, decode_layers)
+    kernels = (decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers)
     return [why for why in (kernel.enable(build_dir) for kernel in kernels) if why]

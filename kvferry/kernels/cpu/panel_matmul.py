@@ -1,0 +1,65 @@
+"""fp32 linear layers at a few rows by the C function in panel_matmul.c, reading the panels oneDNN packed the weight
+into straight through: one stream's decode step is bound by reading the weights, and oneDNN's GEMM, tuned for a
+batch, reads them at a fraction of the memory's pace there (docs/benchmarks.md). No second copy of the weights:
+the C function reads oneDNN's own (common/model/cpu_linear.py finds its layout)."""
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kvferry.kernels.cpu import build
+
+SOURCE = Path(__file__).with_suffix(".c")
+MAX_ROWS = 4  # past a few rows the product is a GEMM, and oneDNN's is the faster
+_lib = None
+_widths: frozenset[int] = frozenset()  # the panel widths the loaded function takes
+
+
+def enable(build_dir: Path) -> str:
+    """Compile (once per machine) and load the function; returns "" or why oneDNN stays in use at a few rows."""
+    global _lib, _widths
+    if _lib is None:
+        pointer, count = ctypes.c_void_p, ctypes.c_int
+        signatures = {
+            "kvferry_panel_width_fits": ([count], count),
+            "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
+        }
+        fallback = "oneDNN for fp32 linear layers at a few rows"
+        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback)
+        if _lib is None:
+            return why
+        _widths = frozenset(width for width in range(1, 1025) if _lib.kvferry_panel_width_fits(width))
+    return ""
+
+
+def disable() -> None:
+    """Back to oneDNN, in this process (tests and benchmarks compare the two)."""
+    global _lib
+    _lib = None
+
+
+def handles(x: torch.Tensor, width: int) -> bool:
+    """Whether the function is loaded and takes x: fp32 [rows, k], a few rows, contiguous, on the CPU, times panels
+    of this many columns (a whole number of its vectors)."""
+    return (
+        _lib is not None
+        and width in _widths
+        and x.dim() == 2
+        and 1 <= x.shape[0] <= MAX_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+    )
+
+
+def matmul(x: torch.Tensor, panels: int, width: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [rows, k] · W + bias -> [rows, n]; W at address panels, as [ceil(n / width)][k][width] fp32, the columns
+    past n zero; bias fp32 [n] contiguous, or None. The caller keeps the panels' owner alive."""
+    rows, k = x.shape
+    y = torch.empty(rows, n)
+    _lib.kvferry_panel_matmul_f32(
+        x.data_ptr(), rows, k, panels, width, n, None if bias is None else bias.data_ptr(), y.data_ptr(),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,80 @@
+"""The C fp32 product over oneDNN's packed panels (kernels/cpu/panel_matmul.c): the layout probe finds the panels,
+the product equals the float64 product within fp32's rounding, and packed linear layers take it at a few rows."""
+
+import pytest
+import torch
+
+from kvferry.common.model.cpu_linear import DECODE_BATCH_HINT, PackedLinear, _packed_floats, can_pack, panel_width
+from kvferry.kernels.cpu import panel_matmul
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch has no oneDNN")
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory):
+    assert panel_matmul.enable(tmp_path_factory.mktemp("kernels")) == ""
+    yield
+    panel_matmul.disable()
+
+
+def _packed(n, k, bias, seed):
+    linear = torch.nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+    packed = PackedLinear(linear)
+    if packed.panel_width is None or not panel_matmul.handles(torch.zeros(1, k), packed.panel_width):
+        pytest.skip(f"oneDNN packs a [{n}, {k}] weight in a layout other than panels the kernel takes here")
+    return linear, packed
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("n, k, bias", [(1536, 576, False), (576, 1536, True), (192, 576, True), (72, 128, False)])
+def test_the_panel_product_is_the_float64_product_within_rounding(kernel, rows, n, k, bias):
+    # SmolLM2's shapes, a narrow weight (oneDNN packs it in narrower panels) and one padded past its last column
+    linear, packed = _packed(n, k, bias, seed=n + k)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    with torch.no_grad():
+        got = packed(x)
+        want = x.double() @ linear.weight.double().t() + (0 if linear.bias is None else linear.bias.double())
+    bound = k * 2**-23 * (x.abs().double() @ linear.weight.abs().double().t()) + 1e-6
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_packed_layers_take_it_at_a_few_rows_only(kernel, monkeypatch):
+    linear, packed = _packed(1536, 576, True, seed=1)
+    calls = []
+    real = panel_matmul.matmul
+    monkeypatch.setattr(panel_matmul, "matmul", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
+    with torch.no_grad():
+        for rows in (1, panel_matmul.MAX_ROWS, panel_matmul.MAX_ROWS + 1, 32):
+            x = torch.randn(2, rows, 576)[0]  # a view: its rows are contiguous, so the C path may take it
+            assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
+    assert calls == [1, panel_matmul.MAX_ROWS]
+
+
+def test_the_probe_reads_the_layout_oneDNN_packs():
+    n, k = 1536, 576
+    width = panel_width(n, k)
+    if width is None:
+        pytest.skip("oneDNN's layout here is not panels")
+    weight = torch.randn(n, k)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_BATCH_HINT)
+    panels = _packed_floats(packed).view(-1, k, width)  # [panel][k][column within the panel]
+    assert torch.equal(panels.transpose(1, 2).reshape(-1, k)[:n], weight)
+
+
+def test_a_layer_packed_under_another_thread_count_reads_its_own_layout(kernel):
+    # oneDNN packs a [192, 576] weight in 16-column panels with two threads here and in 64-column ones with one: a
+    # layout found under one count must not be read into a weight packed under the other
+    linear = torch.nn.Linear(576, 192)
+    x = torch.randn(1, 576)
+    threads = torch.get_num_threads()
+    try:
+        for count in (2, 1, 2):
+            torch.set_num_threads(count)
+            packed = PackedLinear(linear)
+            with torch.no_grad():
+                assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4), count
+    finally:
+        torch.set_num_threads(threads)
