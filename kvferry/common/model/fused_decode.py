@@ -1,31 +1,51 @@
 """Which models and steps take the one-call decode loop (kernels/cpu/decode_layers.py), and its weights.
 
-It takes a Llama-family model whose linear layers are all Int8Linear on the CPU in fp32 (`--quantization int8`),
-without per-head q/k norms (Qwen3's), and a decode step of at most MAX_ROWS rows whose attention the C kernel
-takes. Anything else runs layer by layer, with the same result where both can run.
+It takes a Llama-family model in fp32 on the CPU whose decoder layers' linear layers are each an Int8Linear
+(`--quantization int8`) or a PackedLinear whose packed panels panel_matmul.c reads, without per-head q/k norms
+(Qwen3's), and a decode step of at most MAX_ROWS rows whose attention the C kernel takes. Anything else runs layer
+by layer, with the same result where both can run.
 """
 
 import torch
 
+from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.int8_linear import Int8Linear
-from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops
+from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops, panel_matmul
+
+
+def _weights(linear: Int8Linear | PackedLinear) -> decode_layers.Int8Weights | decode_layers.PanelWeights:
+    if isinstance(linear, PackedLinear):
+        shape = (linear.out_features, linear.in_features)
+        return decode_layers.PanelWeights(linear.packed_weight, linear.panel_width, shape, linear.bias)
+    return decode_layers.Int8Weights(
+        linear.qweight, linear.qweight_sums, linear.scale, linear.outliers, linear.outlier_weight, linear.bias
+    )
+
+
+def _fits(linear) -> bool:
+    """Whether the loop takes this linear layer: int8 on the CPU, or fp32 in panels the C product reads."""
+    if isinstance(linear, Int8Linear):
+        return linear.qweight.device.type == "cpu" and layer_ops.handles(linear.scale)
+    return (
+        isinstance(linear, PackedLinear)
+        and linear.panel_width is not None
+        and panel_matmul.handles(torch.empty(1, linear.in_features), linear.panel_width)
+        and (linear.bias is None or layer_ops.handles(linear.bias))
+    )
 
 
 class FusedDecode:
-    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
-        def weights(linear: Int8Linear) -> decode_layers.Int8Weights:
-            return decode_layers.Int8Weights(
-                linear.qweight, linear.qweight_sums, linear.scale, linear.outliers, linear.outlier_weight, linear.bias
-            )
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], int8: bool, fp32: bool):
+        self.int8, self.fp32 = int8, fp32  # which products the loop calls
 
         layers = [
             decode_layers.LayerWeights(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
-                weights(layer.self_attn.qkv_proj),
-                weights(layer.self_attn.o_proj),
-                weights(layer.mlp.gate_up_proj),
-                weights(layer.mlp.down_proj),
+                _weights(layer.self_attn.qkv_proj),
+                _weights(layer.self_attn.o_proj),
+                _weights(layer.mlp.gate_up_proj),
+                _weights(layer.mlp.down_proj),
                 k_cache,
                 v_cache,
             )
@@ -40,7 +60,7 @@ class FusedDecode:
     @classmethod
     def for_model(cls, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]) -> "FusedDecode | None":
         """The loop for this model and these caches, or None where it does not apply."""
-        if not decode_layers.available() or not model.layers:
+        if not model.layers:
             return None
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         linears = [
@@ -53,15 +73,17 @@ class FusedDecode:
                 layer.mlp.down_proj,
             )
         ]
+        int8 = any(isinstance(linear, Int8Linear) for linear in linears)
+        fp32 = any(isinstance(linear, PackedLinear) for linear in linears)
         fits = (
-            all(isinstance(linear, Int8Linear) and linear.qweight.device.type == "cpu" for linear in linears)
+            decode_layers.available(int8, fp32)
+            and all(_fits(linear) for linear in linears)
             and not any(layer.self_attn.qk_norm for layer in model.layers)
             and len({n.eps for n in norms}) == 1
             and layer_ops.handles(*(n.weight for n in norms))
-            and all(layer_ops.handles(linear.scale) for linear in linears)
             and all(decode_attention.handles(torch.empty(0), k, v) for k, v in zip(k_caches, v_caches))
         )
-        return cls(model, k_caches, v_caches) if fits else None
+        return cls(model, k_caches, v_caches, int8, fp32) if fits else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
         """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes
@@ -69,7 +91,7 @@ class FusedDecode:
         return (
             not batch.is_prefill
             and 1 <= x.shape[0] <= decode_layers.MAX_ROWS
-            and decode_layers.available()  # a test or benchmark may have switched a kernel off since
+            and decode_layers.available(self.int8, self.fp32)  # a test or benchmark may have switched one off since
             and layer_ops.handles(x)
             and batch.block_tables.dtype == batch.context_lens.dtype == torch.int32
             and batch.block_tables.is_contiguous()

@@ -1,9 +1,10 @@
-/* Every decoder layer of one decode step at a few rows, int8 weights on the CPU, in one call.
+/* Every decoder layer of one decode step at a few rows on the CPU, int8 or fp32 weights, in one call.
  *
  * At one to four rows a layer's work is small (a matrix-vector product over each weight, the rest elementwise), so
  * PyTorch's dispatch of each op and each call's Python cost about as much as the work: 30 layers of a dozen calls
- * each. Here the same C functions the layer calls one by one from Python (layer_ops.c, small_matmul.c,
- * decode_attention.c) run in the same order on the same values, from one loop: the output is the same bit for bit.
+ * each. Here the same C functions the layer calls one by one from Python (layer_ops.c, small_matmul.c or
+ * panel_matmul.c, decode_attention.c) run in the same order on the same values, from one loop: the output is the
+ * same bit for bit.
  * They come in as function pointers from their own libraries, each built with its own flags; this file does no
  * arithmetic of its own.
  *
@@ -13,19 +14,21 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef struct { /* an Int8Linear's buffers (common/model/int8_linear.py) */
+typedef struct { /* a linear layer's buffers: an Int8Linear's (common/model/int8_linear.py), or, where panels is set,
+                  * a PackedLinear's (common/model/cpu_linear.py) */
     const int8_t *qweight;     /* [n][k] */
     const int32_t *sums;       /* [n]: each weight row's sum */
     const float *scale;        /* [n] */
     const int64_t *outliers;   /* [count] sorted input channels kept in float, or NULL */
     const uint16_t *outlier_rows; /* [count][n] half precision, or NULL */
     const float *bias;         /* [n], or NULL */
-    int n, k, count;
-} Int8Weights;
+    const float *panels;       /* fp32 [ceil(n / width)][k][width], oneDNN's packed weight; NULL for int8 */
+    int n, k, count, width;
+} Weights;
 
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] each */
-    Int8Weights qkv, o, gate_up, down;
+    Weights qkv, o, gate_up, down;
     float *k_cache, *v_cache; /* this layer's: [blocks][block_size][kv_heads][head_dim] with the strides below */
 } Layer;
 
@@ -36,6 +39,7 @@ typedef struct { /* the functions the layer runs; their contracts are in their o
     void (*quantize_rows)(const float *, int, int, const int64_t *, int, int8_t *, float *, float *, int);
     void (*matmul_i8)(const int8_t *, int, int, const int8_t *, const int32_t *, int, const float *, const float *,
                       const float *, const uint16_t *, int, const float *, float *, int);
+    void (*matmul_f32)(const float *, int, int, const float *, int, int, const float *, float *, int);
     int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, float *,
                      float *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
                      int, int, int, float, int);
@@ -52,8 +56,12 @@ typedef struct { /* room for the largest row count the caller sends */
     int8_t *quantized;
 } Scratch;
 
-static void linear(const Kernels *f, const Int8Weights *w, const float *x, int rows, Scratch *s, float *y,
+static void linear(const Kernels *f, const Weights *w, const float *x, int rows, Scratch *s, float *y,
                    int num_threads) {
+    if (w->panels != NULL) {
+        f->matmul_f32(x, rows, w->k, w->panels, w->width, w->n, w->bias, y, num_threads);
+        return;
+    }
     f->quantize_rows(x, rows, w->k, w->outliers, w->count, s->quantized, s->row_scale, s->outlier_values,
                      num_threads);
     f->matmul_i8(s->quantized, rows, w->k, w->qweight, w->sums, w->n, s->row_scale, w->scale, s->outlier_values,
@@ -64,10 +72,10 @@ static void linear(const Kernels *f, const Int8Weights *w, const float *x, int r
  * stream out (llama.py's LlamaModel.forward takes both to its final norm). cos, sin: [rows][head_dim]; slots [rows],
  * block_tables [rows][table_stride], context_lens [rows]: as decode_attention.c takes them. Returns 0, or -1 when
  * attention found no memory for its scratch. */
-int kvferry_decode_layers_i8(const Kernels *f, const Shape *shape, const Layer *layers, Scratch *s, float *x,
-                             float *residual, int rows, const float *cos, const float *sin, const int64_t *slots,
-                             const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
-                             int num_threads) {
+int kvferry_decode_layers(const Kernels *f, const Shape *shape, const Layer *layers, Scratch *s, float *x,
+                          float *residual, int rows, const float *cos, const float *sin, const int64_t *slots,
+                          const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
+                          int num_threads) {
     const int hidden = shape->hidden, head_dim = shape->head_dim;
     const int q_size = shape->num_heads * head_dim, kv_size = shape->num_kv_heads * head_dim;
     const int qkv_width = q_size + 2 * kv_size;

@@ -1,6 +1,7 @@
-"""Every decoder layer of a decode step at a few rows, int8 weights on the CPU, in one call to decode_layers.c.
+"""Every decoder layer of a decode step at a few rows on the CPU, int8 or fp32 weights, in one call to
+decode_layers.c.
 
-At one to four rows, a step's ~360 calls from Python (norms, the int8 layers' two C calls each, RoPE, attention,
+At one to four rows, a step's ~250-360 calls from Python (norms, the linear layers' C calls, RoPE, attention,
 SiLU·mul) cost about as much as their work. decode_layers.c runs the same C functions in the same order from one
 loop, so the output is bit for bit the layer-by-layer path's. The model side (common/model/fused_decode.py) says
 which models and batches it takes and hands over the weights.
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.kernels.cpu import build, decode_attention, layer_ops, small_matmul
+from kvferry.kernels.cpu import build, decode_attention, layer_ops, panel_matmul, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = small_matmul.MAX_ROWS  # past it the decode step goes layer by layer
@@ -21,19 +22,22 @@ _lib = None
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
-class _Int8Weights(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("qweight", "sums", "scale", "outliers", "outlier_rows", "bias")]
-    _fields_ += [("n", _i), ("k", _i), ("count", _i)]
+class _Weights(ctypes.Structure):
+    _fields_ = [(name, _p) for name in ("qweight", "sums", "scale", "outliers", "outlier_rows", "bias", "panels")]
+    _fields_ += [("n", _i), ("k", _i), ("count", _i), ("width", _i)]
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [("input_norm", _p), ("post_norm", _p)]
-    _fields_ += [(name, _Int8Weights) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [(name, _Weights) for name in ("qkv", "o", "gate_up", "down")]
     _fields_ += [("k_cache", _p), ("v_cache", _p)]
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("add_rms_norm", "rope", "silu_mul", "quantize_rows", "matmul_i8", "attention")]
+    _fields_ = [
+        (name, _p)
+        for name in ("add_rms_norm", "rope", "silu_mul", "quantize_rows", "matmul_i8", "matmul_f32", "attention")
+    ]
 
 
 class _Shape(ctypes.Structure):
@@ -57,8 +61,8 @@ def enable(build_dir: Path) -> str:
     global _lib
     if _lib is None:
         argtypes = [_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i]
-        signatures = {"kvferry_decode_layers_i8": (argtypes, ctypes.c_int)}
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, "one call per op for int8 decode layers")
+        signatures = {"kvferry_decode_layers": (argtypes, ctypes.c_int)}
+        _lib, why = build.load_functions(SOURCE, build_dir, signatures, "one call per op for CPU decode layers")
         if _lib is None:
             return why
     return ""
@@ -70,9 +74,14 @@ def disable() -> None:
     _lib = None
 
 
-def available() -> bool:
-    """Whether this loop and every function it calls are loaded."""
-    return None not in (_lib, layer_ops._lib, small_matmul._lib, decode_attention._kernel)
+def available(int8: bool = True, fp32: bool = False) -> bool:
+    """Whether this loop and every function it calls for int8 and/or fp32 weights are loaded."""
+    products = ([small_matmul._lib] if int8 else []) + ([panel_matmul._lib] if fp32 else [])
+    return None not in (_lib, layer_ops._lib, decode_attention._kernel, *products)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 @dataclass
@@ -87,26 +96,44 @@ class Int8Weights:
     outlier_rows: torch.Tensor | None
     bias: torch.Tensor | None
 
-    def as_struct(self) -> _Int8Weights:
-        n, k = self.qweight.shape
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.qweight.shape)
+
+    def as_struct(self) -> _Weights:
+        n, k = self.shape
         count = 0 if self.outliers is None else len(self.outliers)
-        pointers = [t if t is None else t.data_ptr() for t in (self.qweight, self.sums, self.scale)]
-        pointers += [t if t is None else t.data_ptr() for t in (self.outliers, self.outlier_rows, self.bias)]
-        return _Int8Weights(*pointers, n, k, count)
+        tensors = (self.qweight, self.sums, self.scale, self.outliers, self.outlier_rows, self.bias)
+        return _Weights(*map(_address, tensors), None, n, k, count, 0)
+
+
+@dataclass
+class PanelWeights:
+    """A PackedLinear's: oneDNN's packed weight, laid out as panels [ceil(n / width)][k][width] fp32 (panel_matmul.c
+    reads it), and optionally bias [n] fp32 contiguous."""
+
+    packed: torch.Tensor
+    width: int
+    shape: tuple[int, int]  # (n, k)
+    bias: torch.Tensor | None
+
+    def as_struct(self) -> _Weights:
+        panels = torch.ops.mkldnn.data_ptr(self.packed)
+        return _Weights(None, None, None, None, None, _address(self.bias), panels, *self.shape, 0, self.width)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] fp32
     post_norm: torch.Tensor
-    qkv: Int8Weights
-    o: Int8Weights
-    gate_up: Int8Weights
-    down: Int8Weights
+    qkv: Int8Weights | PanelWeights
+    o: Int8Weights | PanelWeights
+    gate_up: Int8Weights | PanelWeights
+    down: Int8Weights | PanelWeights
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor  # the same shape and strides
 
-    def linears(self) -> tuple[Int8Weights, ...]:
+    def linears(self) -> tuple[Int8Weights | PanelWeights, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
 
@@ -119,7 +146,7 @@ class DecodeLayers:
         first = layers[0]
         hidden = first.input_norm.shape[0]
         head_dim = first.k_cache.shape[-1]
-        intermediate = first.down.qweight.shape[1]
+        intermediate = first.down.shape[1]
         cache = first.k_cache
         self.shape = _Shape(
             len(layers), hidden, num_heads, num_kv_heads, head_dim, intermediate, cache.shape[1], eps, scale,
@@ -134,21 +161,24 @@ class DecodeLayers:
             for layer in layers
         ]  # fmt: skip
         self.structs = (_Layer * len(structs))(*structs)
+        linears = [w for layer in layers for w in layer.linears()]
+        int8 = any(isinstance(w, Int8Weights) for w in linears)
+        fp32 = any(isinstance(w, PanelWeights) for w in linears)
         functions = (
             layer_ops._lib.kvferry_add_rms_norm_f32,
             layer_ops._lib.kvferry_rope_f32,
             layer_ops._lib.kvferry_silu_mul_f32,
             layer_ops._lib.kvferry_quantize_rows_f32,
-            small_matmul._lib.kvferry_matmul_i8,
+            small_matmul._lib.kvferry_matmul_i8 if int8 else None,  # a library not loaded: its kind is not here
+            panel_matmul._lib.kvferry_panel_matmul_f32 if fp32 else None,
             decode_attention._kernel,
         )
-        self.kernels = _Kernels(*(ctypes.cast(function, _p).value for function in functions))
-        linears = [w for layer in layers for w in layer.linears()]
-        widest = max(w.qweight.shape[1] for w in linears)
-        outliers = max((len(w.outliers) for w in linears if w.outliers is not None), default=0)
+        self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
+        widest = max(w.shape[1] for w in linears)
+        outliers = max((len(w.outliers) for w in linears if getattr(w, "outliers", None) is not None), default=0)
         q_size = num_heads * head_dim
         sizes = {
-            "normed": hidden, "qkv": first.qkv.qweight.shape[0], "query": q_size, "attended": q_size,
+            "normed": hidden, "qkv": first.qkv.shape[0], "query": q_size, "attended": q_size,
             "projected": hidden, "gate_up": 2 * intermediate, "activated": intermediate, "row_scale": 1,
             "outlier_values": max(outliers, 1),
         }  # fmt: skip
@@ -171,7 +201,7 @@ class DecodeLayers:
         which is x, and the residual stream [rows, hidden]), as the layers' own loop returns them."""
         rows = x.shape[0]
         residual = self.residual[:rows]
-        failed = _lib.kvferry_decode_layers_i8(
+        failed = _lib.kvferry_decode_layers(
             ctypes.byref(self.kernels), ctypes.byref(self.shape), self.structs, ctypes.byref(self.scratch),
             x.data_ptr(), residual.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), torch.get_num_threads(),
