@@ -97,3 +97,12 @@ def test_models_it_does_not_take_run_layer_by_layer(tmp_path):
     assert qwen3.runner.model.fused_decode is None
     fp32 = engine_for(tmp_path / "fp32", "llama", quantization=None)  # taken only where every weight is in panels
     assert (fp32.runner.model.fused_decode is not None) == _panels_everywhere(fp32.runner.model)
+
+
+def test_a_batch_without_the_paged_cache_goes_layer_by_layer(tmp_path):
+    # `bench engine`'s paging comparison and int8 calibration attend through batches of their own
+    from kvferry.common.model.quant_calibration import DenseCausalBatch
+
+    engine = engine_for(tmp_path, "llama")
+    loop = engine.runner.model.fused_decode
+    assert loop is not None and not loop.takes(torch.zeros(1, 64), DenseCausalBatch())

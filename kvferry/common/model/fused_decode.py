@@ -8,6 +8,7 @@ by layer, with the same result where both can run.
 
 import torch
 
+from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops, panel_matmul
@@ -89,7 +90,8 @@ class FusedDecode:
         """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes
         them."""
         return (
-            not batch.is_prefill
+            isinstance(batch, PagedBatch)  # the loop reads the paged cache; a benchmark's other batches do not have one
+            and not batch.is_prefill
             and 1 <= x.shape[0] <= decode_layers.MAX_ROWS
             and decode_layers.available(self.int8, self.fp32)  # a test or benchmark may have switched one off since
             and layer_ops.handles(x)
