@@ -9,6 +9,7 @@ import torch
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
+from kvferry.common.model import fused_decode
 from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.fused_decode import FusedDecode
 from kvferry.common.sampling import SamplingParams
@@ -25,9 +26,9 @@ def engine_for(folder, arch: str, quantization: str | None = "int8") -> LLMEngin
 
 
 def _panels_everywhere(model) -> bool:
-    """Whether oneDNN packed every fp32 decoder-layer weight in the panels the C product reads, on this machine."""
+    """Whether oneDNN packed every fp32 decoder-layer weight in panels the loop takes, on this machine."""
     packed = [m for m in model.layers.modules() if isinstance(m, PackedLinear)]
-    return bool(packed) and all(m.panel_width is not None for m in packed)
+    return bool(packed) and all(fused_decode.fits(m) for m in packed)
 
 
 def decode_logits(engine, prompts, fused: bool, monkeypatch) -> tuple[list, list[torch.Tensor], int]:

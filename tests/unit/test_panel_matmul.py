@@ -1,10 +1,11 @@
-"""The C fp32 product over oneDNN's packed panels (kernels/cpu/panel_matmul.c): the layout probe finds the panels,
-the product equals the float64 product within fp32's rounding, and packed linear layers take it at a few rows."""
+"""The C fp32 product over oneDNN's packed panels (kernels/cpu/panel_matmul.c): the panels' width is read off the
+packed memory, the product equals the float64 product within fp32's rounding, and packed linear layers take it at a
+few rows."""
 
 import pytest
 import torch
 
-from kvferry.common.model.cpu_linear import DECODE_BATCH_HINT, PackedLinear, _packed_floats, can_pack, panel_width
+from kvferry.common.model.cpu_linear import DECODE_BATCH_HINT, PackedLinear, can_pack, panel_width_of
 from kvferry.kernels.cpu import panel_matmul
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.device("cpu"), torch.float32), reason="torch has no oneDNN")
@@ -53,15 +54,16 @@ def test_packed_layers_take_it_at_a_few_rows_only(kernel, monkeypatch):
     assert calls == [1, panel_matmul.MAX_ROWS]
 
 
-def test_the_probe_reads_the_layout_oneDNN_packs():
-    n, k = 1536, 576
-    width = panel_width(n, k)
+def test_packed_memory_is_taken_as_panels_only_when_it_holds_the_weight():
+    weight = torch.randn(1536, 576)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_BATCH_HINT)
+    width = panel_width_of(packed, weight)
     if width is None:
         pytest.skip("oneDNN's layout here is not panels")
-    weight = torch.randn(n, k)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, DECODE_BATCH_HINT)
-    panels = _packed_floats(packed).view(-1, k, width)  # [panel][k][column within the panel]
-    assert torch.equal(panels.transpose(1, 2).reshape(-1, k)[:n], weight)
+    other = weight.clone()
+    other[1000, 300] += 1  # one value off, in a later panel than the first
+    assert panel_width_of(packed, other) is None
+    assert panel_width_of(packed, weight[:, :575].contiguous()) is None  # another shape
 
 
 def test_a_layer_packed_under_another_thread_count_reads_its_own_layout(kernel):
@@ -74,7 +76,16 @@ def test_a_layer_packed_under_another_thread_count_reads_its_own_layout(kernel):
         for count in (2, 1, 2):
             torch.set_num_threads(count)
             packed = PackedLinear(linear)
-            with torch.no_grad():
-                assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4), count
+            if packed.panel_width is None:
+                pytest.skip("oneDNN's layout here is not panels")
+            calls = []
+            real = panel_matmul.matmul
+            panel_matmul.matmul = lambda x, *rest: calls.append(1) or real(x, *rest)
+            try:
+                with torch.no_grad():
+                    assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4), count
+            finally:
+                panel_matmul.matmul = real
+            assert calls == [1], count  # the C product ran, not oneDNN
     finally:
         torch.set_num_threads(threads)

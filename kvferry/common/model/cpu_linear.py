@@ -8,7 +8,6 @@ At one to four rows (a single stream's decode) a C product reads the same packed
 """
 
 import ctypes
-import functools
 
 import torch
 from torch import nn
@@ -22,53 +21,45 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
+PANEL_WIDTHS = tuple(range(8, 257, 8))  # the panel widths looked for: oneDNN's column blocks are multiples of 8
+
+
 def _packed_floats(packed: torch.Tensor) -> torch.Tensor:
-    """A packed weight's memory as a flat fp32 tensor (a view, no copy)."""
+    """A packed weight's memory as a flat fp32 tensor: a view, no copy, valid only while packed lives."""
     count = torch.ops.mkldnn._nbytes(packed) // 4
     return torch.frombuffer(
         (ctypes.c_float * count).from_address(torch.ops.mkldnn.data_ptr(packed)), dtype=torch.float32
     )
 
 
-def panel_width(n: int, k: int) -> int | None:
-    """The width of the panels oneDNN packs an [n, k] weight into here and now, when its layout is
-    [ceil(n / width)][k][width] with zeros past column n (the C product reads that layout); else None.
-    oneDNN's choice depends on the machine and on the thread count (seen: 16 or 64 columns for one shape)."""
-    return _probe_panel_width(n, k, torch.get_num_threads())
-
-
-@functools.cache
-def _probe_panel_width(n: int, k: int, threads: int) -> int | None:
-    """Packs two weights of that shape whose values are their own row and column numbers, and reads them back."""
+def panel_width_of(packed: torch.Tensor, weight: torch.Tensor) -> int | None:
+    """The width of the panels packed holds weight [n, k] in, when it is laid out as [ceil(n / width)][k][width]
+    fp32 with zeros past column n (the layout panel_matmul.c reads); else None. Read off the packed memory itself:
+    oneDNN's choice depends on the machine, the shape and the thread count (seen here: 16 or 64 columns for one
+    shape with 2 threads or 1)."""
     try:
-        rows = torch.arange(1, n + 1, dtype=torch.float32)[:, None].expand(n, k)  # 1-based: padding reads 0
-        cols = torch.arange(k, dtype=torch.float32)[None, :].expand(n, k)
-        packed = [torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), DECODE_BATCH_HINT) for w in (rows, cols)]
-        got_rows, got_cols = (_packed_floats(p).clone() for p in packed)
-    except (AttributeError, RuntimeError):  # no such op in this build of torch
+        floats = _packed_floats(packed)
+    except (AttributeError, RuntimeError):  # a build of torch without these ops
         return None
-    width = int(got_rows[: n + 1].diff().ne(1).nonzero()[0, 0]) + 1 if n > 1 else got_rows.numel() // k
-    panels = -(-n // width)
-    if width < 1 or got_rows.numel() != panels * k * width:
-        return None
-    padded = torch.zeros(panels * width)
-    padded[:n] = torch.arange(1, n + 1)
-    want_rows = padded.view(panels, 1, width).expand(panels, k, width)
-    want_cols = torch.arange(k, dtype=torch.float32)[None, :, None] * padded.ne(0).view(panels, 1, width)
-    if torch.equal(got_rows.view(panels, k, width), want_rows) and torch.equal(
-        got_cols.view(panels, k, width), want_cols
-    ):
-        return width
+    n, k = weight.shape
+    for width in PANEL_WIDTHS:
+        if floats.numel() == -(-n // width) * k * width and _holds_in_panels(floats, weight, width):
+            return width
     return None
 
 
-def _holds_in_panels(packed: torch.Tensor, weight: torch.Tensor, width: int) -> bool:
-    """Whether packed holds weight [n, k] as panels of this width."""
+def _holds_in_panels(floats: torch.Tensor, weight: torch.Tensor, width: int) -> bool:
+    """Whether floats are weight [n, k] as panels of this width, zeros past column n; compared a panel at a time,
+    so that no copy of the whole weight is made (a wrong width fails at the first panel)."""
     n, k = weight.shape
-    floats = _packed_floats(packed)
-    if floats.numel() != -(-n // width) * k * width:
-        return False
-    return torch.equal(floats.view(-1, k, width).transpose(1, 2).reshape(-1, k)[:n], weight.float())
+    panels = floats.view(-1, k, width)
+    for p, panel in enumerate(panels):
+        columns = min(width, n - p * width)
+        if not torch.equal(panel[:, :columns], weight[p * width : p * width + columns].t()):
+            return False
+        if columns < width and panel[:, columns:].any():
+            return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -79,12 +70,8 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-        # At a few rows the C product reads the packed panels where they lie, when their layout is the one it reads:
-        # the probe says which layout oneDNN picks for the shape, and this weight's own panels are checked against it
-        width = panel_width(self.out_features, self.in_features)
-        if width is not None and not _holds_in_panels(packed, linear.weight.detach(), width):
-            width = None
-        self.panel_width = width
+        # At a few rows the C product reads the packed panels where they lie, when their layout is the one it reads
+        self.panel_width = panel_width_of(packed, linear.weight.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

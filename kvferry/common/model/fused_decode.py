@@ -23,14 +23,14 @@ def _weights(linear: Int8Linear | PackedLinear) -> decode_layers.Int8Weights | d
     )
 
 
-def _fits(linear) -> bool:
+def fits(linear) -> bool:
     """Whether the loop takes this linear layer: int8 on the CPU, or fp32 in panels the C product reads."""
     if isinstance(linear, Int8Linear):
         return linear.qweight.device.type == "cpu" and layer_ops.handles(linear.scale)
     return (
         isinstance(linear, PackedLinear)
         and linear.panel_width is not None
-        and panel_matmul.handles(torch.empty(1, linear.in_features), linear.panel_width)
+        and panel_matmul.takes_width(linear.panel_width)
         and (linear.bias is None or layer_ops.handles(linear.bias))
     )
 
@@ -76,15 +76,15 @@ class FusedDecode:
         ]
         int8 = any(isinstance(linear, Int8Linear) for linear in linears)
         fp32 = any(isinstance(linear, PackedLinear) for linear in linears)
-        fits = (
+        takes_model = (
             decode_layers.available(int8, fp32)
-            and all(_fits(linear) for linear in linears)
+            and all(fits(linear) for linear in linears)
             and not any(layer.self_attn.qk_norm for layer in model.layers)
             and len({n.eps for n in norms}) == 1
             and layer_ops.handles(*(n.weight for n in norms))
             and all(decode_attention.handles(torch.empty(0), k, v) for k, v in zip(k_caches, v_caches))
         )
-        return cls(model, k_caches, v_caches, int8, fp32) if fits else None
+        return cls(model, k_caches, v_caches, int8, fp32) if takes_model else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
         """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes

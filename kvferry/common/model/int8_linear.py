@@ -9,7 +9,8 @@ fp32 floor. How the product runs depends on the device:
 - CPU: PyTorch's weight-only kernel (aten._weight_int8pack_mm) is a matrix-vector loop, far
   slower than fp32 from a few rows up. So each activation row is quantized to int8 with its
   own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm
-  with AVX-512 VNNI; our own C loop at a few rows, and at every row count on CPUs without it). A few input channels of every layer carry activations far larger than the others
+  with AVX-512 VNNI; our own C loop at a few rows, and at every row count on AVX2 CPUs without
+  VNNI). A few input channels of every layer carry activations far larger than the others
   (SmolLM2's do; docs/benchmarks.md); they would wipe out the other channels' precision, so
   the `outliers` found by calibration stay in float and go through a thin float product of their
   own (as in LLM.int8(), with the channels fixed at load time): the activations in fp32, the weights
@@ -39,7 +40,7 @@ def int8_rows_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     """x [M, K] float, each row quantized with its own absmax scale, times int8 qweight [N, K] -> [M, N] fp32."""
     x = x.float()
     row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)  # [M, 1]
-    xq = torch.round(x / row_scale).to(torch.int8)
+    xq = torch.round(x / row_scale).clamp_(-127, 127).to(torch.int8)  # as layer_ops.c: never -128
     return torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scale)  # [M, N]
 
 

@@ -19,6 +19,7 @@
 #include "vectors.h"
 
 #define MAX_CHUNKS (256 / LANES) /* head_dim up to 256 */
+#define LINE_FLOATS 16          /* a 64-byte cache line: the prefetches' step (a row is a multiple of 16 floats) */
 
 /* Inlined into a copy per common head size (see attend_sequence), so that head_dim is a constant there: the
  * loops over a head's chunks unroll, and its running sum stays in registers across a block.
@@ -41,7 +42,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
         /* The next block's lines are prefetched into L2 a few at a time, spread over this block's work: issued
          * all at once, they would fill the core's miss buffers and stall the arithmetic until they arrived. */
         int64_t next = t0 + block_size < context_len ? (int64_t)blocks[b + 1] * block_stride : -1;
-        const int lines_per_row = row / LANES, lines = 2 * block_size * lines_per_row; /* K's and V's */
+        const int lines_per_row = row / LINE_FLOATS, lines = 2 * block_size * lines_per_row; /* K's and V's */
         const int per_step = (lines + num_heads * n - 1) / (num_heads * n);
         int issued = next >= 0 ? 0 : lines;
         for (int h = 0; h < num_heads; h++) {
@@ -54,7 +55,7 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                 for (int j = 0; j < per_step && issued < lines; j++, issued++) {
                     int line = issued >> 1;
                     __builtin_prefetch((issued & 1 ? v_cache : k_cache) + next + (line / lines_per_row) * token_stride +
-                                           (line % lines_per_row) * LANES,
+                                           (line % lines_per_row) * LINE_FLOATS,
                                        0, 2);
                 }
                 const float *k = k_head + t * token_stride;

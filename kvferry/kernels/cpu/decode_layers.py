@@ -16,7 +16,8 @@ import torch
 from kvferry.kernels.cpu import build, decode_attention, layer_ops, panel_matmul, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
-MAX_ROWS = small_matmul.MAX_ROWS  # past it the decode step goes layer by layer
+# Past it the decode step goes layer by layer: the layers' own C products stop at their MAX_ROWS too
+MAX_ROWS = min(small_matmul.MAX_ROWS, panel_matmul.MAX_ROWS)
 _lib = None
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -74,7 +75,7 @@ def disable() -> None:
     _lib = None
 
 
-def available(int8: bool = True, fp32: bool = False) -> bool:
+def available(int8: bool, fp32: bool) -> bool:
     """Whether this loop and every function it calls for int8 and/or fp32 weights are loaded."""
     products = ([small_matmul._lib] if int8 else []) + ([panel_matmul._lib] if fp32 else [])
     return None not in (_lib, layer_ops._lib, decode_attention._kernel, *products)
@@ -139,7 +140,7 @@ class LayerWeights:
 
 class DecodeLayers:
     """The loop's arguments built once (the weights' and caches' addresses, the shapes, its scratch), then one call
-    a step. The caller keeps the tensors alive: this holds them too."""
+    a step. The caller keeps the tensors alive and in place (a moved model needs a new loop): this holds them too."""
 
     def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float):
         self.layers = layers
@@ -175,7 +176,8 @@ class DecodeLayers:
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
         widest = max(w.shape[1] for w in linears)
-        outliers = max((len(w.outliers) for w in linears if getattr(w, "outliers", None) is not None), default=0)
+        int8_linears = [w for w in linears if isinstance(w, Int8Weights)]
+        outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
         sizes = {
             "normed": hidden, "qkv": first.qkv.shape[0], "query": q_size, "attended": q_size,

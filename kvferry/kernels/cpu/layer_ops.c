@@ -88,7 +88,7 @@ void kvferry_silu_mul_f32(const float *gate_up, float *out, int rows, int width,
 /* Int8 activations for an int8 GEMM (common/model/int8_linear.py), in one pass over each row: the outlier
  * channels (sorted indices, may be none) copied out to x_out [rows][num_outliers] and taken as zero, then the row
  * quantized with its own scale, max|x| / 127 (at least 1e-12 / 127), rounded half to even: the same values, bit
- * for bit, as PyTorch's index_fill, abs, amax, clamp, division and round. */
+ * for bit, as PyTorch's index_fill, abs, amax, clamp, division, round and clamp. */
 void kvferry_quantize_rows_f32(const float *x, int rows, int dim, const int64_t *outliers, int num_outliers,
                                int8_t *xq, float *row_scale, float *x_out, int num_threads) {
 #pragma omp parallel for num_threads(num_threads) if ((int64_t)rows * dim >= PARALLEL_ELEMENTS)
@@ -105,8 +105,10 @@ void kvferry_quantize_rows_f32(const float *x, int rows, int dim, const int64_t 
             top = a > top ? a : top;
         }
         float scale = (top > 1e-12f ? top : 1e-12f) / 127.0f;
+        /* Within [-127, 127] already for finite values (|x| / scale <= 127); clamped so that no value, NaN and
+         * infinities included, becomes -128, which small_matmul.c's AVX2 product cannot take. */
         for (int i = 0; i < dim; i++)
-            q[i] = (int8_t)nearbyintf(in[i] / scale);
+            q[i] = (int8_t)fminf(fmaxf(nearbyintf(in[i] / scale), -127.0f), 127.0f);
         for (int o = 0; o < num_outliers; o++) {
             x_out[(int64_t)r * num_outliers + o] = in[outliers[o]];
             q[outliers[o]] = 0;

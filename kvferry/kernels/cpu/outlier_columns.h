@@ -38,7 +38,7 @@ static inline float half_to_float(uint16_t h) {
 /* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none);
  * wt in half precision (its bits), each weight widened exactly before it is used.
  * Each output's sum starts at zero and takes the channels in order with a fused multiply-add each (fmaf, or the same
- * operation sixteen lanes at a time), then is added to y: the same roundings on every path. */
+ * operation eight or sixteen lanes at a time), then is added to y: the same roundings on every path. */
 static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const uint16_t *wt, int count,
                                        const float *bias, int first, int last) {
     int j = first;

@@ -7,12 +7,13 @@
  * each output is x's products summed in order of k. The panels are split between the threads; a second row of x
  * reads the panel again, from the cache.
  */
-#include <omp.h>
 #include <stdint.h>
 
 #include "vectors.h"
 
-#define MAX_WIDTH (16 * LANES) /* sixteen accumulators at most: the registers AVX2 has */
+/* Sixteen accumulator vectors at most. oneDNN's panels here are 16-64 columns: 2-8 vectors on AVX2, which stay in its
+ * sixteen registers beside the broadcast and the loaded row; wider ones would spill, still correctly. */
+#define MAX_WIDTH (16 * LANES)
 #define PARALLEL_WEIGHT_FLOATS (64 * 1024) /* below this, the second thread's wake-up costs more than it saves */
 
 /* Whether this file takes panels of this width. */

@@ -39,12 +39,16 @@ def disable() -> None:
     _lib = None
 
 
+def takes_width(width: int) -> bool:
+    """Whether the function is loaded and takes panels of this many columns (a whole number of its vectors)."""
+    return _lib is not None and width in _widths
+
+
 def handles(x: torch.Tensor, width: int) -> bool:
     """Whether the function is loaded and takes x: fp32 [rows, k], a few rows, contiguous, on the CPU, times panels
     of this many columns (a whole number of its vectors)."""
     return (
-        _lib is not None
-        and width in _widths
+        takes_width(width)
         and x.dim() == 2
         and 1 <= x.shape[0] <= MAX_ROWS
         and x.dtype == torch.float32

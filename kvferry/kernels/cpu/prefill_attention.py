@@ -1,5 +1,5 @@
 """Paged prefill attention on the CPU by the C kernel in prefill_attention.c: new tokens attend causally to their
-sequence's context, read from its blocks in place, 16 query rows at a time. The PyTorch reference
+sequence's context, read from its blocks in place, 8 or 16 query rows at a time (vectors.h). The PyTorch reference
 (kernels/reference.py) gathers each sequence's context into a copy and runs SDPA over it, sequence by sequence."""
 
 import ctypes

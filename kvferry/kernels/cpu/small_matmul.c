@@ -20,9 +20,10 @@
 #include <immintrin.h>
 #endif
 
-#define MAX_ROWS 4      /* of x, at most */
-#define WEIGHT_ROWS 4   /* of w at once: four streams from memory, and MAX_ROWS x 4 accumulators in registers */
-#define PREFETCH_ROWS 8 /* rows are short, so the prefetcher is told two groups ahead (measured best) */
+#define MAX_ROWS 4      /* of x at once: a call with more takes them in groups of this many */
+#define WEIGHT_ROWS 4   /* of w at once with VNNI: four streams from memory, MAX_ROWS x 4 accumulators in registers */
+#define AVX2_WEIGHT_ROWS 2 /* with AVX2: MAX_ROWS x 2 accumulators, and the weights and x, in its 16 registers */
+#define PREFETCH_ROWS 8 /* rows are short, so the prefetcher is told a few groups ahead (measured best) */
 #define WEIGHT_BLOCK 32 /* weight rows (a multiple of WEIGHT_ROWS) that every group of x rows passes over in turn */
 #define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
 
@@ -88,35 +89,36 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
 #elif defined(__AVX2__)
     /* vpmaddubsw multiplies unsigned bytes by signed ones and adds pairs into int16, saturating: |w| times x with
      * w's sign moved onto it (vpsignb), so a pair is at most 2 * 127 * 127 and never saturates, as x and w are both
-     * in [-127, 127] (both quantizers clamp there); vpmaddwd then widens the pairs' sums into int32, exactly. Two
+     * in [-127, 127] (int8_linear.py's weights and layer_ops.c's activations are clamped there); vpmaddwd then widens the pairs' sums into int32, exactly. Two
      * weight rows at a time: MAX_ROWS x 2 accumulators, the weights and x fit AVX2's sixteen registers. */
     const __m256i ones = _mm256_set1_epi16(1);
-    for (; k % 32 == 0 && j + 2 <= last; j += 2) {
-        __m256i acc[MAX_ROWS][2];
+    for (; k % 32 == 0 && j + AVX2_WEIGHT_ROWS <= last; j += AVX2_WEIGHT_ROWS) {
+        __m256i acc[MAX_ROWS][AVX2_WEIGHT_ROWS];
         for (int r = 0; r < rows; r++)
-            acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+            for (int i = 0; i < AVX2_WEIGHT_ROWS; i++)
+                acc[r][i] = _mm256_setzero_si256();
         const int8_t *wj = w + (int64_t)j * k;
         for (int d = 0; d < k; d += 32) {
-            __m256i wv[2], wabs[2];
-            for (int i = 0; i < 2; i++) {
+            __m256i wv[AVX2_WEIGHT_ROWS], wabs[AVX2_WEIGHT_ROWS];
+            for (int i = 0; i < AVX2_WEIGHT_ROWS; i++) {
                 wv[i] = _mm256_loadu_si256((const __m256i *)(wj + (int64_t)i * k + d));
                 wabs[i] = _mm256_abs_epi8(wv[i]);
                 _mm_prefetch((const char *)(wj + (int64_t)(i + PREFETCH_ROWS) * k + d), _MM_HINT_T2);
             }
             for (int r = 0; r < rows; r++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(x + (int64_t)r * k + d));
-                for (int i = 0; i < 2; i++) {
+                for (int i = 0; i < AVX2_WEIGHT_ROWS; i++) {
                     __m256i pairs = _mm256_maddubs_epi16(wabs[i], _mm256_sign_epi8(xv, wv[i]));
                     acc[r][i] = _mm256_add_epi32(acc[r][i], _mm256_madd_epi16(pairs, ones));
                 }
             }
         }
         for (int r = 0; r < rows; r++)
-            for (int i = 0; i < 2; i++)
+            for (int i = 0; i < AVX2_WEIGHT_ROWS; i++)
                 y[(int64_t)r * n + j + i] = (float)sum_eight(acc[r][i]) * row_scale[r] * col_scale[j + i];
     }
 #endif
-    /* The rows left over, or all of them without VNNI or at other widths: the compiler's own vectors, the same
+    /* The rows left over, or all of them without VNNI or AVX2 or at other widths: the compiler's own vectors, the same
      * sums, several times slower. */
     for (; j < last; j++) {
         const int8_t *wj = w + (int64_t)j * k;
@@ -138,11 +140,12 @@ static inline void my_share(int n, int *first, int *last) {
     *last = *last < n ? *last : n;
 }
 
-/* Whether torch._int_mm has a fast path here: PyTorch takes oneDNN's int8 GEMM only with AVX-512 VNNI, and
- * otherwise a scalar loop, 30 times slower than an fp32 GEMM at 512 rows (docs/benchmarks.md). Without it, this
- * file's loop takes every row count. */
-int kvferry_int_mm_is_fast(void) {
-#if defined(__AVX512VNNI__)
+/* Whether this file's loop should take every row count here, not just a few: PyTorch's torch._int_mm takes
+ * oneDNN's int8 GEMM only with AVX-512 VNNI and otherwise a scalar loop, 30 times slower than an fp32 GEMM at 512
+ * rows, where the AVX2 loop above is as fast as fp32 (docs/benchmarks.md). Without either, nothing was measured,
+ * and torch._int_mm stays. */
+int kvferry_takes_every_row_count(void) {
+#if !defined(__AVX512VNNI__) && defined(__AVX2__)
     return 1;
 #else
     return 0;

@@ -1,7 +1,7 @@
 """Int8 linear layers by the C function in small_matmul.c: the int8 weights read straight through in nn.Linear's own
 layout and each sum scaled back in the same pass. It takes a few rows (single-stream decode, a batch's tail) on every
-CPU, where torch._int_mm and a scaling pass take longer, and every row count on CPUs without AVX-512 VNNI, where
-torch._int_mm is a scalar loop (docs/benchmarks.md)."""
+CPU, where torch._int_mm and a scaling pass take longer, and every row count on AVX2 CPUs without AVX-512 VNNI,
+where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
 
 import ctypes
 from pathlib import Path
@@ -24,7 +24,7 @@ def enable(build_dir: Path) -> str:
     if _lib is None:
         pointer, count = ctypes.c_void_p, ctypes.c_int
         signatures = {
-            "kvferry_int_mm_is_fast": ([], ctypes.c_int),
+            "kvferry_takes_every_row_count": ([], ctypes.c_int),
             "kvferry_matmul_i8": (
                 [pointer, count, count, pointer, pointer, count] + [pointer] * 4 + [count, pointer, pointer, count],
                 None,
@@ -34,7 +34,7 @@ def enable(build_dir: Path) -> str:
         _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
         if _lib is None:
             return why
-        _any_rows = not _lib.kvferry_int_mm_is_fast()
+        _any_rows = bool(_lib.kvferry_takes_every_row_count())
     return ""
 
 

@@ -27,7 +27,7 @@ static inline vfloat splat(float x) { return (vfloat){0} + x; }
 /* Lanes of a where mask is set, else of b. */
 static inline vfloat pick(vint mask, vfloat a, vfloat b) { return (vfloat)(((vint)a & mask) | ((vint)b & ~mask)); }
 
-/* A tree of halvings, not sixteen additions in a row: four dependent steps. */
+/* A tree of halvings, not LANES additions in a row: three or four dependent steps. */
 static inline float sum_lanes(vfloat v) {
 #if LANES == 16
     v += __builtin_shuffle(v, (vint){8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
