@@ -35,67 +35,68 @@ static inline float half_to_float(uint16_t h) {
 
 #define OUTLIER_ROWS 8 /* rows summed at once: each weight vector loaded serves eight of them */
 
+/* The vector operations the loop below needs, on whichever vectors the machine has: sixteen lanes with AVX-512,
+ * eight with AVX2 (vcvtph2ps widens a half exactly, vfmadd rounds once as fmaf does). */
+#if defined(__AVX512F__)
+#define OUTLIER_LANES 16
+typedef __m512 outlier_vec;
+static inline outlier_vec outlier_widen(const uint16_t *p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline outlier_vec outlier_zero(void) { return _mm512_setzero_ps(); }
+static inline outlier_vec outlier_fma(float a, outlier_vec w, outlier_vec sum) {
+    return _mm512_fmadd_ps(_mm512_set1_ps(a), w, sum);
+}
+static inline void outlier_add_to(float *y, outlier_vec sum) {
+    _mm512_storeu_ps(y, _mm512_add_ps(_mm512_loadu_ps(y), sum));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+#define OUTLIER_LANES 8
+typedef __m256 outlier_vec;
+static inline outlier_vec outlier_widen(const uint16_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+static inline outlier_vec outlier_zero(void) { return _mm256_setzero_ps(); }
+static inline outlier_vec outlier_fma(float a, outlier_vec w, outlier_vec sum) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(a), w, sum);
+}
+static inline void outlier_add_to(float *y, outlier_vec sum) {
+    _mm256_storeu_ps(y, _mm256_add_ps(_mm256_loadu_ps(y), sum));
+}
+#endif
+
+#if defined(OUTLIER_LANES)
+/* Rows [r, r + take) of columns [j, j + OUTLIER_LANES), take at most OUTLIER_ROWS and a constant where it is called,
+ * so that the sums stay in registers. */
+static inline __attribute__((always_inline)) void outlier_block(float *y, int r, int take, int n, const float *x_out,
+                                                                const uint16_t *wt, int count, int j) {
+    outlier_vec sum[OUTLIER_ROWS];
+    for (int i = 0; i < take; i++)
+        sum[i] = outlier_zero();
+    for (int o = 0; o < count; o++) {
+        outlier_vec w = outlier_widen(wt + (int64_t)o * n + j);
+        for (int i = 0; i < take; i++)
+            sum[i] = outlier_fma(x_out[(int64_t)(r + i) * count + o], w, sum[i]);
+    }
+    for (int i = 0; i < take; i++)
+        outlier_add_to(y + (int64_t)(r + i) * n + j, sum[i]);
+}
+#endif
+
 /* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none);
  * wt in half precision (its bits), each weight widened exactly before it is used.
  * Each output's sum starts at zero and takes the channels in order with a fused multiply-add each (fmaf, or the same
- * operation eight or sixteen lanes at a time), then is added to y: the same roundings on every path. */
+ * operation OUTLIER_LANES lanes at a time), then is added to y: the same roundings on every path. */
 static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const uint16_t *wt, int count,
                                        const float *bias, int first, int last) {
     int j = first;
-#if defined(__AVX512F__)
-    for (; count > 0 && j + 16 <= last; j += 16) {
+#if defined(OUTLIER_LANES)
+    for (; count > 0 && j + OUTLIER_LANES <= last; j += OUTLIER_LANES) {
         int r = 0;
-        for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS) {
-            __m512 sum[OUTLIER_ROWS];
-            for (int i = 0; i < OUTLIER_ROWS; i++)
-                sum[i] = _mm512_setzero_ps();
-            for (int o = 0; o < count; o++) {
-                __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt + (int64_t)o * n + j)));
-                for (int i = 0; i < OUTLIER_ROWS; i++)
-                    sum[i] = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)(r + i) * count + o]), w, sum[i]);
-            }
-            for (int i = 0; i < OUTLIER_ROWS; i++) {
-                float *yr = y + (int64_t)(r + i) * n + j;
-                _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum[i]));
-            }
-        }
-        for (; r < rows; r++) {
-            __m512 sum = _mm512_setzero_ps();
-            for (int o = 0; o < count; o++) {
-                __m512 w = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(wt + (int64_t)o * n + j)));
-                sum = _mm512_fmadd_ps(_mm512_set1_ps(x_out[(int64_t)r * count + o]), w, sum);
-            }
-            float *yr = y + (int64_t)r * n + j;
-            _mm512_storeu_ps(yr, _mm512_add_ps(_mm512_loadu_ps(yr), sum));
-        }
-    }
-#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
-    /* The same loop eight lanes at a time (vcvtph2ps widens exactly, vfmadd rounds once as fmaf does). */
-    for (; count > 0 && j + 8 <= last; j += 8) {
-        int r = 0;
-        for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS) {
-            __m256 sum[OUTLIER_ROWS];
-            for (int i = 0; i < OUTLIER_ROWS; i++)
-                sum[i] = _mm256_setzero_ps();
-            for (int o = 0; o < count; o++) {
-                __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wt + (int64_t)o * n + j)));
-                for (int i = 0; i < OUTLIER_ROWS; i++)
-                    sum[i] = _mm256_fmadd_ps(_mm256_set1_ps(x_out[(int64_t)(r + i) * count + o]), w, sum[i]);
-            }
-            for (int i = 0; i < OUTLIER_ROWS; i++) {
-                float *yr = y + (int64_t)(r + i) * n + j;
-                _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), sum[i]));
-            }
-        }
-        for (; r < rows; r++) {
-            __m256 sum = _mm256_setzero_ps();
-            for (int o = 0; o < count; o++) {
-                __m256 w = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wt + (int64_t)o * n + j)));
-                sum = _mm256_fmadd_ps(_mm256_set1_ps(x_out[(int64_t)r * count + o]), w, sum);
-            }
-            float *yr = y + (int64_t)r * n + j;
-            _mm256_storeu_ps(yr, _mm256_add_ps(_mm256_loadu_ps(yr), sum));
-        }
+        for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS)
+            outlier_block(y, r, OUTLIER_ROWS, n, x_out, wt, count, j);
+        for (; r < rows; r++)
+            outlier_block(y, r, 1, n, x_out, wt, count, j);
     }
 #endif
     for (; count > 0 && j < last; j++)
