@@ -36,9 +36,7 @@ def fits(linear) -> bool:
 
 
 class FusedDecode:
-    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor], int8: bool, fp32: bool):
-        self.int8, self.fp32 = int8, fp32  # which products the loop calls
-
+    def __init__(self, model, k_caches: list[torch.Tensor], v_caches: list[torch.Tensor]):
         layers = [
             decode_layers.LayerWeights(
                 layer.input_layernorm.weight.detach(),
@@ -84,7 +82,7 @@ class FusedDecode:
             and layer_ops.handles(*(n.weight for n in norms))
             and all(decode_attention.handles(torch.empty(0), k, v) for k, v in zip(k_caches, v_caches))
         )
-        return cls(model, k_caches, v_caches, int8, fp32) if takes_model else None
+        return cls(model, k_caches, v_caches) if takes_model else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
         """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes
@@ -93,7 +91,7 @@ class FusedDecode:
             isinstance(batch, PagedBatch)  # the loop reads the paged cache; a benchmark's other batches do not have one
             and not batch.is_prefill
             and 1 <= x.shape[0] <= decode_layers.MAX_ROWS
-            and decode_layers.available(self.int8, self.fp32)  # a test or benchmark may have switched one off since
+            and self.loop.available()
             and layer_ops.handles(x)
             and batch.block_tables.dtype == batch.context_lens.dtype == torch.int32
             and batch.block_tables.is_contiguous()

@@ -62,6 +62,12 @@ class StepInputs:
     sampling_tensors: SamplingTensors | None  # their sampling parameters; None when all are greedy
 
 
+def enable_cpu_kernels() -> list[str]:
+    """Compile (once per machine, in the cache folder) and load the CPU's C kernels; returns why any could not be
+    (PyTorch's ops stay in use for those). The runner and `bench roofline`, which measures the model's path, call it."""
+    return cpu_kernels.enable(model_files.cache_root() / "kernels")
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -81,7 +87,7 @@ class ModelRunner:
         self.num_blocks = num_blocks
         if device.type == "cpu":
             keep_freed_memory()
-            cpu_kernels.enable(model_files.cache_root() / "kernels")  # compiled once per machine; else PyTorch's ops
+            enable_cpu_kernels()
         if can_pack(device, dtype):
             pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
         # K and V of a token side by side: a block's K and V are one contiguous run of memory, so the CPU's

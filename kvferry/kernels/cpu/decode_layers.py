@@ -163,20 +163,19 @@ class DecodeLayers:
         ]  # fmt: skip
         self.structs = (_Layer * len(structs))(*structs)
         linears = [w for layer in layers for w in layer.linears()]
-        int8 = any(isinstance(w, Int8Weights) for w in linears)
-        fp32 = any(isinstance(w, PanelWeights) for w in linears)
+        int8_linears = [w for w in linears if isinstance(w, Int8Weights)]
+        self.int8, self.fp32 = bool(int8_linears), len(int8_linears) < len(linears)  # the products the loop calls
         functions = (
             layer_ops._lib.kvferry_add_rms_norm_f32,
             layer_ops._lib.kvferry_rope_f32,
             layer_ops._lib.kvferry_silu_mul_f32,
             layer_ops._lib.kvferry_quantize_rows_f32,
-            small_matmul._lib.kvferry_matmul_i8 if int8 else None,  # a library not loaded: its kind is not here
-            panel_matmul._lib.kvferry_panel_matmul_f32 if fp32 else None,
+            small_matmul._lib.kvferry_matmul_i8 if self.int8 else None,  # a library not loaded: its kind is not here
+            panel_matmul._lib.kvferry_panel_matmul_f32 if self.fp32 else None,
             decode_attention._kernel,
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
         widest = max(w.shape[1] for w in linears)
-        int8_linears = [w for w in linears if isinstance(w, Int8Weights)]
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
         sizes = {
@@ -188,6 +187,10 @@ class DecodeLayers:
         self.buffers["quantized"] = torch.empty(MAX_ROWS, widest, dtype=torch.int8)
         self.scratch = _Scratch(**{name: t.data_ptr() for name, t in self.buffers.items()})
         self.residual = torch.empty(MAX_ROWS, hidden)
+
+    def available(self) -> bool:
+        """Whether the loop and every function it calls are still loaded (a test or benchmark may switch one off)."""
+        return available(self.int8, self.fp32)
 
     def run(
         self,

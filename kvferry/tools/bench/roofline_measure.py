@@ -84,10 +84,9 @@ def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, devi
 def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
     """A function of x computing x @ W.T through the model's path, or a string saying why there is none."""
     if device.type == "cpu":  # the model's path includes the C products the runner loads (kernels/cpu)
-        from kvferry.common import model_files
-        from kvferry.kernels import cpu as cpu_kernels
+        from kvferry.common.model.runner import enable_cpu_kernels
 
-        cpu_kernels.enable(model_files.cache_root() / "kernels")
+        enable_cpu_kernels()
     if quantization == "int8":  # the int8 GEMM of dynamically quantized rows on the CPU, Triton's on CUDA
         from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, Int8Linear
 
