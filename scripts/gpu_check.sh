@@ -6,7 +6,7 @@
 #                                               finishes (--parts: only those, to run some again)
 set -euo pipefail
 
-# The driver's parts end within 285 s of this moment (kvferry/tools/gpu_check/parts.py, BUDGET_S).
+# The driver's parts end within 450 s of this moment (kvferry/tools/gpu_check/parts.py, BUDGET_S).
 export KVFERRY_GPU_CHECK_STARTED="${KVFERRY_GPU_CHECK_STARTED:-$(date +%s)}"
 OUT="${1:?usage: scripts/gpu_check.sh OUTDIR}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

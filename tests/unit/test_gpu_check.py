@@ -12,7 +12,7 @@ import pytest
 
 from kvferry.tools.gpu_check import driver
 from kvferry.tools.gpu_check.part import Context, PartFailed, excerpt
-from kvferry.tools.gpu_check.parts import Part
+from kvferry.tools.gpu_check.parts import BUDGET_S, PARTS, Part
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -191,3 +191,9 @@ def test_the_transformers_baseline_raises_what_killed_its_thread_and_passes_only
     with pytest.raises(RuntimeError, match="stopped after 0 of 1 requests: ValueError: out of pages"):
         run_hf_continuous_batching(Model(), requests, timeout_s=30)
     assert manager.added == ["r0"] and manager.stopped
+
+
+def test_the_parts_timeouts_leave_the_scripts_set_up_its_seconds_within_the_budget():
+    # The script may spend 20 s (wheels, a first import of torch) before the driver starts: a part whose
+    # timeout grows past what is left would be clipped, and the last parts would run out of time.
+    assert sum(p.timeout_s for p in PARTS) + 20 <= BUDGET_S

@@ -1,4 +1,4 @@
-"""The GPU check: everything that needs a CUDA device, in one run of at most five minutes on one H100.
+"""The GPU check: everything that needs a CUDA device, in one run of at most 7.5 minutes on one H100.
 
 `scripts/gpu_check.sh OUTDIR` (`make gpu-check OUT=OUTDIR`) runs it on the GPU machine's own Python from the
 source tree; `kvferry gpu-check OUTDIR` runs the same driver where kvferry is installed. The driver
