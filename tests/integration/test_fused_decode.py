@@ -12,8 +12,9 @@ from kvferry.common.engine import LLMEngine
 from kvferry.common.model import fused_decode
 from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.fused_decode import FusedDecode
+from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
-from kvferry.kernels.cpu import decode_layers
+from kvferry.kernels.cpu import decode_layers, small_matmul
 from tests.tiny_models import VOCAB, save_tiny_model
 
 
@@ -69,6 +70,9 @@ def test_the_one_call_loop_gives_the_layers_logits_bit_for_bit(tmp_path, arch, q
     if quantization is None and not _panels_everywhere(engine.runner.model):
         pytest.skip("oneDNN packs these fp32 weights in a layout other than the panels the C product reads")
     assert engine.runner.model.fused_decode is not None
+    if quantization == "int8":  # the runner's layout: interleaved where the C product takes every row count
+        linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, Int8Linear)]
+        assert {m.qweight.dim() for m in linears} == {4 if small_matmul._any_rows else 2}
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 40))] for _ in range(decode_layers.MAX_ROWS)]
     prompts[1] = prompts[1][:1] * 30  # a loud row beside quiet ones

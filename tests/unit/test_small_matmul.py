@@ -32,11 +32,45 @@ def test_int8_sums_are_torch_int_mm_bit_for_bit(kernels, rows, k, n):
     assert torch.equal(got, expected)
 
 
+def _interleaved_or_skip(w):
+    interleaved = small_matmul.interleave(w)
+    if interleaved is None:
+        assert not _every_row_count() or w.shape[0] % 4 or w.shape[1] % 32  # made wherever it should be
+        pytest.skip("weights are interleaved only on AVX2 CPUs without VNNI, at n % 4 == 0 and k % 32 == 0")
+    return interleaved
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 11, 70])
+@pytest.mark.parametrize("k, n", [(576, 204), (1536, 64), (64, 8)])
+def test_interleaved_int8_sums_are_torch_int_mm_bit_for_bit(kernels, rows, k, n):
+    generator = torch.Generator().manual_seed(rows * k + n)
+    x = torch.randint(-127, 128, (rows, k), dtype=torch.int8, generator=generator)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=generator)
+    x[0], w[0], w[-1] = -127, -127, 127  # the largest sums, in the first and the last group
+    interleaved = _interleaved_or_skip(w)
+    assert interleaved.shape == (n // 4, k // 32, 4, 32) and torch.equal(small_matmul.plain(interleaved), w)
+    assert small_matmul.shape_of(interleaved) == (n, k)
+    row_scale, col_scale = torch.rand(rows, generator=generator), torch.rand(n, generator=generator)
+    expected = torch._int_mm(x, w.t()).float() * row_scale[:, None] * col_scale
+    sums = small_matmul.weight_sums(interleaved)
+    assert torch.equal(sums, small_matmul.weight_sums(w))
+    assert torch.equal(small_matmul.matmul_i8(x, interleaved, sums, row_scale, col_scale), expected)
+
+
+def test_weights_are_interleaved_only_at_shapes_the_loop_takes_whole(kernels):
+    assert small_matmul.interleave(torch.zeros(6, 64, dtype=torch.int8)) is None  # rows not in groups of four
+    assert small_matmul.interleave(torch.zeros(8, 48, dtype=torch.int8)) is None  # not in 32-byte pieces
+
+
+def _every_row_count() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split()  # the compiler's -march=native sees the same flags
+    return "avx2" in flags and "avx512_vnni" not in flags  # where torch._int_mm is a scalar loop
+
+
 def test_a_few_contiguous_int8_rows_are_taken_and_more_only_where_torch_int_mm_is_slow(kernels):
     q = torch.zeros(8, 32, dtype=torch.int8)
     assert small_matmul.handles(torch.zeros(small_matmul.MAX_ROWS, 32, dtype=torch.int8), q)
-    flags = Path("/proc/cpuinfo").read_text().split()  # the compiler's -march=native sees the same flags
-    every_row_count = "avx2" in flags and "avx512_vnni" not in flags  # where torch._int_mm is a scalar loop
+    every_row_count = _every_row_count()
     more = torch.zeros(small_matmul.MAX_ROWS + 1, 32, dtype=torch.int8)
     assert small_matmul.handles(more, q) == every_row_count
     assert not small_matmul.handles(torch.zeros(32, 2, dtype=torch.int8).t(), q)  # not contiguous
@@ -51,10 +85,16 @@ def _without_small_matmul(layer, x, build_dir):
         assert small_matmul.enable(build_dir) == ""
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 40])
-def test_an_int8_layer_gives_the_int_mm_paths_output_at_any_row_count(kernels, tmp_path_factory, rows):
+def test_an_int8_layer_gives_the_int_mm_paths_output_at_any_row_count(kernels, tmp_path_factory, rows, interleaved):
     generator = torch.Generator().manual_seed(rows)
     layer = Int8Linear(torch.nn.Linear(128, 72), outliers=torch.tensor([3, 70]))
+    if interleaved:
+        plain = layer.qweight
+        _interleaved_or_skip(plain)
+        assert layer.interleave() and layer.qweight.dim() == 4 and torch.equal(layer.plain_qweight(), plain)
+        assert not layer.interleave()  # once
     x = torch.randn(rows, 128, generator=generator)
     x[:, 3] *= 40  # a loud channel, kept in float
     with torch.no_grad():

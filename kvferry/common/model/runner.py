@@ -15,6 +15,7 @@ from kvferry.common.model.cpu_memory import huge_page_zeros, keep_freed_memory
 from kvferry.common.model.decode_graphs import DecodeGraphs
 from kvferry.common.model.fused_decode import FusedDecode
 from kvferry.common.model.host_staging import HostStaging
+from kvferry.common.model.int8_linear import interleave_linears
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.kv_gather import DeviceGather
 from kvferry.common.model.llama import head_dim_of
@@ -88,6 +89,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()
             enable_cpu_kernels()
+            interleave_linears(model)  # --quantization int8: into the layout the C product streams fastest, if any
         if can_pack(device, dtype):
             pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
         # K and V of a token side by side: a block's K and V are one contiguous run of memory, so the CPU's

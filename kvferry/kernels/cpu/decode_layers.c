@@ -16,14 +16,14 @@
 
 typedef struct { /* a linear layer's buffers: an Int8Linear's (common/model/int8_linear.py), or, where panels is set,
                   * a PackedLinear's (common/model/cpu_linear.py) */
-    const int8_t *qweight;     /* [n][k] */
+    const int8_t *qweight;     /* [n][k], or interleaved (small_matmul.c's weight_at) */
     const int32_t *sums;       /* [n]: each weight row's sum */
     const float *scale;        /* [n] */
     const int64_t *outliers;   /* [count] sorted input channels kept in float, or NULL */
     const uint16_t *outlier_rows; /* [count][n] half precision, or NULL */
     const float *bias;         /* [n], or NULL */
     const float *panels;       /* fp32 [ceil(n / width)][k][width], oneDNN's packed weight; NULL for int8 */
-    int n, k, count, width;
+    int n, k, count, width, interleaved;
 } Weights;
 
 typedef struct {
@@ -37,8 +37,8 @@ typedef struct { /* the functions the layer runs; their contracts are in their o
     void (*rope)(float *, int64_t, int, int, int, const float *, const float *, int);
     void (*silu_mul)(const float *, float *, int, int, int);
     void (*quantize_rows)(const float *, int, int, const int64_t *, int, int8_t *, float *, float *, int);
-    void (*matmul_i8)(const int8_t *, int, int, const int8_t *, const int32_t *, int, const float *, const float *,
-                      const float *, const uint16_t *, int, const float *, float *, int);
+    void (*matmul_i8)(const int8_t *, int, int, const int8_t *, int, const int32_t *, int, const float *,
+                      const float *, const float *, const uint16_t *, int, const float *, float *, int);
     void (*matmul_f32)(const float *, int, int, const float *, int, int, const float *, float *, int);
     int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, float *,
                      float *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
@@ -64,8 +64,8 @@ static void linear(const Kernels *f, const Weights *w, const float *x, int rows,
     }
     f->quantize_rows(x, rows, w->k, w->outliers, w->count, s->quantized, s->row_scale, s->outlier_values,
                      num_threads);
-    f->matmul_i8(s->quantized, rows, w->k, w->qweight, w->sums, w->n, s->row_scale, w->scale, s->outlier_values,
-                 w->outlier_rows, w->count, w->bias, y, num_threads);
+    f->matmul_i8(s->quantized, rows, w->k, w->qweight, w->interleaved, w->sums, w->n, s->row_scale, w->scale,
+                 s->outlier_values, w->outlier_rows, w->count, w->bias, y, num_threads);
 }
 
 /* x [rows][hidden]: the embeddings in, the last layer's MLP output out; residual [rows][hidden]: the residual

@@ -25,7 +25,7 @@ _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 class _Weights(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("qweight", "sums", "scale", "outliers", "outlier_rows", "bias", "panels")]
-    _fields_ += [("n", _i), ("k", _i), ("count", _i), ("width", _i)]
+    _fields_ += [("n", _i), ("k", _i), ("count", _i), ("width", _i), ("interleaved", _i)]
 
 
 class _Layer(ctypes.Structure):
@@ -87,7 +87,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class Int8Weights:
-    """An Int8Linear's buffers: qweight [n, k] int8, sums [n] int32, scale [n], and optionally outliers [count]
+    """An Int8Linear's buffers: qweight [n, k] int8 (or small_matmul.interleave's layout), sums [n] int32, scale [n], and optionally outliers [count]
     int64, outlier_rows [count, n] fp16 and bias [n]; all contiguous on the CPU."""
 
     qweight: torch.Tensor
@@ -99,13 +99,13 @@ class Int8Weights:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.qweight.shape)
+        return small_matmul.shape_of(self.qweight)
 
     def as_struct(self) -> _Weights:
         n, k = self.shape
         count = 0 if self.outliers is None else len(self.outliers)
         tensors = (self.qweight, self.sums, self.scale, self.outliers, self.outlier_rows, self.bias)
-        return _Weights(*map(_address, tensors), None, n, k, count, 0)
+        return _Weights(*map(_address, tensors), None, n, k, count, 0, int(self.qweight.dim() == 4))
 
 
 @dataclass
@@ -120,7 +120,7 @@ class PanelWeights:
 
     def as_struct(self) -> _Weights:
         panels = torch.ops.mkldnn.data_ptr(self.packed)
-        return _Weights(None, None, None, None, None, _address(self.bias), panels, *self.shape, 0, self.width)
+        return _Weights(None, None, None, None, None, _address(self.bias), panels, *self.shape, 0, self.width, 0)
 
 
 @dataclass

@@ -26,7 +26,9 @@ def enable(build_dir: Path) -> str:
         signatures = {
             "kvferry_takes_every_row_count": ([], ctypes.c_int),
             "kvferry_matmul_i8": (
-                [pointer, count, count, pointer, pointer, count] + [pointer] * 4 + [count, pointer, pointer, count],
+                [pointer, count, count, pointer, count, pointer, count]
+                + [pointer] * 4
+                + [count, pointer, pointer, count],
                 None,
             ),
         }
@@ -44,14 +46,42 @@ def disable() -> None:
     _lib = None
 
 
+GROUP_ROWS, PIECE = 4, 32  # interleaved weights: groups of four rows, their 32-byte pieces side by side
+
+
+def interleave(qweight: torch.Tensor) -> torch.Tensor | None:
+    """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32]: each group of four rows
+    one run of memory (its weight_at). Only where the function takes every row count (AVX2 without VNNI), so nothing
+    needs the plain layout there; elsewhere, or at other shapes, None."""
+    n, k = qweight.shape
+    if _lib is None or not _any_rows or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
+        return None
+    return qweight.reshape(n // GROUP_ROWS, GROUP_ROWS, k // PIECE, PIECE).transpose(1, 2).contiguous()
+
+
+def plain(qweight: torch.Tensor) -> torch.Tensor:
+    """The [n, k] layout of a weight, interleaved or not (for torch._int_mm, where this function is not loaded)."""
+    if qweight.dim() == 2:
+        return qweight
+    groups, pieces = qweight.shape[:2]
+    return qweight.transpose(1, 2).reshape(groups * GROUP_ROWS, pieces * PIECE)
+
+
+def shape_of(qweight: torch.Tensor) -> tuple[int, int]:
+    """(n, k) of a weight, interleaved or not."""
+    if qweight.dim() == 2:
+        return tuple(qweight.shape)
+    return qweight.shape[0] * GROUP_ROWS, qweight.shape[1] * PIECE
+
+
 def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k]: a few rows, or any
-    number where torch._int_mm is slow; on the CPU, contiguous."""
+    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k] (or interleaved): a few
+    rows, or any number where torch._int_mm is slow; on the CPU, contiguous."""
     return (
         _lib is not None
         and xq.dim() == 2
         and 1 <= xq.shape[0]
-        and (xq.shape[0] <= MAX_ROWS or _any_rows)
+        and (xq.shape[0] <= MAX_ROWS or _any_rows or qweight.dim() == 4)
         and xq.dtype == qweight.dtype == torch.int8
         and xq.device.type == qweight.device.type == "cpu"
         and xq.is_contiguous()
@@ -61,7 +91,7 @@ def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
 
 def weight_sums(qweight: torch.Tensor) -> torch.Tensor:
     """Each int8 weight row's sum, int32 [n]: matmul_i8 needs them (computed once per weight)."""
-    return qweight.sum(dim=1, dtype=torch.int32)
+    return plain(qweight).sum(dim=1, dtype=torch.int32)
 
 
 def matmul_i8(
@@ -73,16 +103,17 @@ def matmul_i8(
     outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The int8 product xq [rows, k] · qweight [n, k]ᵀ summed in int32, times row_scale [rows] and col_scale [n]
-    -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's scaling. sums: weight_sums(
-    qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float channels' product added, then
+    """The int8 product xq [rows, k] · qweight [n, k]ᵀ (or interleave's layout) summed in int32, times row_scale
+    [rows] and col_scale [n] -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's
+    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float channels' product added, then
     the bias [n] (fp32; all contiguous), as layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
-    n = qweight.shape[0]
+    n = shape_of(qweight)[0]
     y = torch.empty(rows, n)
     x_out, wt = outliers if outliers is not None else (None, None)
     _lib.kvferry_matmul_i8(
-        xq.data_ptr(), rows, k, qweight.data_ptr(), sums.data_ptr(), n, row_scale.data_ptr(), col_scale.data_ptr(),
+        xq.data_ptr(), rows, k, qweight.data_ptr(), int(qweight.dim() == 4), sums.data_ptr(), n, row_scale.data_ptr(),
+        col_scale.data_ptr(),
         None if x_out is None else x_out.data_ptr(), None if wt is None else wt.data_ptr(),
         0 if wt is None else wt.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr(),
         torch.get_num_threads(),

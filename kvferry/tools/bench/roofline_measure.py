@@ -92,7 +92,9 @@ def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantiza
 
         linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
         outliers = torch.randperm(k)[:NUM_OUTLIER_CHANNELS] if device.type == "cpu" else None
-        return Int8Linear(linear, outliers)
+        layer = Int8Linear(linear, outliers)
+        layer.interleave()  # as the runner lays the weights out
+        return layer
     if device.type == "cpu":
         from kvferry.common.model.cpu_linear import PackedLinear, can_pack
 
