@@ -68,7 +68,9 @@ class Int8Linear(nn.Module):
     def interleave(self) -> bool:
         """Keep qweight in the layout the CPU's C product streams fastest, where it takes every product of this
         layer (small_matmul.interleave), in place of the plain one: no second copy. Returns whether it did."""
-        interleaved = small_matmul.interleave(self.qweight) if self.qweight.dim() == 2 else None
+        # Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back each call
+        takes_all = self.qweight.dim() == 2 and layer_ops._lib is not None
+        interleaved = small_matmul.interleave(self.qweight) if takes_all else None
         if interleaved is not None:
             self.qweight = interleaved
         return interleaved is not None

@@ -29,6 +29,10 @@
 #endif
 #define WEIGHT_BLOCK 32 /* weight rows (a multiple of WEIGHT_ROWS) that every group of x rows passes over in turn */
 #define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
+#define GROUP_ROWS 4 /* interleaved weights: groups of four rows (small_matmul.py's GROUP_ROWS, PIECE) */
+#define PIECE 32     /* bytes of each row side by side */
+/* The AVX2 loop reads a group's rows from its first: every block and thread share must start at a group's start */
+_Static_assert(WEIGHT_ROWS % GROUP_ROWS == 0 && WEIGHT_BLOCK % WEIGHT_ROWS == 0, "blocks start at a group's start");
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* The sums of four vectors' lanes, as one vector of four: pairs interleaved and added, twice, then the four
@@ -56,7 +60,8 @@ static inline int32_t sum_eight(__m256i v) {
 static inline const int8_t *weight_at(const int8_t *w, int row, int d, int k, int interleaved) {
     if (!interleaved)
         return w + (int64_t)row * k + d;
-    return w + (int64_t)(row / 4) * 4 * k + (d / 32) * 128 + (row % 4) * 32 + d % 32;
+    return w + (int64_t)(row / GROUP_ROWS) * GROUP_ROWS * k + (int64_t)(d / PIECE) * GROUP_ROWS * PIECE +
+           (row % GROUP_ROWS) * PIECE + d % PIECE;
 }
 
 /* The int8 product's weight rows [first, last), each sum then scaled as the PyTorch path does it:
@@ -110,7 +115,8 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
      * AVX2's sixteen registers. */
     const __m256i ones = _mm256_set1_epi16(1);
     const int weight_rows = rows <= 2 ? 4 : 2;
-    const int64_t row_step = interleaved ? 32 : k, column_step = interleaved ? 4 : 1;
+    /* Interleaved, j is a group's first row or its third (two rows at a time), so rows j.. stay in one group */
+    const int64_t row_step = interleaved ? PIECE : k, column_step = interleaved ? GROUP_ROWS : 1;
     /* Where the rows read a few groups on will lie: a run of memory ahead in the interleaved layout, the same
      * columns of later rows in the plain one (both measured best) */
     const int64_t ahead = interleaved ? AVX2_PREFETCH_BYTES : (int64_t)PREFETCH_ROWS * k;

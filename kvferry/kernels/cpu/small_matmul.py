@@ -1,7 +1,7 @@
 """Int8 linear layers by the C function in small_matmul.c: the int8 weights read straight through in nn.Linear's own
-layout and each sum scaled back in the same pass. It takes a few rows (single-stream decode, a batch's tail) on every
-CPU, where torch._int_mm and a scaling pass take longer, and every row count on AVX2 CPUs without AVX-512 VNNI,
-where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
+layout (or interleaved, interleave()) and each sum scaled back in the same pass. It takes a few rows (single-stream
+decode, a batch's tail) on every CPU, where torch._int_mm and a scaling pass take longer, and every row count on AVX2
+CPUs without AVX-512 VNNI, where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
 
 import ctypes
 from pathlib import Path
@@ -81,7 +81,7 @@ def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
         _lib is not None
         and xq.dim() == 2
         and 1 <= xq.shape[0]
-        and (xq.shape[0] <= MAX_ROWS or _any_rows or qweight.dim() == 4)
+        and (xq.shape[0] <= MAX_ROWS or _any_rows)
         and xq.dtype == qweight.dtype == torch.int8
         and xq.device.type == qweight.device.type == "cpu"
         and xq.is_contiguous()
@@ -105,8 +105,8 @@ def matmul_i8(
 ) -> torch.Tensor:
     """The int8 product xq [rows, k] · qweight [n, k]ᵀ (or interleave's layout) summed in int32, times row_scale
     [rows] and col_scale [n] -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's
-    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float channels' product added, then
-    the bias [n] (fp32; all contiguous), as layer_ops.add_outlier_columns adds them."""
+    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float
+    channels' product added, then the bias [n] (fp32; all contiguous), as layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = shape_of(qweight)[0]
     y = torch.empty(rows, n)
