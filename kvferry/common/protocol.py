@@ -528,7 +528,7 @@ def _build(cls, body, where: str):
     if not isinstance(body, dict):
         raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
     hints, known = _schema(cls)
-    extra = set(body) - set(known)
+    extra = body.keys() - known.keys()
     if extra:
         raise ProtocolError(f"{where}: unknown fields {sorted(map(str, extra))}")
     values = {}

@@ -69,7 +69,7 @@ class Int8Linear(nn.Module):
         """Keep qweight in the layout the CPU's C product streams fastest, where it takes every product of this
         layer (small_matmul.interleave), in place of the plain one: no second copy. Returns whether it did."""
         # Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back each call
-        takes_all = self.qweight.dim() == 2 and layer_ops._lib is not None
+        takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops._lib is not None
         interleaved = small_matmul.interleave(self.qweight) if takes_all else None
         if interleaved is not None:
             self.qweight = interleaved

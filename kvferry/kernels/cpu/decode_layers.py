@@ -105,7 +105,7 @@ class Int8Weights:
         n, k = self.shape
         count = 0 if self.outliers is None else len(self.outliers)
         tensors = (self.qweight, self.sums, self.scale, self.outliers, self.outlier_rows, self.bias)
-        return _Weights(*map(_address, tensors), None, n, k, count, 0, int(self.qweight.dim() == 4))
+        return _Weights(*map(_address, tensors), None, n, k, count, 0, int(small_matmul.is_interleaved(self.qweight)))
 
 
 @dataclass

@@ -59,9 +59,14 @@ def interleave(qweight: torch.Tensor) -> torch.Tensor | None:
     return qweight.reshape(n // GROUP_ROWS, GROUP_ROWS, k // PIECE, PIECE).transpose(1, 2).contiguous()
 
 
+def is_interleaved(qweight: torch.Tensor) -> bool:
+    """Whether a weight is in interleave's layout (4-D) rather than the plain [n, k]."""
+    return qweight.dim() == 4
+
+
 def plain(qweight: torch.Tensor) -> torch.Tensor:
     """The [n, k] layout of a weight, interleaved or not (for torch._int_mm, where this function is not loaded)."""
-    if qweight.dim() == 2:
+    if not is_interleaved(qweight):
         return qweight
     groups, pieces = qweight.shape[:2]
     return qweight.transpose(1, 2).reshape(groups * GROUP_ROWS, pieces * PIECE)
@@ -69,7 +74,7 @@ def plain(qweight: torch.Tensor) -> torch.Tensor:
 
 def shape_of(qweight: torch.Tensor) -> tuple[int, int]:
     """(n, k) of a weight, interleaved or not."""
-    if qweight.dim() == 2:
+    if not is_interleaved(qweight):
         return tuple(qweight.shape)
     return qweight.shape[0] * GROUP_ROWS, qweight.shape[1] * PIECE
 
@@ -112,8 +117,8 @@ def matmul_i8(
     y = torch.empty(rows, n)
     x_out, wt = outliers if outliers is not None else (None, None)
     _lib.kvferry_matmul_i8(
-        xq.data_ptr(), rows, k, qweight.data_ptr(), int(qweight.dim() == 4), sums.data_ptr(), n, row_scale.data_ptr(),
-        col_scale.data_ptr(),
+        xq.data_ptr(), rows, k, qweight.data_ptr(), int(is_interleaved(qweight)), sums.data_ptr(), n,
+        row_scale.data_ptr(), col_scale.data_ptr(),
         None if x_out is None else x_out.data_ptr(), None if wt is None else wt.data_ptr(),
         0 if wt is None else wt.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr(),
         torch.get_num_threads(),
