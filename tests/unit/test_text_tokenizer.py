@@ -168,6 +168,9 @@ GATEWAY_START = """
 import sys
 import kvferry.services.gateway.api, kvferry.services.gateway.main, kvferry.services.gateway.server
 from kvferry.services.gateway.main import load_text_side
+from kvferry.tools.cli import build_parser
+
+build_parser().parse_args(["gateway"])  # `kvferry gateway` builds the whole CLI, every bench command's flags too
 
 tokenizer, max_model_len = load_text_side(None)
 ids = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True)

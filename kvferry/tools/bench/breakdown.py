@@ -22,7 +22,6 @@ from collections import defaultdict
 
 import torch
 
-from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import attention, llama
@@ -284,19 +283,6 @@ def measure(
     report["decode"]["unwrapped_in_one_call"] = runner.model.fused_decode is not None and batch <= MAX_FUSED_ROWS
     report["gemm_gflops"] = {f"{m}x{k}x{n}": round(r / 1e9, 1) for (m, k, n), r in machine.gemm_flops_per_s.items()}
     return report
-
-
-def add_parser(bench) -> None:
-    p = bench.add_parser(
-        "breakdown", help="a decode step at batch 32 and a 512-token prefill chunk, part by part, against rooflines"
-    )
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
-    p.add_argument("--chunk", type=int, default=512, help="tokens of the prefill chunk")
-    p.add_argument("--steps", type=int, default=6, help="timed steps of each kind; medians are reported")
-    p.add_argument("--json", action="store_true")
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=cmd_bench_breakdown)
 
 
 def cmd_bench_breakdown(args) -> int:

@@ -71,25 +71,12 @@ def add_bench_parser(sub) -> None:
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=cmd_bench_observer)
 
-    from kvferry.tools.bench import (
-        breakdown,
-        costs,
-        feature,
-        quantization,
-        roofline_measure,
-        sim_check,
-        step,
-        transfer,
-    )
+    from kvferry.tools.bench import feature, measure_parsers, quantization, sim_check
 
-    costs.add_parser(bench)
+    measure_parsers.add_parsers(bench)
     sim_check.add_parser(bench)
     feature.add_parser(bench)
-    transfer.add_parser(bench)
-    step.add_parser(bench)
     quantization.add_parser(bench)
-    breakdown.add_parser(bench)
-    roofline_measure.add_parser(bench)
 
     p = bench.add_parser(
         "soak",

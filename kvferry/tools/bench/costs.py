@@ -28,7 +28,6 @@ Not in a step's time: the worker loop around it (polling, heartbeat snapshots, s
 and a prefill worker's gathers of early layer groups inside the step (they belong to the transfer's cost).
 """
 
-import argparse
 import datetime
 import os
 import platform
@@ -41,7 +40,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvferry.common import settings
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
@@ -447,37 +445,6 @@ def fit_costs(
 # -- the command ------------------------------------------------------------------------------------------------
 def _ms(seconds: float) -> str:
     return f"{seconds * 1000:.1f} ms"
-
-
-def _thread_list(text: str) -> list[int]:
-    try:
-        threads = sorted({int(t) for t in text.split(",") if t.strip()})
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of thread counts: {text!r} (try 1,2)") from None
-    if not threads or threads[0] < 1:
-        raise argparse.ArgumentTypeError(f"thread counts must be positive, got {text!r}")
-    return threads
-
-
-def add_parser(bench) -> None:
-    p = bench.add_parser(
-        "costs", help="fit the simulator's cost model on this machine: step times per thread count, KV transfer"
-    )
-    p.add_argument("--out", required=True, metavar="FILE.json", help="where the cost model is written")
-    p.add_argument(
-        "--threads",
-        type=_thread_list,
-        default=None,
-        metavar="T1,T2,...",
-        help="torch thread counts to fit (default: --num-threads if given, else 1 to the machine's cores)",
-    )
-    p.add_argument("--quick", action="store_true", help="a small design (small models, tests)")
-    p.add_argument("--no-transfer", action="store_true", help="skip the KV transfer (its costs stay 0)")
-    p.add_argument(
-        "--no-contention", action="store_true", help="skip the slowdown beside busy processes (a fair share assumed)"
-    )
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=cmd_bench_costs)
 
 
 def cmd_bench_costs(args) -> int:

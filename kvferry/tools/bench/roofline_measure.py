@@ -13,23 +13,11 @@ import time
 
 import torch
 
-from kvferry.common import settings
 from kvferry.tools.bench import roofline, workload
 from kvferry.tools.bench.floor import PREFILL_CHUNK
 
 DECODE_SIZES = (1, 2, 4, 8, 16, 32)
 FALLBACK_LLC_BYTES = 32 * 2**20
-
-
-def add_parser(bench) -> None:
-    p = bench.add_parser("roofline", help="this machine's GEMM rate and read bandwidth, and a workload's roofline")
-    p.add_argument("--workload", default="std-32", choices=list(workload.WORKLOADS))
-    p.add_argument("--trials", type=int, default=3, help="trials of each measurement; the best is kept")
-    p.add_argument("--measured-tok-s", type=float, default=None, help="a measured output tok/s to set against it")
-    p.add_argument("--engine", action="store_true", help="also run the workload through the in-process engine")
-    p.add_argument("--json", action="store_true")
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=cmd_bench_roofline)
 
 
 def _device(name: str) -> torch.device:

@@ -15,7 +15,6 @@ import time
 
 import torch
 
-from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 
@@ -111,17 +110,6 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constr
         "outside_model_ms": round(outside * 1000, 2),
         "outside_share": round(outside / step, 4),
     }
-
-
-def add_parser(bench) -> None:
-    p = bench.add_parser("step", help="one decode step at batch 32: the model's share and the rest")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile", action="store_true", help="also print the top functions outside the model (cProfile)")
-    p.add_argument("--json", action="store_true")
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=cmd_bench_step)
 
 
 def cmd_bench_step(args) -> int:

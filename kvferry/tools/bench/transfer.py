@@ -141,22 +141,6 @@ def measure(
     }
 
 
-def add_parser(bench) -> None:
-    p_ = bench.add_parser("transfer", help="a prompt's KV transfer against raw ZeroMQ over the same TCP loopback")
-    p_.add_argument("--model", default=None, help="whose KV layout to move (default: the default model)")
-    p_.add_argument("--blocks", type=int, nargs="+", default=[8, 32, 128], help="blocks of 16 tokens per transfer")
-    p_.add_argument("--rounds", type=int, default=20, help="alternated kv and raw transfers; medians compared")
-    p_.add_argument(
-        "--layer-groups",
-        type=int,
-        nargs="+",
-        default=[1, LAYER_GROUPS],
-        help=f"messages per transfer (1: unpipelined; the workers send {LAYER_GROUPS})",
-    )
-    p_.add_argument("--json", action="store_true")
-    p_.set_defaults(func=cmd_bench_transfer)
-
-
 def cmd_bench_transfer(args) -> int:
     from transformers import AutoConfig
 
@@ -168,7 +152,7 @@ def cmd_bench_transfer(args) -> int:
     layout = (config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config), 16)
     results = []
     for num_blocks in args.blocks:
-        for num_groups in args.layer_groups:
+        for num_groups in args.layer_groups or [1, LAYER_GROUPS]:
             results.append(measure(*layout, num_blocks, args.rounds, num_groups))
             print(json.dumps(results[-1]), file=sys.stderr)
     if args.json:
