@@ -9,6 +9,7 @@ A step's failure stays with that step's requests: an exception while computing o
 them with an error output, and the engine goes on. Only a FatalError (a broken device) ends the caller.
 """
 
+import functools
 import itertools
 import logging
 
@@ -55,10 +56,11 @@ class LLMEngine(ReceivedKV):
         self.device = resolve_device(config.device)
         use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        model_dir = resolve_model(config.model)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model, self.hf_config, max_model_len = load_model(model_dir, self.dtype, self.device, config.max_model_len)
-        layout = kv_cache_layout(self.hf_config, config.block_size, self.dtype)
+        self.model_dir = model_dir = resolve_model(config.model)
+        self.model, self.model_config, max_model_len = load_model(
+            model_dir, self.dtype, self.device, config.max_model_len
+        )
+        layout = kv_cache_layout(self.model_config, config.block_size, self.dtype)
         num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
         if num_blocks < 1:
             raise ConfigError(
@@ -84,19 +86,19 @@ class LLMEngine(ReceivedKV):
             config.max_num_seqs,
             config.max_num_batched_tokens,
             max_model_len,
-            eos_token_ids=eos_token_ids(model_dir, self.hf_config),
+            eos_token_ids=eos_token_ids(model_dir, self.model_config),
             keep_finished_blocks=keep_finished_blocks,
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_threshold=config.long_prefill_threshold,
         )
         if config.quantization == "int8":  # before the cache: its errors are not the cache's
-            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.hf_config.vocab_size))
+            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.model_config.vocab_size))
         self.runner = build_runner(self.model, layout, num_blocks, self.device, self.dtype, config, self.scheduler)
         # A prefill worker's engine (keep_finished_blocks) never runs a decode step: no graphs to keep for it.
         if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
             capture_decode_graphs(self.runner, config, max_model_len)
-        self.vocab_size = self.hf_config.vocab_size
-        self.grammars = GrammarCache(self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids)
+        self.vocab_size = self.model_config.vocab_size
+        self.grammars = GrammarCache(lambda: self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids)
         self._ids = itertools.count()
         self._live: dict[str, Sequence] = {}
         self._kept: dict[str, Sequence] = {}  # finished, blocks kept for the connector until release()
@@ -108,6 +110,13 @@ class LLMEngine(ReceivedKV):
         self._injected_failing_step = spec.fail_step if spec else 0  # a test's injected step failure (common/faults.py)
         self.num_steps = 0
         connector.bind(self)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """transformers' tokenizer of the model, loaded when first used (None for a weights-only folder). A worker
+        needs it only for structured output and int8's calibration, and importing transformers would be most of
+        its start."""
+        return load_tokenizer(self.model_dir)
 
     # -- requests -----------------------------------------------------------------------------------------
     def encode(self, prompt: str, chat: bool = False) -> list[int]:

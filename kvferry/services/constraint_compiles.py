@@ -6,10 +6,11 @@ way never holds up the process's exit), requests with the same constraint share 
 polls `wake_fd`, takes the finished ones with their compiled grammar, which the request keeps: the cache may
 evict it before the request needs it.
 
-A compile that runs past the timeout (counted from its own start, not from the queue) fails the requests that
-wait on it with a 400, and its constraint is refused at once from then on; it cannot be interrupted, so the thread
-stays busy until it ends. The gateway's bounds on a schema keep compiles short; the queue of distinct constraints
-is capped, and past the cap a request is refused with a 503 that another worker may take.
+A compile that runs past the timeout (counted from its own start: not from the queue, nor from the one-time set-up
+before a worker's first compile, the tokenizer and xgrammar) fails the requests that wait on it with a 400, and its
+constraint is refused at once from then on; it cannot be interrupted, so the thread stays busy until it ends. The
+gateway's bounds on a schema keep compiles short; the queue of distinct constraints is capped, and past the cap a
+request is refused with a 503 that another worker may take.
 """
 
 import os
@@ -134,9 +135,10 @@ class ConstraintCompiles:
         while (job := self._todo.get()) is not None:
             if not job.owners:
                 continue  # everyone who waited for it ended
-            job.started = time.monotonic()
-            self._wake()  # the loop's poll now waits no longer than this compile's deadline (next_deadline_in)
             try:
+                self.grammars.compiler()  # the first time, the tokenizer and xgrammar: before the clock starts
+                job.started = time.monotonic()
+                self._wake()  # the loop's poll now waits no longer than this compile's deadline (next_deadline_in)
                 job.grammar = self.grammars.compile(job.constraint)
             except InvalidRequest as exc:
                 job.error = str(exc)

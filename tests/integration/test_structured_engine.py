@@ -140,7 +140,7 @@ def test_the_grammar_a_worker_compiled_is_used_not_compiled_again(engine):
     from kvferry.common.structured.grammars import GrammarCache
 
     xyz = Constraint("regex", "[xyz]{4}", "structured_outputs.regex")
-    compiled = GrammarCache(engine.tokenizer, engine.vocab_size, (2,)).compile(xyz)  # as a compile thread does
+    compiled = GrammarCache(lambda: engine.tokenizer, engine.vocab_size, (2,)).compile(xyz)  # as a compile thread does
     num_compiles = engine.grammars.num_compiles
     engine.add_request(PROMPT, params(xyz), request_id="pinned", grammar=compiled)
     while engine.has_unfinished():

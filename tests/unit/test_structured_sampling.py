@@ -39,7 +39,7 @@ def tokenizer():
 
 @pytest.fixture
 def grammars(tokenizer):
-    return GrammarCache(tokenizer, len(tokenizer), (EOS,), capacity=2)
+    return GrammarCache(lambda: tokenizer, len(tokenizer), (EOS,), capacity=2)
 
 
 def allowed_ids(state, vocab) -> set[int]:
@@ -181,9 +181,15 @@ def test_a_completed_constraint_ends_the_sequence_even_with_ignore_eos(grammars,
 class SlowGrammars:
     """A grammar cache whose compile waits for the test's word: the thing under test is the waiting around it."""
 
-    def __init__(self):
+    def __init__(self, set_up_s: float = 0.0):
         self.release = threading.Event()
         self.compiled: dict = {}
+        self.set_up_s, self.set_up = set_up_s, False
+
+    def compiler(self):  # the tokenizer's load and xgrammar's import: once, and as slow as set_up_s
+        if not self.set_up:
+            time.sleep(self.set_up_s)
+            self.set_up = True
 
     def cached(self, constraint, count=True):
         return self.compiled.get(constraint.key)
@@ -222,6 +228,19 @@ def test_compiles_run_off_the_loop_shared_by_requests_with_the_same_constraint()
         [bad] = finished(compiles)
         assert bad.owner == "d" and bad.error == "structured_outputs.regex: the parenthesis is not closed"
         assert bad.grammar is None and not bad.retry
+    finally:
+        compiles.close()
+
+
+def test_the_one_time_set_up_before_the_first_compile_is_not_counted_against_its_timeout():
+    grammars = SlowGrammars(set_up_s=0.5)
+    grammars.release.set()  # each compile itself is instant
+    compiles = ConstraintCompiles(grammars, timeout_s=0.2)
+    try:
+        assert compiles.ready("a", FLAGS) is None
+        [done] = finished(compiles)
+        assert done.owner == "a" and done.error == "" and done.grammar is grammars.compiled[FLAGS.key]
+        assert grammars.set_up
     finally:
         compiles.close()
 

@@ -62,18 +62,19 @@ def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor
 
 
 def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    rope = getattr(config, "rope_parameters", None) or {"rope_type": "default", "rope_theta": config.rope_theta}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope = config.rope_parameters
+    rope_type = rope["rope_type"]
     if rope_type not in STATIC_ROPE_TYPES:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
     if rope_type == "default":
-        head_dim = head_dim_of(config)
+        head_dim = config.head_dim
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
-    else:
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    else:  # transformers' own init, on its own config object: the one place a worker imports transformers
+        from transformers import AutoConfig
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(config.path), "cpu")
     freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]  # [P, head_dim / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
     return emb.cos() * scaling, emb.sin() * scaling
@@ -88,21 +89,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
-def head_dim_of(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class Attention(nn.Module):
     def __init__(self, config, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = head_dim_of(config)
+        self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         # Qwen2 always biases q/k/v and never o; Llama and Qwen3 follow attention_bias for all four.
-        qkv_bias = True if config.model_type == "qwen2" else getattr(config, "attention_bias", False)
-        o_bias = False if config.model_type in ("qwen2", "mistral") else getattr(config, "attention_bias", False)
+        qkv_bias = True if config.model_type == "qwen2" else config.attention_bias
+        o_bias = False if config.model_type in ("qwen2", "mistral") else config.attention_bias
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
@@ -132,9 +129,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
+        if config.hidden_act != "silu":
             raise ModelLoadError(f"activation {config.hidden_act!r} is not supported (only silu)")
-        bias = getattr(config, "mlp_bias", False)
+        bias = config.mlp_bias
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)

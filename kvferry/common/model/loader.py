@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 from kvferry.common.errors import ModelLoadError
-from kvferry.common.model_files import check_architecture, max_model_len_of, resolve_model, served_model_name
+from kvferry.common.model_config import ModelConfig
+from kvferry.common.model_files import max_model_len_of, resolve_model, served_model_name
 
 # resolve_model and served_model_name are re-exported: the engine and the workers find the model through here.
 __all__ = [
@@ -90,16 +91,14 @@ def skip_weight_init():
 
 
 def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None):
-    """Build the model from a resolved folder and load its safetensors. Returns (model, hf_config, max_model_len)."""
+    """Build the model from a resolved folder and load its safetensors. Returns (model, ModelConfig, max_model_len)."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     from kvferry.common.model.llama import LlamaModel, default_dtype
 
-    config = AutoConfig.from_pretrained(model_dir)
-    check_architecture(config.model_type, str(model_dir / "config.json"))
-    limit = max_model_len_of(config)
+    config = ModelConfig.load(model_dir)
+    limit = config.max_model_len
     if max_model_len is not None and max_model_len < 2:
         raise ModelLoadError(
             f"max_model_len must be at least 2 (a prompt token and a generated one), got {max_model_len}"

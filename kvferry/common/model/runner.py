@@ -18,7 +18,6 @@ from kvferry.common.model.host_staging import HostStaging
 from kvferry.common.model.int8_linear import interleave_linears
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.kv_gather import DeviceGather
-from kvferry.common.model.llama import head_dim_of
 from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs
 from kvferry.common.scheduler import StepPlan
@@ -42,11 +41,11 @@ class KVCacheLayout:
         return budget_bytes // self.bytes_per_block
 
 
-def kv_cache_layout(hf_config, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
+def kv_cache_layout(model_config, block_size: int, dtype: torch.dtype) -> KVCacheLayout:
     return KVCacheLayout(
-        hf_config.num_hidden_layers,
-        hf_config.num_key_value_heads,
-        head_dim_of(hf_config),
+        model_config.num_hidden_layers,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
         block_size,
         torch.empty((), dtype=dtype).element_size(),
     )

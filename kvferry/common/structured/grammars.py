@@ -14,6 +14,7 @@ import json
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, STRUCTURAL_TAG, Constraint
 from kvferry.common.errors import InvalidRequest
@@ -23,9 +24,15 @@ MAX_CACHED_GRAMMARS = 256  # compiled grammars kept: each holds its token masks,
 
 class GrammarCache:
     def __init__(
-        self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...], capacity: int = MAX_CACHED_GRAMMARS
+        self,
+        load_tokenizer: Callable[[], object],
+        vocab_size: int,
+        stop_token_ids: tuple[int, ...],
+        capacity: int = MAX_CACHED_GRAMMARS,
     ):
-        self._tokenizer, self._vocab_size, self._stop_token_ids = tokenizer, vocab_size, list(stop_token_ids)
+        """load_tokenizer: transformers' tokenizer (None: the folder has none), called when the first constraint
+        comes."""
+        self._load_tokenizer, self._vocab_size, self._stop_token_ids = load_tokenizer, vocab_size, list(stop_token_ids)
         self._compiler = None
         self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
         self._lock = threading.Lock()  # the compile thread stores, the step loop reads
@@ -59,8 +66,14 @@ class GrammarCache:
                 self._compiled.popitem(last=False)
         return compiled
 
+    def compiler(self):
+        """xgrammar's compiler, built on the first call: the tokenizer's load, xgrammar's import and its pass over
+        the vocabulary, a second or two once per process. The compile thread calls it before it starts a compile's
+        clock: a constraint's timeout bounds its own compile, not this."""
+        return self._compiler or self._make_compiler()
+
     def _compile(self, constraint: Constraint):
-        compiler = self._compiler or self._make_compiler()
+        compiler = self.compiler()
         kind, spec = constraint.kind, constraint.spec
         try:
             if kind == JSON:
@@ -79,12 +92,13 @@ class GrammarCache:
             raise InvalidRequest(f"{constraint.field}: {_reason(exc)}") from None
 
     def _make_compiler(self):
-        if self._tokenizer is None:
+        tokenizer = self._load_tokenizer()
+        if tokenizer is None:
             raise InvalidRequest("this model folder has no tokenizer, which structured output needs")
         import xgrammar
 
         info = xgrammar.TokenizerInfo.from_huggingface(
-            self._tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+            tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
         )
         # One thread: the worker's step loop shares the machine; xgrammar's own cache is off, ours counts hits.
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

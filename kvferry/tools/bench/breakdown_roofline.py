@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from kvferry.common.model.cpu_linear import PackedLinear
-from kvferry.common.model.llama import head_dim_of
 from kvferry.tools.bench.roofline_measure import best_seconds, gemm_path
 
 GEMM_PARTS = {  # the model's module name (its last component) -> the part
@@ -79,7 +78,7 @@ def rooflines(model, machine: Machine, tokens: int, sampled: int, attended: int,
     config = model.config
     e = torch.empty((), dtype=machine.dtype).element_size()
     hidden, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, head_dim_of(config)
+    heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
     bw = machine.read_bytes_per_s
     out = dict.fromkeys(GEMM_PARTS.values(), 0.0)
     for part, m in gemm_layers(model):

@@ -63,7 +63,7 @@ def compile_times(model: str | None) -> dict:
 
     folder = resolve_model(model)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    grammars = GrammarCache(tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
+    grammars = GrammarCache(lambda: tokenizer, len(tokenizer), (tokenizer.eos_token_id,))
     started = time.perf_counter()
     grammars.compile(SCHEMA_CONSTRAINT)
     cold = time.perf_counter() - started

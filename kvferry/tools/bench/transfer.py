@@ -142,14 +142,12 @@ def measure(
 
 
 def cmd_bench_transfer(args) -> int:
-    from transformers import AutoConfig
-
-    from kvferry.common.model.llama import head_dim_of
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
 
     torch.set_num_threads(1)
-    config = AutoConfig.from_pretrained(resolve_model(args.model))
-    layout = (config.num_hidden_layers, config.num_key_value_heads, head_dim_of(config), 16)
+    config = ModelConfig.load(resolve_model(args.model))
+    layout = (config.num_hidden_layers, config.num_key_value_heads, config.head_dim, 16)
     results = []
     for num_blocks in args.blocks:
         for num_groups in args.layer_groups or [1, LAYER_GROUPS]:
