@@ -4,7 +4,8 @@ Importing transformers and building its config object took about 1.8 s of every 
 machine, more than importing torch, to read a dozen numbers. ModelConfig reads them from the file with the
 defaults transformers' config class of each architecture fills in where the file is silent (model_files'
 CONFIG_DEFAULTS), so the model is built as transformers would configure it. A unit test holds every field to
-AutoConfig's on configs with fields left out, nulled and set.
+AutoConfig's on configs with fields left out or set, head_dim nulled, and both RoPE spellings; a null where
+transformers wants a value is refused, as transformers refuses it.
 
 Only a RoPE scaling other than the default needs transformers (its init functions take its config object):
 llama.rope_cos_sin loads AutoConfig then, from `path`.
@@ -13,6 +14,7 @@ llama.rope_cos_sin loads AutoConfig then, from `path`.
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvferry.common.errors import ModelLoadError
 from kvferry.common.model_files import check_architecture, max_model_len_of, read_config
 
 DEFAULT_ROPE_THETA = 10000.0
@@ -41,10 +43,17 @@ class ModelConfig:
 
     @classmethod
     def load(cls, model_dir: Path) -> "ModelConfig":
+        where = str(Path(model_dir) / "config.json")
         config = read_config(model_dir)
-        check_architecture(config.get("model_type"), str(Path(model_dir) / "config.json"))
+        check_architecture(config.get("model_type"), where)
 
-        def get(name, default=None):  # a null counts as unset, as in transformers' __post_init__
+        def get(name):  # a null where transformers wants a value: it refuses such a file too
+            value = config.get(name)
+            if value is None:
+                raise ModelLoadError(f"{name} is null in {where}")
+            return value
+
+        def derived(name, default):  # a field transformers derives when it is missing or null
             value = config.get(name)
             return default if value is None else value
 
@@ -57,24 +66,26 @@ class ModelConfig:
             intermediate_size=get("intermediate_size"),
             num_hidden_layers=get("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=get("num_key_value_heads", heads),
-            head_dim=get("head_dim", get("hidden_size") // heads),
+            num_key_value_heads=derived("num_key_value_heads", heads),
+            head_dim=derived("head_dim", get("hidden_size") // heads),
             rms_norm_eps=get("rms_norm_eps"),
             tie_word_embeddings=get("tie_word_embeddings"),
             attention_bias=get("attention_bias"),
             mlp_bias=get("mlp_bias"),
             hidden_act=get("hidden_act"),
-            rope_parameters=rope_parameters(config),
+            rope_parameters=rope_parameters(config, where),
             max_position_embeddings=get("max_position_embeddings"),
             max_model_len=max_model_len_of(config),
             eos_token_id=config.get("eos_token_id"),
         )
 
 
-def rope_parameters(config: dict) -> dict:
-    """RoPE's type and parameters as transformers 5 gathers them: rope_parameters, else the older rope_scaling
-    (whose type may be called "type"), with rope_theta beside them."""
-    given = config.get("rope_parameters") or config.get("rope_scaling") or {}
+def rope_parameters(config: dict, where: str) -> dict:
+    """RoPE's type and parameters as transformers 5 gathers them: the older rope_scaling first (whose type may be
+    called "type"), else rope_parameters, with rope_theta beside them."""
+    given = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if any(isinstance(value, dict) for value in given.values()):
+        raise ModelLoadError(f"RoPE parameters per layer type ({', '.join(given)}) in {where} are not supported")
     rope = dict(given)
     rope["rope_type"] = given.get("rope_type") or given.get("type") or "default"
     rope.setdefault("rope_theta", config.get("rope_theta") or DEFAULT_ROPE_THETA)

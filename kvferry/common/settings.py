@@ -458,7 +458,8 @@ SPEC: tuple[Setting, ...] = (
         FLOAT,
         "5",
         "a structured-output constraint whose compile takes longer than this (seconds) gets a 400; at most 8, below "
-        "the 10 s a prefill worker waits for a decode worker to take a transfer",
+        "the 10 s a prefill worker waits for a decode worker to take a transfer (a worker's first constraint also "
+        "waits, uncounted, for the one-time load of the tokenizer and xgrammar: about 2 s on a 2-core CPU)",
         (*WORKERS, SERVE),
         "worker",
         above=0,

@@ -1,5 +1,6 @@
 """ModelConfig reads config.json without transformers: every field the model is built from must be what
-transformers' AutoConfig makes of the same file, whatever the file leaves out, nulls or sets."""
+transformers' AutoConfig makes of the same file, whatever the file leaves out or sets; what transformers refuses
+is refused."""
 
 import json
 
@@ -35,6 +36,7 @@ VARIANTS = (
         ("null head_dim", {"head_dim": None}, ()),
         ("old rope_theta, no rope_parameters", {"rope_theta": 5e5}, ("rope_parameters",)),
         ("old rope_scaling with 'type'", {"rope_scaling": {"type": "linear", "factor": 2.0}}, ("rope_parameters",)),
+        ("rope_scaling beside rope_parameters", {"rope_scaling": {"type": "linear", "factor": 2.0}}, ()),
         ("attention and mlp biases", {"attention_bias": True, "mlp_bias": True}, ()),
         ("tied, eos list", {"tie_word_embeddings": True, "eos_token_id": [1, 3]}, ()),
         ("sliding window used", {"sliding_window": 100, "use_sliding_window": True}, ()),
@@ -87,4 +89,21 @@ def test_every_field_is_what_autoconfig_makes_of_the_file(tmp_path, arch, varian
 def test_an_unknown_architecture_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        ModelConfig.load(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ({"rms_norm_eps": None}, "rms_norm_eps is null"),
+        ({"tie_word_embeddings": None}, "tie_word_embeddings is null"),
+        ({"max_position_embeddings": None}, "max_position_embeddings is null"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4}}}, "per layer type"),
+    ],
+)
+def test_a_config_transformers_refuses_or_kvferry_cannot_build_is_a_clear_error(tmp_path, setting, message):
+    tiny_config("qwen2").save_pretrained(tmp_path)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **setting}))
+    with pytest.raises(ModelLoadError, match=message):
         ModelConfig.load(tmp_path)

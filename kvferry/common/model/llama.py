@@ -70,7 +70,7 @@ def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tenso
         head_dim = config.head_dim
         inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         scaling = 1.0
-    else:  # transformers' own init, on its own config object: the one place a worker imports transformers
+    else:  # transformers' own init, on its own config object: the one place the model's build imports it
         from transformers import AutoConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
