@@ -13,13 +13,12 @@ from pathlib import Path
 
 from kvferry.common.errors import ModelLoadError
 from kvferry.common.model_config import ModelConfig
-from kvferry.common.model_files import max_model_len_of, resolve_model, served_model_name
+from kvferry.common.model_files import resolve_model, served_model_name
 
 # resolve_model and served_model_name are re-exported: the engine and the workers find the model through here.
 __all__ = [
     "convert_gguf",
     "load_model",
-    "max_model_len_of",
     "resolve_model",
     "served_model_name",
     "skip_weight_init",

@@ -217,8 +217,8 @@ def cmd_bench_serve(args) -> int:
     import asyncio
 
     import torch
-    from transformers import AutoConfig
 
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
     from kvferry.tools.bench import hf_baseline
     from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay, served_quantization
@@ -227,7 +227,7 @@ def cmd_bench_serve(args) -> int:
     torch.set_num_threads(args.threads)
     model_name = served_model(args.url)
     model_dir = resolve_model(args.model)
-    vocab_size = AutoConfig.from_pretrained(model_dir).vocab_size
+    vocab_size = ModelConfig.load(model_dir).vocab_size
     if args.sweep_rates:
         return _sweep(args, model_name, vocab_size)
     requests = workload.generate(args.workload, vocab_size, rate=args.rate)

@@ -59,12 +59,11 @@ def _ratio(off: float, on: float) -> float:
 def cmd_bench_feature(args) -> int:
     if args.feature == "structured-output":
         return structured.run(args)
-    from transformers import AutoConfig
-
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
 
     name = args.workload or FEATURES[args.feature][1]
-    vocab_size = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
+    vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
     # Warm-up requests share nothing with the workload: its first prompts find an empty cache.
     warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]

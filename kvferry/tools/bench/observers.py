@@ -33,11 +33,10 @@ def _run(requests: list[dict], folder: str | None, args) -> dict:
 
 
 def cmd_bench_observer(args) -> int:
-    from transformers import AutoConfig
-
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
 
-    requests = workload.generate(args.workload, AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size)
+    requests = workload.generate(args.workload, ModelConfig.load(resolve_model(args.model)).vocab_size)
     what = args.bench
     off, on, written_bytes, written_lines = [], [], 0, 0
     for i in range(args.repeat):

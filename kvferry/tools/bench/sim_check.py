@@ -95,11 +95,10 @@ def _predicted(folder: Path, shape: tuple[int, int], args) -> dict:
 
 
 def cmd_bench_simulator(args) -> int:
-    from transformers import AutoConfig
-
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
 
-    vocab_size = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
+    vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     workloads = {"std-32": workload.generate("std-32", vocab_size)}
     workloads[f"poisson-{args.rate:g}"] = workload.generate("std-32", vocab_size, rate=args.rate, seed=1)

@@ -97,12 +97,11 @@ def decode_step_ms(args, constraint: Constraint, rounds: int) -> dict:
 
 
 def run(args) -> int:
-    from transformers import AutoConfig
-
+    from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
 
     name = args.workload or "std-32"
-    vocab_size = AutoConfig.from_pretrained(resolve_model(args.model)).vocab_size
+    vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
     warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
     report = {"feature": "structured-output", "workload": name, "rounds": args.repeat, **compile_times(args.model)}
