@@ -245,6 +245,32 @@ def test_int8_activations_in_c_equal_the_pytorch_ops_bit_for_bit(elementwise, ro
     assert (xq[1:].abs().amax(1) == 127).all() and row_scale[0, 0] == torch.tensor(1e-12) / 127  # each row's own
 
 
+@pytest.mark.parametrize("dim", [5, 8, 37, 576, 1536])
+def test_quantized_activations_equal_the_pytorch_ops_bit_for_bit(elementwise, dim):
+    # Each row's int8 values and scale, against int8_rows_matmul's ops on the row with its outliers zeroed: halves
+    # that round to even, both clamps, infinities, outliers at the ends and side by side, and rows whose width is
+    # not a whole number of vectors (the scalar tail). A NaN is left out of the scale (amax would spread it) and
+    # quantizes to -127.
+    generator = torch.Generator().manual_seed(dim)
+    x = torch.randn(6, dim, generator=generator) * 4
+    x[1] = ((torch.arange(dim) + 3) % 23 - 11) * 0.5  # with 127 its largest, the scale is 1: halves to round to even
+    x[1, dim // 2] = 127.0
+    x[2, dim // 2] = float("nan")
+    x[3, dim // 2], x[3, dim // 2 + 1] = float("inf"), float("-inf")  # the scale is infinite: inf / inf is NaN
+    x[4] = 0.0
+    x[5, -1] = 1e30  # an outlier: left out of the scale
+    outliers = torch.tensor(sorted({0, 1, dim // 3, dim - 1}))
+    xq, row_scale, x_out = layer_ops.quantize_rows(x, outliers)
+    zeroed = x.index_fill(1, outliers, 0.0)
+    magnitude = zeroed.abs()
+    scale = magnitude.masked_fill(magnitude.isnan(), 0.0).amax(dim=1, keepdim=True).clamp_min(1e-12).div(127.0)
+    quantized = torch.round(zeroed / scale)
+    expected = quantized.masked_fill(quantized.isnan(), -127.0).clamp(-127, 127).to(torch.int8)
+    assert torch.equal(row_scale, scale) and torch.equal(xq, expected) and torch.equal(x_out, x[:, outliers])
+    assert row_scale[1] == 1.0 and (zeroed[1].frac().abs() == 0.5).any()
+    assert xq[2, dim // 2] == -127 and (xq[3] == -127).sum() == 2 and xq[5, -1] == 0
+
+
 def test_the_outlier_columns_widen_half_precision_weights_exactly(elementwise):
     # Weights down to fp16's smallest subnormal, in the sixteen-column vector part and in the scalar tail, with
     # products and sums that fp32 holds exactly: any mistake in widening a half shows as an unequal output.
