@@ -79,6 +79,29 @@ def test_the_new_tokens_are_stored_in_the_same_call_as_store_kv_stores_them(kern
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lens, threads", [([300], 2), ([300], 4), ([260, 90], 4), ([200, 5, 64], 4), ([20], 2)])
+def test_heads_split_between_threads_give_the_same_output_bit_for_bit(kernel, lens, threads):
+    # Fewer sequences than threads: each sequence's heads are shared out (9 heads in 2, 3 or 4 parts, cutting
+    # through KV groups), with each new token stored before any part reads it. Against one thread doing it all.
+    query, k_cache, v_cache, tables, context_lens = _case(len(lens), 9, 3, 64, 16, lens, True, seed=4)
+    new_k, new_v = torch.randn(2, len(lens), 3, 64).unbind(0)
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    found = {}
+    before = torch.get_num_threads()
+    try:
+        for count in (1, threads):
+            torch.set_num_threads(count)
+            k, v = k_cache.clone(), v_cache.clone()
+            out = cpu_decode.paged_decode_attention(query, k, v, tables, context_lens, 0.125, (new_k, new_v, slots))
+            found[count] = out, k, v
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(a, b) for a, b in zip(found[1], found[threads]))
+    reference.store_kv(new_k, new_v, k_cache, v_cache, slots)
+    expected = reference.paged_decode_attention(query, k_cache, v_cache, tables, context_lens, 0.125)
+    torch.testing.assert_close(found[threads][0], expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def prefill_kernel(tmp_path_factory):
     assert cpu_prefill.enable(tmp_path_factory.mktemp("kernels")) == ""

@@ -7,7 +7,9 @@
  * computed, and a block's K and V stay in cache while each head passes over them: K and V are read from memory
  * once per layer.
  * Sequences are shared between threads by OpenMP; the library links the libgomp that torch has already loaded,
- * so these are torch's own threads.
+ * so these are torch's own threads. With fewer sequences than threads (one stream alone), each sequence's heads are
+ * split between them too: a head's sums never touch another head's, so the output is the same bit for bit however
+ * they are split.
  *
  * A head's vector is a whole number of LANES-float vectors (vectors.h; the Python side checks head_dim % 16 == 0).
  */
@@ -20,32 +22,39 @@
 
 #define MAX_CHUNKS (256 / LANES) /* head_dim up to 256 */
 #define LINE_FLOATS 16          /* a 64-byte cache line: the prefetches' step (a row is a multiple of 16 floats) */
+#ifndef PARALLEL_SPLIT_ELEMENTS
+#define PARALLEL_SPLIT_ELEMENTS 16384 /* of K in the longest context: below, a second thread's wake-up costs more */
+#endif
 
-/* Inlined into a copy per common head size (see attend_sequence), so that head_dim is a constant there: the
- * loops over a head's chunks unroll, and its running sum stays in registers across a block.
- * scores: [block_size] scratch; acc: [num_heads][head_dim] scratch. */
+/* Heads [first, last) of one sequence. Inlined into a copy per common head size (see attend_sequence), so that
+ * head_dim is a constant there: the loops over a head's chunks unroll, and its running sum stays in registers across
+ * a block. scores: [block_size] scratch; acc: [num_heads][head_dim] scratch. */
 static inline __attribute__((always_inline)) void attend(const float *q, const float *k_cache, const float *v_cache,
                                                          int64_t block_stride, int64_t token_stride,
                                                          int64_t head_stride, int kv_heads, const int32_t *blocks,
                                                          int context_len, int block_size, int num_heads,
-                                                         const int head_dim, float scale, float *s, float *acc,
-                                                         float *out) {
-    const int chunks = head_dim / LANES, group = num_heads / kv_heads, row = kv_heads * head_dim;
+                                                         int first, int last, const int head_dim, float scale,
+                                                         float *s, float *acc, float *out) {
+    const int chunks = head_dim / LANES, group = num_heads / kv_heads;
+    const int64_t own_heads = (int64_t)(first / group) * head_stride; /* the first of these heads' KV heads */
+    const int lines_per_row = ((last - 1) / group + 1 - first / group) * head_dim / LINE_FLOATS;
     float top[num_heads], total[num_heads];
-    for (int h = 0; h < num_heads; h++)
+    for (int h = first; h < last; h++)
         top[h] = -INFINITY, total[h] = 0.0f;
     memset(acc, 0, sizeof(float) * num_heads * head_dim);
     for (int t0 = 0, b = 0; t0 < context_len; t0 += block_size, b++) {
         const float *k_block = k_cache + (int64_t)blocks[b] * block_stride;
         const float *v_block = v_cache + (int64_t)blocks[b] * block_stride;
         int n = context_len - t0 < block_size ? context_len - t0 : block_size;
-        /* The next block's lines are prefetched into L2 a few at a time, spread over this block's work: issued
-         * all at once, they would fill the core's miss buffers and stall the arithmetic until they arrived. */
-        int64_t next = t0 + block_size < context_len ? (int64_t)blocks[b + 1] * block_stride : -1;
-        const int lines_per_row = row / LINE_FLOATS, lines = 2 * block_size * lines_per_row; /* K's and V's */
-        const int per_step = (lines + num_heads * n - 1) / (num_heads * n);
+        /* The next block's lines of these heads' KV heads are prefetched into L2 a few at a time, spread over this
+         * block's work: issued all at once, they would fill the core's miss buffers and stall the arithmetic until
+         * they arrived. Only these: at one sequence the KV streams from memory, and each thread must bring in only
+         * its own share of it. */
+        int64_t next = t0 + block_size < context_len ? (int64_t)blocks[b + 1] * block_stride + own_heads : -1;
+        const int lines = 2 * block_size * lines_per_row; /* K's and V's */
+        const int per_step = (lines + (last - first) * n - 1) / ((last - first) * n);
         int issued = next >= 0 ? 0 : lines;
-        for (int h = 0; h < num_heads; h++) {
+        for (int h = first; h < last; h++) {
             const float *k_head = k_block + (h / group) * head_stride, *v_head = v_block + (h / group) * head_stride;
             vfloat qh[MAX_CHUNKS], a[MAX_CHUNKS];
             for (int c = 0; c < chunks; c++)
@@ -98,18 +107,18 @@ static inline __attribute__((always_inline)) void attend(const float *q, const f
                 store(acc + h * head_dim + c * LANES, a[c]);
         }
     }
-    for (int h = 0; h < num_heads; h++)
+    for (int h = first; h < last; h++)
         for (int c = 0; c < chunks; c++)
             store(out + h * head_dim + c * LANES, load(acc + h * head_dim + c * LANES) * splat(1.0f / total[h]));
 }
 
 static void attend_sequence(const float *q, const float *k_cache, const float *v_cache, int64_t block_stride,
                             int64_t token_stride, int64_t head_stride, int kv_heads, const int32_t *blocks,
-                            int context_len, int block_size, int num_heads, int head_dim, float scale, float *s,
-                            float *acc, float *out) {
+                            int context_len, int block_size, int num_heads, int first, int last, int head_dim,
+                            float scale, float *s, float *acc, float *out) {
 #define ATTEND(D)                                                                                                 \
     attend(q, k_cache, v_cache, block_stride, token_stride, head_stride, kv_heads, blocks, context_len, block_size, \
-           num_heads, D, scale, s, acc, out)
+           num_heads, first, last, D, scale, s, acc, out)
     switch (head_dim) {
     case 64:
         ATTEND(64);
@@ -147,23 +156,36 @@ int kvferry_paged_decode_attention_f32(const float *query, const float *new_k, i
                                        const int32_t *block_tables, int64_t table_stride, const int32_t *context_lens,
                                        float *out, int batch, int num_heads, int num_kv_heads, int head_dim,
                                        int block_size, float scale, int num_threads) {
+    /* How many parts each sequence's heads are split into: one each at as many sequences as threads; at fewer,
+     * enough for every thread, where the longest context makes the split worth a second thread's wake-up. */
+    int parts = 1, longest = 0;
+    for (int seq = 0; seq < batch; seq++)
+        longest = context_lens[seq] > longest ? context_lens[seq] : longest;
+    if (batch < num_threads && (int64_t)longest * num_heads * head_dim >= PARALLEL_SPLIT_ELEMENTS)
+        parts = (num_threads + batch - 1) / batch < num_heads ? (num_threads + batch - 1) / batch : num_heads;
     int failed = 0;
-    /* One sequence is one thread's work: waking the others for it only costs their wake-up. */
-#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (batch > 1)
+#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (batch * parts > 1)
     {
         float *scratch = malloc(sizeof(float) * ((size_t)block_size + LANES + (size_t)num_heads * head_dim));
         failed = scratch == NULL;
+        /* Every new token is in its slot before any part of its sequence reads it (the loop's barrier) */
+        if (slots != NULL) {
+#pragma omp for
+            for (int seq = 0; seq < batch; seq++)
+                if (slots[seq] >= 0)
+                    store_token(new_k + seq * new_k_stride, new_v + seq * new_v_stride, k_cache, v_cache, slots[seq],
+                                block_size, block_stride, token_stride, head_stride, num_kv_heads, head_dim);
+        }
 #pragma omp for schedule(dynamic, 1)
-        for (int seq = 0; seq < batch; seq++) {
+        for (int item = 0; item < batch * parts; item++) {
             if (scratch == NULL)
                 continue;
-            if (slots != NULL && slots[seq] >= 0)
-                store_token(new_k + seq * new_k_stride, new_v + seq * new_v_stride, k_cache, v_cache, slots[seq],
-                            block_size, block_stride, token_stride, head_stride, num_kv_heads, head_dim);
-            int64_t first = (int64_t)seq * num_heads * head_dim;
-            attend_sequence(query + first, k_cache, v_cache, block_stride, token_stride, head_stride, num_kv_heads,
-                            block_tables + seq * table_stride, context_lens[seq], block_size, num_heads, head_dim,
-                            scale, scratch, scratch + block_size + LANES, out + first);
+            int seq = item / parts, part = item % parts;
+            int64_t offset = (int64_t)seq * num_heads * head_dim;
+            attend_sequence(query + offset, k_cache, v_cache, block_stride, token_stride, head_stride, num_kv_heads,
+                            block_tables + seq * table_stride, context_lens[seq], block_size, num_heads,
+                            num_heads * part / parts, num_heads * (part + 1) / parts, head_dim, scale, scratch,
+                            scratch + block_size + LANES, out + offset);
         }
         free(scratch);
     }
