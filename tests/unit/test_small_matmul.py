@@ -1,6 +1,7 @@
 """The C int8 product (kernels/cpu/small_matmul.c): its sums equal torch._int_mm's bit for bit at every row count, and
 int8 linear layers take it only where they should, with the same output as without it."""
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,33 @@ def test_an_int8_layer_gives_the_int_mm_paths_output_at_any_row_count(kernels, t
     x[:, 3] *= 40  # a loud channel, kept in float
     with torch.no_grad():
         assert torch.equal(layer(x), _without_small_matmul(layer, x, tmp_path_factory.mktemp("k")))
+
+
+def test_outlier_weights_tile_and_come_back_whole():
+    rows = torch.arange(3 * 40, dtype=torch.float16).reshape(3, 40)  # 40 columns: two tiles and a padded half
+    tiled = small_matmul.tile_outliers(rows)
+    assert tiled.shape == (3, 3, 16) and tiled.is_contiguous()
+    assert torch.equal(tiled[1, 2], rows[2, 16:32]) and torch.equal(tiled[2, 0, :8], rows[0, 32:])
+    assert (tiled[2, :, 8:] == 0).all()  # the padding
+    back = small_matmul.plain_outliers(tiled, 40)
+    assert torch.equal(back, rows) and back.is_contiguous()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 40])
+def test_an_interleaved_layer_split_between_threads_gives_the_plain_layers_output(kernels, rows):
+    # Big enough for both threads, whose shares start at a tile of outlier columns; 600 columns, so the last tile is
+    # padded. Interleaved with tiled outliers against the same layer plain, bit for bit.
+    generator = torch.Generator().manual_seed(rows)
+    layer = Int8Linear(torch.nn.Linear(576, 600), outliers=torch.tensor([0, 3, 100, 575]))
+    plain = copy.deepcopy(layer)
+    _interleaved_or_skip(layer.qweight)
+    assert layer.interleave() and layer.outlier_weight.dim() == 3
+    x = torch.randn(rows, 576, generator=generator)
+    x[:, 3] *= 40
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with torch.no_grad():
+            assert torch.equal(layer(x), plain(x))
+    finally:
+        torch.set_num_threads(before)

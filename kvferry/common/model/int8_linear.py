@@ -67,18 +67,25 @@ class Int8Linear(nn.Module):
 
     def interleave(self) -> bool:
         """Keep qweight in the layout the CPU's C product streams fastest, where it takes every product of this
-        layer (small_matmul.interleave), in place of the plain one: no second copy. Returns whether it did."""
+        layer (small_matmul.interleave), in place of the plain one: no second copy; the outlier weights go with it,
+        tiled (small_matmul.tile_outliers). Returns whether it did."""
         # Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back each call
         takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops._lib is not None
         interleaved = small_matmul.interleave(self.qweight) if takes_all else None
         if interleaved is not None:
             self.qweight = interleaved
+            if self.outlier_weight is not None:
+                self.outlier_weight = small_matmul.tile_outliers(self.outlier_weight)
         return interleaved is not None
 
     def plain_qweight(self) -> torch.Tensor:
         """qweight as [N, K], for PyTorch's ops: a copy where it is interleaved and the C product was unloaded
         since (tests and benchmarks do that)."""
         return small_matmul.plain(self.qweight)
+
+    def plain_outlier_weight(self) -> torch.Tensor | None:
+        """outlier_weight as [count, N] (or None), as plain_qweight."""
+        return small_matmul.plain_outliers(self.outlier_weight, self.out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.is_cuda and self.outliers is None:
@@ -99,13 +106,13 @@ class Int8Linear(nn.Module):
                 )
             else:
                 y = layer_ops.dequantize(torch._int_mm(xq, self.plain_qweight().t()), row_scale, self.scale)
-                layer_ops.add_outlier_columns(y, x_out, self.outlier_weight, self.bias)
+                layer_ops.add_outlier_columns(y, x_out, self.plain_outlier_weight(), self.bias)
             return y.to(x.dtype).reshape(*lead, self.out_features)
         if self.outliers is None:
             y = int8_rows_matmul(x2, self.plain_qweight(), self.scale)
         else:
             y = int8_rows_matmul(x2.index_fill(1, self.outliers, 0.0), self.plain_qweight(), self.scale)
-            y.addmm_(x2[:, self.outliers], self.outlier_weight.float())
+            y.addmm_(x2[:, self.outliers], self.plain_outlier_weight().float())
         if self.bias is not None:
             y.add_(self.bias)
         return y.to(x.dtype).reshape(*lead, self.out_features)

@@ -20,7 +20,7 @@ typedef struct { /* a linear layer's buffers: an Int8Linear's (common/model/int8
     const int32_t *sums;       /* [n]: each weight row's sum */
     const float *scale;        /* [n] */
     const int64_t *outliers;   /* [count] sorted input channels kept in float, or NULL */
-    const uint16_t *outlier_rows; /* [count][n] half precision, or NULL */
+    const uint16_t *outlier_rows; /* [count][n] half precision, tiled where interleaved (outlier_at), or NULL */
     const float *bias;         /* [n], or NULL */
     const float *panels;       /* fp32 [ceil(n / width)][k][width], oneDNN's packed weight; NULL for int8 */
     int n, k, count, width, interleaved;

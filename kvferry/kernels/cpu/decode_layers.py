@@ -88,7 +88,8 @@ def _address(t: torch.Tensor | None) -> int | None:
 @dataclass
 class Int8Weights:
     """An Int8Linear's buffers: qweight [n, k] int8 (or small_matmul.interleave's layout), sums [n] int32, scale
-    [n], and optionally outliers [count] int64, outlier_rows [count, n] fp16 and bias [n]; all contiguous on the CPU."""
+    [n], and optionally outliers [count] int64, outlier_rows [count, n] fp16 (tiled, small_matmul.tile_outliers,
+    where qweight is interleaved) and bias [n]; all contiguous on the CPU."""
 
     qweight: torch.Tensor
     sums: torch.Tensor

@@ -169,6 +169,6 @@ void kvferry_add_outlier_columns_f32(float *y, int rows, int n, const float *x_o
     {
         int threads = omp_get_num_threads(), me = omp_get_thread_num(), runs = (n + 15) / 16;
         int first = (int)((int64_t)runs * me / threads) * 16, last = (int)((int64_t)runs * (me + 1) / threads) * 16;
-        add_outlier_columns(y, rows, n, x_out, wt, count, bias, first, last < n ? last : n);
+        add_outlier_columns(y, rows, n, x_out, wt, count, 0, bias, first, last < n ? last : n);
     }
 }

@@ -34,6 +34,18 @@ static inline float half_to_float(uint16_t h) {
 }
 
 #define OUTLIER_ROWS 8 /* rows summed at once: each weight vector loaded serves eight of them */
+#define OUTLIER_TILE 16 /* columns of a tile in the tiled layout (outlier_at) */
+
+/* Where channel o's weight for column j lies. Plain: [count][n], a row per channel. Tiled (small_matmul.py's
+ * tile_outliers, made with the interleaved int8 weights): [ceil(n / 16)][count][16], each 16 columns' weights for
+ * every channel one run of memory, the last tile padded. Plain, a block of columns reads count rows n apart: more
+ * streams than the prefetcher follows, and the loop waited on memory for about as long as the int8 product took
+ * for its own weights (docs/benchmarks.md). */
+static inline const uint16_t *outlier_at(const uint16_t *wt, int o, int j, int n, int count, int tiled) {
+    if (!tiled)
+        return wt + (int64_t)o * n + j;
+    return wt + ((int64_t)(j / OUTLIER_TILE) * count + o) * OUTLIER_TILE + j % OUTLIER_TILE;
+}
 
 /* The vector operations the loop below needs, on whichever vectors the machine has: sixteen lanes with AVX-512,
  * eight with AVX2 (vcvtph2ps widens a half exactly, vfmadd rounds once as fmaf does). */
@@ -66,15 +78,17 @@ static inline void outlier_add_to(float *y, outlier_vec sum) {
 #endif
 
 #if defined(OUTLIER_LANES)
-/* Rows [r, r + take) of columns [j, j + OUTLIER_LANES), take at most OUTLIER_ROWS and a constant where it is called,
- * so that the sums stay in registers. */
+/* Rows [r, r + take) of columns [j, j + OUTLIER_LANES), within one tile where tiled; take at most OUTLIER_ROWS and a
+ * constant where it is called, so that the sums stay in registers. */
 static inline __attribute__((always_inline)) void outlier_block(float *y, int r, int take, int n, const float *x_out,
-                                                                const uint16_t *wt, int count, int j) {
+                                                                const uint16_t *wt, int count, int tiled, int j) {
     outlier_vec sum[OUTLIER_ROWS];
     for (int i = 0; i < take; i++)
         sum[i] = outlier_zero();
+    const uint16_t *w0 = outlier_at(wt, 0, j, n, count, tiled);
+    const int64_t channel_step = tiled ? OUTLIER_TILE : n;
     for (int o = 0; o < count; o++) {
-        outlier_vec w = outlier_widen(wt + (int64_t)o * n + j);
+        outlier_vec w = outlier_widen(w0 + o * channel_step);
         for (int i = 0; i < take; i++)
             sum[i] = outlier_fma(x_out[(int64_t)(r + i) * count + o], w, sum[i]);
     }
@@ -84,26 +98,27 @@ static inline __attribute__((always_inline)) void outlier_block(float *y, int r,
 #endif
 
 /* y [rows][n], columns [first, last): y += x_out [rows][count] · wt [count][n], then += bias [n] (NULL: none);
- * wt in half precision (its bits), each weight widened exactly before it is used.
+ * wt in half precision (its bits), plain or tiled (outlier_at; then first is a multiple of OUTLIER_TILE), each weight
+ * widened exactly before it is used.
  * Each output's sum starts at zero and takes the channels in order with a fused multiply-add each (fmaf, or the same
  * operation OUTLIER_LANES lanes at a time), then is added to y: the same roundings on every path. */
 static inline void add_outlier_columns(float *y, int rows, int n, const float *x_out, const uint16_t *wt, int count,
-                                       const float *bias, int first, int last) {
+                                       int tiled, const float *bias, int first, int last) {
     int j = first;
 #if defined(OUTLIER_LANES)
     for (; count > 0 && j + OUTLIER_LANES <= last; j += OUTLIER_LANES) {
         int r = 0;
         for (; r + OUTLIER_ROWS <= rows; r += OUTLIER_ROWS)
-            outlier_block(y, r, OUTLIER_ROWS, n, x_out, wt, count, j);
+            outlier_block(y, r, OUTLIER_ROWS, n, x_out, wt, count, tiled, j);
         for (; r < rows; r++)
-            outlier_block(y, r, 1, n, x_out, wt, count, j);
+            outlier_block(y, r, 1, n, x_out, wt, count, tiled, j);
     }
 #endif
     for (; count > 0 && j < last; j++)
         for (int r = 0; r < rows; r++) {
             float sum = 0.0f;
             for (int o = 0; o < count; o++)
-                sum = fmaf(x_out[(int64_t)r * count + o], half_to_float(wt[(int64_t)o * n + j]), sum);
+                sum = fmaf(x_out[(int64_t)r * count + o], half_to_float(*outlier_at(wt, o, j, n, count, tiled)), sum);
             y[(int64_t)r * n + j] += sum;
         }
     if (bias != NULL)

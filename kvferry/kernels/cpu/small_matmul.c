@@ -31,8 +31,12 @@
 #define PARALLEL_WEIGHT_BYTES (256 * 1024) /* below this, the second thread's wake-up costs more than it saves */
 #define GROUP_ROWS 4 /* interleaved weights: groups of four rows (small_matmul.py's GROUP_ROWS, PIECE) */
 #define PIECE 32     /* bytes of each row side by side */
-/* The AVX2 loop reads a group's rows from its first: every block and thread share must start at a group's start */
-_Static_assert(WEIGHT_ROWS % GROUP_ROWS == 0 && WEIGHT_BLOCK % WEIGHT_ROWS == 0, "blocks start at a group's start");
+#define SHARE_ROWS 16 /* a thread's share of the rows starts at a multiple of this */
+/* The AVX2 loop reads a group's rows from its first, and the outlier loop a tile's columns from its first: every block
+ * and thread share must start at a group's start, and every share at a tile's */
+_Static_assert(WEIGHT_ROWS % GROUP_ROWS == 0 && WEIGHT_BLOCK % WEIGHT_ROWS == 0 && SHARE_ROWS % WEIGHT_ROWS == 0 &&
+                   SHARE_ROWS % OUTLIER_TILE == 0,
+               "blocks start at a group's start, shares at a tile's");
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 /* The sums of four vectors' lanes, as one vector of four: pairs interleaved and added, twice, then the four
@@ -160,12 +164,12 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
     }
 }
 
-/* This thread's share of a weight's n rows: one contiguous run, a multiple of WEIGHT_ROWS except at the end. */
+/* This thread's share of a weight's n rows: one contiguous run, a multiple of SHARE_ROWS except at the end. */
 static inline void my_share(int n, int *first, int *last) {
     int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    int groups = (n + WEIGHT_ROWS - 1) / WEIGHT_ROWS;
-    *first = (int)((int64_t)groups * me / threads) * WEIGHT_ROWS;
-    *last = (int)((int64_t)groups * (me + 1) / threads) * WEIGHT_ROWS;
+    int groups = (n + SHARE_ROWS - 1) / SHARE_ROWS;
+    *first = (int)((int64_t)groups * me / threads) * SHARE_ROWS;
+    *last = (int)((int64_t)groups * (me + 1) / threads) * SHARE_ROWS;
     *last = *last < n ? *last : n;
 }
 
@@ -184,7 +188,7 @@ int kvferry_takes_every_row_count(void) {
 /* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j]; x and w in [-127, 127];
  * w plain, or interleaved (n a multiple of 4 and k of 32; weight_at) where this file's AVX2 loop is compiled;
  * w_sums [n]: each weight row's sum. Then the outlier channels x_out [rows][count] · wt [count][n] and the bias [n]
- * (NULL: none) are added (outlier_columns.h). Each thread takes a run of the weight's rows, WEIGHT_BLOCK at a time,
+ * (NULL: none) are added (outlier_columns.h); with interleaved weights, wt comes tiled (outlier_at). Each thread takes a run of the weight's rows, WEIGHT_BLOCK at a time,
  * and every group of MAX_ROWS x rows passes over a block while it is in the cache. */
 void kvferry_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, int interleaved, const int32_t *w_sums,
                        int n, const float *row_scale, const float *col_scale, const float *x_out, const uint16_t *wt,
@@ -213,6 +217,6 @@ void kvferry_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, int in
                 }
             }
         }
-        add_outlier_columns(y, rows, n, x_out, wt, count, bias, first, last);
+        add_outlier_columns(y, rows, n, x_out, wt, count, interleaved, bias, first, last);
     }
 }

@@ -72,6 +72,28 @@ def plain(qweight: torch.Tensor) -> torch.Tensor:
     return qweight.transpose(1, 2).reshape(groups * GROUP_ROWS, pieces * PIECE)
 
 
+OUTLIER_TILE = 16  # columns of a tile of outlier weights (outlier_columns.h's outlier_at)
+
+
+def tile_outliers(rows: torch.Tensor) -> torch.Tensor:
+    """An int8 layer's outlier weights [count, n] fp16 in the layout that goes with interleaved weights,
+    [ceil(n / 16), count, 16], the last tile padded with zeros: each 16 columns' weights one run of memory, where a
+    block of columns read count rows n apart (outlier_columns.h's outlier_at)."""
+    count, n = rows.shape
+    tiles = -(-n // OUTLIER_TILE)
+    padded = torch.zeros(count, tiles * OUTLIER_TILE, dtype=rows.dtype, device=rows.device)
+    padded[:, :n] = rows
+    return padded.reshape(count, tiles, OUTLIER_TILE).transpose(0, 1).contiguous()
+
+
+def plain_outliers(rows: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """The [count, n] layout of outlier weights, tiled or not (None: a layer without any), contiguous as the C loops
+    take it."""
+    if rows is None or rows.dim() == 2:
+        return rows
+    return rows.transpose(0, 1).reshape(rows.shape[1], -1)[:, :n].contiguous()
+
+
 def shape_of(qweight: torch.Tensor) -> tuple[int, int]:
     """(n, k) of a weight, interleaved or not."""
     if not is_interleaved(qweight):
@@ -110,8 +132,9 @@ def matmul_i8(
 ) -> torch.Tensor:
     """The int8 product xq [rows, k] · qweight [n, k]ᵀ (or interleave's layout) summed in int32, times row_scale
     [rows] and col_scale [n] -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's
-    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16), the float
-    channels' product added, then the bias [n] (fp32; all contiguous), as layer_ops.add_outlier_columns adds them."""
+    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16, tiled
+    (tile_outliers) where qweight is interleaved), the float channels' product added, then the bias [n] (fp32; all
+    contiguous), as layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = shape_of(qweight)[0]
     y = torch.empty(rows, n)
@@ -120,7 +143,7 @@ def matmul_i8(
         xq.data_ptr(), rows, k, qweight.data_ptr(), int(is_interleaved(qweight)), sums.data_ptr(), n,
         row_scale.data_ptr(), col_scale.data_ptr(),
         None if x_out is None else x_out.data_ptr(), None if wt is None else wt.data_ptr(),
-        0 if wt is None else wt.shape[0], None if bias is None else bias.data_ptr(), y.data_ptr(),
+        0 if x_out is None else x_out.shape[1], None if bias is None else bias.data_ptr(), y.data_ptr(),
         torch.get_num_threads(),
     )  # fmt: skip
     return y
