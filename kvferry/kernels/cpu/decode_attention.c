@@ -158,11 +158,14 @@ int kvferry_paged_decode_attention_f32(const float *query, const float *new_k, i
                                        int block_size, float scale, int num_threads) {
     /* How many parts each sequence's heads are split into: one each at as many sequences as threads; at fewer,
      * enough for every thread, where the longest context makes the split worth a second thread's wake-up. */
-    int parts = 1, longest = 0;
-    for (int seq = 0; seq < batch; seq++)
-        longest = context_lens[seq] > longest ? context_lens[seq] : longest;
-    if (batch < num_threads && (int64_t)longest * num_heads * head_dim >= PARALLEL_SPLIT_ELEMENTS)
-        parts = (num_threads + batch - 1) / batch < num_heads ? (num_threads + batch - 1) / batch : num_heads;
+    int parts = 1;
+    if (batch < num_threads) {
+        int longest = 0, wanted = (num_threads + batch - 1) / batch;
+        for (int seq = 0; seq < batch; seq++)
+            longest = context_lens[seq] > longest ? context_lens[seq] : longest;
+        if ((int64_t)longest * num_heads * head_dim >= PARALLEL_SPLIT_ELEMENTS)
+            parts = wanted < num_heads ? wanted : num_heads;
+    }
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) reduction(| : failed) if (batch * parts > 1)
     {

@@ -188,8 +188,9 @@ int kvferry_takes_every_row_count(void) {
 /* y [rows][n] = (x [rows][k] · w [n][k]ᵀ, summed in int32) * row_scale[r] * col_scale[j]; x and w in [-127, 127];
  * w plain, or interleaved (n a multiple of 4 and k of 32; weight_at) where this file's AVX2 loop is compiled;
  * w_sums [n]: each weight row's sum. Then the outlier channels x_out [rows][count] · wt [count][n] and the bias [n]
- * (NULL: none) are added (outlier_columns.h); with interleaved weights, wt comes tiled (outlier_at). Each thread takes a run of the weight's rows, WEIGHT_BLOCK at a time,
- * and every group of MAX_ROWS x rows passes over a block while it is in the cache. */
+ * (NULL: none) are added (outlier_columns.h); with interleaved weights, wt comes tiled (outlier_at). Each thread
+ * takes a run of the weight's rows, WEIGHT_BLOCK at a time, and every group of MAX_ROWS x rows passes over a block
+ * while it is in the cache. */
 void kvferry_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, int interleaved, const int32_t *w_sums,
                        int n, const float *row_scale, const float *col_scale, const float *x_out, const uint16_t *wt,
                        int count, const float *bias, float *y, int num_threads) {
