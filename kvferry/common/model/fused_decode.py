@@ -2,8 +2,8 @@
 
 It takes a Llama-family model in fp32 on the CPU whose decoder layers' linear layers are each an Int8Linear
 (`--quantization int8`) or a PackedLinear whose packed panels panel_matmul.c reads, without per-head q/k norms
-(Qwen3's), and a decode step of at most MAX_ROWS rows whose attention the C kernel takes. Anything else runs layer
-by layer, with the same result where both can run.
+(Qwen3's), and a decode step of at most the loop's max_rows whose attention the C kernel takes. Anything else runs
+layer by layer, with the same result where both can run.
 """
 
 import torch
@@ -85,12 +85,12 @@ class FusedDecode:
         return cls(model, k_caches, v_caches) if takes_model else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
-        """Whether this step runs here: a decode step of a few fp32 rows, its inputs laid out as the runner makes
-        them."""
+        """Whether this step runs here: a decode step of fp32 rows, no more than the loop takes, its inputs laid out
+        as the runner makes them."""
         return (
             isinstance(batch, PagedBatch)  # the loop reads the paged cache; a benchmark's other batches do not have one
             and not batch.is_prefill
-            and 1 <= x.shape[0] <= decode_layers.MAX_ROWS
+            and 1 <= x.shape[0] <= self.loop.max_rows
             and self.loop.available()
             and layer_ops.handles(x)
             and batch.block_tables.dtype == batch.context_lens.dtype == torch.int32

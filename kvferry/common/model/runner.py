@@ -106,7 +106,7 @@ class ModelRunner:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
-        if device.type == "cpu":  # decode at a few rows: every layer in one call, where the model allows
+        if device.type == "cpu":  # decode: every layer in one call, where the model and the batch allow
             model.fused_decode = FusedDecode.for_model(model, self.k_caches, self.v_caches)
         self.device_gather = DeviceGather(device) if device.type == "cuda" else None  # KV going out to the host
         # Unseeded random rows draw from this one; seeded rows get their own (see sampler).

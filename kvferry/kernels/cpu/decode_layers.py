@@ -1,10 +1,11 @@
-"""Every decoder layer of a decode step at a few rows on the CPU, int8 or fp32 weights, in one call to
-decode_layers.c.
+"""Every decoder layer of a decode step on the CPU, int8 or fp32 weights, in one call to decode_layers.c.
 
 At one to four rows, a step's ~250-360 calls from Python (norms, the linear layers' C calls, RoPE, attention,
-SiLU·mul) cost about as much as their work. decode_layers.c runs the same C functions in the same order from one
-loop, so the output is bit for bit the layer-by-layer path's. The model side (common/model/fused_decode.py) says
-which models and batches it takes and hands over the weights.
+SiLU·mul) cost about as much as their work; at a batch of 32 they still cost about a fifth of the step
+(docs/benchmarks.md). decode_layers.c runs the same C functions in the same order from one loop, so the output is
+bit for bit the layer-by-layer path's. So it takes as many rows as the layers' own C products do: one to four, or
+any number where every linear layer is int8 and the int8 product takes every row count. The model side
+(common/model/fused_decode.py) says which models and batches it takes and hands over the weights.
 """
 
 import ctypes
@@ -16,8 +17,9 @@ import torch
 from kvferry.kernels.cpu import build, decode_attention, layer_ops, panel_matmul, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
-# Past it the decode step goes layer by layer: the layers' own C products stop at their MAX_ROWS too
+# Rows that every loop takes; past them, only a loop whose products all take every row count (max_rows)
 MAX_ROWS = min(small_matmul.MAX_ROWS, panel_matmul.MAX_ROWS)
+ANY_ROWS = 2**31 - 1  # the C loop's row count is an int
 _lib = None
 
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
@@ -140,8 +142,9 @@ class LayerWeights:
 
 
 class DecodeLayers:
-    """The loop's arguments built once (the weights' and caches' addresses, the shapes, its scratch), then one call
-    a step. The caller keeps the tensors alive and in place (a moved model needs a new loop): this holds them too."""
+    """The loop's arguments built once (the weights' and caches' addresses, the shapes; its scratch grows with the
+    batch), then one call a step. The caller keeps the tensors alive and in place (a moved model needs a new loop):
+    this holds them too."""
 
     def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float):
         self.layers = layers
@@ -179,15 +182,27 @@ class DecodeLayers:
         widest = max(w.shape[1] for w in linears)
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
-        sizes = {
+        self.widths = {
             "normed": hidden, "qkv": first.qkv.shape[0], "query": q_size, "attended": q_size,
             "projected": hidden, "gate_up": 2 * intermediate, "activated": intermediate, "row_scale": 1,
-            "outlier_values": max(outliers, 1),
+            "outlier_values": max(outliers, 1), "residual": hidden,
         }  # fmt: skip
-        self.buffers = {name: torch.empty(MAX_ROWS, width) for name, width in sizes.items()}
-        self.buffers["quantized"] = torch.empty(MAX_ROWS, widest, dtype=torch.int8)
+        self.widest = widest
+        # int8 alone, where the layers' int8 product takes every row count, takes every batch; panels stop at theirs
+        self.max_rows = ANY_ROWS if self.int8 and not self.fp32 and small_matmul.takes_every_row_count() else MAX_ROWS
+        self.rows = 0  # of the scratch: it grows with the largest batch seen
+        self._reserve(MAX_ROWS)
+
+    def _reserve(self, rows: int) -> None:
+        """Scratch for at least this many rows: doubled when it grows, so a batch growing one row at a time
+        allocates a few times."""
+        if rows <= self.rows:
+            return
+        self.rows = max(rows, 2 * self.rows)
+        self.buffers = {name: torch.empty(self.rows, width) for name, width in self.widths.items()}
+        self.buffers["quantized"] = torch.empty(self.rows, self.widest, dtype=torch.int8)
+        self.residual = self.buffers.pop("residual")
         self.scratch = _Scratch(**{name: t.data_ptr() for name, t in self.buffers.items()})
-        self.residual = torch.empty(MAX_ROWS, hidden)
 
     def available(self) -> bool:
         """Whether the loop and every function it calls are still loaded (a test or benchmark may switch one off)."""
@@ -206,6 +221,7 @@ class DecodeLayers:
         block_tables [rows, width] and context_lens [rows] int32, all contiguous -> (the last layer's output,
         which is x, and the residual stream [rows, hidden]), as the layers' own loop returns them."""
         rows = x.shape[0]
+        self._reserve(rows)
         residual = self.residual[:rows]
         failed = _lib.kvferry_decode_layers(
             ctypes.byref(self.kernels), ctypes.byref(self.shape), self.structs, ctypes.byref(self.scratch),

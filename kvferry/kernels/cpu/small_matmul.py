@@ -40,6 +40,11 @@ def enable(build_dir: Path) -> str:
     return ""
 
 
+def takes_every_row_count() -> bool:
+    """Whether the function is loaded and the int8 linear layers call it at every row count, not just MAX_ROWS."""
+    return _lib is not None and _any_rows
+
+
 def disable() -> None:
     """Back to torch._int_mm, in this process (tests and benchmarks compare the two)."""
     global _lib

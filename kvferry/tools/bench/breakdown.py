@@ -10,7 +10,7 @@ is taken out of the part that made the wrapped call and shown as a part of its o
 outside every part is scheduling and Python. The CPU only: there an op is done when it returns, so the host's
 clock times it, and the rooflines are measured on the same cores.
 
-Where int8 decode runs every layer in one C call (a few rows: common/model/fused_decode.py), the unwrapped step
+Where decode runs every layer in one C call (common/model/fused_decode.py says at which batches), the unwrapped step
 does so, and the wrapped one goes layer by layer, so that its parts can be timed.
 """
 
@@ -28,7 +28,6 @@ from kvferry.common.model import attention, llama
 from kvferry.common.model import runner as runner_module
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
-from kvferry.kernels.cpu.decode_layers import MAX_ROWS as MAX_FUSED_ROWS
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
 
@@ -280,7 +279,8 @@ def measure(
         for seq in list(engine.scheduler.running):
             engine.abort(seq.request_id)
     report["decode"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
-    report["decode"]["unwrapped_in_one_call"] = runner.model.fused_decode is not None and batch <= MAX_FUSED_ROWS
+    fused = runner.model.fused_decode
+    report["decode"]["unwrapped_in_one_call"] = fused is not None and batch <= fused.loop.max_rows
     report["gemm_gflops"] = {f"{m}x{k}x{n}": round(r / 1e9, 1) for (m, k, n), r in machine.gemm_flops_per_s.items()}
     return report
 
