@@ -10,6 +10,8 @@
   whose process stays alive);
 - fail_step: the engine's step of that number (counting from 1) raises inside its compute, as a kernel or sampler
   error would (the step's requests fail; the process must live).
+- step_delay_ms: a worker's step loop sleeps this long after every step (a slow model: a test with the tiny model
+  can act while its streams are still going).
 
 Off by default: unset, nothing here runs on the send path.
 """
@@ -33,6 +35,7 @@ class FaultSpec:
     stall_after_steps: int = 0
     stall_s: float = 0.0
     fail_step: int = 0
+    step_delay_ms: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> "FaultSpec":
@@ -50,8 +53,10 @@ class FaultSpec:
             except ValueError:
                 raise ConfigError(f"{ENV}: {name} must be a {kind.__name__}, got {raw!r}") from None
         spec = cls(**values)
-        if not (0 <= spec.drop <= 1 and 0 <= spec.dup <= 1) or spec.delay_ms < 0 or spec.stall_s < 0:
-            raise ConfigError(f"{ENV}: drop and dup are chances in [0, 1]; delay_ms and stall_s are not negative")
+        if not (0 <= spec.drop <= 1 and 0 <= spec.dup <= 1) or min(spec.delay_ms, spec.stall_s, spec.step_delay_ms) < 0:
+            raise ConfigError(
+                f"{ENV}: drop and dup are chances in [0, 1]; delay_ms, stall_s and step_delay_ms are not negative"
+            )
         return spec
 
     @property

@@ -323,9 +323,12 @@ class Worker:
         return self.engine.has_unfinished()
 
     def maybe_stall(self) -> None:
-        """The fault hook's (faults.ENV) stall_after_steps and stall_s: a stuck engine, in tests."""
+        """The fault hook's (faults.ENV) stall_after_steps and stall_s, a stuck engine, and step_delay_ms, a slow one:
+        in tests."""
         self.num_loop_steps += 1
         spec = self.fault_spec
+        if spec and spec.step_delay_ms:
+            time.sleep(spec.step_delay_ms / 1000)
         if spec and spec.stall_s and self.num_loop_steps == spec.stall_after_steps:
             log.warning("%s: %s: stalling the step loop for %.1f s", self.worker_id, faults.ENV, spec.stall_s)
             time.sleep(spec.stall_s)

@@ -78,10 +78,23 @@ def wait_blocks_free(stack: Stack, timeout: float = 30) -> None:
     stack.wait_for(all_free, timeout, f"every block free: {stack.workers()}")
 
 
-def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
+@pytest.fixture(scope="module")
+def slow_tiny_model(tmp_path_factory) -> str:
+    """The tiny random chat model, for tests that kill or stop a worker mid-stream: the text is not what they test,
+    and with the pace set by a step delay (slow_tiny_env) a worker starts in a fraction of the real model's time."""
+    folder = tmp_path_factory.mktemp("slow") / "tiny-chat"
+    save_tiny_chat_model(folder)
+    return str(folder)
+
+
+# Each step about as long as the default model's at a few rows on this machine: a 64-token stream lasts a few seconds
+SLOW_STEPS = {"KVFERRY_FAULTS": "step_delay_ms=30"}
+
+
+def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack, slow_tiny_model):
     """Five rounds, each SIGKILLs the decode worker holding 8 streams at a different moment; every stream
     completes with the text it has without a failure, and nothing leaks."""
-    stack = make_stack(extra_env=FAST_FAILOVER).start_pair(decode="decode-0")
+    stack = make_stack(model=slow_tiny_model, extra_env={**FAST_FAILOVER, **SLOW_STEPS}).start_pair(decode="decode-0")
     stack.start_worker("survivor", "decode", env=SMALL_CACHE)
     stack.wait_workers({"survivor"})
     prompts, moves = PROMPTS[:8], 0
@@ -102,11 +115,11 @@ def test_decode_workers_killed_mid_stream_lose_no_stream(make_stack):
     wait_blocks_free(stack)
 
 
-def test_a_stopped_decode_worker_holds_up_nobody_and_rejoins_intact(make_stack):
+def test_a_stopped_decode_worker_holds_up_nobody_and_rejoins_intact(make_stack, slow_tiny_model):
     """SIGSTOP, not a kill: the stopped worker's connections stay open and its queues fill. Streams started on the
     other decode worker meanwhile complete; the stopped worker's streams move (its heartbeats stop) and complete
     with the text they would have had; after SIGCONT it rejoins, nothing leaks, and it serves the same text."""
-    stack = make_stack(extra_env=FAST_FAILOVER).start_pair(decode="victim")
+    stack = make_stack(model=slow_tiny_model, extra_env={**FAST_FAILOVER, **SLOW_STEPS}).start_pair(decode="victim")
     stack.start_worker("survivor", "decode", env=SMALL_CACHE)
     stack.wait_workers({"survivor"})
     prompts = PROMPTS[:6]

@@ -13,7 +13,8 @@ def test_the_spec_parses_and_refuses_what_it_does_not_know():
     spec = faults.FaultSpec.parse("drop=0.02, dup=0.5,delay_ms=5,seed=7")
     assert (spec.drop, spec.dup, spec.delay_ms, spec.seed) == (0.02, 0.5, 5.0, 7) and spec.touches_messages
     assert not faults.FaultSpec.parse("stall_after_steps=3,stall_s=2").touches_messages
-    for bad in ("drop", "lose=0.1", "drop=x", "drop=2", "delay_ms=-1", "seed=1.5"):
+    assert faults.FaultSpec.parse("step_delay_ms=25").step_delay_ms == 25.0
+    for bad in ("drop", "lose=0.1", "drop=x", "drop=2", "delay_ms=-1", "seed=1.5", "step_delay_ms=-5"):
         with pytest.raises(ConfigError, match="KVFERRY_FAULTS"):
             faults.FaultSpec.parse(bad)
 
