@@ -145,9 +145,11 @@ def test_a_stopped_decode_worker_holds_up_nobody_and_rejoins_intact(make_stack, 
     wait_blocks_free(stack)
 
 
-def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack):
+def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack, slow_tiny_model):
     # Without prefix caching: the reference run would cache these very prompts, and no queue would build up.
-    stack = make_stack(extra_env={**FAST_FAILOVER, "KVFERRY_NO_PREFIX_CACHING": "1"}).start_pair()
+    # Prefill steps of the tiny model as slow as the default model's at about 500 tokens: a queue builds up
+    env = {**FAST_FAILOVER, "KVFERRY_FAULTS": "step_delay_ms=300", "KVFERRY_NO_PREFIX_CACHING": "1"}
+    stack = make_stack(model=slow_tiny_model, extra_env=env).start_pair()
     stack.start_worker("prefill-b", "prefill")
     stack.wait_workers({"prefill-b"})
     long_prompts = [prompt * 12 for prompt in PROMPTS]  # about 200 tokens each: a queue builds up
