@@ -22,7 +22,12 @@ static inline vfloat load(const float *p) {
 
 static inline void store(float *p, vfloat v) { memcpy(p, &v, sizeof v); }
 
-static inline vfloat splat(float x) { return (vfloat){0} + x; }
+/* Every lane x: x into lane 0, then lane 0 everywhere (one vbroadcastss). `(vfloat){0} + x` cost an addition before
+ * the broadcast, which the compiler must keep (it turns -0 into +0): in a GEMM's inner loop, half its speed. */
+static inline vfloat splat(float x) {
+    vfloat v = {x};
+    return __builtin_shuffle(v, (vint){0});
+}
 
 /* Lanes of a where mask is set, else of b. */
 static inline vfloat pick(vint mask, vfloat a, vfloat b) { return (vfloat)(((vint)a & mask) | ((vint)b & ~mask)); }
