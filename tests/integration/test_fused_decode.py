@@ -14,7 +14,7 @@ from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.fused_decode import FusedDecode
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
-from kvferry.kernels.cpu import decode_layers, small_matmul
+from kvferry.kernels.cpu import decode_layers, panel_matmul, small_matmul
 from tests.tiny_models import VOCAB, save_tiny_model
 
 
@@ -73,11 +73,14 @@ def test_the_one_call_loop_gives_the_layers_logits_bit_for_bit(tmp_path, arch, q
     if quantization == "int8":  # the runner's layout: interleaved where the C product takes every row count
         linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, Int8Linear)]
         assert {m.qweight.dim() for m in linears} == {4 if small_matmul._any_rows else 2}
-    # Past four rows only int8 layers whose product takes every row count (AVX2 without VNNI); else the layer path
-    # uses other products there (torch._int_mm, oneDNN)
-    takes_any = quantization == "int8" and small_matmul.takes_every_row_count()
-    assert engine.runner.model.fused_decode.loop.max_rows == (decode_layers.ANY_ROWS if takes_any else 4)
-    row_counts = [1, 2, 3, 4] + ([7, 33] if takes_any else [])  # its scratch grows twice, from four rows
+    # Past four rows as many as the layers' own C products take (AVX2): every row count for int8 without VNNI, the
+    # panel product's max_rows for fp32; elsewhere the layer path uses other products there (torch._int_mm, oneDNN)
+    if quantization == "int8":
+        most = decode_layers.ANY_ROWS if small_matmul.takes_every_row_count() else 4
+    else:
+        most = panel_matmul.max_rows()
+    assert engine.runner.model.fused_decode.loop.max_rows == most
+    row_counts = [rows for rows in (1, 2, 3, 4, 7, 33) if rows <= most]  # its scratch grows twice, from four rows
     rng = random.Random(2)
     prompts = [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 40))] for _ in range(max(row_counts))]
     prompts[1] = prompts[1][:1] * 30  # a loud row beside quiet ones

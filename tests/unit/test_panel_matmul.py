@@ -1,6 +1,6 @@
 """The C fp32 product over oneDNN's packed panels (kernels/cpu/panel_matmul.c): the panels' width is read off the
-packed memory, the product equals the float64 product within fp32's rounding, and packed linear layers take it at a
-few rows."""
+packed memory, the product equals the float64 product within fp32's rounding, a row's output is the same bit for bit
+at every row count, and packed linear layers take it up to its max_rows."""
 
 import pytest
 import torch
@@ -28,10 +28,12 @@ def _packed(n, k, bias, seed):
     return linear, packed
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 13, 33])  # past four, blocks of six rows and what is left
 @pytest.mark.parametrize("n, k, bias", [(1536, 576, False), (576, 1536, True), (192, 576, True), (72, 128, False)])
 def test_the_panel_product_is_the_float64_product_within_rounding(kernel, rows, n, k, bias):
     # SmolLM2's shapes, a narrow weight (oneDNN packs it in narrower panels) and one padded past its last column
+    if rows > panel_matmul.max_rows():
+        pytest.skip(f"the product takes {panel_matmul.max_rows()} rows on this CPU")
     linear, packed = _packed(n, k, bias, seed=n + k)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
     with torch.no_grad():
@@ -42,16 +44,30 @@ def test_the_panel_product_is_the_float64_product_within_rounding(kernel, rows, 
     assert ((got.double() - want).abs() <= bound).all()
 
 
-def test_packed_layers_take_it_at_a_few_rows_only(kernel, monkeypatch):
+@pytest.mark.parametrize("n, k, bias", [(1536, 576, True), (192, 576, False), (72, 128, True)])
+def test_a_rows_output_is_the_same_bit_for_bit_at_every_row_count(kernel, n, k, bias):
+    # Sums in order of k at any row count: a request's output does not depend on the batch it decodes in
+    linear, packed = _packed(n, k, bias, seed=k)
+    x = torch.randn(min(33, panel_matmul.max_rows()), k, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        alone = torch.cat([packed(x[i : i + 1]) for i in range(len(x))])
+        for rows in sorted({1, 4, 5, 6, 7, 12, 13, len(x)}):
+            if rows <= len(x):
+                assert torch.equal(packed(x[:rows]), alone[:rows]), rows
+
+
+def test_packed_layers_take_it_up_to_its_max_rows(kernel, monkeypatch):
     linear, packed = _packed(1536, 576, True, seed=1)
     calls = []
     real = panel_matmul.matmul
     monkeypatch.setattr(panel_matmul, "matmul", lambda x, *rest: calls.append(x.shape[0]) or real(x, *rest))
+    most = panel_matmul.max_rows()
+    assert most >= panel_matmul.MAX_ROWS
     with torch.no_grad():
-        for rows in (1, panel_matmul.MAX_ROWS, panel_matmul.MAX_ROWS + 1, 32):
+        for rows in (1, panel_matmul.MAX_ROWS, most, most + 1):
             x = torch.randn(2, rows, 576)[0]  # a view: its rows are contiguous, so the C path may take it
             assert torch.allclose(packed(x), linear(x), rtol=1e-4, atol=1e-4)
-    assert calls == [1, panel_matmul.MAX_ROWS]
+    assert calls == [1, panel_matmul.MAX_ROWS, most]  # past its max_rows, oneDNN
 
 
 def test_packed_memory_is_taken_as_panels_only_when_it_holds_the_weight():

@@ -3,8 +3,8 @@
 At one to four rows, a step's ~250-360 calls from Python (norms, the linear layers' C calls, RoPE, attention,
 SiLU·mul) cost about as much as their work; at a batch of 32 they still cost about a fifth of the step
 (docs/benchmarks.md). decode_layers.c runs the same C functions in the same order from one loop, so the output is
-bit for bit the layer-by-layer path's. So it takes as many rows as the layers' own C products do: one to four, or
-any number where every linear layer is int8 and the int8 product takes every row count. The model side
+bit for bit the layer-by-layer path's. So it takes as many rows as the layers' own C products do: one to four
+everywhere; on AVX2 without VNNI any number for int8, and up to panel_matmul's max_rows for fp32. The model side
 (common/model/fused_decode.py) says which models and batches it takes and hands over the weights.
 """
 
@@ -17,7 +17,7 @@ import torch
 from kvferry.kernels.cpu import build, decode_attention, layer_ops, panel_matmul, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
-# Rows that every loop takes; past them, only a loop whose products all take every row count (max_rows)
+# Rows that every loop takes; past them, as many as its products take (DecodeLayers.max_rows)
 MAX_ROWS = min(small_matmul.MAX_ROWS, panel_matmul.MAX_ROWS)
 ANY_ROWS = 2**31 - 1  # the C loop's row count is an int
 _lib = None
@@ -188,8 +188,9 @@ class DecodeLayers:
             "outlier_values": max(outliers, 1), "residual": hidden,
         }  # fmt: skip
         self.widest = widest
-        # int8 alone, where the layers' int8 product takes every row count, takes every batch; panels stop at theirs
-        self.max_rows = ANY_ROWS if self.int8 and not self.fp32 and small_matmul.takes_every_row_count() else MAX_ROWS
+        # As many rows as every product the loop calls takes in the layer path too
+        int8_rows = ANY_ROWS if small_matmul.takes_every_row_count() else small_matmul.MAX_ROWS
+        self.max_rows = min([int8_rows] * self.int8 + [panel_matmul.max_rows()] * self.fp32)
         self.rows = 0  # of the scratch: it grows with the largest batch seen
         self._reserve(MAX_ROWS)
 

@@ -1,7 +1,8 @@
 """fp32 linear layers at a few rows by the C function in panel_matmul.c, reading the panels oneDNN packed the weight
 into straight through: one stream's decode step is bound by reading the weights, and oneDNN's GEMM, tuned for a
-batch, reads them at a fraction of the memory's pace there (docs/benchmarks.md). No second copy of the weights:
-the C function reads oneDNN's own (common/model/cpu_linear.py finds its layout)."""
+batch, reads them at a fraction of the memory's pace there (docs/benchmarks.md). On AVX2 it takes a decode batch's
+rows too (max_rows), as fast as oneDNN's GEMM or faster, with each row's output the same at every row count. No
+second copy of the weights: the C function reads oneDNN's own (common/model/cpu_linear.py finds its layout)."""
 
 import ctypes
 from pathlib import Path
@@ -11,18 +12,20 @@ import torch
 from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
-MAX_ROWS = 4  # past a few rows the product is a GEMM, and oneDNN's is the faster
+MAX_ROWS = 4  # taken everywhere; past them, up to max_rows() where measured as fast as oneDNN's GEMM
 _lib = None
 _widths: frozenset[int] = frozenset()  # the panel widths the loaded function takes
+_max_rows = 0  # of the loaded function
 
 
 def enable(build_dir: Path) -> str:
     """Compile (once per machine) and load the function; returns "" or why oneDNN stays in use at a few rows."""
-    global _lib, _widths
+    global _lib, _widths, _max_rows
     if _lib is None:
         pointer, count = ctypes.c_void_p, ctypes.c_int
         signatures = {
             "kvferry_panel_width_fits": ([count], count),
+            "kvferry_panel_max_rows": ([], count),
             "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
         }
         fallback = "oneDNN for fp32 linear layers at a few rows"
@@ -30,6 +33,7 @@ def enable(build_dir: Path) -> str:
         if _lib is None:
             return why
         _widths = frozenset(width for width in range(1, 1025) if _lib.kvferry_panel_width_fits(width))
+        _max_rows = _lib.kvferry_panel_max_rows()
     return ""
 
 
@@ -39,18 +43,23 @@ def disable() -> None:
     _lib = None
 
 
+def max_rows() -> int:
+    """The most rows of x the loaded function takes (0: not loaded)."""
+    return _max_rows if _lib is not None else 0
+
+
 def takes_width(width: int) -> bool:
     """Whether the function is loaded and takes panels of this many columns (a whole number of its vectors)."""
     return _lib is not None and width in _widths
 
 
 def handles(x: torch.Tensor, width: int) -> bool:
-    """Whether the function is loaded and takes x: fp32 [rows, k], a few rows, contiguous, on the CPU, times panels
-    of this many columns (a whole number of its vectors)."""
+    """Whether the function is loaded and takes x: fp32 [rows, k], up to max_rows() rows, contiguous, on the CPU,
+    times panels of this many columns (a whole number of its vectors)."""
     return (
         takes_width(width)
         and x.dim() == 2
-        and 1 <= x.shape[0] <= MAX_ROWS
+        and 1 <= x.shape[0] <= _max_rows
         and x.dtype == torch.float32
         and x.device.type == "cpu"
         and x.is_contiguous()
