@@ -3,8 +3,9 @@
 PyTorch's default CPU GEMM (MKL) picks a slow path on AMD processors; oneDNN with a
 weight packed once in its blocked layout is faster at decode batch sizes on this project's
 machines (`kvferry bench engine` shows the effect end to end; figures in docs/benchmarks.md).
-At one to four rows (a single stream's decode) a C product reads the same packed panels faster
-(kernels/cpu/panel_matmul.c), where their layout is the one it reads: no second copy of the weights.
+At one to four rows (a single stream's decode), and on AVX2 at a decode batch's rows, a C product reads the same
+packed panels faster (kernels/cpu/panel_matmul.c), where their layout is the one it reads: no second copy of the
+weights.
 """
 
 import ctypes
@@ -70,7 +71,7 @@ class PackedLinear(nn.Module):
             packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), DECODE_BATCH_HINT)
         self.register_buffer("packed_weight", packed, persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-        # At a few rows the C product reads the packed panels where they lie, when their layout is the one it reads
+        # The C product reads the packed panels where they lie (panel_matmul.max_rows), when their layout is its own
         self.panel_width = panel_width_of(packed, linear.weight.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
