@@ -61,7 +61,9 @@ static inline __attribute__((always_inline)) void panel_block(const float *x, in
         for (int v = 0; v < CHUNK; v++)
             sum[r][v] = splat(0.0f);
     for (int d = 0; d < k; d++) {
-        if (fetch_panel) /* the whole panel row PREFETCH_ROWS on, into L2: the other slices' passes find it there */
+        /* The whole panel row PREFETCH_ROWS on, into L2, a 64-byte line at a time: the other slices' passes find it
+         * there. Past the panel's end this hints at memory that is not read: a prefetch never faults. */
+        if (fetch_panel)
             for (int line = 0; line < width; line += 16)
                 __builtin_prefetch(slice + (int64_t)(d + PREFETCH_ROWS) * width + line, 0, 2);
         vfloat b[CHUNK];
