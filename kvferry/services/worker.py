@@ -30,6 +30,7 @@ from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
+from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.transport import Channel
 from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
@@ -231,6 +232,7 @@ class Worker:
         """Once a loop, busy or idle: let go of what has outlived its time."""
 
     def serve_forever(self) -> None:
+        freeze_startup_objects()  # a full collection would walk the loaded model's objects mid-step
         register = self.register_message()
         self.latest_stats, stats_due = self.stats(), 0.0
         heartbeats = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)

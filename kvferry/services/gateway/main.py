@@ -21,6 +21,7 @@ from kvferry.common.model_files import (
     resolve_model,
     served_model_name,
 )
+from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
@@ -160,4 +161,6 @@ def run_gateway(args) -> None:
         timeout_graceful_shutdown=5,
         limit_concurrency=args.max_connections,
     )
-    DrainingServer(config, core, args.drain_timeout).run(sockets=[http_socket])
+    server = DrainingServer(config, core, args.drain_timeout)
+    freeze_startup_objects()  # the app, tokenizer and template: a full collection mid-stream would walk them all
+    server.run(sockets=[http_socket])
