@@ -10,7 +10,7 @@ def test_start_up_objects_leave_the_collectors_walks_and_later_garbage_is_still_
     try:
         built = [[i] for i in range(10_000)]  # containers the collector tracks, as a loaded model's modules are
         frozen = startup_heap.freeze_startup_objects()
-        assert frozen >= len(built) and gc.get_freeze_count() == frozen
+        assert frozen >= len(built)  # (frozen objects still go when their last reference does: the count may fall)
         walked = {id(o) for o in gc.get_objects()}
         assert not any(id(o) in walked for o in built)
         cycle = []
