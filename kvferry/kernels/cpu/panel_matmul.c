@@ -119,11 +119,15 @@ static void row_matmul(const float *x, int rows, int k, const float *panels, int
         const float *panel = panels + (int64_t)p * k * width;
         int first = p * width, columns = n - first < width ? n - first : width;
         for (int r = 0; r < rows; r++) {
-            /* A constant trip count for the common widths keeps the accumulators in registers. */
+            /* A constant trip count for the common widths keeps the accumulators in registers, each sum one fused
+             * multiply-add a step, as in panel_block (with a trip count it did not know, GCC left one vector's products
+             * unfused: a row's output then depended on its batch) */
             if (width == 8 * LANES)
                 panel_row(x + (int64_t)r * k, k, panel, 8, acc);
             else if (width == 4 * LANES)
                 panel_row(x + (int64_t)r * k, k, panel, 4, acc);
+            else if (width == 2 * LANES)
+                panel_row(x + (int64_t)r * k, k, panel, 2, acc);
             else
                 panel_row(x + (int64_t)r * k, k, panel, width / LANES, acc);
             float *out = y + (int64_t)r * n + first;
@@ -139,7 +143,8 @@ void kvferry_panel_matmul_f32(const float *x, int rows, int k, const float *pane
     int count = (n + width - 1) / width;
 #pragma omp parallel num_threads(num_threads) if ((int64_t)count * width * k >= PARALLEL_WEIGHT_FLOATS)
     {
-        if (rows > 4 && width % (CHUNK * LANES) == 0)
+        /* Only widths that panel_row also takes with a constant trip count: its sums are then fused as these are */
+        if (rows > 4 && (width == 2 * LANES || width == 4 * LANES || width == 8 * LANES))
             blocked_matmul(x, rows, k, panels, width, n, bias, y);
         else
             row_matmul(x, rows, k, panels, width, n, bias, y);
