@@ -179,15 +179,15 @@ class DecodeLayers:
             decode_attention._kernel,
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
-        widest = max(w.shape[1] for w in linears)
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
-        self.widths = {
+        self.widths = {  # of the float scratch, per row
             "normed": hidden, "qkv": first.qkv.shape[0], "query": q_size, "attended": q_size,
             "projected": hidden, "gate_up": 2 * intermediate, "activated": intermediate, "row_scale": 1,
-            "outlier_values": max(outliers, 1), "residual": hidden,
+            "outlier_values": max(outliers, 1),
         }  # fmt: skip
-        self.widest = widest
+        self.widest = max(w.shape[1] for w in linears)  # the int8 activations' row: the widest input
+        self.hidden = hidden
         # As many rows as every product the loop calls takes in the layer path too
         int8_rows = ANY_ROWS if small_matmul.takes_every_row_count() else small_matmul.MAX_ROWS
         self.max_rows = min([int8_rows] * self.int8 + [panel_matmul.max_rows()] * self.fp32)
@@ -202,7 +202,7 @@ class DecodeLayers:
         self.rows = max(rows, 2 * self.rows)
         self.buffers = {name: torch.empty(self.rows, width) for name, width in self.widths.items()}
         self.buffers["quantized"] = torch.empty(self.rows, self.widest, dtype=torch.int8)
-        self.residual = self.buffers.pop("residual")
+        self.residual = torch.empty(self.rows, self.hidden)
         self.scratch = _Scratch(**{name: t.data_ptr() for name, t in self.buffers.items()})
 
     def available(self) -> bool:
