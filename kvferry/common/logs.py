@@ -2,6 +2,11 @@
 
 A log line about a request carries its id: pass extra={"request_id": rid}, or, in the gateway,
 set request_id_var for the request's task and every line logged inside it gets the id.
+
+A log line often quotes what a client sent (a model name, a `user`, an error about the prompt). The text format
+escapes every control character and Unicode line break in the whole line, traceback included, so that a value with
+a newline cannot forge a line of its own, nor a terminal escape repaint the reader's screen. The JSON format gets
+the same from json.dumps, which escapes them inside its strings.
 """
 
 import contextvars
@@ -11,6 +16,17 @@ import time
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("kvferry_request_id", default="")
 FORMATS = ("text", "json")
+_NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+# C0 controls, DEL, C1 controls (NEL among them) and the Unicode line and paragraph separators.
+_ESCAPES = {
+    code: _NAMED.get(chr(code), f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+    for code in (*range(0x20), *range(0x7F, 0xA0), 0x2028, 0x2029)
+}
+
+
+def escape_controls(text: str) -> str:
+    """text on one line: each control character and line break written as its backslash escape."""
+    return text.translate(_ESCAPES)
 
 
 class _RequestId(logging.Filter):
@@ -38,7 +54,8 @@ class JsonFormatter(logging.Formatter):
             line["request_id"] = record.request_id
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
-        return json.dumps(line)
+        # ensure_ascii escapes every control character and line break; default=str: an odd extra still logs
+        return json.dumps(line, ensure_ascii=True, default=str)
 
 
 class TextFormatter(logging.Formatter):
@@ -46,8 +63,8 @@ class TextFormatter(logging.Formatter):
         super().__init__("%(asctime)s %(name)s %(levelname)s %(message)s")
 
     def format(self, record: logging.LogRecord) -> str:
-        text = super().format(record)
-        return f"{text} [{record.request_id}]" if record.request_id else text
+        text = super().format(record)  # the message, and the traceback on lines of its own
+        return escape_controls(f"{text} [{record.request_id}]" if record.request_id else text)
 
 
 def setup_logging(log_format: str, process: str, level: int = logging.INFO) -> None:
