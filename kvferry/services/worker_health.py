@@ -7,6 +7,11 @@
 
 It listens before the model loads, so a taken port fails at once, and runs on its own thread: a long
 step must not make the worker look dead to the probe any sooner than the stall timeout says.
+
+The port listens on every interface, so whoever reaches it is bounded: at most MAX_CONNECTIONS connections are
+served at once (one thread each), a connection past them is closed at once, and one that sends nothing for
+IDLE_TIMEOUT_S is dropped. A probe sends its request as it connects and is answered in milliseconds, so clients
+that open connections and stay silent delay a probe by the timeout at most, and never pile up threads.
 """
 
 import json
@@ -18,6 +23,34 @@ from kvferry.common import settings
 from kvferry.common.bind_check import listen_tcp
 
 PATHS = ("/health", "/live")
+IDLE_TIMEOUT_S = 5.0  # a kubelet probe times out after 1 s by default; a silent client holds a slot no longer
+MAX_CONNECTIONS = 16  # probes come one at a time per prober; a few probers and `kvferry health` fit
+
+
+class BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most max_connections at once; a connection past them is closed unserved."""
+
+    daemon_threads = True
+
+    def __init__(self, address, handler, max_connections: int):
+        super().__init__(address, handler, bind_and_activate=False)
+        self.slots = threading.BoundedSemaphore(max_connections)
+
+    def process_request(self, request, client_address):
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # answered by a close: the client retries, as a probe does
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: the slot would never come back
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
 
 
 def worker_state(worker) -> dict:
@@ -48,11 +81,15 @@ def worker_state(worker) -> dict:
 
 
 class WorkerHealthServer:
-    def __init__(self, host: str, port: int):
+    def __init__(
+        self, host: str, port: int, idle_timeout_s: float = IDLE_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS
+    ):
         self.worker = None  # set once the model has loaded
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout_s  # the socket's timeout for each read and write: a silent client is dropped
+
             def do_GET(self):
                 path = self.path.split("?", 1)[0]
                 if path not in PATHS:
@@ -73,10 +110,9 @@ class WorkerHealthServer:
                 pass
 
         sock = listen_tcp(host, port, settings.label("health_port"))
-        self.server = ThreadingHTTPServer((host, port), Handler, bind_and_activate=False)
+        self.server = BoundedHTTPServer((host, port), Handler, max_connections)
         self.server.socket.close()
         self.server.socket = sock
-        self.server.daemon_threads = True
         self.port = sock.getsockname()[1]
         threading.Thread(target=self.server.serve_forever, name="health", daemon=True).start()
 
