@@ -1,12 +1,14 @@
 """Finding a model's files: a Hugging Face folder, a .gguf file, or the embedded default.
 
 A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it) into a cache
-folder, so that every later start reads plain safetensors instead of converting again.
+folder, so that every later start reads plain safetensors instead of converting again. The cache folder is trusted
+only while it is this user's alone (kvferry.cache_trust); else the start stops with a ConfigError naming the path.
 
 Nothing here imports torch or transformers: the gateway locates the model and reads its config.json with this
 module, and never loads torch. Only the conversion needs them, and it runs in a child process.
 """
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -16,8 +18,9 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from kvferry import cache_trust
 from kvferry.common import settings
-from kvferry.common.errors import ModelLoadError
+from kvferry.common.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -76,6 +79,24 @@ def cache_root() -> Path:
     return Path(settings.from_env("cache_dir")).expanduser()
 
 
+@contextlib.contextmanager
+def trusted_cache():
+    """cache_trust's refusal as a ConfigError, which a command prints as one line (exit status 2): starting 5x
+    slower without the kernels, or with a model someone else may have changed, would be worse than not starting."""
+    try:
+        yield
+    except cache_trust.UntrustedCache as exc:
+        raise ConfigError(f"{exc}; or set {settings.label('cache_dir')} to a folder of your own") from None
+
+
+def cache_folder(*parts: str) -> Path:
+    """A folder in the cache, made 0700 where missing, and refused (ConfigError) unless it and every folder above it
+    up to the cache root are this user's alone."""
+    root = cache_root()
+    with trusted_cache():
+        return cache_trust.make_folder(root.joinpath(*parts), root)
+
+
 def default_gguf_path() -> Path:
     # find_spec, not import: the package's own module imports a runtime kvferry does not install.
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -122,8 +143,9 @@ def converted_dir(gguf_path: Path) -> Path:
 def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
     """Convert (kvferry.common.model.loader.convert_gguf) in a child process: converting needs torch and
     transformers, which a process that only locates the model, like the gateway, must not load."""
-    code = (
-        "import sys; from pathlib import Path; from kvferry.common.model.loader import convert_gguf; "
+    code = (  # umask 077: the converted files are this user's alone, whatever the umask (002 lets the group write)
+        "import os, sys; from pathlib import Path; from kvferry.common.model.loader import convert_gguf; "
+        "os.umask(0o077); "
         "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
     )
     if subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)]).returncode != 0:
@@ -153,10 +175,12 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
             raise ModelLoadError(f"--model must be a Hugging Face folder or a .gguf file, got {path}")
         gguf_path = path
     out_dir = converted_dir(gguf_path)
+    cache_folder(out_dir.parent.name)  # before anything in it is read
     if not (out_dir / "config.json").is_file():
         check_architecture(gguf_architecture(gguf_path), str(gguf_path))
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
         convert_gguf_in_child(gguf_path, out_dir)
+    with trusted_cache():
+        cache_trust.check_tree(out_dir, cache_root())
     return out_dir
 
 

@@ -65,7 +65,9 @@ class StepInputs:
 def enable_cpu_kernels() -> list[str]:
     """Compile (once per machine, in the cache folder) and load the CPU's C kernels; returns why any could not be
     (PyTorch's ops stay in use for those). The runner and `bench roofline`, which measures the model's path, call it."""
-    return cpu_kernels.enable(model_files.cache_root() / "kernels")
+    build_dir = model_files.cache_folder("kernels")  # the cache root and it: this user's alone, or a ConfigError
+    with model_files.trusted_cache():  # and each library in it
+        return cpu_kernels.enable(build_dir)
 
 
 class ModelRunner:

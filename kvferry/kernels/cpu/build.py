@@ -1,10 +1,13 @@
 """Compile a C kernel for this machine once, and load it with ctypes.
 
 The library is built with the system's C compiler (`$CC`, else `cc`) for the host's own instruction set
-(-march=native) and kept in a build folder under a name that hashes the source, the flags, the compiler's version
-and the CPU's feature flags: another machine or compiler gets its own build, and a process finds a built one in
-milliseconds. No torch headers are needed, so a build takes about a second. It links libgomp, which the process
-already has loaded through torch, so the kernel's threads are torch's OpenMP threads.
+(-march=native) and kept in a build folder under a name that hashes the source, the flags, the compiler (its command,
+the file it runs and its version) and the CPU's feature flags: another machine or compiler gets its own build, and a
+process finds a built one in milliseconds. No torch headers are needed, so a build takes about a second. It links
+libgomp, which the process already has loaded through torch, so the kernel's threads are torch's OpenMP threads.
+
+The build folder and the library must be this user's alone (kvferry.cache_trust): a library that someone else could
+have written is refused, never loaded, and the refusal is not the quiet fallback a missing compiler gets.
 """
 
 import ctypes
@@ -12,9 +15,12 @@ import hashlib
 import logging
 import os
 import shlex
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+from kvferry.cache_trust import check, make_folder
 
 log = logging.getLogger("kvferry.kernels")
 
@@ -32,24 +38,28 @@ def _cpu_features() -> str:
 
 
 def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library of source for this machine, compiling it into build_dir unless it is there already.
-    Raises OSError or subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
+    """The compiled library of source for this machine, compiling it into build_dir (made 0700 if missing) unless it
+    is there already. Raises UntrustedCache when build_dir or the library is not this user's alone, OSError or
+    subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *extra_flags)
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
+    executable = os.path.realpath(shutil.which(compiler[0]) or compiler[0])  # cc is a link to the compiler it runs
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-    key = hashlib.sha256("\0".join([source.read_text(), *headers, *flags, version, _cpu_features()]).encode())
-    key = key.hexdigest()
+    identity = [source.read_text(), *headers, *flags, shlex.join(compiler), executable, version, _cpu_features()]
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()
+    make_folder(build_dir, build_dir)
     target = build_dir / f"{source.stem}-{key[:16]}.so"
     if target.exists():
+        check(target, build_dir)
         return target
-    build_dir.mkdir(parents=True, exist_ok=True)
     # Compile to a temporary name, then rename: processes starting together never load a half-written file.
     fd, partial = tempfile.mkstemp(suffix=".so", dir=build_dir)
     os.close(fd)
     try:
         subprocess.run([*compiler, *flags, "-o", partial, str(source), "-lm"], capture_output=True, text=True,
                        timeout=300, check=True)  # fmt: skip
+        os.chmod(partial, 0o700)  # the linker made it as the umask says, which may let the group write it
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
@@ -59,7 +69,7 @@ def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> P
 
 def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not): a missing or failing compiler is not an error, the caller
-    keeps its PyTorch path."""
+    keeps its PyTorch path. A build folder or library someone else could have written is: UntrustedCache."""
     try:
         return ctypes.CDLL(str(build(source, build_dir, extra_flags))), ""
     except subprocess.CalledProcessError as e:
