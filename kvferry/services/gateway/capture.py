@@ -6,7 +6,8 @@ holds up the loop. The queue to that thread is bounded: past it, records are dro
 
 Files are named capture-<UTC time>-<gateway id>-<sequence>.jsonl, so that a folder's files sort in the order they
 were written and several gateways can share one folder. A file past --capture-max-bytes is closed and the next one
-started; past --capture-max-total-bytes in the folder, the oldest capture files are deleted.
+started; past --capture-max-total-bytes in the folder, the oldest capture files no gateway is writing are deleted
+(capture_files.py: the files' modes, names and locks).
 """
 
 import logging
@@ -16,80 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvferry.common import settings
-from kvferry.common.capture import FILE_PREFIX, FILE_SUFFIX, Record, redact
-from kvferry.common.errors import ConfigError
+from kvferry.common.capture import Record, redact
+from kvferry.services.gateway.capture_files import CaptureFiles, CaptureLimits
 
 log = logging.getLogger("kvferry.gateway")
 MAX_QUEUED_RECORDS = 1024  # finished requests waiting for the writer thread; past it they are dropped
-
-
-@dataclass
-class CaptureLimits:
-    max_file_bytes: int = 64 * 2**20
-    max_total_bytes: int = 2**30
-
-    def __post_init__(self):
-        if self.max_total_bytes < self.max_file_bytes:
-            raise ConfigError(
-                f"{settings.label('capture_max_total_bytes')} ({self.max_total_bytes}) is below "
-                f"{settings.label('capture_max_bytes')} ({self.max_file_bytes}): one file would not fit"
-            )
-
-
-class CaptureFiles:
-    """The folder's capture files: appends lines, rotates by size and deletes the oldest past the total cap. Used
-    by one thread."""
-
-    def __init__(self, folder: str | Path, owner: str, limits: CaptureLimits):
-        self.folder, self.owner, self.limits = Path(folder), owner, limits
-        self.folder.mkdir(parents=True, exist_ok=True)
-        self.file = None
-        self.path: Path | None = None
-        self.size = 0
-        self.sequence = 0
-
-    def append(self, line: bytes) -> None:
-        if self.file is not None and self.size + len(line) > self.limits.max_file_bytes and self.size:
-            self._close()
-        if self.file is None:
-            self._open()
-        self.file.write(line)
-        self.file.flush()  # a crash loses no finished line
-        self.size += len(line)
-
-    def _open(self) -> None:
-        self.sequence += 1
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        self.path = self.folder / f"{FILE_PREFIX}{stamp}-{self.owner}-{self.sequence:06d}{FILE_SUFFIX}"
-        self.file, self.size = open(self.path, "ab"), 0
-        self._enforce_total()
-
-    def _close(self) -> None:
-        self.file.close()
-        self.file = None
-
-    def _enforce_total(self) -> None:
-        """Delete the oldest capture files (any gateway's) until the folder is within the cap; never the open one."""
-        files = []
-        for path in self.folder.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}"):
-            try:
-                stat = path.stat()
-            except FileNotFoundError:  # another gateway sharing the folder deleted it
-                continue
-            files.append((stat.st_mtime, path.name, stat.st_size, path))
-        files.sort()
-        total = sum(size for _, _, size, _ in files)
-        room = self.limits.max_total_bytes - self.limits.max_file_bytes  # the open file may grow to its own cap
-        for _, _, size, old in files:
-            if total <= room or old == self.path:
-                break
-            old.unlink(missing_ok=True)
-            total -= size
-
-    def close(self) -> None:
-        if self.file is not None:
-            self._close()
 
 
 class CaptureWriter:
