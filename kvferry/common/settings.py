@@ -616,6 +616,16 @@ SPEC: tuple[Setting, ...] = (
         min=1,
     ),
     Setting(
+    Setting(
+        "max_logprob_entries",
+        INT,
+        "1000000",
+        "the most logprob entries one response may hold: n x (echoed prompt tokens + max_tokens) x (1 + logprobs), "
+        "over every prompt (streamed: the echoed prompts alone); past this, 400 before any work",
+        (GATEWAY, SERVE),
+        "API",
+        min=1,
+    ),
         "tool_prompt_template",
         PATH,
         None,

@@ -38,6 +38,7 @@ from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, check_fields, parse_generation
 from kvferry.services.gateway.request_trace import RequestTrace
+from kvferry.services.gateway.response_size import check_response_size
 from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText, sse, usage
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
 from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
@@ -49,6 +50,9 @@ VERSION = "0.1.0"
 # Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
 # few: each encode is one core's work, and more at once would only queue on the cores.
 TEXT_THREADS = 4
+# A whole response with more values than this (tokens, times 1 + logprobs) is built and serialized on a text thread:
+# a few milliseconds of the event loop's time, which every stream waits through.
+OFF_LOOP_ENTRIES = 10_000
 MAX_SHOWN_NAME = 100  # an unknown model's name, as a 404 repeats it: its first characters
 FIELD_NAME = re.compile(r"[\w.$\[\]-]{1,200}")  # how a worker's refusal names the request field it is about
 
@@ -240,6 +244,7 @@ class Api:
             ]
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
+            check_response_size(generations, chat, body, self.limits)
             # Routing errors surface with the first event, before any byte is sent.
             flights = capture.flights if capture is not None else None
             events, first = await self._unless_client_leaves(
@@ -411,10 +416,11 @@ class Api:
         finally:
             if not choices.done:
                 trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
-        whole = shape.whole(choices.whole(shape), usage(trace.num_prompt, choices.num_out))
-        whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+        use = usage(trace.num_prompt, choices.num_out)
+        build = functools.partial(whole_response, choices, shape, use, kv_transfer_s, headers)
+        response = await self.off_loop(build) if choices.num_entries > OFF_LOOP_ENTRIES else build()
         trace.finish(200, choices.reasons)
-        return JSONResponse(whole, headers=headers)
+        return response
 
     async def _collect(self, events, first, choices: Choices, trace) -> float:
         """Every event into its choice, until all are done; the longest KV transfer among them. A worker's error
@@ -480,6 +486,13 @@ async def client_disconnects(receive) -> None:
     """Returns once the client has gone. The body was read already, so all that can come is http.disconnect."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, headers: dict) -> JSONResponse:
+    """A finished request's whole body, serialized (on a text thread when large: nothing changes its choices now)."""
+    whole = shape.whole(choices.whole(shape), use)
+    whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+    return JSONResponse(whole, headers=headers)
 
 
 def kv_hop_s(event) -> float:

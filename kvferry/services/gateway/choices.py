@@ -63,6 +63,9 @@ class Choices:
         ]
         self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
         self.echoed: dict[int, str] = {}  # per prompt: its text, decoded once for all its choices
+        # Per prompt: its logprobs part and the text offset after it, built once for all its choices: n times a
+        # long prompt's entries would be n times the work and the memory.
+        self.echoed_logprobs: dict[int, tuple[dict, int]] = {}
         self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
 
     def flight_of(self, index: int) -> tuple[str, int]:
@@ -96,12 +99,7 @@ class Choices:
                 self.echoed[id(g)] = self.tokenizer.decode(g.prompt_ids, skip_special_tokens=True)
             text = self.echoed[id(g)]
             if state.logprobs is not None:
-                prompt_logprobs = self.prompt_logprobs.get(id(g))
-                parts.append(
-                    state.logprobs.part(
-                        [None, *prompt_logprobs[1:]] if prompt_logprobs else [None] * len(g.prompt_ids), g.prompt_ids
-                    )
-                )
+                parts.append(self._echoed_logprobs(state))
         state.started = True
         if g.prompt_only:
             state.reason = "length"
@@ -133,6 +131,30 @@ class Choices:
                 state.reason = "tool_calls"
         kept = event.token_ids if g.return_token_ids and not g.prompt_only else []
         return Delta(text, state.reason, logprobs, stopped, pieces, state.error, kept)
+
+    def _echoed_logprobs(self, state: ChoiceState) -> dict:
+        """The logprobs part of the choice's echoed prompt: its prompt's, shared (completions: echo is theirs)."""
+        g = state.generation
+        built = self.echoed_logprobs.get(id(g))
+        if built is not None:
+            part, state.logprobs.offset = built
+            return part
+        prompt_logprobs = self.prompt_logprobs.get(id(g))
+        entries = [None, *prompt_logprobs[1:]] if prompt_logprobs else [None] * len(g.prompt_ids)
+        part = state.logprobs.part(entries, g.prompt_ids)
+        if prompt_logprobs:  # else they may come yet, with choice 0's first token
+            self.echoed_logprobs[id(g)] = part, state.logprobs.offset
+        return part
+
+    @property
+    def num_entries(self) -> int:
+        """About how many values the whole response holds: each token shown, times 1 + logprobs with them."""
+        total = 0
+        for s in self.states:
+            g = s.generation
+            shown = s.num_out + (len(g.prompt_ids) if g.echo else 0)
+            total += shown * (1 + (g.logprobs or 0))
+        return total
 
     def whole(self, shape) -> list[dict]:
         out = []

@@ -124,6 +124,7 @@ def run_gateway(args) -> None:
         max_stop_length=args.max_stop_length,
         max_stop_chars=args.max_stop_chars,
         max_prompt_chars=args.max_prompt_chars,
+        max_logprob_entries=args.max_logprob_entries,
     )
     capture = None
     if args.capture_dir:

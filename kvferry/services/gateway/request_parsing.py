@@ -73,6 +73,7 @@ class Limits:
     max_stop_length: int = settings.default("max_stop_length")  # characters in one stop string
     max_stop_chars: int = settings.default("max_stop_chars")  # characters in all of them together
     max_prompt_chars: int = settings.default("max_prompt_chars")  # characters in the prompts or messages
+    max_logprob_entries: int = settings.default("max_logprob_entries")  # in one response (response_size.py)
 
 
 @dataclass
