@@ -11,11 +11,15 @@ Prefill workers only connect. `kvferry keys DIR` writes a deployment's keys:
     server.key, server.key_secret        the servers' pair (the public half: every process, to reach a server)
     prefill.key, prefill.key_secret      the prefill workers' client pair
     decode.key, decode.key_secret        the decode workers' client pair
-    clients/prefill.key, clients/decode.key, kv-clients/prefill.key    who is admitted where
+    clients/prefill.key, clients/decode.key, kv-clients/prefill.key    who is admitted where, and as which role
 
 A worker presents DIR/NAME.key_secret, NAME being --curve-client (default: its role). `kvferry keys DIR --client NAME
 --role ROLE` gives one worker a pair of its own, admitted where its role is; `kvferry keys DIR --revoke NAME` takes
-it out again, and a server restarted after that refuses it: nothing else is re-keyed. Each process needs only its
+it out again, and a server restarted after that refuses it: nothing else is re-keyed. An admitted key file records
+its role (`role = "prefill"` under its metadata; without it, a file named prefill.key or decode.key is that role's):
+the authenticator names each admitted peer "ROLE:NAME" (the ZAP User-Id, which ZeroMQ hands the server with every
+message from that peer), and the gateway lets a key register only as its role, and only the key that registered a
+worker id speak for it while it lives (services/gateway/server.py). Each process needs only its
 own files (in Kubernetes, one Secret per role): the gateway server.key* and clients/; a prefill worker server.key
 and its pair; a decode worker server.key*, its pair and kv-clients/. The gateway and the decode workers share the
 server pair, so changing it means new keys for the whole deployment.
@@ -34,6 +38,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import zmq
 import zmq.auth
@@ -51,6 +56,7 @@ ADMITTED_IN = {"prefill": (CLIENTS, KV_CLIENTS), "decode": (CLIENTS,)}  # where 
 ADMITS = {"gateway": CLIENTS, "prefill": None, "decode": KV_CLIENTS}  # whose keys each role's serving socket admits
 ZAP_DOMAIN = b"kvferry"
 KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+ROLE_LINE = re.compile(r'\s*role\s*=\s*"([^"]*)"\s*')  # under a key file's metadata: the role it is admitted as
 LOG_EVERY_S = 60.0  # a peer that retries every 100 ms is logged at once, then once a minute
 
 
@@ -64,11 +70,35 @@ def _need_curve() -> None:
 
 
 # -- key files ------------------------------------------------------------------------------------------------------
-def _write_key(path: Path, public: bytes, secret: bytes | None = None) -> Path:
-    """A new key file in the format zmq.auth reads. A secret one is 0600 from the moment it exists (O_EXCL with the
-    mode: no window where another user could read it, and nothing is ever overwritten)."""
+class KeyHolder(NamedTuple):
+    """Whom an admitted client key belongs to: the role it was admitted as (None: its file records none) and its
+    file's name."""
+
+    role: str | None
+    name: str
+
+    @property
+    def user_id(self) -> str:
+        """As the ZAP handler answers it, and ZeroMQ hands it on with each message: "ROLE:NAME"."""
+        return f"{self.role or ''}:{self.name}"
+
+    @classmethod
+    def of(cls, frame: zmq.Frame) -> "KeyHolder":
+        """The holder of the key a received frame (one received with copy=False) came in under. Only on a socket
+        that serves CURVE: ZeroMQ knows no User-Id otherwise."""
+        role, _, name = frame.get("User-Id").partition(":")
+        return cls(role or None, name)
+
+
+def _write_key(path: Path, public: bytes, secret: bytes | None = None, role: str | None = None) -> Path:
+    """A new key file in the format zmq.auth reads, with the role it is admitted as. A secret one is 0600 from the
+    moment it exists (O_EXCL with the mode: no window where another user could read it, and nothing is ever
+    overwritten)."""
     kind = "Secret" if secret else "Public"
-    lines = [f"#   ZeroMQ CURVE {kind} Certificate, written by `kvferry keys`", "", "metadata", "curve"]
+    lines = [f"#   ZeroMQ CURVE {kind} Certificate, written by `kvferry keys`", "", "metadata"]
+    if role:
+        lines.append(f'    role = "{role}"')
+    lines.append("curve")
     lines.append(f'    public-key = "{public.decode()}"')
     if secret:
         lines.append(f'    secret-key = "{secret.decode()}"')
@@ -82,11 +112,11 @@ def _write_key(path: Path, public: bytes, secret: bytes | None = None) -> Path:
     return path
 
 
-def _write_pair(folder: Path, name: str) -> tuple[bytes, list[Path]]:
+def _write_pair(folder: Path, name: str, role: str | None = None) -> tuple[bytes, list[Path]]:
     public, secret = zmq.curve_keypair()
     return public, [
-        _write_key(folder / f"{name}.key", public),
-        _write_key(folder / f"{name}.key_secret", public, secret),
+        _write_key(folder / f"{name}.key", public, role=role),
+        _write_key(folder / f"{name}.key_secret", public, secret, role),
     ]
 
 
@@ -119,10 +149,10 @@ def add_client(folder: str | Path, name: str, role: str) -> list[Path]:
     targets += [folder / admitted / f"{name}.key" for admitted in ADMITTED_IN[role]]
     if any(path.exists() for path in targets):
         raise ConfigError(f"{folder} has a key named {name!r} already: choose another name, or --revoke {name} first")
-    public, written = _write_pair(folder, name)
+    public, written = _write_pair(folder, name, role)
     for admitted in ADMITTED_IN[role]:
         (folder / admitted).mkdir(exist_ok=True)
-        written.append(_write_key(folder / admitted / f"{name}.key", public))
+        written.append(_write_key(folder / admitted / f"{name}.key", public, role=role))
     return written
 
 
@@ -171,14 +201,37 @@ def _read_secret(path: Path, fix: str) -> tuple[bytes, bytes]:
     return public, secret
 
 
-def _read_admitted(folder: Path) -> dict[bytes, str]:
-    """The client public keys in folder, as key -> the file's name (which logs show)."""
+def _read_role(path: Path) -> str | None:
+    """The role an admitted key file records; for a file written before keys recorded one, the role its name
+    implies (prefill.key, decode.key), else None: such a key registers as no worker."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"{_label()}: cannot read {path} ({exc})") from None
+    roles = [match.group(1) for match in map(ROLE_LINE.fullmatch, lines) if match]
+    role = roles[0] if roles else path.stem if path.stem in ADMITTED_IN else None
+    if role is None:
+        log.warning(
+            '%s records no role, so its holder can register as no worker: add the line `    role = "prefill"` (or '
+            '"decode") under its metadata, or re-admit it with `kvferry keys DIR --revoke %s` then `--client %s '
+            "--role ROLE`",
+            path,
+            path.stem,
+            path.stem,
+        )
+    elif role not in ADMITTED_IN:
+        raise ConfigError(f'{_label()}: {path} records the role "{role}": a client key is a prefill or a decode one')
+    return role
+
+
+def _read_admitted(folder: Path) -> dict[bytes, KeyHolder]:
+    """The client public keys in folder, as key -> whose it is (the file's name, which logs show, and its role)."""
     if not folder.is_dir():
         raise ConfigError(
             f"{_label()}: no {folder.name}/ folder in {folder.parent}: it lists the client keys this process "
             "admits; write the keys with `kvferry keys DIR`"
         )
-    admitted = {_read_public(path): path.stem for path in sorted(folder.glob("*.key"))}
+    admitted = {_read_public(path): KeyHolder(_read_role(path), path.stem) for path in sorted(folder.glob("*.key"))}
     if not admitted:
         log.warning("%s holds no client keys: every client will be refused", folder)
     return admitted
@@ -194,7 +247,7 @@ class CurveKeys:
     client_public: bytes | None = None
     client_secret: bytes | None = None
     admits: str | None = None  # the subfolder of client keys our serving sockets admit
-    admitted: dict[bytes, str] = field(default_factory=dict, hash=False)  # public key -> its file's name
+    admitted: dict[bytes, KeyHolder] = field(default_factory=dict, hash=False)  # public key -> whose it is
 
     @classmethod
     def load(cls, folder: str | Path | None, client: str | None = None, admits: str | None = CLIENTS):
@@ -286,10 +339,10 @@ class CurveKeys:
 
 
 class KeyAuthenticator(ThreadAuthenticator):
-    """ZAP: admits a CURVE client whose public key is in `admitted`, on our ZAP domain only, and logs each refusal
-    with the peer's address and key."""
+    """ZAP: admits a CURVE client whose public key is in `admitted`, on our ZAP domain only, as its holder's User-Id
+    ("ROLE:NAME"), and logs each refusal with the peer's address and key."""
 
-    def __init__(self, ctx: zmq.Context, admitted: dict[bytes, str], where: Path):
+    def __init__(self, ctx: zmq.Context, admitted: dict[bytes, KeyHolder], where: Path):
         super().__init__(ctx, log=logging.getLogger("kvferry.curve.zap"))
         self.admitted, self.where, self.throttle = admitted, where, Throttle()
 
@@ -300,9 +353,9 @@ class KeyAuthenticator(ThreadAuthenticator):
             return
         version, request_id, domain, address, _identity, mechanism, *credentials = msg
         key = z85.encode(credentials[0]) if mechanism == b"CURVE" and len(credentials) == 1 else b""
-        name = self.admitted.get(key) if version == b"1.0" and domain == ZAP_DOMAIN else None
+        holder = self.admitted.get(key) if version == b"1.0" and domain == ZAP_DOMAIN else None
         peer = address.decode(errors="replace")
-        if name is None:
+        if holder is None:
             held = self.throttle((peer, key))
             if held is not None:
                 log.warning(
@@ -314,11 +367,11 @@ class KeyAuthenticator(ThreadAuthenticator):
                     f"; {held} more refusals since the last line" if held else "",
                 )
         else:
-            log.debug("admitted %s at %s", name, peer)
-        self._answer(request_id, name)
+            log.debug("admitted %s at %s", holder.user_id, peer)
+        self._answer(request_id, holder)
 
-    def _answer(self, request_id: bytes, name: str | None) -> None:
-        status = [b"200", b"OK", name.encode()] if name else [b"400", b"key not admitted", b""]
+    def _answer(self, request_id: bytes, holder: KeyHolder | None) -> None:
+        status = [b"200", b"OK", holder.user_id.encode()] if holder else [b"400", b"key not admitted", b""]
         self.zap_socket.send_multipart([b"1.0", request_id, *status, b""])
 
 

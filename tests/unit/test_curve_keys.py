@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 import zmq
+import zmq.auth
 
 from kvferry.common.bind_check import check_exposed, is_local
-from kvferry.common.curve import KV_CLIENTS, CurveKeys, generate
+from kvferry.common.curve import KV_CLIENTS, CurveKeys, KeyHolder, generate
 from kvferry.common.errors import ConfigError
 from kvferry.tools.cli import main as kvferry
 
@@ -66,7 +67,13 @@ def test_a_worker_gets_a_key_of_its_own_and_loses_it_alone(tmp_path, capsys):
     assert files(folder) == DEPLOYMENT | added
     assert mode(folder / "prefill-7.key_secret") == 0o600
     keys = CurveKeys.load(folder, client="prefill-7", admits=None)
-    assert keys.client_public == (folder / "clients" / "prefill-7.key").read_text().split('"')[1].encode()
+    assert keys.client_public == zmq.auth.load_certificate(folder / "clients" / "prefill-7.key")[0]
+    # Each admitted copy records the role it is admitted as: the gateway binds registrations to it.
+    assert CurveKeys.load(folder).admitted[keys.client_public] == KeyHolder("prefill", "prefill-7")
+    assert set(CurveKeys.load(folder, client="decode", admits=KV_CLIENTS).admitted.values()) == {
+        KeyHolder("prefill", "prefill"),
+        KeyHolder("prefill", "prefill-7"),
+    }
     for bad in (
         ["--client", "prefill-7", "--role", "prefill"],
         ["--client", "x/y", "--role", "decode"],
@@ -79,6 +86,32 @@ def test_a_worker_gets_a_key_of_its_own_and_loses_it_alone(tmp_path, capsys):
     assert files(folder) == DEPLOYMENT | added - {p for p in added if "prefill-7" in p}
     assert kvferry(["keys", str(folder), "--revoke", "prefill-7"]) == 2
     assert kvferry(["keys", str(tmp_path / "empty"), "--client", "a", "--role", "prefill"]) == 2
+
+
+def test_keys_admitted_before_they_recorded_a_role_keep_the_role_their_name_implies(tmp_path, caplog):
+    """Key files written before roles were recorded: prefill.key and decode.key are those roles'; a worker's own key
+    with no role is admitted, but as no role (it may register as no worker), and the log says how to fix it."""
+    folder = tmp_path / "k"
+    generate(folder)
+    clients = folder / "clients"
+    for path in clients.glob("*.key"):
+        path.write_text("\n".join(line for line in path.read_text().splitlines() if "role =" not in line) + "\n")
+    old = zmq.auth.load_certificate(clients / "decode.key")[0]
+    (clients / "worker-9.key").write_text((clients / "decode.key").read_text().replace(old.decode(), "x" * 40))
+    with caplog.at_level(logging.WARNING, logger="kvferry.curve"):
+        admitted = CurveKeys.load(folder).admitted
+    assert set(admitted.values()) == {
+        KeyHolder("prefill", "prefill"),
+        KeyHolder("decode", "decode"),
+        KeyHolder(None, "worker-9"),
+    }
+    [warning] = [r.getMessage() for r in caplog.records if "records no role" in r.getMessage()]
+    assert "worker-9.key" in warning and "--revoke worker-9" in warning
+    (clients / "worker-9.key").write_text(
+        (clients / "worker-9.key").read_text().replace("metadata", 'metadata\n    role = "gateway"')
+    )
+    with pytest.raises(ConfigError, match='worker-9.key records the role "gateway"'):
+        CurveKeys.load(folder)
 
 
 def test_a_secret_key_readable_by_every_user_is_refused(tmp_path):
@@ -103,9 +136,9 @@ def test_each_process_needs_only_its_own_files(tmp_path):
     generate(folder)
     gateway = CurveKeys.load(folder)  # the gateway: the server pair, and clients/
     assert gateway.server_secret and gateway.client_secret is None
-    assert set(gateway.admitted.values()) == {"prefill", "decode"}
+    assert set(gateway.admitted.values()) == {KeyHolder("prefill", "prefill"), KeyHolder("decode", "decode")}
     decode = CurveKeys.load(folder, client="decode", admits=KV_CLIENTS)
-    assert set(decode.admitted.values()) == {"prefill"}
+    assert set(decode.admitted.values()) == {KeyHolder("prefill", "prefill")}
     for missing, role in (
         ("server.key", {}),
         ("clients", {}),

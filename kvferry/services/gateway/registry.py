@@ -33,6 +33,7 @@ class WorkerInfo:
     cached: set[bytes] = field(default_factory=set)  # block hashes in its prefix cache, as it last told us
     quantization: str = "none"
     instance_id: str = ""  # the worker process's: another one under the same id is a restart
+    key: str = ""  # with CURVE, the User-Id of the key that registered it: only that key speaks for it
 
     @property
     def num_queued_prompt_tokens(self) -> int:
@@ -84,8 +85,8 @@ class Registry:
     expected_dtype: str | None = None  # the first worker's, unless set
     workers: dict[str, WorkerInfo] = field(default_factory=dict)
 
-    def register(self, msg: p.Register, identity: bytes, now: float) -> str | None:
-        """Admit a worker; returns the reason it is refused, or None."""
+    def register(self, msg: p.Register, identity: bytes, now: float, key: str = "") -> str | None:
+        """Admit a worker (registered by the client key `key`); returns the reason it is refused, or None."""
         try:
             role = p.Role(msg.role)
         except ValueError:
@@ -117,6 +118,7 @@ class Registry:
             now,
             quantization=msg.quantization,
             instance_id=msg.instance_id,
+            key=key,
         )
         return None
 

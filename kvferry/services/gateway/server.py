@@ -24,7 +24,7 @@ from kvferry.common import protocol as p
 from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.block_hash import block_hashes
-from kvferry.common.curve import CurveKeys
+from kvferry.common.curve import CurveKeys, KeyHolder
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import SamplingParams
@@ -70,6 +70,7 @@ class GatewayCore:
     ):
         self.ctx = zmq.asyncio.Context.instance()
         self.auth = curve.authenticator(self.ctx) if curve else None
+        self.keyed = curve is not None  # each worker message comes with the key it was sent under
         sock = self.ctx.socket(zmq.ROUTER)
         if curve:
             curve.serve(sock)
@@ -115,12 +116,13 @@ class GatewayCore:
     # -- control messages -------------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
         while True:
-            received = self.control.unpack(await self.control.socket.recv_multipart(copy=False))
+            parts = await self.control.socket.recv_multipart(copy=False)
+            received = self.control.unpack(parts)
             if received is None:
                 continue  # counted and logged
             peer, env = received
             try:
-                await self._handle(peer, env)
+                await self._handle(peer, env, self._key_of(parts[-1]))
             except Exception:  # one bad message must not stop the gateway
                 log.exception("while handling %s from %r", type(env.message).__name__, peer)
 
@@ -133,10 +135,20 @@ class GatewayCore:
             log.warning("send to %s failed: %s", peer_label(identity), exc)
             return False
 
-    async def _handle(self, peer: bytes, env: p.Envelope) -> None:
+    def _key_of(self, frame: zmq.Frame) -> KeyHolder | None:
+        """Whose CURVE key a message came in under (None without CURVE: on loopback there is no key to bind)."""
+        if not self.keyed:
+            return None
+        try:
+            return KeyHolder.of(frame)
+        except zmq.ZMQError:  # no User-Id: a key of no known holder, which may speak for no worker
+            return KeyHolder(None, "")
+
+    async def _handle(self, peer: bytes, env: p.Envelope, key: KeyHolder | None = None) -> None:
         msg, rid, now = env.message, env.request_id, time.time()
+        user_id = key.user_id if key else ""
         if isinstance(msg, p.Register):
-            refused = self._check_registration(msg, peer) or self.registry.register(msg, peer, now)
+            refused = self._check_registration(msg, peer, key) or self.registry.register(msg, peer, now, user_id)
             if refused:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
@@ -148,7 +160,7 @@ class GatewayCore:
             )
         elif isinstance(msg, p.Heartbeat):
             worker = self.registry.workers.get(msg.worker_id)
-            if self._spoofed(msg, peer, worker, p.HEARTBEAT_SUFFIX):
+            if self._spoofed(msg, peer, user_id, worker, p.HEARTBEAT_SUFFIX):
                 return
             if not msg.healthy and worker is not None:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
@@ -162,11 +174,11 @@ class GatewayCore:
         elif isinstance(msg, p.CacheUpdate):
             worker = self.registry.workers.get(msg.worker_id)
             # (A worker the gateway dropped learns so from its next heartbeat.)
-            if worker is not None and not self._spoofed(msg, peer, worker):
+            if worker is not None and not self._spoofed(msg, peer, user_id, worker):
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
-            if worker is not None and not self._spoofed(msg, peer, worker):
+            if worker is not None and not self._spoofed(msg, peer, user_id, worker):
                 if msg.final:
                     self._lose_worker(self.registry.workers.pop(msg.worker_id), "it shut down")
                 else:
@@ -181,36 +193,72 @@ class GatewayCore:
             if peer not in (flight.prefill_identity, flight.decode_identity):
                 self._forged(msg, peer, "a request's message from a connection it is not assigned to")
                 return
+            # The connection is the assigned worker's (by name): and its key, the one that registered that worker.
+            if self._spoofed(msg, peer, user_id, self.registry.workers.get(peer.decode(errors="replace"))):
+                return
             if isinstance(msg, p.FirstToken) and flight.pending_prefill_tokens:
                 # Its prompt is computed: the prefill worker's queue is that much shorter before it next says so.
                 self.registry.prefilled(flight.prefill_worker_id, flight.pending_prefill_tokens)
                 flight.pending_prefill_tokens = 0
             flight.post(self._event(msg, flight))
 
-    def _check_registration(self, msg: p.Register, peer: bytes) -> str | None:
+    def _check_registration(self, msg: p.Register, peer: bytes, key: KeyHolder | None) -> str | None:
         """Why a registration is refused before the registry's own checks (None: it is not). A worker registers from
-        its control socket, named after its id; a known id with a new instance id is a restart: the old process is
-        gone, and what it held moves at once."""
+        its control socket, named after its id; with CURVE, as the role its key was admitted for, and a worker id
+        registered under one key stays that key's while it lives. A known id with a new instance id (under the
+        same key) is a restart: the old process is gone, and what it held moves at once."""
         if peer != msg.worker_id.encode():
             self._forged(msg, peer, "a registration from a socket not named after the worker id")
             return f"a worker registers from its control socket, whose identity is its id ({msg.worker_id!r})"
+        known = self.registry.workers.get(msg.worker_id)
+        if key is not None:
+            refused = self._check_key(msg, peer, key, known)
+            if refused:
+                return refused
         if msg.role == p.Role.DECODE:
             try:
                 check_peer_address(msg.kv_address)
             except InvalidRequest as exc:
                 return f"its KV ingress address is unusable: {exc}"
-        known = self.registry.workers.get(msg.worker_id)
         if known is not None and known.instance_id != msg.instance_id:
             self._lose_worker(self.registry.workers.pop(msg.worker_id), "it restarted (a new instance registered)")
         return None
 
-    def _spoofed(self, msg, peer: bytes, worker: WorkerInfo | None, suffix: bytes = b"") -> bool:
+    def _check_key(self, msg: p.Register, peer: bytes, key: KeyHolder, known: WorkerInfo | None) -> str | None:
+        """Why a registration is refused for the CURVE key it came under (None: it is not)."""
+        try:
+            claimed = p.Role(msg.role).name.lower()
+        except ValueError:
+            return None  # the registry refuses an unknown role
+        if key.role is None:
+            return (
+                f"its CURVE key {key.name!r} records no role, so it may register as no worker: re-admit it at the "
+                f"gateway with `kvferry keys DIR --revoke {key.name}` then `--client {key.name} --role {claimed}`"
+            )
+        if key.role != claimed:
+            self._forged(msg, peer, f"CURVE key {key.name!r} is a {key.role} worker's, and it registers as {claimed}")
+            return f"its CURVE key {key.name!r} is admitted for a {key.role} worker: it cannot register as {claimed}"
+        if known is not None and known.key != key.user_id:
+            self._forged(msg, peer, f"worker {msg.worker_id} is registered under another CURVE key")
+            return (
+                f"worker id {msg.worker_id!r} is registered under another key, and stays its until that worker "
+                f"deregisters or misses {MISSED_HEARTBEATS} heartbeats: give this worker an id of its own"
+            )
+        return None
+
+    def _spoofed(self, msg, peer: bytes, key: str, worker: WorkerInfo | None, suffix: bytes = b"") -> bool:
         """Whether msg speaks for a registered worker from a connection other than the one that registered it (or its
-        identity plus suffix: the heartbeat socket's). Such a message is counted as forged; the caller drops it."""
-        if worker is None or peer in (worker.identity, worker.identity + suffix):
+        identity plus suffix: the heartbeat socket's), or under another CURVE key. Such a message is counted as
+        forged; the caller drops it."""
+        if worker is None:
             return False
-        self._forged(msg, peer, f"it names worker {worker.worker_id}, registered from another connection")
-        return True
+        if peer not in (worker.identity, worker.identity + suffix):
+            self._forged(msg, peer, f"it names worker {worker.worker_id}, registered from another connection")
+            return True
+        if key != worker.key:
+            self._forged(msg, peer, f"it comes from worker {worker.worker_id}'s connection, under another CURVE key")
+            return True
+        return False
 
     def _forged(self, msg, peer: bytes, why: str) -> None:
         """A worker message from a connection that may not send it: dropped, counted and logged, never acted on."""
