@@ -1,6 +1,7 @@
 """Binding listening sockets: an error that names the setting when the address is taken, and a refusal of ZeroMQ
 sockets bound beyond this machine without CURVE (anyone who reaches the port could register as a worker, or send KV),
-unless --insecure says that the network is private."""
+and of the HTTP API bound beyond it without an API key (anyone who reaches the port could use the model), unless
+--insecure says that the network is private."""
 
 import errno
 import ipaddress
@@ -21,18 +22,23 @@ def is_local(address: str) -> bool:
     transport, _, rest = address.partition("://")
     if transport in ("ipc", "inproc"):
         return True
-    host = rest.split("/", 1)[0].rsplit(":", 1)[0].strip("[]")  # tcp://HOST:PORT, ws://HOST:PORT/path
+    return is_loopback_host(rest.split("/", 1)[0].rsplit(":", 1)[0])  # tcp://HOST:PORT, ws://HOST:PORT/path
+
+
+def is_loopback_host(host: str) -> bool:
+    """127.0.0.0/8, ::1 (bracketed or not) or localhost."""
+    host = host.strip("[]")
     if host == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
-        return False  # an interface name, a host name or *: it may well reach beyond this machine
+        return False  # "", an interface name, a host name or *: it may well reach beyond this machine
 
 
 def check_exposed(address: str, what: str, curve: bool = False, insecure: bool = False) -> None:
     """A ZeroMQ socket bound beyond loopback needs CURVE: refused without it, unless insecure (then a loud warning).
-    The HTTP port is not checked here: it has the API key."""
+    The HTTP API's counterpart, with the API key for CURVE, is check_http_exposed."""
     if curve or is_local(address):
         return
     if not insecure:
@@ -48,6 +54,28 @@ def check_exposed(address: str, what: str, curve: bool = False, insecure: bool =
         what,
         address,
         settings.label("curve_keys"),
+    )
+
+
+def check_http_exposed(host: str, port: int, api_key: str | None, insecure: bool = False) -> None:
+    """The HTTP API bound beyond loopback needs an API key: refused without one, unless insecure (then a loud
+    warning). Checked before the model loads, so that the refusal comes at once."""
+    if api_key or is_loopback_host(host):
+        return
+    address = f"{host}:{port}"
+    if not insecure:
+        raise ConfigError(
+            f"the HTTP API would listen on {address}, beyond this machine, without an API key: anyone who reaches the "
+            f"port could use the model and see the workers. Set {settings.label('api_key')} (a long random string, "
+            f"e.g. from `openssl rand -hex 32`), or listen on 127.0.0.1 ({settings.label('host')}), or, on a private "
+            f"network you trust, pass {settings.label('insecure')}"
+        )
+    log.warning(
+        "INSECURE (%s): the HTTP API listens on %s, beyond this machine, without an API key: any host that reaches it "
+        "can use the model. Only on a private network you trust; else give %s",
+        settings.label("insecure"),
+        address,
+        settings.label("api_key"),
     )
 
 

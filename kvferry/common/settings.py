@@ -649,7 +649,8 @@ SPEC: tuple[Setting, ...] = (
         "insecure",
         SWITCH,
         False,
-        "allow ZeroMQ sockets bound beyond loopback without --curve-keys (only on a private network you trust)",
+        "allow ZeroMQ sockets bound beyond loopback without --curve-keys, and the HTTP API without --api-key (only "
+        "on a private network you trust)",
         SERVICES,
         "security",
     ),

@@ -127,8 +127,11 @@ def start_services(
 
 
 def serve(args) -> int:
+    from kvferry.common.bind_check import check_http_exposed
     from kvferry.common.model_files import resolve_model
 
+    # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
+    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
     resolve_model(args.model)  # convert once here, not in three processes at the same time
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:
     # a shell starts background jobs with it ignored.

@@ -43,13 +43,15 @@ def test_three_hosts_serve_over_tcp_and_recover_from_a_cut_decode_host(
     gateway_ip = hosts.address("gw", Hosts.ROOT)
     monkeypatch.setenv("no_proxy", gateway_ip)  # the test's HTTP goes straight to the gateway's host
     monkeypatch.setenv("NO_PROXY", gateway_ip)
-    # The ZeroMQ sockets listen on the hosts' links, beyond loopback: with CURVE keys, as they must across machines.
+    # The ZeroMQ sockets listen on the hosts' links, beyond loopback: with CURVE keys, as they must across machines;
+    # the HTTP API too: with an API key.
     generate(tmp_path / "keys")
     stack: Stack = make_stack(
         extra_env={
             "KVFERRY_STEP_TIMEOUT": "10",
             "KVFERRY_FIRST_TOKEN_TIMEOUT": "30",
             "KVFERRY_CURVE_KEYS": str(tmp_path / "keys"),
+            "KVFERRY_API_KEY": "multihost-key",
         }
     )
     stack.url = f"http://{gateway_ip}:{stack.port}"

@@ -196,26 +196,28 @@ def reads(role: str, name: str, value: str, monkeypatch) -> bool:
 SAMPLE_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "kvferry-decode-7f9c-x2"}
 
 
+def sample_value(entry: dict) -> str:
+    """A container's env entry's value, or a sample of what its valueFrom gives."""
+    if "value" in entry:
+        return entry["value"]
+    source = entry["valueFrom"]
+    return SAMPLE_VALUES[source["fieldRef"]["fieldPath"]] if "fieldRef" in source else "a-secret-value"
+
+
 def test_every_variable_the_manifests_set_is_one_kvferry_reads(monkeypatch):
-    secret = documents(K8S / "secret.example.yaml")[0]["stringData"]
-    shared = {**config(), **secret}  # each loaded whole by every container (envFrom)
+    shared = config()  # loaded whole by every container (envFrom)
     users = {k: [] for k in shared}
     for name, role in ROLES.items():
         c = container(name)
-        assert {"secretRef": {"name": secret_name(), "optional": True}} in c["envFrom"]
+        assert c["envFrom"] == [{"configMapRef": {"name": "kvferry-config"}}]
         for key in shared:
             users[key].append(role)
         for entry in c.get("env", []):  # set for this role alone: this role must read it
-            value = entry.get("value") or SAMPLE_VALUES[entry["valueFrom"]["fieldRef"]["fieldPath"]]
-            assert reads(role, entry["name"], value, monkeypatch), f"{role} does not read {entry['name']}"
+            assert reads(role, entry["name"], sample_value(entry), monkeypatch), f"{role} does not read {entry['name']}"
     for key, roles in users.items():
         assert any(reads(role, key, shared[key], monkeypatch) for role in roles), f"nothing reads {key}"
     # A value no role accepts is caught too, not only a name.
     assert not reads("decode", "KVFERRY_KV_BINDZ", "tcp://0.0.0.0:1", monkeypatch)
-
-
-def secret_name() -> str:
-    return documents(K8S / "secret.example.yaml")[0]["metadata"]["name"]
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +344,7 @@ def test_each_role_mounts_a_mandatory_curve_secret_of_its_own_that_loads_as_its_
     secrets = documented_secrets(made)
     needs_secret = {"gateway": {"server"}, "prefill": {"prefill"}, "decode": {"server", "decode"}}
     admitted = {"gateway": {"prefill", "decode"}, "prefill": set(), "decode": {"prefill"}}
-    assert "KVFERRY_CURVE_KEYS" not in documents(K8S / "secret.example.yaml")[0]["stringData"]  # not optional
+    assert documents(K8S / "secret.example.yaml") == []  # commands only: no key in the repository
     curve_dir = config()["KVFERRY_CURVE_KEYS"]  # the ConfigMap: every pod
     for name, role in ROLES.items():
         [volume] = [v for v in pod(name)["volumes"] if v["name"] == "curve"]
@@ -449,3 +451,74 @@ def test_no_zeromq_socket_of_the_image_compose_or_manifests_listens_beyond_loopb
     first = (tmp_path / "curve" / "server.key_secret").read_bytes()
     subprocess.run(["sh", "-c", command], check=True, env=env, capture_output=True, timeout=120)
     assert (tmp_path / "curve" / "server.key_secret").read_bytes() == first
+
+
+def interpolate(value: str, environment: dict) -> str:
+    """compose's ${VAR}, ${VAR:-default} and ${VAR:?error} (an error when VAR is unset or empty), as compose does."""
+
+    def one(match: re.Match) -> str:
+        name, operator, word = match.group(1), match.group(2), match.group(3)
+        if operator == ":?" and not environment.get(name):
+            raise LookupError(word)
+        if operator == ":-" and not environment.get(name):
+            return word
+        return environment.get(name, "")
+
+    return re.sub(r"\$\{(\w+)(?:(:[?-])([^}]*))?\}", one, value)
+
+
+def gateway_args(environment: dict, monkeypatch):
+    """`kvferry gateway`'s settings from these variables alone, as the process would read them."""
+    from kvferry.tools.cli import build_parser
+
+    for key in [k for k in __import__("os").environ if k.startswith("KVFERRY_")]:
+        monkeypatch.delenv(key)
+    for key, value in environment.items():
+        monkeypatch.setenv(key, value)
+    return build_parser().parse_args(["gateway"])
+
+
+def test_no_http_api_of_the_image_compose_or_manifests_listens_beyond_loopback_without_a_key(monkeypatch):
+    """The API listens on every interface of the pod and of the container, so a key is mandatory: Kubernetes reads it
+    from a Secret that must exist (made with the documented command, no default in the repository), compose refuses
+    to start without KVFERRY_API_KEY. Without the key, the gateway would refuse to start."""
+    from kvferry.common.bind_check import check_http_exposed, is_loopback_host
+    from kvferry.common.errors import ConfigError
+
+    deploy = ROOT / "deploy"
+    for path in sorted(deploy.rglob("*")):
+        if path.is_file():
+            assert "change-me" not in path.read_text(), path
+    image_env = DockerfileParser(path=str(DOCKER / "Dockerfile")).envs
+    assert not is_loopback_host(config()["KVFERRY_HOST"]) and not is_loopback_host(image_env["KVFERRY_HOST"])
+    for env in (config(), image_env):
+        assert "KVFERRY_API_KEY" not in env and "KVFERRY_INSECURE" not in env
+
+    # Kubernetes: the gateway's key from a Secret, not optional, made by the command secret.example.yaml gives.
+    [entry] = [e for e in container("kvferry-gateway").get("env", []) if e["name"] == "KVFERRY_API_KEY"]
+    ref = entry["valueFrom"]["secretKeyRef"]
+    assert not ref.get("optional"), "the pod waits for the Secret"
+    comments = " ".join(line.lstrip("#").strip() for line in (K8S / "secret.example.yaml").read_text().splitlines())
+    made = re.findall(r"create secret generic (\S+) --from-literal=(\w+)=", comments)
+    assert (ref["name"], ref["key"]) in made, made
+    for name in WORKERS:
+        assert all(e["name"] != "KVFERRY_API_KEY" for e in container(name).get("env", []))
+    pod_env = {**config(), "KVFERRY_API_KEY": sample_value(entry)}
+    args = gateway_args(pod_env, monkeypatch)
+    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
+
+    # compose: no key, no start; with one, the gateway has it.
+    gateway = documents(DOCKER / "compose.yaml")[0]["services"]["gateway"]
+    assert any(port.split(":")[-1] == image_env["KVFERRY_PORT"] for port in gateway["ports"])
+    raw = gateway["environment"]["KVFERRY_API_KEY"]
+    for unset in ({}, {"KVFERRY_API_KEY": ""}):
+        with pytest.raises(LookupError, match="KVFERRY_API_KEY"):
+            interpolate(raw, unset)
+    assert interpolate(raw, {"KVFERRY_API_KEY": "k3y"}) == "k3y"
+    args = gateway_args({**image_env, "KVFERRY_API_KEY": "k3y"}, monkeypatch)
+    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
+
+    # What the check above would say without the key.
+    args = gateway_args(config(), monkeypatch)
+    with pytest.raises(ConfigError, match="--api-key"):
+        check_http_exposed(args.host, args.port, args.api_key, args.insecure)

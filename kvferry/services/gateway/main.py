@@ -12,7 +12,7 @@ import time
 import uvicorn
 
 from kvferry.common import settings
-from kvferry.common.bind_check import listen_tcp
+from kvferry.common.bind_check import check_http_exposed, listen_tcp
 from kvferry.common.curve import CurveKeys
 from kvferry.common.model_files import (
     DEFAULT_MODEL_NAME,
@@ -92,6 +92,7 @@ def run_gateway(args) -> None:
     from kvferry.common.observability import observe
 
     observe(args, "gateway", "gateway")
+    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
     # Bound before the model loads: a taken port fails at once, naming the setting.
     http_socket = listen_tcp(args.host, args.port, settings.label("port"))
     name = served_model_name(args.model)  # what workers register with; clients may know it by other names
