@@ -513,6 +513,16 @@ SPEC: tuple[Setting, ...] = (
         min=0,
     ),
     Setting(
+        "max_waiting_bytes",
+        SIZE,
+        "64MiB",
+        "request bodies let in and not yet answered, in bytes as sent (parsed, they take about 11 times that); past "
+        "this, new ones get 429 (0: no bound). A lone request is always let in",
+        (GATEWAY, SERVE),
+        "deadlines and overload",
+        min=0,
+    ),
+    Setting(
         "drain_timeout",
         FLOAT,
         "30",
@@ -607,16 +617,6 @@ SPEC: tuple[Setting, ...] = (
         min=1,
     ),
     Setting(
-        "max_connections",
-        INT,
-        "1024",
-        "HTTP connections served at once; past this, new ones get 503",
-        (GATEWAY, SERVE),
-        "API",
-        min=1,
-    ),
-    Setting(
-    Setting(
         "max_logprob_entries",
         INT,
         "1000000",
@@ -626,6 +626,16 @@ SPEC: tuple[Setting, ...] = (
         "API",
         min=1,
     ),
+    Setting(
+        "max_connections",
+        INT,
+        "1024",
+        "HTTP connections served at once; past this, new ones get 503",
+        (GATEWAY, SERVE),
+        "API",
+        min=1,
+    ),
+    Setting(
         "tool_prompt_template",
         PATH,
         None,
