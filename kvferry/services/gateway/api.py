@@ -29,6 +29,7 @@ from kvferry.common import tracing
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.services.gateway import fanout
+from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.constraints import request_constraint
@@ -82,6 +83,7 @@ class Api:
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
         loaded_at: float | None = None,
+        max_waiting_bytes: int = 0,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
         loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
@@ -92,9 +94,9 @@ class Api:
         self.limits, self.api_key = limits or Limits(), api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
-        # Requests let in that have not had their first event (a token or an error): what --max-waiting bounds.
-        # Counted from the moment they are let in, so that a burst cannot pass the bound while it is parsed.
-        self.num_unanswered = 0
+        # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
+        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound.
+        self.admission = Admission(max_waiting_bytes)
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -221,14 +223,14 @@ class Api:
             error = ApiError(503, "the server is shutting down", kind="service_unavailable")
             trace.finish(503, error=error.message)
             return error_response(error, headers)
-        if self.core.max_waiting and self.num_unanswered >= self.core.max_waiting:
-            # Refused at once, not queued until it times out: the client backs off and comes back.
-            error = ApiError(
-                429, f"too many requests waiting ({self.core.max_waiting}); retry shortly", kind="rate_limit_error"
-            )
-            trace.finish(429, error=error.message)
-            return error_response(error, {**headers, "retry-after": "1"})
-        self.num_unanswered += 1
+        num_bytes = body_bytes(request)
+        refused = self.admission.refusal(self.core.max_waiting, num_bytes)
+        if refused is not None:
+            trace.finish(429, error=refused.message)
+            return error_response(refused, {**headers, **RETRY_AFTER})
+        self.admission.admit(num_bytes)
+        if capture is not None:
+            capture.num_body_bytes = num_bytes
         try:
             body = await self.json_body(request)
             if capture is not None:
@@ -273,7 +275,7 @@ class Api:
             trace.finish(499)
             return Response(status_code=499)  # nobody reads it
         finally:
-            self.num_unanswered -= 1
+            self.admission.release(num_bytes)
         shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
         choices = Choices(generations, self.tokenizer, self.token_text, chat)
         choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
@@ -308,6 +310,19 @@ class Api:
             raise ApiError(
                 400, f"{num_prompts} prompts with n={n} make {num_prompts * n} choices; at most {most} per request", "n"
             )
+
+    async def admitted(self, request: Request, handler):
+        """handler(request)'s response, the request let in (and held until it answers) as a generation is: for the
+        tokenizer routes, which parse a body too."""
+        num_bytes = body_bytes(request)
+        refused = self.admission.refusal(self.core.max_waiting, num_bytes)
+        if refused is not None:
+            return error_response(refused, RETRY_AFTER)
+        self.admission.admit(num_bytes)
+        try:
+            return await handler(request)
+        finally:
+            self.admission.release(num_bytes)
 
     async def off_loop(self, fn, *args):
         """fn(*args) on a text thread, in the request's context (its id on every log line)."""

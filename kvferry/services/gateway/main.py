@@ -142,6 +142,7 @@ def run_gateway(args) -> None:
         tool_prompt,
         capture,
         loaded_at=loaded_at,
+        max_waiting_bytes=args.max_waiting_bytes,
     )
     log.info(
         "serving %s as %s on http://%s:%d, workers register at %s",

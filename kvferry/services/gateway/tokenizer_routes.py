@@ -4,7 +4,8 @@ completion routes share with them.
 lm-evaluation-harness's `local-completions` finds these and then tokenizes through the server
 instead of downloading the tokenizer.
 
-Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-chars, checked first.
+Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-chars, checked first. A request is let
+in as a generation is (Api.admitted): within --max-waiting and --max-waiting-bytes until it has its reply.
 """
 
 from starlette.requests import ClientDisconnect, Request
@@ -57,6 +58,12 @@ class TokenizerRoutes:
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     async def tokenize(self, request: Request) -> JSONResponse:
+        return await self.api.admitted(request, self._tokenize)
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self.api.admitted(request, self._detokenize)
+
+    async def _tokenize(self, request: Request) -> JSONResponse:
         try:
             body = await self.api.json_body(request)
             if "messages" in body:
@@ -78,7 +85,7 @@ class TokenizerRoutes:
             {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids, "token_strs": None}
         )
 
-    async def detokenize(self, request: Request) -> JSONResponse:
+    async def _detokenize(self, request: Request) -> JSONResponse:
         most = self.api.model_max_len  # no prompt nor completion is longer
         try:
             body = await self.api.json_body(request)

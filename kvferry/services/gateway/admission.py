@@ -1,0 +1,57 @@
+"""What the gateway lets in at once: requests that are not answered yet, counted (--max-waiting) and by their body's
+bytes (--max-waiting-bytes).
+
+A body waits in memory for the text threads, and parsed it takes about 11 times its raw size: a count alone would
+let --max-waiting bodies of --max-body-size in, gigabytes. So every route that parses a body is let in here with its
+raw size (its Content-Length, which the Guards give a chunked body too, before the route reads it) and gives both
+back once it is answered: a generation at its first event, a tokenizer route with its reply. Past either bound a
+request gets 429 with retry-after at once, before its body is read. A lone request is always let in, whatever its
+size (the Guards' --max-body-size bounds it), so that a budget below that size refuses no request forever.
+"""
+
+from starlette.requests import Request
+
+from kvferry.common import settings
+from kvferry.services.gateway.request_parsing import ApiError
+
+RETRY_AFTER = {"retry-after": "1"}
+
+
+def body_bytes(request: Request) -> int:
+    """The raw body's size as the Guards checked it (0 without a body)."""
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isdigit() and len(length) <= 18 else 0
+
+
+class Admission:
+    def __init__(self, max_waiting_bytes: int = 0):
+        """max_waiting_bytes: 0, no bound. The count's bound is read from the core at each request."""
+        self.max_waiting_bytes = max_waiting_bytes
+        # Counted from the moment a request is let in, so that a burst cannot pass the bounds while it is parsed.
+        self.num_unanswered = 0
+        self.num_unanswered_bytes = 0
+
+    def refusal(self, max_waiting: int, num_bytes: int) -> ApiError | None:
+        """The 429 for a request of num_bytes, or None when it may be let in (then: admit)."""
+        if max_waiting and self.num_unanswered >= max_waiting:
+            # Refused at once, not queued until it times out: the client backs off and comes back.
+            return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")
+        held = self.num_unanswered_bytes
+        if self.max_waiting_bytes and self.num_unanswered and held + num_bytes > self.max_waiting_bytes:
+            return ApiError(
+                429,
+                f"too many request bytes waiting ({held} let in, {num_bytes} more asked, at most "
+                f"{self.max_waiting_bytes}: {settings.label('max_waiting_bytes')}); retry shortly",
+                kind="rate_limit_error",
+            )
+        return None
+
+    def admit(self, num_bytes: int) -> None:
+        self.num_unanswered += 1
+        self.num_unanswered_bytes += num_bytes
+
+    def release(self, num_bytes: int) -> None:
+        """The request was answered: what admit took is given back (once)."""
+        self.num_unanswered -= 1
+        self.num_unanswered_bytes -= num_bytes
+        assert self.num_unanswered >= 0 and self.num_unanswered_bytes >= 0
