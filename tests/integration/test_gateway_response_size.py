@@ -4,6 +4,7 @@ logprobs and n multiply the response: past --max-logprob-entries the request is 
 prompt's logprobs are built once per prompt whatever n is, and a large body is built off the event loop."""
 
 import asyncio
+import json
 import threading
 
 import httpx
@@ -13,6 +14,7 @@ from starlette.responses import JSONResponse
 from kvferry.common import protocol as p
 from kvferry.common.sampling import TokenLogprobs
 from kvferry.common.sequence import FinishReason
+from kvferry.services.gateway import api as api_module
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.request_parsing import Limits
@@ -140,19 +142,41 @@ def test_a_large_whole_body_is_built_off_the_event_loop_and_a_small_one_on_it(to
             threads["rendered"].append(threading.current_thread().name)
         return real_render(self, content)
 
+    def part(self, entries, token_ids):
+        threads["echoed"].append(threading.current_thread().name)
+        return real_part(self, entries, token_ids)
+
+    def sse(obj):
+        if obj.get("choices") and obj["choices"][0]["logprobs"]:
+            threads["chunk"].append(threading.current_thread().name)
+        return real_sse(obj)
+
+    threads["echoed"], threads["chunk"] = [], []
+    real_part, real_sse = CompletionLogprobs.part, api_module.sse
     monkeypatch.setattr(Choices, "whole", whole)
     monkeypatch.setattr(JSONResponse, "render", render)
+    monkeypatch.setattr(CompletionLogprobs, "part", part)
+    monkeypatch.setattr(api_module, "sse", sse)
 
     async def test(http, prefill):
-        for prompt, width in (([5] * 10, 0), ([5] * 900, 20)):
-            body = {"prompt": prompt, "echo": True, "logprobs": width, "max_tokens": 0}
-            sent = asyncio.ensure_future(http.post("/v1/completions", json=body))
-            await answer_prefills(prefill, 1, width)
-            response = await sent
-            assert response.status_code == 200, response.text
-            assert len(response.json()["choices"][0]["logprobs"]["tokens"]) == len(prompt)
+        for stream in (False, True):
+            for prompt, width in (([5] * 10, 0), ([5] * 900, 20)):
+                body = {"prompt": prompt, "echo": True, "logprobs": width, "max_tokens": 0, "stream": stream}
+                sent = asyncio.ensure_future(http.post("/v1/completions", json=body))
+                await answer_prefills(prefill, 1, width)
+                response = await sent
+                assert response.status_code == 200, response.text
+                if stream:
+                    chunk = json.loads(response.text.split("\n\n")[0].removeprefix("data: "))
+                else:
+                    chunk = response.json()
+                assert len(chunk["choices"][0]["logprobs"]["tokens"]) == len(prompt)
 
     served(tokenizer, test)
-    loop_thread = threading.main_thread().name
-    assert threads["built"][0] == loop_thread and threads["rendered"][0] == loop_thread, threads
-    assert threads["built"][1].startswith("kvferry-text") and threads["rendered"][1].startswith("kvferry-text"), threads
+    on_loop = threading.main_thread().name
+    off_loop = lambda name: name.startswith("kvferry-text")  # noqa: E731
+    assert threads["built"][0] == on_loop and threads["rendered"][0] == on_loop, threads
+    assert off_loop(threads["built"][1]) and off_loop(threads["rendered"][1]), threads
+    # The echoed prompt's logprobs too, whole or streamed (small, large, small, large); and the large chunk.
+    assert [off_loop(name) for name in threads["echoed"]] == [False, True, False, True], threads
+    assert [off_loop(name) for name in threads["chunk"]] == [False, True], threads

@@ -414,7 +414,8 @@ class Api:
         if not choices.generation.prompt_only:
             trace.tokens(event)
         started = time.time()
-        delta = choices.apply(event)
+        heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
+        delta = await self.off_loop(choices.apply, event) if heavy else choices.apply(event)
         trace.detokenized(started, len(event.token_ids))
         if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
             await self.core.abort_choice(*choices.flight_of(event.choice))
@@ -473,6 +474,7 @@ class Api:
                     trace.finish(event.error_code, error=event.error)
                     break
                 kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
+                heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES
                 delta = await self._apply(event, choices, trace)
                 if delta is not None:
                     # At least one chunk per token event, even when the text is held back: clients time tokens by
@@ -483,8 +485,11 @@ class Api:
                         chunks[0]["choices"][0]["token_ids"] = delta.token_ids
                     if choices.done:
                         chunks[-1]["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-                    for chunk in chunks:
-                        yield sse(chunk)
+                    if heavy:  # a long echoed prompt's logprobs: serialized on a text thread
+                        yield await self.off_loop(lambda: b"".join(map(sse, chunks)))
+                    else:
+                        for chunk in chunks:
+                            yield sse(chunk)
                 if choices.done:
                     if generation.include_usage:
                         yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))

@@ -146,6 +146,12 @@ class Choices:
             self.echoed_logprobs[id(g)] = part, state.logprobs.offset
         return part
 
+    def num_echo_entries(self, index: int) -> int:
+        """The logprob entries the choice's echoed prompt shows with its next event (0 once shown, or without)."""
+        s = self.states[index]
+        g = s.generation
+        return len(g.prompt_ids) * (1 + g.logprobs) if g.echo and s.logprobs is not None and not s.started else 0
+
     @property
     def num_entries(self) -> int:
         """About how many values the whole response holds: each token shown, times 1 + logprobs with them."""
