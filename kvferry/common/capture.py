@@ -19,14 +19,19 @@ A record's fields, by name (times in seconds):
 """
 
 import json
-import math
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import BinaryIO
+
+from kvferry.common import capture_check
 
 FORMAT_VERSION = 1
 FILE_PREFIX, FILE_SUFFIX = "capture-", ".jsonl"
 REDACTED = "[redacted]"
+# A reader skips a longer line unread. A line is a body (8 MiB by default, --max-body-size) with its prompt's token
+# ids and outputs: far below this, even with a larger body cap.
+MAX_LINE_BYTES = 256 * 2**20
 # Body fields whose value is a secret wherever they appear, compared in lower case. OpenAI's API has none, but
 # clients and proxies put credentials into extra fields.
 SECRET_FIELDS = frozenset(
@@ -90,15 +95,14 @@ class CaptureError(ValueError):
     """A capture line that cannot be read; the message names its file and line."""
 
 
-_REQUIRED = {"request_id": str, "arrival_unix": (int, float), "endpoint": str, "status": int}
-
-
 def parse_line(text: str, where: str) -> Record:
     """One line -> its Record, or CaptureError naming where (FILE:LINE) and why."""
     try:
         raw = json.loads(text)
-    except ValueError as exc:
-        raise CaptureError(f"{where}: not JSON ({exc.msg}); truncated or corrupt") from None
+    except RecursionError:
+        raise CaptureError(f"{where}: JSON nested too deeply to read") from None
+    except ValueError as exc:  # a JSONDecodeError, or an integer of more digits than Python converts
+        raise CaptureError(f"{where}: not JSON ({getattr(exc, 'msg', exc)}); truncated or corrupt") from None
     if not isinstance(raw, dict):
         raise CaptureError(f"{where}: not a JSON object")
     version = raw.get("v")
@@ -107,46 +111,68 @@ def parse_line(text: str, where: str) -> Record:
             f"{where}: capture format version {version!r}; this kvferry reads version {FORMAT_VERSION} "
             "(capture again with this version's gateway)"
         )
-    for name, kind in _REQUIRED.items():
-        if not isinstance(raw.get(name), kind) or isinstance(raw.get(name), bool):
-            raise CaptureError(f"{where}: field {name!r} is missing or not a {getattr(kind, '__name__', 'number')}")
-    if not math.isfinite(raw["arrival_unix"]):
-        raise CaptureError(f"{where}: arrival_unix is not finite")
+    wrong = capture_check.problem(raw)
+    if wrong:
+        raise CaptureError(f"{where}: {wrong}")
     known = {f for f in Record.__dataclass_fields__}
-    try:
-        return Record(**{k: v for k, v in raw.items() if k in known})
-    except TypeError as exc:
-        raise CaptureError(f"{where}: {exc}") from None
+    return Record(**{k: v for k, v in raw.items() if k in known})
 
 
 def capture_files(paths: Iterable[str | Path]) -> list[Path]:
-    """Files and folders -> the capture files, a folder's in the order they were written (their names sort so)."""
+    """Files and folders -> the capture files, a folder's in the order they were written (their names sort so).
+    Only regular files: a FIFO or device under a capture's name would stall or flood the reader."""
     out = []
     for path in map(Path, paths):
         if path.is_dir():
-            out.extend(sorted(path.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}")))
-        elif path.exists():
+            out.extend(sorted(p for p in path.glob(f"{FILE_PREFIX}*{FILE_SUFFIX}") if p.is_file()))
+        elif path.is_file():
             out.append(path)
+        elif path.exists():
+            raise FileNotFoundError(f"{path} is not a regular file")
         else:
             raise FileNotFoundError(f"no capture file or folder {path}")
     return out
 
 
-def read_records(paths: Iterable[str | Path], on_skip=None) -> Iterator[Record]:
-    """Every readable record of the files and folders, in file order. A line that cannot be read is skipped and
-    on_skip(message) told, the message naming its file and line."""
+def _lines(file: BinaryIO, max_line_bytes: int) -> Iterator[bytes | None]:
+    """The file's lines; None for one longer than max_line_bytes, which is read past in pieces, never held whole."""
+    while line := file.readline(max_line_bytes + 1):
+        if len(line) <= max_line_bytes or line.endswith(b"\n"):
+            yield line
+            continue
+        while (piece := file.readline(2**20)) and not piece.endswith(b"\n"):
+            pass
+        yield None
+
+
+def located_records(
+    paths: Iterable[str | Path], on_skip=None, max_line_bytes: int = MAX_LINE_BYTES
+) -> Iterator[tuple[str, Record]]:
+    """(FILE:LINE, record) for every readable record of the files and folders, in file order. A line that cannot be
+    read is skipped and on_skip(message) told, the message naming its file and line."""
     for path in capture_files(paths):
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, text in enumerate(f, 1):
-                if not text.strip():
-                    continue
+        with open(path, "rb") as f:
+            for number, raw in enumerate(_lines(f, max_line_bytes), 1):
+                where = f"{path}:{number}"
                 try:
-                    yield parse_line(text, f"{path}:{number}")
+                    if raw is None:
+                        raise CaptureError(f"{where}: longer than {max_line_bytes} bytes; no capture line is")
+                    try:
+                        text = raw.decode()
+                    except UnicodeDecodeError as exc:
+                        raise CaptureError(f"{where}: not UTF-8 text (byte {exc.start} of the line)") from None
+                    if text.strip():
+                        yield where, parse_line(text, where)
                 except CaptureError as exc:
                     if on_skip is not None:
                         on_skip(str(exc))
 
 
-def load(paths: Iterable[str | Path], on_skip=None) -> list[Record]:
+def read_records(paths: Iterable[str | Path], on_skip=None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
+    """Every readable record of the files and folders, in file order (located_records, without the places)."""
+    return (record for _, record in located_records(paths, on_skip, max_line_bytes))
+
+
+def load(paths: Iterable[str | Path], on_skip=None, max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
     """Every readable record, sorted by arrival."""
-    return sorted(read_records(paths, on_skip), key=lambda r: r.arrival_unix)
+    return sorted(read_records(paths, on_skip, max_line_bytes), key=lambda r: r.arrival_unix)
