@@ -21,6 +21,8 @@ import json
 import math
 from urllib.parse import unquote
 
+from kvferry.common.work_budget import WorkBudget, WorkBudgetExceeded
+
 ANNOTATIONS = frozenset(
     {
         "title",
@@ -85,6 +87,15 @@ MAX_ENUM_VALUES = 1024  # of one enum: each value is an alternative of the gramm
 # ones cost little. Within these the compile stays well under a second.
 MAX_OPTIONAL_PROPERTIES = 128  # of one object
 MAX_PROPERTIES = 2048  # of every object in the schema together, nested and in $defs too
+# Each enum or const value is an alternative the engine precomputes token masks for: about 250 bytes of compiled
+# grammar per character (a 105 KB enum held 26 MiB), so their characters together bound a grammar's memory.
+MAX_VALUE_CHARS = 32_768  # of every enum and const value in the schema, as JSON text
+# The compile time grows faster than linearly with the length of a chain of $refs (a $ref to a schema that holds a
+# $ref, and so on): 1,000 links through anyOf took 1.3 s, 1,500 took 3.8 s. Real schemas nest a few levels.
+MAX_REF_DEPTH = 64
+# Groups nested in a pattern: Python's re (the metaschema's regex check) recurses on each, and real patterns nest a
+# few deep.
+MAX_PATTERN_DEPTH = 64
 
 
 class UnsupportedSchema(ValueError):
@@ -95,12 +106,26 @@ class UnsupportedSchema(ValueError):
         self.path, self.why = path, why
 
 
-def check_supported(schema, path: str) -> None:
+def check_supported(schema, path: str, budget: WorkBudget | None = None) -> None:
     """Raise UnsupportedSchema at the first part of schema the structured-output engine does not enforce. path: the
-    request field the schema came from (each error's path starts with it)."""
+    request field the schema came from (each error's path starts with it). budget: the steps the walk may take
+    (default: in proportion to the schema's compact JSON); past them the schema is refused as too costly to check.
+    Raises WorkCancelled when the budget's request is no longer wanted."""
     if not isinstance(schema, dict):
         raise UnsupportedSchema(path, "a schema must be a JSON object ({} for any JSON value)")
-    _Walk(schema).node(schema, path, None)
+    if budget is None:
+        budget = WorkBudget(len(json.dumps(schema, separators=(",", ":"))))
+    try:
+        walk = _Walk(schema, budget)
+        walk.node(schema, path, None)
+        walk.ref_chain("#", path, set())
+    except WorkBudgetExceeded:
+        raise UnsupportedSchema(
+            path,
+            f"checking this schema takes more than the {budget.num_steps} steps its size allows (oneOf branches "
+            "compared pairwise over shared properties, or $ref chains followed many times); simplify it, or use "
+            "anyOf for branches that need not exclude each other",
+        ) from None
 
 
 def json_types(value) -> set[str]:
@@ -132,9 +157,11 @@ def _covers(types: set[str], kind: str) -> bool:
 
 
 class _Walk:
-    def __init__(self, root: dict):
-        self.root = root
+    def __init__(self, root: dict, budget: WorkBudget):
+        self.root, self.budget = root, budget
         self.num_properties = 0  # of the objects walked so far
+        self.num_value_chars = 0  # of the enum and const values walked so far, as JSON text
+        self.ref_depths: dict[str, int] = {}  # a $ref -> the longest chain of $refs from it (cycles end a chain)
         # id(schema) -> _facts(schema): ids stay unique, as every schema here lives in root for the walk
         self.value_facts: dict[int, tuple[frozenset[str], frozenset[str]]] = {}
 
@@ -148,6 +175,7 @@ class _Walk:
             return
         if not isinstance(schema, dict):
             raise UnsupportedSchema(path, "a schema must be a JSON object or a boolean")
+        self.budget.spend(1 + len(schema))
         for name in schema:
             if name not in SUPPORTED and name not in ANNOTATIONS and name not in CONTAINERS:
                 raise UnsupportedSchema(path, f"{name!r} is not supported by the structured-output engine")
@@ -181,17 +209,29 @@ class _Walk:
 
     def _values(self, schema: dict, path: str, types: set[str]) -> None:
         values = list(schema["enum"]) if isinstance(schema.get("enum"), list) else []
+        self.budget.spend(1 + len(values))
         if len(values) > MAX_ENUM_VALUES:
             raise UnsupportedSchema(
                 path, f"an 'enum' of more than {MAX_ENUM_VALUES} values is not supported (this one has {len(values)})"
             )
         if "const" in schema:
             values.append(schema["const"])
+        self._count_value_chars(values, path)
         if "type" not in schema:
             return
         for value in values:
             if not json_types(value) & types:
                 raise UnsupportedSchema(path, f"the value {_short(value)} does not match 'type' {schema['type']!r}")
+
+    def _count_value_chars(self, values: list, path: str) -> None:
+        for value in values:
+            self.num_value_chars += len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
+            if self.num_value_chars > MAX_VALUE_CHARS:
+                raise UnsupportedSchema(
+                    path,
+                    f"a schema whose enum and const values hold more than {MAX_VALUE_CHARS} characters together (as "
+                    "JSON) is not supported: each character costs the engine memory in every worker",
+                )
 
     def _numbers(self, schema: dict, path: str, types: set[str]) -> None:
         if "multipleOf" in schema:
@@ -215,6 +255,8 @@ class _Walk:
             raise UnsupportedSchema(
                 path, f"{shapes[0]!r} and {shapes[1]!r} together are not supported (the engine keeps only one)"
             )
+        if isinstance(schema.get("pattern"), str) and pattern_depth(schema["pattern"]) > MAX_PATTERN_DEPTH:
+            raise UnsupportedSchema(path, f"a 'pattern' with groups nested more than {MAX_PATTERN_DEPTH} deep")
         fmt = schema.get("format")
         if fmt is not None and fmt not in FORMATS:
             raise UnsupportedSchema(
@@ -269,16 +311,56 @@ class _Walk:
         """What a $ref points at: only JSON pointers within the schema ('#', '#/...')."""
         if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
             raise UnsupportedSchema(path, f"the $ref {_short(ref)} is not supported: only '#/...' within the schema")
+        self.budget.spend(1 + len(ref) // 8)  # each part is unquoted and looked up
         node = self.root
         for part in ref[2:].split("/") if ref != "#" else ():
             part = unquote(part).replace("~1", "/").replace("~0", "~")
             if isinstance(node, dict) and part in node:
                 node = node[part]
-            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
-                node = node[int(part)]
+            elif isinstance(node, list) and 0 <= _index(part) < len(node):
+                node = node[_index(part)]
             else:
                 raise UnsupportedSchema(path, f"the $ref {_short(ref)} points at nothing in the schema")
         return node
+
+    def ref_chain(self, ref: str, path: str, on_chain: set[str]) -> int:
+        """The longest chain of $refs from ref (the links to a $ref already on the chain end it); UnsupportedSchema
+        past MAX_REF_DEPTH. Each target's $refs are gathered once: the work is linear in the schema."""
+        if ref in self.ref_depths:
+            return self.ref_depths[ref]
+        if ref in on_chain:
+            return 0
+        if len(on_chain) > MAX_REF_DEPTH:
+            raise UnsupportedSchema(
+                path,
+                f"a chain of more than {MAX_REF_DEPTH} $refs (a $ref to a schema holding a $ref, and so on) is not "
+                "supported: the engine's compile time grows fast with its length",
+            )
+        on_chain.add(ref)
+        longest = 0
+        for inner in self._refs_under(self._target(ref, path)):
+            longest = max(longest, 1 + self.ref_chain(inner, path, on_chain))
+        on_chain.discard(ref)
+        self.ref_depths[ref] = longest
+        return longest
+
+    def _refs_under(self, schema) -> list[str]:
+        """The $refs in schema and the schemas inside it, but not in $defs (reached only by a $ref of their own)."""
+        refs, pending = [], [schema]
+        while pending:
+            node = pending.pop()
+            self.budget.spend()
+            if not isinstance(node, dict):
+                continue
+            if isinstance(node.get("$ref"), str):
+                refs.append(node["$ref"])
+            if isinstance(node.get("properties"), dict):
+                pending.extend(node["properties"].values())
+            pending.extend(node[k] for k in ("additionalProperties", "items", "propertyNames") if k in node)
+            for name in ("prefixItems", *COMBINATORS):
+                if isinstance(node.get(name), list):
+                    pending.extend(node[name])
+        return refs
 
     def _resolved(self, schema, path: str):
         for _ in range(MAX_REF_HOPS):
@@ -293,6 +375,7 @@ class _Walk:
             raise UnsupportedSchema(path, f"a oneOf of more than {MAX_ONE_OF} branches is not supported (use anyOf)")
         for i in range(len(branches)):
             for j in range(i):
+                self.budget.spend()
                 if not self._disjoint(branches[j], branches[i], path, 3):
                     raise UnsupportedSchema(
                         f"{path}.oneOf[{i}]",
@@ -303,6 +386,7 @@ class _Walk:
 
     def _disjoint(self, a, b, path: str, depth: int) -> bool:
         """Whether no JSON value can match both schemas (False when unsure)."""
+        self.budget.spend()
         a, b = self._resolved(a, path), self._resolved(b, path)
         if a is False or b is False:
             return True
@@ -311,6 +395,7 @@ class _Walk:
         fa, fb = self._facts(a), self._facts(b)
         ta, tb = _types(a), _types(b)
         if fa is not None and fb is not None:
+            self.budget.spend(min(len(fa[0]), len(fb[0])))  # a set's isdisjoint walks the smaller
             return fa[0].isdisjoint(fb[0])
         for facts, types in ((fa, tb), (fb, ta)):
             if facts is not None and types is not None:
@@ -324,6 +409,7 @@ class _Walk:
         pa, pb = a.get("properties"), b.get("properties")
         if not (isinstance(pa, dict) and isinstance(pb, dict)):
             return False
+        self.budget.spend(_num_names(a.get("required")) + _num_names(b.get("required")))
         in_b = set(_names(b.get("required")))
         required = [k for k in _names(a.get("required")) if k in in_b]
         return any(k in pa and k in pb and self._disjoint(pa[k], pb[k], path, depth - 1) for k in required)
@@ -339,6 +425,7 @@ class _Walk:
             return None
         facts = self.value_facts.get(id(schema))
         if facts is None:
+            self.budget.spend(len(values))
             kinds = frozenset(kind for value in values for kind in json_types(value))
             facts = self.value_facts[id(schema)] = (frozenset(map(_value_key, values)), kinds)
         return facts
@@ -358,6 +445,37 @@ def _integral(value):
     if isinstance(value, dict):
         return {key: _integral(item) for key, item in value.items()}
     return value
+
+
+def pattern_depth(pattern: str) -> int:
+    """How deep a regular expression's groups nest (escapes and character classes skipped)."""
+    depth = deepest = 0
+    escaped = in_class = False
+    for char in pattern:
+        if escaped:
+            escaped = False
+        elif char == "\\":
+            escaped = True
+        elif in_class:
+            in_class = char != "]"
+        elif char == "[":
+            in_class = True
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _index(part: str) -> int:
+    """A $ref part as a list index: ASCII digits only (str.isdigit takes '²', which int() refuses), and no more of
+    them than an index of a list within MAX_CONSTRAINT_BYTES can have (int() refuses thousands); -1 otherwise."""
+    return int(part) if part.isascii() and part.isdigit() and len(part) <= 6 else -1
+
+
+def _num_names(required) -> int:
+    return len(required) if isinstance(required, list) else 0
 
 
 def _names(required) -> list[str]:

@@ -28,6 +28,7 @@ from starlette.routing import Route
 from kvferry.common import tracing
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
+from kvferry.common.work_budget import RequestWork, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
 from kvferry.services.gateway.capture import CaptureWriter
@@ -102,6 +103,7 @@ class Api:
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
         self.text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="kvferry-text")
+        self.checks: set[RequestWork] = set()  # of the requests whose content is being checked on a text thread
 
     @property
     def max_model_len(self) -> int:
@@ -144,6 +146,8 @@ class Api:
         try:
             yield
         finally:
+            for work in list(self.checks):  # a check still running stops at its next look: the process can exit
+                work.cancel()
             await self.core.stop()
             if self.capture is not None:
                 await asyncio.get_running_loop().run_in_executor(None, self.capture.close)
@@ -211,7 +215,7 @@ class Api:
         return await self._serve(request, chat=True)
 
     async def _serve(self, request: Request, chat: bool):
-        arrived_at = time.time()
+        arrived_at, arrived_monotonic = time.time(), time.monotonic()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the one id, on every message and log line
         request_id_var.set(rid)
         ctx = self._trace_context(request.headers.get("traceparent"))
@@ -235,8 +239,9 @@ class Api:
             body = await self.json_body(request)
             if capture is not None:
                 capture.record.body = body
-            tools, constraint = await self.off_loop(self.output_rules, body, chat)
-            prompts = await self.off_loop(self.prompt_ids, body, chat, tools)
+            deadline = arrived_monotonic + self.core.deadlines.request_s
+            tools, constraint = await self.checks_off_loop(request, deadline, self.output_rules, body, chat)
+            prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
             calls = tools is not None and tools.calls_allowed
             generations = [
                 parse_generation(
@@ -328,6 +333,24 @@ class Api:
         """fn(*args) on a text thread, in the request's context (its id on every log line)."""
         run = functools.partial(contextvars.copy_context().run, fn, *args)
         return await asyncio.get_running_loop().run_in_executor(self.text_threads, run)
+
+    async def checks_off_loop(self, request: Request, deadline: float, fn, *args):
+        """fn(*args), checks of the request's content, on a text thread. Their work budgets (common/work_budget.py)
+        stop them at their next look once nobody wants the answer: the client left (ClientDisconnect here), the
+        deadline (time.monotonic()) passed (504), or the gateway stops (503)."""
+        work = RequestWork(deadline)
+        token = current_request.set(work)  # the task below, and so the text thread, run in a copy of this context
+        self.checks.add(work)
+        try:
+            return await self._unless_client_leaves(request, self.off_loop(fn, *args))
+        except WorkCancelled:
+            if work.deadline is not None and time.monotonic() >= work.deadline:
+                raise ApiError(504, "the request took longer than its deadline", kind="timeout_error") from None
+            raise ApiError(503, "the server is shutting down", kind="service_unavailable") from None
+        finally:
+            current_request.reset(token)
+            work.cancel()  # what still runs was abandoned: the client left
+            self.checks.discard(work)
 
     @staticmethod
     async def _unless_client_leaves(request: Request, work):

@@ -5,6 +5,7 @@ came from, so that a worker's compile error names it too.
 """
 
 from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint
+from kvferry.common.json_schema_support import MAX_ENUM_VALUES, MAX_VALUE_CHARS
 from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 from kvferry.services.gateway.tools import NAME, Tools, tool_constraint
@@ -42,11 +43,21 @@ def structured(kind: str, value, name: str) -> Constraint:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ApiError(400, f"'{name}' must be a non-empty list of strings", name)
+        _check_choices(value, name)
         return Constraint(CHOICE, canonical(value, name), name)
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"'{name}' must be a non-empty string", name)
     check_size(value, name)
     return Constraint(STRUCTURED_KINDS[kind], value, name)
+
+
+def _check_choices(choices: list[str], name: str) -> None:
+    """The bounds of an enum (choices are its values): each is an alternative the engine precomputes masks for."""
+    if len(choices) > MAX_ENUM_VALUES:
+        raise ApiError(400, f"'{name}' has {len(choices)} choices; at most {MAX_ENUM_VALUES}", name)
+    num_chars = sum(map(len, choices))
+    if num_chars > MAX_VALUE_CHARS:
+        raise ApiError(400, f"'{name}' holds {num_chars} characters in all; at most {MAX_VALUE_CHARS}", name)
 
 
 def _asks(name: str, value) -> bool:

@@ -1,6 +1,11 @@
 """The checks a JSON Schema from a request passes at the gateway, each a 400 naming its field: JSON syntax (when it
 comes as text), the size of its canonical text, its metaschema, and the engine's support for every keyword in it.
 
+Each check's work is bounded by its input's size (common/work_budget.py): the support walk counts its steps, and
+the metaschema check, which is linear but for a few keywords, gets only inputs where it stays linear (a first pass
+refuses the rest: jsonschema compares the items of a `type` list of objects pairwise, and recurses in Python's re on
+each group of a `pattern`).
+
 The canonical text is what the workers compile and cache by: compact, keys in the user's order (a schema's property
 order is the order the output follows).
 """
@@ -12,13 +17,17 @@ from jsonschema.exceptions import SchemaError
 from jsonschema.validators import validator_for
 
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
-from kvferry.common.json_schema_support import UnsupportedSchema, check_supported
+from kvferry.common.json_schema_support import MAX_PATTERN_DEPTH, UnsupportedSchema, check_supported, pattern_depth
+from kvferry.common.work_budget import WorkBudget, WorkBudgetExceeded
 from kvferry.services.gateway import json_body
 from kvferry.services.gateway.request_parsing import ApiError
 
 MAX_MESSAGE_CHARS = 300  # of a metaschema error quoted back: it may quote the whole schema
 # The drafts whose meaning the engine follows; draft 4 and older differ (boolean exclusiveMinimum, ...).
 DRAFTS = (Draft202012Validator, Draft201909Validator, Draft7Validator, Draft6Validator)
+NUM_JSON_TYPES = 7  # a `type` list names each of them at most once
+STRING_LISTS = ("required",)  # lists the metaschema holds unique: jsonschema sorts strings, compares others pairwise
+STRING_LIST_MAPS = ("dependentRequired", "dependencies")  # name -> such a list
 
 
 def canonical(value, field: str) -> str:
@@ -57,6 +66,8 @@ def checked_schema(schema, field: str) -> str:
     if not isinstance(schema, dict):
         raise ApiError(400, f"'{field}' must be a JSON Schema object ({{}} for any JSON value)", field)
     text = canonical(schema, field)  # before the walks: the size bounds them
+    budget = WorkBudget(len(text))
+    _before_metaschema(schema, field, budget)
     draft = Draft202012Validator
     if "$schema" in schema:
         draft = validator_for(schema, default=None) if isinstance(schema["$schema"], str) else None
@@ -66,12 +77,54 @@ def checked_schema(schema, field: str) -> str:
             )
     try:
         draft.check_schema(schema)
+    except RecursionError:  # the first pass bounds what recurses; this keeps any other case a 400, not a 500
+        raise ApiError(400, f"'{field}' nests too deeply to check", field) from None
     except SchemaError as exc:
         where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in exc.absolute_path)
         message = exc.message if len(exc.message) <= MAX_MESSAGE_CHARS else exc.message[:MAX_MESSAGE_CHARS] + "..."
         raise ApiError(400, f"{field}{where}: not a valid JSON Schema: {message}", field) from None
     try:
-        check_supported(schema, field)
+        check_supported(schema, field, budget)
     except UnsupportedSchema as exc:
         raise ApiError(400, str(exc), field) from None
     return text
+
+
+def _before_metaschema(schema, field: str, budget: WorkBudget) -> None:
+    """Refuse what would make the metaschema check more than linear, or recurse past Python's limit: a `type` list
+    longer than the JSON types or not all names, a list of required names that are not all strings, and a `pattern`
+    (or patternProperties name) nested deeper than MAX_PATTERN_DEPTH. Every object in the schema is looked at, values
+    too: the metaschema check reaches whichever of them are schemas."""
+    pending = [(schema, field)]
+    try:
+        while pending:
+            node, path = pending.pop()
+            budget.spend()
+            if isinstance(node, list):
+                pending.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
+            elif isinstance(node, dict):
+                _metaschema_hazards(node, path, field)
+                pending.extend((value, f"{path}.{key}") for key, value in node.items())
+    except WorkBudgetExceeded:
+        raise ApiError(400, f"'{field}' takes more work to check than its size allows", field) from None
+
+
+def _metaschema_hazards(node: dict, path: str, field: str) -> None:
+    kind = node.get("type")
+    if isinstance(kind, list) and (len(kind) > NUM_JSON_TYPES or not all(isinstance(k, str) for k in kind)):
+        raise ApiError(400, f"{path}.type: a list of at most {NUM_JSON_TYPES} JSON type names", field)
+    lists = [(name, node[name]) for name in STRING_LISTS if name in node]
+    for name in STRING_LIST_MAPS:
+        if isinstance(node.get(name), dict):
+            lists.extend((f"{name}.{key}", value) for key, value in node[name].items())
+    for name, value in lists:
+        if isinstance(value, list) and not all(isinstance(item, str) for item in value):
+            raise ApiError(400, f"{path}.{name}: a list of property names (strings)", field)
+    patterns = [("pattern", node["pattern"])] if isinstance(node.get("pattern"), str) else []
+    if isinstance(node.get("patternProperties"), dict):
+        patterns.extend(("patternProperties", name) for name in node["patternProperties"])
+    for name, pattern in patterns:
+        if pattern_depth(pattern) > MAX_PATTERN_DEPTH:
+            raise ApiError(
+                400, f"{path}.{name}: a regular expression with groups nested more than {MAX_PATTERN_DEPTH} deep", field
+            )

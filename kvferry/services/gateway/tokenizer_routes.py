@@ -8,6 +8,8 @@ Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-ch
 in as a generation is (Api.admitted): within --max-waiting and --max-waiting-bytes until it has its reply.
 """
 
+import time
+
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
@@ -68,7 +70,8 @@ class TokenizerRoutes:
             body = await self.api.json_body(request)
             if "messages" in body:
                 add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
-                tools = await self.api.off_loop(parse_tools, body)  # the prompt a chat request with them gets
+                deadline = time.monotonic() + self.api.core.deadlines.request_s
+                tools = await self.api.checks_off_loop(request, deadline, parse_tools, body)  # as a chat request's
                 ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt, tools)
             else:
                 prompt = body.get("prompt")

@@ -1,0 +1,71 @@
+"""A bound on the work one check of a request's content may do, counted in steps (not seconds: a busy machine must
+not turn a good request into a refusal), and proportional to the size of what it checks.
+
+A check that runs out raises WorkBudgetExceeded, which the caller turns into a 400 naming the field. Every
+CHECK_EVERY steps it also asks whether its request still wants the answer: a client that disconnected, a request
+past its deadline, or a gateway that is stopping ends the check there (WorkCancelled), so that no abandoned request
+holds a text thread. Standard library only: the gateway's checks and the tests share it.
+"""
+
+import contextvars
+import threading
+import time
+
+CHECK_EVERY = 1024  # steps between looks at the clock and at the request's cancellation
+# A check may take BASE_STEPS plus STEPS_PER_BYTE for each byte of its input. A schema's linear walk costs about one
+# step per 10 bytes, and a oneOf of 256 const branches (3 KB) 32,640 pairs: both far inside. What stays outside is
+# work that grows faster than the input (pairwise comparisons recursing into shared properties, $ref chains walked
+# again and again), which is what the budget is for.
+BASE_STEPS = 200_000
+STEPS_PER_BYTE = 8
+
+
+class WorkBudgetExceeded(Exception):
+    """The check needed more steps than its input's size allows."""
+
+
+class WorkCancelled(Exception):
+    """Nobody waits for the check's answer any more: the client left, the deadline passed, or the gateway stops."""
+
+
+class RequestWork:
+    """One request's stake in the checks run for it: whether it still wants them, and until when."""
+
+    def __init__(self, deadline: float | None = None):
+        """deadline: time.monotonic() past which the checks stop (None: none)."""
+        self.deadline = deadline
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def wanted(self) -> bool:
+        return not self._cancelled.is_set() and (self.deadline is None or time.monotonic() < self.deadline)
+
+
+# The request whose checks run in this context: the gateway sets it per request, and a text thread runs in a copy of
+# the request's context, so every budget made there is that request's.
+current_request: contextvars.ContextVar[RequestWork | None] = contextvars.ContextVar("current_request", default=None)
+
+
+class WorkBudget:
+    def __init__(self, num_bytes: int, steps_per_byte: int = STEPS_PER_BYTE, base_steps: int = BASE_STEPS):
+        self.num_steps = base_steps + steps_per_byte * max(num_bytes, 0)
+        self.num_left = self.num_steps
+        self._until_look = CHECK_EVERY
+        self.request = current_request.get()
+
+    @property
+    def num_spent(self) -> int:
+        return self.num_steps - self.num_left
+
+    def spend(self, num_steps: int = 1) -> None:
+        self.num_left -= num_steps
+        if self.num_left < 0:
+            raise WorkBudgetExceeded(f"more than {self.num_steps} steps")
+        self._until_look -= num_steps
+        if self._until_look <= 0:
+            self._until_look = CHECK_EVERY
+            if self.request is not None and not self.request.wanted:
+                raise WorkCancelled
