@@ -457,13 +457,26 @@ SPEC: tuple[Setting, ...] = (
         "grammar_compile_timeout",
         FLOAT,
         "5",
-        "a structured-output constraint whose compile takes longer than this (seconds) gets a 400; at most 8, below "
-        "the 10 s a prefill worker waits for a decode worker to take a transfer (a worker's first constraint also "
-        "waits, uncounted, for the one-time load of the tokenizer and xgrammar: about 2 s on a 2-core CPU)",
+        "a structured-output constraint not compiled this long (seconds) after it reached a worker's compile queue "
+        "fails: a 400 when its own compile took most of it (that compile is killed), else a 503 that another worker "
+        "may take; at most 8, below the 10 s a prefill worker waits for a decode worker to take a transfer (the "
+        "set-up of the tokenizer, xgrammar and the compile process, about 3 s on a 2-core CPU once and again after "
+        "each kill, is not counted)",
         (*WORKERS, SERVE),
         "worker",
         above=0,
         max=8,
+    ),
+    Setting(
+        "grammar_cache_bytes",
+        SIZE,
+        "256MiB",
+        "the compiled structured-output grammars a worker keeps, by the memory they hold (a large enum's holds tens "
+        "of MiB, an ordinary schema's tens of KiB); one larger than this is served, not kept. The default fits a "
+        "4 GiB worker beside the default model (540 MB), its 1 GiB KV cache, torch and the compile process",
+        (*WORKERS, SERVE),
+        "worker",
+        min=0,
     ),
     Setting(
         "stall_timeout",

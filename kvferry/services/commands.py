@@ -50,6 +50,7 @@ def _run_worker(args, cls, **kwargs) -> int:
         worker_id,
         stall_timeout_s=args.stall_timeout,
         grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_cache_bytes=args.grammar_cache_bytes,
         drain_timeout_s=args.drain_timeout,
         curve=curve,
         insecure=args.insecure,

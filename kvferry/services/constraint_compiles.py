@@ -1,16 +1,17 @@
 """Compiling requests' structured-output constraints off a worker's step loop.
 
-A request whose constraint is not compiled yet waits here, not in the engine. One daemon thread compiles
-(xgrammar lets go of the GIL meanwhile, so the running batch keeps stepping; a daemon, so that a compile under
-way never holds up the process's exit), requests with the same constraint share one compile, and the loop, which
-polls `wake_fd`, takes the finished ones with their compiled grammar, which the request keeps: the cache may
-evict it before the request needs it.
+A request whose constraint is not compiled yet waits here, not in the engine. One daemon thread compiles, in the
+grammar cache's child process (common/structured/compile_process.py); requests with the same constraint share one
+compile, and the loop, which polls `wake_fd`, takes the finished ones with their compiled grammar, which the
+request keeps: the cache may evict it before the request needs it.
 
-A compile that runs past the timeout (counted from its own start: not from the queue, nor from the one-time set-up
-before a worker's first compile, the tokenizer and xgrammar) fails the requests that wait on it with a 400, and its
-constraint is refused at once from then on; it cannot be interrupted, so the thread stays busy until it ends. The
-gateway's bounds on a schema keep compiles short; the queue of distinct constraints is capped, and past the cap a
-request is refused with a 503 that another worker may take.
+A constraint's clock starts when it is queued: the timeout bounds its wait behind other compiles and its own
+compile together. Only the one-time set-up (the tokenizer and xgrammar, and the child process's start, again
+after each kill) stops every waiting constraint's clock. Past its deadline a constraint fails with a 400 when its
+own compile had most of the timeout (the thread kills the child that compiled it, which frees the core, and the
+constraint is refused at once from then on), and with a 503 that another worker may take when its time went in the
+queue, before or behind its own compile. So a compile that cannot finish holds the path for one timeout at most.
+The queue is capped by count and by the text of its constraints; past either cap a request is refused with a 503.
 """
 
 import os
@@ -21,19 +22,26 @@ from dataclasses import dataclass, field
 
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.structured.compile_process import CompileTimedOut
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.services.wake_pipe import clear, pipe, signal
 
 MAX_QUEUED_COMPILES = 64  # distinct constraints waiting for the thread: a bound on what a burst can queue
+# Their text together: eight of the largest constraints. More could not compile within one timeout anyway (the
+# largest enums take a second or two each), and each compiled one may be 200 times its text.
+MAX_QUEUED_COMPILE_BYTES = 1 << 20
 MAX_TIMED_OUT = 1024  # constraints remembered as too slow to compile
 
 
 @dataclass
 class Job:
     constraint: Constraint
+    deadline: float  # on the queue clock (ConstraintCompiles.clock)
+    num_bytes: int  # its text's, UTF-8
     owners: dict = field(default_factory=dict)  # owner -> wall clock it started waiting, for its trace span
-    started: float | None = None  # monotonic, set by the thread when it begins
+    started: float | None = None  # queue clock, set by the thread when its compile begins
     finished: bool = False
+    reported: bool = False  # failed by the loop at its deadline: the thread skips it
     grammar: object = None
     error: str = ""
 
@@ -62,8 +70,16 @@ class ConstraintCompiles:
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # the thread's wake-up against close()
         self._closed = False
+        self._set_up_s = 0.0  # the set-ups' time so far, which the queue clock leaves out
+        self._set_up_since: float | None = None  # monotonic, while the thread sets up
         self._thread = threading.Thread(target=self._run, name="grammar-compile", daemon=True)
         self._thread.start()
+
+    def clock(self) -> float:
+        """Monotonic seconds, stopped while the thread sets up (both threads read it; each float is written
+        whole, and a read between the thread's two writes counts a set-up twice: a deadline later, never sooner)."""
+        now, since = time.monotonic(), self._set_up_since
+        return now - self._set_up_s - (now - since if since is not None else 0.0)
 
     def ready(self, owner, constraint: Constraint):
         """The compiled grammar when it is cached (a hit). Else None: the owner waits for its compile, which it
@@ -76,10 +92,11 @@ class ConstraintCompiles:
         if job is None:
             if key in self._timed_out:
                 return self._refuse(owner, constraint, self._too_slow(constraint))
-            if len(self._jobs) >= MAX_QUEUED_COMPILES:
-                busy = f"{constraint.field}: this worker has {MAX_QUEUED_COMPILES} constraints to compile already"
-                return self._refuse(owner, constraint, busy, retry=True)
-            job = self._jobs[key] = Job(constraint)
+            num_bytes = len(constraint.spec.encode("utf-8", "surrogatepass"))
+            busy = self._queue_full(num_bytes)
+            if busy:
+                return self._refuse(owner, constraint, f"{constraint.field}: this worker has {busy}", retry=True)
+            job = self._jobs[key] = Job(constraint, self.clock() + self.timeout_s, num_bytes)
             self._todo.put(job)
         job.owners[owner] = now
         self._owners[owner] = job
@@ -100,18 +117,18 @@ class ConstraintCompiles:
                 self._jobs.pop(job.constraint.key, None)  # the thread skips it
 
     def take_finished(self) -> list[Compiled]:
-        """The owners whose compile ended, or ran past the timeout, since the last call."""
+        """The owners whose compile ended, or whose deadline passed, since the last call."""
         clear(self.wake_fd)
         ended, self._refused = self._refused, []
-        now, wall = time.monotonic(), time.time()
+        now, wall = self.clock(), time.time()
         for key, job in list(self._jobs.items()):
             if job.finished:
                 error, retry = job.error, False
-            elif job.started is not None and now - job.started > self.timeout_s:
-                self._remember_too_slow(key)
-                error, retry = self._too_slow(job.constraint), False
+            elif now > job.deadline:
+                error, retry = self._past_deadline(job)
             else:
                 continue
+            job.reported = True
             del self._jobs[key]
             for owner, since in job.owners.items():
                 self._owners.pop(owner, None)
@@ -120,11 +137,33 @@ class ConstraintCompiles:
         return ended
 
     def next_deadline_in(self) -> float | None:
-        """Seconds until the compile under way times out; None when nothing compiles."""
-        started = [job.started for job in self._jobs.values() if job.started is not None and not job.finished]
-        if not started:
+        """Seconds until the earliest deadline of a constraint queued or compiling; None when there is none."""
+        deadlines = [job.deadline for job in self._jobs.values() if not job.finished]
+        if not deadlines:
             return 0.0 if self._refused else None
-        return max(0.0, min(started) + self.timeout_s - time.monotonic())
+        return max(0.0, min(deadlines) - self.clock())
+
+    def _queue_full(self, num_bytes: int) -> str:
+        """Why the queue has no room for a constraint of this many bytes, or ""."""
+        if len(self._jobs) >= MAX_QUEUED_COMPILES:
+            return f"{MAX_QUEUED_COMPILES} constraints to compile already"
+        queued = sum(job.num_bytes for job in self._jobs.values())
+        if queued + num_bytes > MAX_QUEUED_COMPILE_BYTES:
+            return f"{queued} bytes of constraints to compile already (at most {MAX_QUEUED_COMPILE_BYTES})"
+        return ""
+
+    def _past_deadline(self, job: Job) -> tuple[str, bool]:
+        """Its error, and whether another worker may take it: its own compile's fault when that had most of the
+        timeout (then it is refused at once from now on), else the queue's."""
+        if job.started is not None and job.deadline - job.started >= self.timeout_s / 2:
+            self._remember_too_slow(job.constraint.key)
+            return self._too_slow(job.constraint), False
+        field_name = job.constraint.field
+        return (
+            f"{field_name}: not compiled within the {self.timeout_s:g} s this server allows: this worker was "
+            "busy compiling other constraints",
+            True,
+        )
 
     def _refuse(self, owner, constraint: Constraint, error: str, retry: bool = False) -> None:
         now = time.time()
@@ -132,20 +171,38 @@ class ConstraintCompiles:
         self._wake()
 
     def _run(self) -> None:
-        while (job := self._todo.get()) is not None:
-            if not job.owners:
-                continue  # everyone who waited for it ended
-            try:
-                self.grammars.compiler()  # the first time, the tokenizer and xgrammar: before the clock starts
-                job.started = time.monotonic()
-                self._wake()  # the loop's poll now waits no longer than this compile's deadline (next_deadline_in)
-                job.grammar = self.grammars.compile(job.constraint)
-            except InvalidRequest as exc:
-                job.error = str(exc)
-            except Exception as exc:  # a bug, or xgrammar failing otherwise: this constraint's requests fail
-                job.error = f"{job.constraint.field}: {type(exc).__name__}: {exc}"
-            job.finished = True
-            self._wake()
+        try:
+            while (job := self._todo.get()) is not None and not self._closed:
+                if job.owners and not job.reported:  # else everyone who waited for it ended, or its time is up
+                    self._compile(job)
+        finally:
+            self.grammars.close()
+
+    def _compile(self, job: Job) -> None:
+        try:
+            self._set_up()
+            left = job.deadline - self.clock()
+            if left <= 0:
+                return  # the loop fails it at its deadline, uncompiled
+            job.started = self.clock()  # from now on forget() leaves it be
+            job.grammar = self.grammars.compile(job.constraint, timeout_s=left)
+        except CompileTimedOut:
+            return  # the loop fails it at its deadline: the child that compiled it is killed, its core free
+        except InvalidRequest as exc:
+            job.error = str(exc)
+        except Exception as exc:  # a bug, or xgrammar failing otherwise: this constraint's requests fail
+            job.error = f"{job.constraint.field}: {type(exc).__name__}: {exc}"
+        job.finished = True
+        self._wake()
+
+    def _set_up(self) -> None:
+        """The grammar cache's set-up, with the queue clock stopped."""
+        self._set_up_since = time.monotonic()
+        try:
+            self.grammars.set_up()
+        finally:
+            self._set_up_s += time.monotonic() - self._set_up_since
+            self._set_up_since = None
 
     def _wake(self) -> None:
         with self._lock:
@@ -161,8 +218,10 @@ class ConstraintCompiles:
         return f"{constraint.field}: compiling it took longer than the {self.timeout_s:g} s this server allows"
 
     def close(self) -> None:
+        """Stop: a compile under way is killed with its child process, and the thread ends it."""
         self._todo.put(None)
         with self._lock:
             self._closed = True
             for fd in (self.wake_fd, self._wake_write):
                 os.close(fd)
+        self.grammars.kill_compile()

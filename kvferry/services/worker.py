@@ -31,6 +31,7 @@ from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest, KvferryError
 from kvferry.common.model.loader import served_model_name
 from kvferry.common.startup_heap import freeze_startup_objects
+from kvferry.common.structured.grammars import DEFAULT_CACHE_BYTES
 from kvferry.common.transport import Channel
 from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
@@ -67,6 +68,7 @@ class Worker:
         curve: CurveKeys | None = None,
         insecure: bool = False,
         grammar_compile_timeout_s: float = 5.0,
+        grammar_cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
         """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
@@ -86,7 +88,10 @@ class Worker:
         self.poller = zmq.Poller()
         for link in self.links:
             self.poller.register(link.channel.socket, zmq.POLLIN)
-        self.compiles = ConstraintCompiles(self.engine.grammars, grammar_compile_timeout_s)
+        grammars = self.engine.grammars
+        grammars.max_bytes = grammar_cache_bytes
+        grammars.isolated = True  # compiles in a child process, which a compile's timeout kills
+        self.compiles = ConstraintCompiles(grammars, grammar_compile_timeout_s)
         self.poller.register(self.compiles.wake_fd, zmq.POLLIN)
         self.heartbeat_interval_s = 1.0
         self.running = True

@@ -2,6 +2,8 @@
 bitmask on exactly the constrained rows, the scheduler's dead end, and compiles off the loop (with timeouts)."""
 
 import json
+import random
+import string
 import threading
 import time
 
@@ -15,8 +17,9 @@ from kvferry.common.model.sampler import mask_constrained, sample
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.scheduler import Scheduler
 from kvferry.common.sequence import FinishReason, Sequence
-from kvferry.common.structured.grammars import GrammarCache, choice_grammar
+from kvferry.common.structured.grammars import GrammarCache
 from kvferry.common.structured.matcher import ConstraintState
+from kvferry.common.structured.xgrammar_compile import choice_grammar
 from kvferry.services.constraint_compiles import ConstraintCompiles
 
 EOS = 2
@@ -60,6 +63,30 @@ def test_the_cache_compiles_each_constraint_once_and_evicts_the_oldest(grammars)
     grammars.compile(Constraint("regex", "[0-9]+", "structured_outputs.regex"))  # capacity 2: YES_NO goes
     assert grammars.cached(YES_NO) is None and grammars.cached(FLAGS) is not None
     assert grammars.num_compiles == 3
+
+
+def random_enum(seed: int, num_values: int = 64, chars: int = 100) -> Constraint:
+    """An enum of random strings: xgrammar keeps token masks for each, about 1.6 MiB for 64 of 100 characters."""
+    rng = random.Random(seed)
+    values = ["".join(rng.choice(string.ascii_letters) for _ in range(chars)) for _ in range(num_values)]
+    return Constraint("json", json.dumps({"enum": values}), "response_format.json_schema.schema")
+
+
+def test_the_cache_is_bounded_by_the_bytes_its_grammars_hold_not_only_by_their_count(tokenizer):
+    enums = [random_enum(seed) for seed in range(6)]
+    size = GrammarCache(lambda: tokenizer, len(tokenizer), (EOS,)).compile(enums[0]).memory_size_bytes
+    bound = int(size * 2.5)  # room for two of them (their sizes differ a little)
+    grammars = GrammarCache(lambda: tokenizer, len(tokenizer), (EOS,), max_bytes=bound)  # the count's cap: 256
+    for i, enum in enumerate(enums):
+        assert grammars.compile(enum) is not None
+        held = [grammars.cached(e, count=False) for e in enums[: i + 1]]
+        assert sum(g.memory_size_bytes for g in held if g is not None) == grammars.num_bytes <= bound
+    assert [grammars.cached(e, count=False) is not None for e in enums] == [False] * 4 + [True] * 2  # the newest
+
+    small = GrammarCache(lambda: tokenizer, len(tokenizer), (EOS,), max_bytes=size // 2)
+    assert small.compile(enums[0]) is not None  # larger than the whole bound: served, not kept
+    assert small.cached(enums[0]) is None and small.num_bytes == 0
+    assert small.compile(YES_NO) is not None and small.cached(YES_NO) is not None  # a small one still is
 
 
 @pytest.mark.parametrize(
@@ -184,22 +211,28 @@ class SlowGrammars:
     def __init__(self, set_up_s: float = 0.0):
         self.release = threading.Event()
         self.compiled: dict = {}
-        self.set_up_s, self.set_up = set_up_s, False
+        self.set_up_s, self.set_up_done = set_up_s, False
 
-    def compiler(self):  # the tokenizer's load and xgrammar's import: once, and as slow as set_up_s
-        if not self.set_up:
+    def set_up(self):  # the tokenizer's load and xgrammar's import: once, and as slow as set_up_s
+        if not self.set_up_done:
             time.sleep(self.set_up_s)
-            self.set_up = True
+            self.set_up_done = True
 
     def cached(self, constraint, count=True):
         return self.compiled.get(constraint.key)
 
-    def compile(self, constraint):
+    def compile(self, constraint, timeout_s=None):  # in process: nothing stops it
         self.release.wait(10)
         if constraint.kind == "regex" and constraint.spec == "(":
             raise InvalidRequest(f"{constraint.field}: the parenthesis is not closed")
         self.compiled[constraint.key] = object()
         return self.compiled[constraint.key]
+
+    def kill_compile(self):
+        pass
+
+    def close(self):
+        pass
 
 
 def finished(compiles, until=5.0, count=1):
@@ -240,33 +273,51 @@ def test_the_one_time_set_up_before_the_first_compile_is_not_counted_against_its
         assert compiles.ready("a", FLAGS) is None
         [done] = finished(compiles)
         assert done.owner == "a" and done.error == "" and done.grammar is grammars.compiled[FLAGS.key]
-        assert grammars.set_up
+        assert grammars.set_up_done
     finally:
         compiles.close()
 
 
-def test_a_compile_past_its_timeout_fails_its_own_requests_not_those_queued_behind_it():
+def test_a_compile_past_its_timeout_fails_its_own_requests_and_is_refused_at_once_after():
     grammars = SlowGrammars()
     compiles = ConstraintCompiles(grammars, timeout_s=0.05)
     try:
         assert compiles.ready("a", FLAGS) is None
-        assert compiles.ready("queued", REGEX) is None  # behind the stuck compile
         assert compiles.ready("forgotten", YES_NO) is None
         compiles.forget("forgotten")  # its compile has not begun: dropped
         [late] = finished(compiles)
-        assert late.owner == "a" and "took longer than the 0.05 s" in late.error
+        assert late.owner == "a" and "took longer than the 0.05 s" in late.error and not late.retry
         assert late.error.startswith("response_format.json_schema.schema: ")
         assert compiles.ready("b", FLAGS) is None  # refused at once, not queued behind the stuck compile
         assert compiles.waiting("b")
         [again] = finished(compiles, 0.5)
         assert again.owner == "b" and "took longer" in again.error
-        time.sleep(0.1)
-        assert compiles.take_finished() == []  # the queued one waits: its own compile has not begun
         grammars.release.set()
-        [queued] = finished(compiles)
-        assert queued.owner == "queued" and queued.error == "" and queued.grammar is not None
         time.sleep(0.1)
         assert YES_NO.key not in grammars.compiled  # nobody waited for it any more
+    finally:
+        grammars.release.set()
+        compiles.close()
+
+
+def test_a_queued_constraint_waits_on_the_clock_that_started_when_it_was_submitted():
+    grammars = SlowGrammars()  # its compiles hold the thread until released: a compile nobody can stop
+    compiles = ConstraintCompiles(grammars, timeout_s=0.5)
+    try:
+        assert compiles.ready("slow", FLAGS) is None
+        assert compiles.ready("queued", REGEX) is None  # behind it, with no compile of its own under way
+        done = {d.owner: d for d in finished(compiles, until=5, count=2)}
+        assert sorted(done) == ["queued", "slow"]
+        assert "took longer than the 0.5 s" in done["slow"].error and not done["slow"].retry
+        queued = done["queued"]
+        assert queued.error.startswith("structured_outputs.regex: ") and "0.5 s" in queued.error
+        assert queued.grammar is None and queued.retry  # the queue's doing, not its own: another worker may
+        grammars.release.set()
+        time.sleep(0.2)
+        assert REGEX.key not in grammars.compiled  # it timed out waiting: never compiled
+        assert compiles.ready("again", REGEX) is None  # not remembered as too slow: queued afresh
+        [again] = finished(compiles)
+        assert again.owner == "again" and again.error == "" and again.grammar is grammars.compiled[REGEX.key]
     finally:
         grammars.release.set()
         compiles.close()
@@ -283,6 +334,23 @@ def test_past_its_queue_cap_a_worker_refuses_constraints_for_another_to_take(mon
         assert compiles.ready("c", YES_NO) is None
         [busy] = finished(compiles)
         assert busy.owner == "c" and busy.retry and "2 constraints to compile already" in busy.error
+    finally:
+        grammars.release.set()
+        compiles.close()
+
+
+def test_past_the_bytes_its_queue_may_hold_a_worker_refuses_constraints_for_another_to_take(monkeypatch):
+    from kvferry.services import constraint_compiles
+
+    monkeypatch.setattr(constraint_compiles, "MAX_QUEUED_COMPILE_BYTES", len(FLAGS.spec) + len(REGEX.spec))
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=30)
+    try:
+        assert compiles.ready("a", FLAGS) is None and compiles.ready("b", REGEX) is None  # exactly full
+        assert compiles.ready("c", YES_NO) is None
+        [busy] = finished(compiles)
+        assert busy.owner == "c" and busy.retry and "bytes of constraints to compile already" in busy.error
+        assert busy.error.startswith("structured_outputs.choice: ")
     finally:
         grammars.release.set()
         compiles.close()

@@ -2,24 +2,32 @@
 
 xgrammar compiles a constraint against the tokenizer's vocabulary into a grammar whose token masks are mostly
 precomputed; a compile takes milliseconds to seconds, so a worker compiles each (kind, spec) once, on a thread off
-its step loop (services/constraint_compiles.py), and keeps the result in a bounded LRU. xgrammar's compile lets go
-of the GIL, so the loop keeps stepping meanwhile. xgrammar is imported on the first constraint: a worker that
-never sees one does not pay its import.
+its step loop (services/constraint_compiles.py), and keeps the result in an LRU bounded by count and by the bytes
+the grammars hold. A worker's cache compiles in a child process (compile_process.py), which a timeout kills; the
+offline engine's compiles in process. xgrammar is imported on the first constraint: a worker that never sees one
+does not pay its import.
+
+A compiled grammar's size is not its text's: a 105 KB enum of 1,024 random 100-character strings holds about
+26 MiB of token masks, a schema of ordinary size tens of KiB. A grammar larger than the whole byte bound is
+served to the requests that wait for it, and not kept.
 
 Whitespace is constrained (JSON with fixed separators, and at most one whitespace character in a row inside a
 structural tag's JSON), so a bounded schema always finishes within a bounded number of tokens.
 """
 
-import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, STRUCTURAL_TAG, Constraint
+from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.structured.compile_process import CompileProcess, give_back_memory
+from kvferry.common.structured.xgrammar_compile import compile_constraint
 
-MAX_CACHED_GRAMMARS = 256  # compiled grammars kept: each holds its token masks, tens of KiB to a few MiB
+MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, however small
+DEFAULT_CACHE_BYTES = 256 << 20  # what they hold together: settings' grammar_cache_bytes
+LARGE_GRAMMAR_TEXT = 1 << 20  # a compiled grammar's JSON past which its transit's memory is handed back
 
 
 class GrammarCache:
@@ -29,14 +37,17 @@ class GrammarCache:
         vocab_size: int,
         stop_token_ids: tuple[int, ...],
         capacity: int = MAX_CACHED_GRAMMARS,
+        max_bytes: int = DEFAULT_CACHE_BYTES,
+        isolated: bool = False,
     ):
         """load_tokenizer: transformers' tokenizer (None: the folder has none), called when the first constraint
-        comes."""
+        comes. isolated: compile in a child process, which a compile's timeout kills (a worker's)."""
         self._load_tokenizer, self._vocab_size, self._stop_token_ids = load_tokenizer, vocab_size, list(stop_token_ids)
-        self._compiler = None
-        self._compiled: OrderedDict[tuple[str, str], object] = OrderedDict()
+        self._tokenizer_info = self._compiler = self._process = None
+        self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # -> (grammar, its bytes)
         self._lock = threading.Lock()  # the compile thread stores, the step loop reads
-        self.capacity = capacity
+        self.capacity, self.max_bytes, self.isolated = capacity, max_bytes, isolated
+        self.num_bytes = 0  # what the cached grammars hold, by xgrammar's count
         self.num_compiles = 0
         self.num_cache_hits = 0
         self.compile_s = 0.0
@@ -44,81 +55,97 @@ class GrammarCache:
     def cached(self, constraint: Constraint, count: bool = True):
         """The compiled grammar if it is in the cache (counted as a hit where a request asked), else None."""
         with self._lock:
-            compiled = self._compiled.get(constraint.key)
-            if compiled is not None:
-                self._compiled.move_to_end(constraint.key)
-                self.num_cache_hits += count
-            return compiled
+            entry = self._compiled.get(constraint.key)
+            if entry is None:
+                return None
+            self._compiled.move_to_end(constraint.key)
+            self.num_cache_hits += count
+            return entry[0]
 
-    def compile(self, constraint: Constraint):
+    def compile(self, constraint: Constraint, timeout_s: float | None = None):
         """The compiled grammar, from the cache or compiled now (blocking: call it off the step loop).
-        InvalidRequest naming the constraint's field when xgrammar refuses it."""
+        InvalidRequest naming the constraint's field when xgrammar refuses it. isolated: CompileTimedOut when
+        timeout_s passes first (the child that compiled it is killed); in process, timeout_s is not enforced."""
         compiled = self.cached(constraint, count=False)
         if compiled is not None:
             return compiled
         started = time.perf_counter()
-        compiled = self._compile(constraint)
+        compiled = self._compile(constraint, timeout_s)
         with self._lock:
             self.num_compiles += 1
             self.compile_s += time.perf_counter() - started
-            self._compiled[constraint.key] = compiled
-            while len(self._compiled) > self.capacity:
-                self._compiled.popitem(last=False)
+            self._store(constraint.key, compiled)
         return compiled
 
-    def compiler(self):
-        """xgrammar's compiler, built on the first call: the tokenizer's load, xgrammar's import and its pass over
-        the vocabulary, a second or two once per process. The compile thread calls it before it starts a compile's
-        clock: a constraint's timeout bounds its own compile, not this."""
-        return self._compiler or self._make_compiler()
+    def set_up(self) -> None:
+        """Make ready to compile: the tokenizer's load, xgrammar's import and its pass over the vocabulary, a second
+        or two once per process; isolated, also a fresh child process (once more after each kill). The compile
+        thread calls it before it starts a compile's clock: a constraint's timeout bounds compiles, not this."""
+        if self._tokenizer_info is None:
+            self._tokenizer_info = self._make_tokenizer_info()
+        if not self.isolated:
+            # One thread: the worker's step loop shares the machine; xgrammar's own cache is off, ours counts hits.
+            self._compiler = self._compiler or self._xgrammar().GrammarCompiler(
+                self._tokenizer_info, max_threads=1, cache_enabled=False
+            )
+            return
+        if self._process is None:
+            self._process = CompileProcess(self._tokenizer_info.serialize_json())
+        if not self._process.running:
+            self._process.start()
 
-    def _compile(self, constraint: Constraint):
-        compiler = self.compiler()
-        kind, spec = constraint.kind, constraint.spec
+    @property
+    def compile_process_pid(self) -> int | None:
+        """The latest compile child's process id; None in process or before the first compile."""
+        return self._process.pid if self._process else None
+
+    def kill_compile(self) -> None:
+        """From any thread: a compile under way in the child ends (the worker is closing)."""
+        if self._process is not None:
+            self._process.kill()
+
+    def close(self) -> None:
+        """The child process ends (call it from the thread that compiles)."""
+        if self._process is not None:
+            self._process.close()
+
+    def _store(self, key, compiled) -> None:
+        """Newest last; the oldest go past either bound. One larger than the whole byte bound is not kept."""
+        size = compiled.memory_size_bytes
+        if size > self.max_bytes:
+            return
+        _, replaced = self._compiled.pop(key, (None, 0))  # the offline engine may compile one twice at once
+        self.num_bytes -= replaced
+        self._compiled[key] = (compiled, size)
+        self.num_bytes += size
+        while len(self._compiled) > self.capacity or self.num_bytes > self.max_bytes:
+            _, (_, evicted) = self._compiled.popitem(last=False)
+            self.num_bytes -= evicted
+
+    def _compile(self, constraint: Constraint, timeout_s: float | None):
+        self.set_up()
         try:
-            if kind == JSON:
-                return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
-            if kind == REGEX:
-                return compiler.compile_regex(spec)
-            if kind == CHOICE:
-                return compiler.compile_grammar(choice_grammar(spec))
-            if kind == GRAMMAR:
-                return compiler.compile_grammar(spec)
-            assert kind == STRUCTURAL_TAG, kind
-            return compiler.compile_structural_tag(spec)
+            if not self.isolated:
+                return compile_constraint(self._compiler, constraint.kind, constraint.spec)
+            text = self._process.compile(constraint.kind, constraint.spec, timeout_s)
+            compiled = self._xgrammar().CompiledGrammar.deserialize_json(text, self._tokenizer_info)
+            if len(text) > LARGE_GRAMMAR_TEXT:
+                del text
+                give_back_memory()
+            return compiled
         except InvalidRequest as exc:
             raise InvalidRequest(f"{constraint.field}: {exc}") from None
-        except Exception as exc:  # xgrammar raises RuntimeError (and a few others) for what it cannot compile
-            raise InvalidRequest(f"{constraint.field}: {_reason(exc)}") from None
 
-    def _make_compiler(self):
+    def _make_tokenizer_info(self):
         tokenizer = self._load_tokenizer()
         if tokenizer is None:
             raise InvalidRequest("this model folder has no tokenizer, which structured output needs")
-        import xgrammar
-
-        info = xgrammar.TokenizerInfo.from_huggingface(
+        return self._xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
         )
-        # One thread: the worker's step loop shares the machine; xgrammar's own cache is off, ours counts hits.
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
 
+    @staticmethod
+    def _xgrammar():
+        import xgrammar
 
-def choice_grammar(spec: str) -> str:
-    """A JSON array of strings -> an EBNF grammar matching exactly one of them."""
-    try:
-        choices = json.loads(spec)
-    except ValueError:
-        choices = None
-    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
-        raise InvalidRequest("choice must be a non-empty list of strings")
-    # A JSON string literal is an EBNF one too: the same escapes (\", \\, \n, \uXXXX).
-    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
-
-
-def _reason(exc: Exception) -> str:
-    """xgrammar's message without its C++ source location: '[12:00:00] /project/cpp/x.cc:94: Regex ...'."""
-    text = str(exc).strip()
-    first, _, rest = text.partition(": ")
-    return rest.strip() if rest and ".cc:" in first else text
+        return xgrammar

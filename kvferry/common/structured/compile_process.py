@@ -1,0 +1,203 @@
+"""Compiling constraints in a child process, which a timeout can kill.
+
+xgrammar's compile cannot be interrupted: a thread that runs one past its time keeps a core, and every later
+compile waits behind it. A worker compiles in a child process instead: the parent waits for the answer until the
+constraint's deadline, and past it kills the child, which frees the core; the next compile starts a fresh child.
+The compiled grammar comes back as xgrammar's JSON serialization, which the parent reads back against its own
+tokenizer info (xgrammar checks that the two match).
+
+What it costs: the child imports xgrammar, and torch with it (about 3 s of a core and 270 MB of RSS, mostly shared
+libraries), once and again after each kill, counted against no constraint's timeout. A large grammar's
+serialization takes about as long again as its compile, and counts: a 1024-value enum of random 100-character
+strings compiles in 0.8 s, serializes in 1 s (19 MiB of JSON) and is read back in 0.5 s, which lets go of the GIL.
+A schema of ordinary size takes milliseconds each way.
+
+The child is started by subprocess (a fork followed at once by an exec: safe beside torch's threads) and talks over
+two pipes of its own, in frames of a tag byte and a length. It ends when its request pipe closes, and with its
+parent.
+"""
+
+import ctypes
+import json
+import os
+import select
+import struct
+import subprocess
+import sys
+import time
+
+from kvferry.common.errors import InvalidRequest
+
+_HEADER = struct.Struct("!BQ")  # tag, payload length
+READY, COMPILED, REFUSED = 0, 1, 2
+SET_UP_TIMEOUT_S = 120.0  # the child's import and tokenizer info: far longer means a broken install, not a load
+_MAX_FRAME_BYTES = 1 << 32  # a compiled grammar's JSON; only ever our own child's
+
+
+class CompileTimedOut(Exception):
+    """The compile ran past its deadline; the child that ran it is killed."""
+
+
+class CompileProcess:
+    """The parent's end: one child at a time, started when first needed and again after a kill. One thread (the
+    compile thread) calls everything but kill()."""
+
+    def __init__(self, tokenizer_info_json: str):
+        self._tokenizer_info = tokenizer_info_json.encode()
+        self._proc: subprocess.Popen | None = None
+        self._requests = self._answers = -1  # our ends of its pipes
+
+    @property
+    def pid(self) -> int | None:
+        """The child's process id (the latest one, even once it has ended)."""
+        return self._proc.pid if self._proc else None
+
+    @property
+    def running(self) -> bool:
+        return self._requests >= 0 and self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        """A fresh child, once it has set up (blocking: this is what a compile's clock does not count)."""
+        self.close()
+        requests_read, self._requests = os.pipe()
+        self._answers, answers_write = os.pipe()
+        child_fds = (requests_read, answers_write)
+        try:
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, str(requests_read), str(answers_write)],
+                pass_fds=child_fds,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,  # its frames have pipes of their own: nothing a library prints gets in
+            )
+        finally:
+            for fd in child_fds:
+                os.close(fd)
+        self._send(READY, self._tokenizer_info)
+        tag, _ = self._receive(time.monotonic() + SET_UP_TIMEOUT_S)
+        assert tag == READY, tag
+
+    def compile(self, kind: str, spec: str, timeout_s: float | None) -> str:
+        """The compiled grammar's JSON. InvalidRequest with xgrammar's reason when it refuses the constraint;
+        CompileTimedOut, the child killed, when no answer came within timeout_s."""
+        if not self.running:
+            self.start()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        self._send(COMPILED, json.dumps([kind, spec]).encode())
+        tag, payload = self._receive(deadline)
+        if tag == REFUSED:
+            raise InvalidRequest(payload.decode())
+        assert tag == COMPILED, tag
+        return payload.decode()
+
+    def kill(self) -> None:
+        """From any thread: the child ends, and a compile waiting on it with it."""
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            proc.kill()
+
+    def close(self) -> None:
+        """Kill the child (a compile under way with it) and let go of its pipes."""
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+        for fd in (self._requests, self._answers):
+            if fd >= 0:
+                os.close(fd)
+        self._requests = self._answers = -1
+
+    def _send(self, tag: int, payload: bytes) -> None:
+        try:
+            _write_frame(self._requests, tag, payload)
+        except BrokenPipeError:
+            self._ended()
+
+    def _receive(self, deadline: float | None) -> tuple[int, bytearray]:
+        tag, length = _HEADER.unpack(self._read(_HEADER.size, deadline))
+        assert length <= _MAX_FRAME_BYTES, length
+        return tag, self._read(length, deadline)
+
+    def _read(self, size: int, deadline: float | None) -> bytearray:
+        data = bytearray()
+        while len(data) < size:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and (left <= 0 or not select.select([self._answers], [], [], left)[0]):
+                self.close()
+                raise CompileTimedOut()
+            chunk = os.read(self._answers, min(size - len(data), 1 << 20))
+            if not chunk:
+                self._ended()
+            data += chunk
+        return data
+
+    def _ended(self):
+        """The child is gone (killed by close() of its owner, the kernel's OOM killer, a crash)."""
+        code = self._proc.wait() if self._proc else None
+        self.close()
+        raise InvalidRequest(f"the compile process ended (exit status {code})")
+
+
+def _write_frame(fd: int, tag: int, payload: bytes) -> None:
+    view = memoryview(_HEADER.pack(tag, len(payload)) + payload)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exactly(fd: int, size: int) -> bytes | None:
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            return None
+        data += chunk
+    return bytes(data)
+
+
+def _die_with_parent() -> None:
+    """Linux's parent-death signal: a worker killed outright does not leave its compile running. (It comes when
+    the thread that started the child ends, which is the compile thread, ending only when the worker closes.)"""
+    try:
+        libc = ctypes.CDLL(None)
+        libc.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+    except (OSError, AttributeError):
+        pass
+
+
+def give_back_memory() -> None:
+    """glibc keeps the memory a large grammar's transit freed (its JSON, in the child and the parent), tens of MiB
+    beyond what the grammar holds, and would reuse it only for allocations that fit; handing it back keeps each
+    process's RSS at its own size plus what it keeps. It takes well under a millisecond."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(requests: int, answers: int) -> None:
+    _die_with_parent()
+    header = _read_exactly(requests, _HEADER.size)
+    info_json = header and _read_exactly(requests, _HEADER.unpack(header)[1])
+    if info_json is None:
+        return
+    import xgrammar
+
+    from kvferry.common.structured.xgrammar_compile import compile_constraint
+
+    info = xgrammar.TokenizerInfo.deserialize_json(info_json.decode())
+    compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    _write_frame(answers, READY, b"")
+    while (header := _read_exactly(requests, _HEADER.size)) is not None:
+        request = _read_exactly(requests, _HEADER.unpack(header)[1])
+        if request is None:
+            return  # the parent went mid-frame
+        kind, spec = json.loads(request)
+        try:
+            tag, payload = COMPILED, compile_constraint(compiler, kind, spec).serialize_json().encode()
+        except InvalidRequest as exc:
+            tag, payload = REFUSED, str(exc).encode()
+        _write_frame(answers, tag, payload)
+        del payload
+        give_back_memory()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]))
