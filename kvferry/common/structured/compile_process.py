@@ -1,16 +1,18 @@
-"""Compiling constraints in a child process, which a timeout can kill.
+"""A trial compile of each new constraint in a child process, which a timeout can kill.
 
 xgrammar's compile cannot be interrupted: a thread that runs one past its time keeps a core, and every later
-compile waits behind it. A worker compiles in a child process instead: the parent waits for the answer until the
-constraint's deadline, and past it kills the child, which frees the core; the next compile starts a fresh child.
-The compiled grammar comes back as xgrammar's JSON serialization, which the parent reads back against its own
-tokenizer info (xgrammar checks that the two match).
+compile waits behind it. So a worker first compiles a new constraint in a child process, waiting for its answer
+until the constraint's deadline, and past it kills the child, which frees the core (the next compile starts a fresh
+child). Only a constraint whose trial finished in time is compiled again in the worker, which then takes about as
+long, since a compile is deterministic.
 
-What it costs: the child imports xgrammar, and torch with it (about 3 s of a core and 270 MB of RSS, mostly shared
-libraries), once and again after each kill, counted against no constraint's timeout. A large grammar's
-serialization takes about as long again as its compile, and counts: a 1024-value enum of random 100-character
-strings compiles in 0.8 s, serializes in 1 s (19 MiB of JSON) and is read back in 0.5 s, which lets go of the GIL.
-A schema of ordinary size takes milliseconds each way.
+The grammar itself does not come back: xgrammar's only serialization is JSON whose size has little to do with the
+grammar's, and which can take far longer than the compile (a schema of 2,000 properties compiled in 0.3 s into 6 MB,
+and serialized in 56 s into 1 GB of JSON). Compiling twice costs each new constraint its compile time once more;
+repeats come from the cache.
+
+What it costs besides: the child imports xgrammar, and torch with it (about 3 s of a core and 270 MB of RSS, mostly
+shared libraries), once and again after each kill, counted against no constraint's timeout.
 
 The child is started by subprocess (a fork followed at once by an exec: safe beside torch's threads) and talks over
 two pipes of its own, in frames of a tag byte and a length. It ends when its request pipe closes, and with its
@@ -31,7 +33,7 @@ from kvferry.common.errors import InvalidRequest
 _HEADER = struct.Struct("!BQ")  # tag, payload length
 READY, COMPILED, REFUSED = 0, 1, 2
 SET_UP_TIMEOUT_S = 120.0  # the child's import and tokenizer info: far longer means a broken install, not a load
-_MAX_FRAME_BYTES = 1 << 32  # a compiled grammar's JSON; only ever our own child's
+_MAX_FRAME_BYTES = 1 << 24  # a constraint's spec, xgrammar's refusal, or the tokenizer's info; only ever our own
 
 
 class CompileTimedOut(Exception):
@@ -76,8 +78,8 @@ class CompileProcess:
         tag, _ = self._receive(time.monotonic() + SET_UP_TIMEOUT_S)
         assert tag == READY, tag
 
-    def compile(self, kind: str, spec: str, timeout_s: float | None) -> str:
-        """The compiled grammar's JSON. InvalidRequest with xgrammar's reason when it refuses the constraint;
+    def compile(self, kind: str, spec: str, timeout_s: float | None) -> None:
+        """Returns once the child compiled the constraint. InvalidRequest with xgrammar's reason when it refuses it;
         CompileTimedOut, the child killed, when no answer came within timeout_s."""
         if not self.running:
             self.start()
@@ -87,7 +89,6 @@ class CompileProcess:
         if tag == REFUSED:
             raise InvalidRequest(payload.decode())
         assert tag == COMPILED, tag
-        return payload.decode()
 
     def kill(self) -> None:
         """From any thread: the child ends, and a compile waiting on it with it."""
@@ -163,9 +164,9 @@ def _die_with_parent() -> None:
 
 
 def give_back_memory() -> None:
-    """glibc keeps the memory a large grammar's transit freed (its JSON, in the child and the parent), tens of MiB
-    beyond what the grammar holds, and would reuse it only for allocations that fit; handing it back keeps each
-    process's RSS at its own size plus what it keeps. It takes well under a millisecond."""
+    """glibc keeps the memory a large grammar's compile freed, tens of MiB beyond what the grammar holds, and would
+    reuse it only for allocations that fit; handing it back keeps the process's RSS at its own size plus what it
+    keeps. It takes well under a millisecond."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -191,11 +192,12 @@ def main(requests: int, answers: int) -> None:
             return  # the parent went mid-frame
         kind, spec = json.loads(request)
         try:
-            tag, payload = COMPILED, compile_constraint(compiler, kind, spec).serialize_json().encode()
+            compiled = compile_constraint(compiler, kind, spec)
+            tag, payload = COMPILED, b""
         except InvalidRequest as exc:
-            tag, payload = REFUSED, str(exc).encode()
+            compiled, tag, payload = None, REFUSED, str(exc).encode()
         _write_frame(answers, tag, payload)
-        del payload
+        del compiled  # a trial: the worker compiles it again
         give_back_memory()
 
 

@@ -3,8 +3,9 @@
 xgrammar compiles a constraint against the tokenizer's vocabulary into a grammar whose token masks are mostly
 precomputed; a compile takes milliseconds to seconds, so a worker compiles each (kind, spec) once, on a thread off
 its step loop (services/constraint_compiles.py), and keeps the result in an LRU bounded by count and by the bytes
-the grammars hold. A worker's cache compiles in a child process (compile_process.py), which a timeout kills; the
-offline engine's compiles in process. xgrammar is imported on the first constraint: a worker that never sees one
+the grammars hold. A worker's cache first tries each new constraint in a child process (compile_process.py), which
+a timeout kills, and compiles it itself only once the trial finished in time; the offline engine's compiles in
+process alone. xgrammar is imported on the first constraint: a worker that never sees one
 does not pay its import.
 
 A compiled grammar's size is not its text's: a 105 KB enum of 1,024 random 100-character strings holds about
@@ -27,7 +28,7 @@ from kvferry.common.structured.xgrammar_compile import compile_constraint
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, however small
 DEFAULT_CACHE_BYTES = 256 << 20  # what they hold together: settings' grammar_cache_bytes
-LARGE_GRAMMAR_TEXT = 1 << 20  # a compiled grammar's JSON past which its transit's memory is handed back
+LARGE_GRAMMAR_BYTES = 1 << 20  # past this, the memory a compile freed is handed back to the system
 
 
 class GrammarCache:
@@ -83,11 +84,11 @@ class GrammarCache:
         thread calls it before it starts a compile's clock: a constraint's timeout bounds compiles, not this."""
         if self._tokenizer_info is None:
             self._tokenizer_info = self._make_tokenizer_info()
+        # One thread: the worker's step loop shares the machine; xgrammar's own cache is off, ours counts hits.
+        self._compiler = self._compiler or self._xgrammar().GrammarCompiler(
+            self._tokenizer_info, max_threads=1, cache_enabled=False
+        )
         if not self.isolated:
-            # One thread: the worker's step loop shares the machine; xgrammar's own cache is off, ours counts hits.
-            self._compiler = self._compiler or self._xgrammar().GrammarCompiler(
-                self._tokenizer_info, max_threads=1, cache_enabled=False
-            )
             return
         if self._process is None:
             self._process = CompileProcess(self._tokenizer_info.serialize_json())
@@ -125,12 +126,10 @@ class GrammarCache:
     def _compile(self, constraint: Constraint, timeout_s: float | None):
         self.set_up()
         try:
-            if not self.isolated:
-                return compile_constraint(self._compiler, constraint.kind, constraint.spec)
-            text = self._process.compile(constraint.kind, constraint.spec, timeout_s)
-            compiled = self._xgrammar().CompiledGrammar.deserialize_json(text, self._tokenizer_info)
-            if len(text) > LARGE_GRAMMAR_TEXT:
-                del text
+            if self.isolated:  # the trial a timeout can stop: what passes it compiles here in about the same time
+                self._process.compile(constraint.kind, constraint.spec, timeout_s)
+            compiled = compile_constraint(self._compiler, constraint.kind, constraint.spec)
+            if compiled.memory_size_bytes > LARGE_GRAMMAR_BYTES:
                 give_back_memory()
             return compiled
         except InvalidRequest as exc:
