@@ -132,13 +132,24 @@ def test_a_worker_id_registered_under_one_key_is_not_taken_over_by_another(keys)
         real = worker("prefill-1", "prefill-a", p.Role.PREFILL)
         real.register(instance_id="i1")
         assert (await real.reply()).accepted
-        # Another prefill key, on a socket named after the real worker (ZeroMQ hands the name over to it), claims
-        # its id: as a restart (a new instance, which would evict the real one) and as the same instance.
+        # Another prefill key, on a socket named after the live worker: the name stays with the real connection, so
+        # what the rival sends never reaches the gateway.
+        rival = worker("prefill-2", "prefill-a", p.Role.PREFILL)
+        rival.register(instance_id="i9")
+        with pytest.raises(AssertionError, match="no RegisterReply"):
+            await rival.reply(timeout=2)
+        rival.sock.close(0)
+        real.sock.close(0)  # the real worker's connection ends, its registration lives on until its heartbeats stop
+        await asyncio.sleep(0.5)
+        # Now the name is free: the rival claims the id, as a restart (a new instance, which would evict the real
+        # one) and as the same instance.
         for instance_id in ("i9", "i1"):
             rival = worker("prefill-2", "prefill-a", p.Role.PREFILL)
             rival.register(instance_id=instance_id)
             reply = await rival.reply()
             assert not reply.accepted and "another key" in reply.reason
+            rival.sock.close(0)
+            await asyncio.sleep(0.3)
         worker_info = core.registry.workers["prefill-a"]
         assert worker_info.instance_id == "i1" and core.num_forged == 2
         # The key that registered it restarts it: a new instance under the same key is taken at once.
@@ -161,13 +172,18 @@ def test_heartbeats_and_cache_updates_for_a_worker_from_another_key_are_ignored(
         forger = worker("prefill-2", "prefill-a", p.Role.PREFILL, identity="prefill-a/heartbeat")
         forger.send(p.Heartbeat("prefill-a", p.WorkerStats(10**6, 10**6, 0, 0, 0)))
         forger.send(p.Heartbeat("prefill-a", p.WorkerStats(0, 64, 0, 0, 0), healthy=False))
-        impostor = worker("decode-1", "prefill-a", p.Role.PREFILL)
+        await settle(lambda: core.num_forged >= 2)
+        forger.sock.close(0)
+        await asyncio.sleep(0.3)  # the name is free again (a live worker's own names are never handed over)
+        impostor = worker("decode-1", "prefill-a", p.Role.PREFILL, identity="prefill-a/heartbeat")
         impostor.send(p.CacheUpdate("prefill-a", [b"x" * 16], full=True))
         impostor.send(p.Deregister("prefill-a", final=True))
         await settle(lambda: core.num_forged >= 4)
         assert core.num_forged == 4
         info = core.registry.workers["prefill-a"]
         assert info.stats == before and info.cached == set() and not info.draining
+        impostor.sock.close(0)
+        await asyncio.sleep(0.3)
         # The key that registered it is heard.
         honest = worker("prefill-1", "prefill-a", p.Role.PREFILL, identity="prefill-a/heartbeat")
         honest.send(p.Heartbeat("prefill-a", p.WorkerStats(7, 64, 0, 0, 0)))
@@ -182,3 +198,24 @@ def test_a_kv_ingress_admits_a_prefill_workers_own_key_but_no_decode_key(keys):
     kv_ingress = CurveKeys.load(keys, client="decode-1", admits=KV_CLIENTS)
     assert {holder.name for holder in kv_ingress.admitted.values()} == {"prefill", "prefill-1", "prefill-2"}
     assert {holder.role for holder in kv_ingress.admitted.values()} == {"prefill"}
+
+
+def test_a_connection_named_after_a_live_worker_does_not_take_its_messages(keys):
+    """Another admitted key connects a socket named after a registered worker: ZeroMQ would hand the name over to it
+    (ROUTER_HANDOVER), and with it every message the gateway sends that worker. Under CURVE the name stays with the
+    connection that registered it."""
+
+    async def test(core, worker):
+        real = worker("prefill-1", "p-1", p.Role.PREFILL)
+        real.register()
+        assert (await real.reply()).accepted
+        rival = worker("prefill-2", "p-1", p.Role.PREFILL)  # the same socket name, under another key
+        rival.register()  # its handshake done, and a frame sent
+        await settle()
+        assert await core._send(p.RegisterReply(True, "", 30.0, core.gateway_id), b"p-1")
+        assert (await real.reply()).accepted  # the gateway's message reached the worker that registered
+        await asyncio.sleep(0.5)
+        assert not rival.sock.poll(0)  # and nothing reached the rival, not even its own refusal
+        assert "p-1" in core.registry.workers
+
+    run(keys, test)

@@ -365,7 +365,9 @@ def test_each_role_mounts_a_mandatory_curve_secret_of_its_own_that_loads_as_its_
         keys, expected = CurveKeys.for_role(mounted, role), CurveKeys.for_role(made, role)
         assert keys.server_public == expected.server_public and keys.server_secret == expected.server_secret
         assert (keys.client_public, keys.client_secret) == (expected.client_public, expected.client_secret)
-        assert set(keys.admitted.values()) == admitted[role] and keys.admitted == expected.admitted
+        assert {holder.name for holder in keys.admitted.values()} == admitted[
+            role
+        ] and keys.admitted == expected.admitted
 
 
 def reachable(source: dict | None, target: str, port) -> bool:

@@ -88,7 +88,9 @@ class DecodeWorker(Worker):
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
         sock = zmq.Context.instance().socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a prefill worker that reconnects before its old connection died
+        # A prefill worker that reconnects before its old connection died takes its name over; not under CURVE, where
+        # another prefill key could take a live worker's name, and the acks sent to it (as at the gateway).
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve else 1)
         # A frame past one layer group of the whole pool is no transfer: refused before ZeroMQ buffers it.
         frame_limit = max(kv_frame_bound(config), p.max_header_bytes(*p.KV_INGRESS_RECEIVES))
         limit_socket(sock, frame_limit)

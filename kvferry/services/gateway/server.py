@@ -77,8 +77,11 @@ class GatewayCore:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
         # A worker's sockets are named after it. When it reconnects (a partition, a restart) before this side has seen
-        # its old connection die, the new connection takes the name over; without this ZeroMQ would ignore it.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # its old connection die, the new connection takes the name over; without this ZeroMQ would ignore it. Not
+        # under CURVE: any admitted key could then take over a live worker's name, and every message sent to it (the
+        # prompts routed there). A reconnecting worker waits instead for its old connection to be dropped, within
+        # ZeroMQ's heartbeat timeout (transport.HEARTBEAT_TIMEOUT_S), retrying its registration meanwhile.
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve else 1)
         # Before the bind (ZeroMQ copies the size cap into the listener then): no worker frame past what its messages
         # may legally weigh, and ZeroMQ heartbeats, so a peer that vanished without closing is dropped and a
         # reconnecting worker is not mistaken for a second one while its old connection lingers.
