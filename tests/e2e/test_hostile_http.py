@@ -6,9 +6,11 @@ stops its request, and connections past --max-connections get 503."""
 
 import http.client
 import json
+import os
 import re
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -58,6 +60,31 @@ long_stop = {"prompt": "hi", "max_tokens": 2, "stop": ["x" * 1025]}
 many_stop_chars = {"prompt": "hi", "max_tokens": 2, "stop": ["x" * 1000] * 5}
 huge_bias_key = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"1" + "0" * 5000: 1}}
 odd_digit_key = {"prompt": "hi", "max_tokens": 2, "logit_bias": {"\u00b2": 1}}  # str.isdigit, yet int() refuses it
+SCHEMA = "response_format.json_schema.schema"
+
+
+def with_schema(schema: dict) -> bytes:
+    """A chat request whose answer must match schema."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    return dumps({**body, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
+
+
+def shared_properties(num_properties: int) -> dict:
+    """A oneOf whose check compared its branches in depth over every shared required property: hours at 2000."""
+    props = {f"p{i}": {"$ref": "#/$defs/o"} for i in range(num_properties)}
+    return {
+        "$defs": {"o": {"type": "object", "properties": props, "required": list(props)}},
+        "oneOf": [{"$ref": "#/$defs/o"}, {"$ref": "#/$defs/o"}],
+    }
+
+
+def ref_chain(num_links: int) -> dict:
+    defs = {f"a{i}": {"anyOf": [{"$ref": f"#/$defs/a{i + 1}"}, {"type": "null"}]} for i in range(num_links)}
+    return {"$defs": {**defs, f"a{num_links}": {"type": "string"}}, "$ref": "#/$defs/a0"}
+
+
+nested_pattern = "(" * 900 + "a" + ")" * 900
+list_ref = lambda index: {"type": "array", "prefixItems": [{}], "items": {"$ref": f"#/prefixItems/{index}"}}  # noqa: E731
 
 # (path, body, content type, the status, the param the error names or a word its message holds, or several)
 CASES = {
@@ -157,6 +184,52 @@ CASES = {
         "n",
     ),
     "an oversized body": ("/v1/completions", dumps({"prompt": "a" * MAX_BODY}), None, 413, "bytes"),
+    # Issue 39: each once a 500, a held text thread, or a constraint that compiled for long or into much memory
+    "a $ref index of a superscript digit": ("/v1/chat/completions", with_schema(list_ref("\u00b2")), None, 400, SCHEMA),
+    "a $ref index of 5000 digits": ("/v1/chat/completions", with_schema(list_ref("1" * 5000)), None, 400, SCHEMA),
+    "a pattern nested 900 deep": (
+        "/v1/chat/completions",
+        with_schema({"type": "string", "pattern": nested_pattern}),
+        None,
+        400,
+        (SCHEMA, "nested"),
+    ),
+    "a type list of 11,000 objects": (
+        "/v1/chat/completions",
+        with_schema({"type": [{"a": i} for i in range(11_000)]}),
+        None,
+        400,
+        (SCHEMA, "type"),
+    ),
+    "a oneOf whose check grows as the cube of its properties": (
+        "/v1/chat/completions",
+        with_schema(shared_properties(2000)),
+        None,
+        400,
+        (SCHEMA, "steps"),
+    ),
+    "a $ref chain of 1500 links": ("/v1/chat/completions", with_schema(ref_chain(1500)), None, 400, (SCHEMA, "$refs")),
+    "an enum of 1024 hundred-character values": (
+        "/v1/chat/completions",
+        with_schema({"enum": [f"{i:04d}" + "x" * 96 for i in range(1024)]}),
+        None,
+        400,
+        (SCHEMA, "characters"),
+    ),
+    "a choice of 10,000 strings": (
+        "/v1/completions",
+        dumps({"prompt": "hi", "structured_outputs": {"choice": [f"c{i}" for i in range(10_000)]}}),
+        None,
+        400,
+        "structured_outputs.choice",
+    ),
+    "echo with 20 logprobs and n 16 on a long prompt": (
+        "/v1/completions",
+        dumps({"prompt": "hello " * 4000, "echo": True, "logprobs": 20, "n": 16, "max_tokens": 16}),
+        None,
+        400,
+        "logprobs",
+    ),
 }
 PARSING_CASES = [
     pytest.param(long_stop, "stop", id="a stop string over max_stop_length"),
@@ -251,6 +324,65 @@ def test_connections_past_max_connections_get_503(stack):
             sock.close()
     hi = dumps({"prompt": "hi", "max_tokens": 1})
     stack.wait_for(lambda: send(stack, "/v1/completions", hi)[0] == 200, 30, "served again")
+
+
+# -- checks that would hold the gateway's text threads --------------------------------------------------------------
+def cpu_seconds(pid: int) -> float:
+    """The process's user and system CPU time so far."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_over(pid: int, seconds: float) -> float:
+    before = cpu_seconds(pid)
+    time.sleep(seconds)
+    return cpu_seconds(pid) - before
+
+
+def test_schemas_that_exhaust_their_budget_hold_up_no_plain_request_and_leave_the_gateway_idle(stack):
+    """Four of them in flight take every text thread until refused: a plain completion beside them is served in
+    about its own time, they each get a 400 naming the field, and then the gateway's CPU is idle again. Four more
+    whose clients leave at once stop as well (before, each held a thread for hours and a core with them)."""
+    plain = dumps({"prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+    started = time.monotonic()
+    assert send(stack, "/v1/completions", plain)[0] == 200
+    alone_s = time.monotonic() - started
+    heavy = with_schema(shared_properties(2000))
+    with ThreadPoolExecutor(4) as pool:
+        refusals = [pool.submit(send, stack, "/v1/chat/completions", heavy) for _ in range(4)]
+        time.sleep(0.3)  # their bodies are in, their checks running
+        started = time.monotonic()
+        status, reply = send(stack, "/v1/completions", plain)
+        beside_s = time.monotonic() - started
+        assert status == 200, reply
+        for refusal in refusals:
+            status, reply = refusal.result()
+            assert status == 400 and reply["error"]["param"] == SCHEMA and "steps" in reply["error"]["message"]
+    print(f"a plain completion: {alone_s:.2f} s alone, {beside_s:.2f} s beside four schemas being refused")
+    assert beside_s < 10 * alone_s + 10  # a guard: before, it waited behind the four for hours
+    gateway = stack.procs["gateway"].pid
+    for _ in range(4):  # abandoned: the client sends the body and leaves
+        client = socket.create_connection(("127.0.0.1", stack.port), timeout=30)
+        client.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(heavy), heavy)
+        )
+        client.close()
+    time.sleep(3)  # each check stops at its next look, a budget's worth of steps at most
+    idle = cpu_over(gateway, 3)
+    print(f"the gateway's CPU over 3 s after: {idle:.2f} s")
+    assert idle < 0.5  # heartbeats and metrics only, not a check still running
+
+
+def test_a_request_value_with_line_breaks_forges_no_log_line(stack):
+    forged = "FORGED kvferry.gateway: worker decode-z joined as decode"
+    status, reply = send(stack, "/v1/completions", dumps({"prompt": "hi", "model": f"x\n{forged}\r\n{forged}"}))
+    assert status == 404 and reply["error"]["param"] == "model"
+    status, _ = send(stack, "/v1/completions", dumps({"prompt": "hi", "max_tokens": 1, "user": f"u\n{forged}"}))
+    assert status == 200
+    time.sleep(0.5)
+    assert not any(line.startswith("FORGED") for line in stack.log("gateway").splitlines())
 
 
 # -- afterwards ----------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from kvferry.services.gateway import fanout
 from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
+from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
 from kvferry.services.gateway.constraints import request_constraint
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
@@ -52,6 +53,11 @@ VERSION = "0.1.0"
 # Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
 # few: each encode is one core's work, and more at once would only queue on the cores.
 TEXT_THREADS = 4
+# A schema's or tools' checks may take up to their work budget (common/work_budget.py), about a second of the GIL at
+# the largest: they run on threads of their own, fewer than the text threads, so that a few large ones at once hold
+# up only each other, never the parsing and tokenizing of every other request.
+CHECK_THREADS = 2
+CHECKED_FIELDS = ("tools", *CONSTRAINT_FIELDS)  # a body with any of them has its output rules checked on those threads
 # A whole response with more values than this (tokens, times 1 + logprobs) is built and serialized on a text thread:
 # a few milliseconds of the event loop's time, which every stream waits through.
 OFF_LOOP_ENTRIES = 10_000
@@ -103,6 +109,7 @@ class Api:
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
         self.text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="kvferry-text")
+        self.check_threads = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvferry-check")
         self.checks: set[RequestWork] = set()  # of the requests whose content is being checked on a text thread
 
     @property
@@ -240,7 +247,9 @@ class Api:
             if capture is not None:
                 capture.record.body = body
             deadline = arrived_monotonic + self.core.deadlines.request_s
-            tools, constraint = await self.checks_off_loop(request, deadline, self.output_rules, body, chat)
+            checked = any(body.get(name) is not None for name in CHECKED_FIELDS)
+            rules = self.checks_off_loop(request, deadline, self.output_rules, body, chat, checks=checked)
+            tools, constraint = await rules
             prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
             calls = tools is not None and tools.calls_allowed
             generations = [
@@ -329,20 +338,23 @@ class Api:
         finally:
             self.admission.release(num_bytes)
 
-    async def off_loop(self, fn, *args):
-        """fn(*args) on a text thread, in the request's context (its id on every log line)."""
+    async def off_loop(self, fn, *args, checks: bool = False):
+        """fn(*args) on a text thread (checks: a check thread), in the request's context (its id on every log
+        line)."""
         run = functools.partial(contextvars.copy_context().run, fn, *args)
-        return await asyncio.get_running_loop().run_in_executor(self.text_threads, run)
+        threads = self.check_threads if checks else self.text_threads
+        return await asyncio.get_running_loop().run_in_executor(threads, run)
 
-    async def checks_off_loop(self, request: Request, deadline: float, fn, *args):
-        """fn(*args), checks of the request's content, on a text thread. Their work budgets (common/work_budget.py)
-        stop them at their next look once nobody wants the answer: the client left (ClientDisconnect here), the
-        deadline (time.monotonic()) passed (504), or the gateway stops (503)."""
+    async def checks_off_loop(self, request: Request, deadline: float, fn, *args, checks: bool = False):
+        """fn(*args), work on the request's content, off the loop (checks: on a check thread, for a schema's or
+        tools' checks). Their work budgets (common/work_budget.py) stop them at their next look once nobody wants
+        the answer: the client left (ClientDisconnect here), the deadline (time.monotonic()) passed (504), or the
+        gateway stops (503)."""
         work = RequestWork(deadline)
-        token = current_request.set(work)  # the task below, and so the text thread, run in a copy of this context
+        token = current_request.set(work)  # the task below, and so the thread, run in a copy of this context
         self.checks.add(work)
         try:
-            return await self._unless_client_leaves(request, self.off_loop(fn, *args))
+            return await self._unless_client_leaves(request, self.off_loop(fn, *args, checks=checks))
         except WorkCancelled:
             if work.deadline is not None and time.monotonic() >= work.deadline:
                 raise ApiError(504, "the request took longer than its deadline", kind="timeout_error") from None
