@@ -26,6 +26,16 @@ def _is_time(value) -> bool:
         return False
 
 
+def _is_finite(value) -> bool:
+    """A finite number, of any sign (an int too large for a float is not one)."""
+    if not (_is_int(value) or isinstance(value, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
 def _list_of(check):
     return lambda value: isinstance(value, list) and all(check(v) for v in value)
 
@@ -49,7 +59,7 @@ FIELDS = {
     "trace_id": (lambda v: isinstance(v, str), "a string"),
     "model": (lambda v: isinstance(v, str), "a string"),
     "arrival_unix": (_is_time, "a finite time in seconds, at least 0"),
-    "arrival_monotonic": (lambda v: _is_time(v) or (isinstance(v, float | int) and math.isfinite(v)), "a number"),
+    "arrival_monotonic": (_is_finite, "a finite number"),
     "endpoint": (lambda v: isinstance(v, str), "a string"),
     "status": (_is_int, "an integer"),
     "body": (lambda v: v is None or isinstance(v, dict), "an object or null"),

@@ -325,23 +325,25 @@ class _Walk:
 
     def ref_chain(self, ref: str, path: str, on_chain: set[str]) -> int:
         """The longest chain of $refs from ref (the links to a $ref already on the chain end it); UnsupportedSchema
-        past MAX_REF_DEPTH. Each target's $refs are gathered once: the work is linear in the schema."""
-        if ref in self.ref_depths:
-            return self.ref_depths[ref]
+        where the chain that led here (len(on_chain) links) and the longest from here pass MAX_REF_DEPTH together.
+        Each target's $refs are gathered once: the work is linear in the schema."""
         if ref in on_chain:
             return 0
-        if len(on_chain) > MAX_REF_DEPTH:
+        longest = self.ref_depths.get(ref)
+        if longest is None and len(on_chain) <= MAX_REF_DEPTH:  # past it, refused below without going deeper
+            on_chain.add(ref)
+            longest = max(
+                (1 + self.ref_chain(inner, path, on_chain) for inner in self._refs_under(self._target(ref, path))),
+                default=0,
+            )
+            on_chain.discard(ref)
+            self.ref_depths[ref] = longest
+        if len(on_chain) + (longest or 0) > MAX_REF_DEPTH:
             raise UnsupportedSchema(
                 path,
                 f"a chain of more than {MAX_REF_DEPTH} $refs (a $ref to a schema holding a $ref, and so on) is not "
                 "supported: the engine's compile time grows fast with its length",
             )
-        on_chain.add(ref)
-        longest = 0
-        for inner in self._refs_under(self._target(ref, path)):
-            longest = max(longest, 1 + self.ref_chain(inner, path, on_chain))
-        on_chain.discard(ref)
-        self.ref_depths[ref] = longest
         return longest
 
     def _refs_under(self, schema) -> list[str]:

@@ -14,12 +14,12 @@ import importlib.util
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Mapping
 from pathlib import Path
 
 from kvferry import cache_trust
 from kvferry.common import settings
+from kvferry.common.child_python import python_command, python_env
 from kvferry.common.errors import ConfigError, ModelLoadError
 
 SUPPORTED_ARCHITECTURES = {
@@ -148,7 +148,7 @@ def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
         "os.umask(0o077); "
         "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
     )
-    if subprocess.run([sys.executable, "-c", code, str(gguf_path), str(out_dir)]).returncode != 0:
+    if subprocess.run(python_command("-c", code, str(gguf_path), str(out_dir)), env=python_env()).returncode != 0:
         raise ModelLoadError(f"converting {gguf_path} failed (the lines above say why)")
 
 

@@ -5,13 +5,15 @@ grammar cache's child process (common/structured/compile_process.py); requests w
 compile, and the loop, which polls `wake_fd`, takes the finished ones with their compiled grammar, which the
 request keeps: the cache may evict it before the request needs it.
 
-A constraint's clock starts when it is queued: the timeout bounds its wait behind other compiles and its own
-compile together. Only the one-time set-up (the tokenizer and xgrammar, and the child process's start, again
-after each kill) stops every waiting constraint's clock. Past its deadline a constraint fails with a 400 when its
-own compile had most of the timeout (the thread kills the child that compiled it, which frees the core, and the
-constraint is refused at once from then on), and with a 503 that another worker may take when its time went in the
-queue, before or behind its own compile. So a compile that cannot finish holds the path for one timeout at most.
-The queue is capped by count and by the text of its constraints; past either cap a request is refused with a 503.
+A constraint's clock starts when it is queued: the timeout bounds its wait behind other compiles and its trial
+compile in the child process together. Only the one-time set-up (the tokenizer and xgrammar, and the child
+process's start, again after each kill) stops every waiting constraint's clock. Past its deadline a constraint fails
+with a 400 when its own trial had most of the timeout (the thread kills the child that compiled it, which frees the
+core, and the constraint is refused at once from then on), and with a 503 that another worker may take when its
+time went in the queue. A constraint whose trial passed is past the clock: its compile in the worker takes about as
+long as the trial did. So a compile holds the path for about twice the timeout at most, and one that cannot finish
+for one timeout. The queue is capped by count and by the text of its constraints, counted until the thread takes
+them off it; past either cap a request is refused with a 503, as it is when the child process dies under a compile.
 """
 
 import os
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.structured.compile_process import CompileTimedOut
+from kvferry.common.structured.compile_process import CompileProcessEnded, CompileTimedOut
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.services.wake_pipe import clear, pipe, signal
 
@@ -40,7 +42,9 @@ class Job:
     num_bytes: int  # its text's, UTF-8
     owners: dict = field(default_factory=dict)  # owner -> wall clock it started waiting, for its trace span
     started: float | None = None  # queue clock, set by the thread when its compile begins
+    trial_passed: bool = False  # its trial compile finished in time: no deadline applies to it any more
     finished: bool = False
+    retry: bool = False  # its error is no fault of the constraint's: another worker may take it
     reported: bool = False  # failed by the loop at its deadline: the thread skips it
     grammar: object = None
     error: str = ""
@@ -68,6 +72,7 @@ class ConstraintCompiles:
         self._refused: list[Compiled] = []  # refused without a compile: reported by the next take_finished
         self._timed_out: dict[tuple[str, str], None] = {}  # insertion-ordered: the oldest go past the cap
         self._todo: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._num_todo = self._num_todo_bytes = 0  # jobs on _todo, forgotten ones too, and their text's bytes
         self._lock = threading.Lock()  # the thread's wake-up against close()
         self._closed = False
         self._set_up_s = 0.0  # the set-ups' time so far, which the queue clock leaves out
@@ -97,6 +102,9 @@ class ConstraintCompiles:
             if busy:
                 return self._refuse(owner, constraint, f"{constraint.field}: this worker has {busy}", retry=True)
             job = self._jobs[key] = Job(constraint, self.clock() + self.timeout_s, num_bytes)
+            with self._lock:
+                self._num_todo += 1
+                self._num_todo_bytes += num_bytes
             self._todo.put(job)
         job.owners[owner] = now
         self._owners[owner] = job
@@ -123,8 +131,8 @@ class ConstraintCompiles:
         now, wall = self.clock(), time.time()
         for key, job in list(self._jobs.items()):
             if job.finished:
-                error, retry = job.error, False
-            elif now > job.deadline:
+                error, retry = job.error, job.retry
+            elif now > job.deadline and not job.trial_passed:
                 error, retry = self._past_deadline(job)
             else:
                 continue
@@ -138,16 +146,18 @@ class ConstraintCompiles:
 
     def next_deadline_in(self) -> float | None:
         """Seconds until the earliest deadline of a constraint queued or compiling; None when there is none."""
-        deadlines = [job.deadline for job in self._jobs.values() if not job.finished]
+        deadlines = [job.deadline for job in self._jobs.values() if not (job.finished or job.trial_passed)]
         if not deadlines:
             return 0.0 if self._refused else None
         return max(0.0, min(deadlines) - self.clock())
 
     def _queue_full(self, num_bytes: int) -> str:
         """Why the queue has no room for a constraint of this many bytes, or ""."""
-        if len(self._jobs) >= MAX_QUEUED_COMPILES:
+        # What the thread has yet to take off its queue counts, jobs nobody waits for any more too: their text is
+        # held until then.
+        if max(len(self._jobs), self._num_todo) >= MAX_QUEUED_COMPILES:
             return f"{MAX_QUEUED_COMPILES} constraints to compile already"
-        queued = sum(job.num_bytes for job in self._jobs.values())
+        queued = max(sum(job.num_bytes for job in self._jobs.values()), self._num_todo_bytes)
         if queued + num_bytes > MAX_QUEUED_COMPILE_BYTES:
             return f"{queued} bytes of constraints to compile already (at most {MAX_QUEUED_COMPILE_BYTES})"
         return ""
@@ -173,6 +183,9 @@ class ConstraintCompiles:
     def _run(self) -> None:
         try:
             while (job := self._todo.get()) is not None and not self._closed:
+                with self._lock:
+                    self._num_todo -= 1
+                    self._num_todo_bytes -= job.num_bytes
                 if job.owners and not job.reported:  # else everyone who waited for it ended, or its time is up
                     self._compile(job)
         finally:
@@ -185,9 +198,11 @@ class ConstraintCompiles:
             if left <= 0:
                 return  # the loop fails it at its deadline, uncompiled
             job.started = self.clock()  # from now on forget() leaves it be
-            job.grammar = self.grammars.compile(job.constraint, timeout_s=left)
+            job.grammar = self.grammars.compile(job.constraint, left, lambda: setattr(job, "trial_passed", True))
         except CompileTimedOut:
             return  # the loop fails it at its deadline: the child that compiled it is killed, its core free
+        except CompileProcessEnded as exc:
+            job.error, job.retry = f"{job.constraint.field}: {exc}; another worker may compile it", True
         except InvalidRequest as exc:
             job.error = str(exc)
         except Exception as exc:  # a bug, or xgrammar failing otherwise: this constraint's requests fail

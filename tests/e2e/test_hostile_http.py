@@ -7,8 +7,10 @@ stops its request, and connections past --max-connections get 503."""
 import http.client
 import json
 import os
+import random
 import re
 import socket
+import string
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,11 +24,12 @@ MAX_CONNECTIONS = 32
 MAX_PROMPT_CHARS = 1_000_000  # the defaults of the settings the cases push past
 MAX_BODY = 8 * 2**20
 PROMPT = "The capital of France is"
+GRAMMAR_CACHE_BYTES = 32 * 2**20  # a small bound, so that 30 large constraints pass it several times over
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    limits = {"KVFERRY_MAX_CONNECTIONS": str(MAX_CONNECTIONS)}
+    limits = {"KVFERRY_MAX_CONNECTIONS": str(MAX_CONNECTIONS), "KVFERRY_GRAMMAR_CACHE_BYTES": str(GRAMMAR_CACHE_BYTES)}
     with tiny_stack(tmp_path_factory.mktemp("hostile"), extra_env=limits) as stack:
         stack.start_pair()
         stack.pids = {name: proc.pid for name, proc in stack.procs.items()}
@@ -199,7 +202,7 @@ CASES = {
         with_schema({"type": [{"a": i} for i in range(11_000)]}),
         None,
         400,
-        (SCHEMA, "type"),
+        (SCHEMA, "type: a list of at most 7"),  # before the metaschema compares the 11,000 pairwise (130 s)
     ),
     "a oneOf whose check grows as the cube of its properties": (
         "/v1/chat/completions",
@@ -373,6 +376,48 @@ def test_schemas_that_exhaust_their_budget_hold_up_no_plain_request_and_leave_th
     idle = cpu_over(gateway, 3)
     print(f"the gateway's CPU over 3 s after: {idle:.2f} s")
     assert idle < 0.5  # heartbeats and metrics only, not a check still running
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def with_descendants(pid: int) -> list[int]:
+    """pid and its children's pids (a worker's compile process), from /proc."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    if int(stat.read().rsplit(") ", 1)[1].split()[1]) == pid:
+                        children.append(int(entry))
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                pass
+    return [pid, *children]
+
+
+def random_enum(rng: random.Random, num_chars: int = 32_000) -> dict:
+    """An enum of random 100-character values, within the gateway's bound on their characters: each compiles to
+    megabytes of token masks (random text shares no prefixes)."""
+    alphabet = string.ascii_letters + string.digits
+    return {"enum": ["".join(rng.choice(alphabet) for _ in range(100)) for _ in range(num_chars // 102)]}
+
+
+def test_distinct_large_enums_grow_no_workers_memory_past_the_grammar_caches_bound(stack):
+    rng = random.Random(39)
+    ask = lambda schema: send(stack, "/v1/chat/completions", with_schema(schema))  # noqa: E731
+    for _ in range(3):  # the one-time set-up: xgrammar's import, the tokenizer's info, the compile process
+        status, reply = ask(random_enum(rng))
+        assert status == 200, reply
+    workers = {name: stack.procs[name].pid for name in ("prefill-a", "decode-a")}
+    before = {pid: rss_bytes(pid) for worker in workers.values() for pid in with_descendants(worker)}
+    for _ in range(30):
+        status, reply = ask(random_enum(rng))
+        assert status == 200, reply
+    grown = {pid: rss_bytes(pid) - rss for pid, rss in before.items()}
+    print("RSS grown by 30 enums (MiB):", {pid: round(g / 2**20, 1) for pid, g in grown.items()})
+    assert max(grown.values()) <= GRAMMAR_CACHE_BYTES, grown
 
 
 def test_a_request_value_with_line_breaks_forges_no_log_line(stack):

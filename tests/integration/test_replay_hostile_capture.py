@@ -84,6 +84,8 @@ HOSTILE = [
     ("[" * 200_000 + "]" * 200_000, "nested"),
     (json.dumps(good(17, body={"prompt": "x", "deep": nested(500)})), "nested"),
     (json.dumps(good(18, request_id={"$gt": ""})), "request_id"),
+    (raw(good(19, arrival_monotonic="@"), "-" + "9" * 400), "arrival_monotonic"),  # an int no float holds
+    (json.dumps(good(20, arrival_monotonic=True)), "arrival_monotonic"),
 ]
 
 

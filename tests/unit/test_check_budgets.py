@@ -205,3 +205,31 @@ def test_choices_are_bounded_in_count_and_characters():
         structured("choice", ["y" * 1000] * 40, "structured_outputs.choice")
     assert long.value.param == "structured_outputs.choice"
     structured("choice", ["yes", "no"], "structured_outputs.choice")
+
+
+def test_chains_that_join_are_one_chain_whichever_order_they_are_walked_in():
+    """Five chains of 60 links, each ending at the head of the one before: one chain of 300, refused in any order
+    (the depth remembered for a $ref counts with the chain that reaches it again)."""
+    defs = {}
+    for chain in range(5):
+        for i in range(60):
+            nxt = f"c{chain}_{i + 1}" if i < 59 else (f"c{chain - 1}_0" if chain else None)
+            defs[f"c{chain}_{i}"] = {"anyOf": [{"$ref": f"#/$defs/{nxt}"}, {"type": "null"}]} if nxt else {}
+    for order in (range(5), range(4, -1, -1)):
+        schema = {"$defs": defs, "anyOf": [{"$ref": f"#/$defs/c{chain}_0"} for chain in order]}
+        with pytest.raises(UnsupportedSchema, match=f"more than {MAX_REF_DEPTH}"):
+            check_supported(schema, "s")
+
+
+def test_the_first_pass_looks_at_schemas_only_not_at_values_or_property_names():
+    """A property named like a keyword, and values that look like schemas (enum, const, default, examples), are the
+    user's: the bounds on `type` lists and `required` names are not theirs to meet."""
+    keyword_names = {
+        "dependencies": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "required": {"enum": [1, 2, 3]},
+        "type": {"const": "x"},
+    }
+    checked_schema({"type": "object", "properties": keyword_names}, "f")
+    looks_like_a_schema = {"type": ["a", "b", "c", "d", "e", "f", "g", "h"], "required": [1, 2]}
+    checked_schema({"type": "object", "default": looks_like_a_schema, "examples": [looks_like_a_schema]}, "f")
+    checked_schema({"enum": [looks_like_a_schema]}, "f")

@@ -17,6 +17,7 @@ from kvferry.common.model.sampler import mask_constrained, sample
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.scheduler import Scheduler
 from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.structured.compile_process import CompileProcessEnded
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.common.structured.matcher import ConstraintState
 from kvferry.common.structured.xgrammar_compile import choice_grammar
@@ -208,10 +209,13 @@ def test_a_completed_constraint_ends_the_sequence_even_with_ignore_eos(grammars,
 class SlowGrammars:
     """A grammar cache whose compile waits for the test's word: the thing under test is the waiting around it."""
 
-    def __init__(self, set_up_s: float = 0.0):
+    def __init__(self, set_up_s: float = 0.0, trial_passes: bool = False, dies: bool = False):
+        """trial_passes: each compile's trial in a child passes at once, before the compile waits; dies: the
+        compile child dies under each compile."""
         self.release = threading.Event()
         self.compiled: dict = {}
         self.set_up_s, self.set_up_done = set_up_s, False
+        self.trial_passes, self.dies = trial_passes, dies
 
     def set_up(self):  # the tokenizer's load and xgrammar's import: once, and as slow as set_up_s
         if not self.set_up_done:
@@ -221,7 +225,11 @@ class SlowGrammars:
     def cached(self, constraint, count=True):
         return self.compiled.get(constraint.key)
 
-    def compile(self, constraint, timeout_s=None):  # in process: nothing stops it
+    def compile(self, constraint, timeout_s=None, on_trial_passed=None):  # in process: nothing stops it
+        if self.dies:
+            raise CompileProcessEnded("the compile process ended (exit status -9)")
+        if self.trial_passes:
+            on_trial_passed()
         self.release.wait(10)
         if constraint.kind == "regex" and constraint.spec == "(":
             raise InvalidRequest(f"{constraint.field}: the parenthesis is not closed")
@@ -365,3 +373,57 @@ def test_closing_does_not_wait_for_a_compile_under_way():
     compiles.close()
     assert compiles._thread.daemon and time.monotonic() - started < 1  # the process may exit meanwhile
     grammars.release.set()
+
+
+def test_a_constraint_whose_trial_passed_is_compiled_past_its_deadline_not_failed_at_it():
+    """The trial in the child took its time within the timeout; the compile in the worker takes about as long again,
+    and the constraint is served, not failed half-way (nor remembered as too slow)."""
+    grammars = SlowGrammars(trial_passes=True)
+    compiles = ConstraintCompiles(grammars, timeout_s=0.1)
+    try:
+        assert compiles.ready("a", FLAGS) is None
+        time.sleep(0.4)  # well past its deadline
+        assert compiles.take_finished() == [] and compiles.next_deadline_in() is None
+        grammars.release.set()
+        [done] = finished(compiles)
+        assert done.owner == "a" and done.error == "" and done.grammar is grammars.compiled[FLAGS.key]
+    finally:
+        grammars.release.set()
+        compiles.close()
+
+
+def test_a_compile_child_that_dies_is_a_refusal_another_worker_may_take():
+    compiles = ConstraintCompiles(SlowGrammars(dies=True), timeout_s=30)
+    try:
+        assert compiles.ready("a", FLAGS) is None
+        [done] = finished(compiles)
+        assert done.retry and "compile process ended" in done.error and done.grammar is None
+        assert compiles.ready("b", FLAGS) is None  # not remembered as the constraint's fault
+    finally:
+        compiles.close()
+
+
+def test_constraints_nobody_waits_for_still_count_in_the_queue_until_the_thread_takes_them(monkeypatch):
+    """A client that sends a constraint and leaves, again and again, while a compile holds the thread: each spec
+    stays on the thread's queue until it is taken off, so each counts against the queue's caps until then."""
+    from kvferry.services import constraint_compiles
+
+    monkeypatch.setattr(constraint_compiles, "MAX_QUEUED_COMPILE_BYTES", 4096)
+    grammars = SlowGrammars()
+    compiles = ConstraintCompiles(grammars, timeout_s=30)
+    try:
+        assert compiles.ready("holds the thread", FLAGS) is None
+        time.sleep(0.1)
+        refused = []
+        for i in range(100):
+            constraint = Constraint("regex", f"[0-9]{{{i}}}" + "x" * 200, "structured_outputs.regex")
+            assert compiles.ready(f"left-{i}", constraint) is None
+            done = compiles.take_finished()  # a refusal comes at once
+            refused += done
+            if not done:
+                compiles.forget(f"left-{i}")  # the client left
+        assert refused and all(done.retry and "bytes of constraints" in done.error for done in refused)
+        assert len(refused) >= 100 - 4096 // 200
+    finally:
+        grammars.release.set()
+        compiles.close()

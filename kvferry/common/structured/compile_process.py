@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 
+from kvferry.common.child_python import python_command, python_env
 from kvferry.common.errors import InvalidRequest
 
 _HEADER = struct.Struct("!BQ")  # tag, payload length
@@ -38,6 +39,10 @@ _MAX_FRAME_BYTES = 1 << 24  # a constraint's spec, xgrammar's refusal, or the to
 
 class CompileTimedOut(Exception):
     """The compile ran past its deadline; the child that ran it is killed."""
+
+
+class CompileProcessEnded(Exception):
+    """The child died under a compile (the kernel's OOM killer, a crash): no fault of the constraint's shown yet."""
 
 
 class CompileProcess:
@@ -66,7 +71,8 @@ class CompileProcess:
         child_fds = (requests_read, answers_write)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(requests_read), str(answers_write)],
+                python_command("-m", __name__, str(requests_read), str(answers_write)),
+                env=python_env(),
                 pass_fds=child_fds,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,  # its frames have pipes of their own: nothing a library prints gets in
@@ -134,7 +140,7 @@ class CompileProcess:
         """The child is gone (killed by close() of its owner, the kernel's OOM killer, a crash)."""
         code = self._proc.wait() if self._proc else None
         self.close()
-        raise InvalidRequest(f"the compile process ended (exit status {code})")
+        raise CompileProcessEnded(f"the compile process ended (exit status {code})")
 
 
 def _write_frame(fd: int, tag: int, payload: bytes) -> None:

@@ -21,13 +21,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvferry.common import settings
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.structured.compile_process import CompileProcess, give_back_memory
 from kvferry.common.structured.xgrammar_compile import compile_constraint
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, however small
-DEFAULT_CACHE_BYTES = 256 << 20  # what they hold together: settings' grammar_cache_bytes
+DEFAULT_CACHE_BYTES = settings.default("grammar_cache_bytes")  # what they may hold together
 LARGE_GRAMMAR_BYTES = 1 << 20  # past this, the memory a compile freed is handed back to the system
 
 
@@ -63,15 +64,17 @@ class GrammarCache:
             self.num_cache_hits += count
             return entry[0]
 
-    def compile(self, constraint: Constraint, timeout_s: float | None = None):
+    def compile(self, constraint: Constraint, timeout_s: float | None = None, on_trial_passed=None):
         """The compiled grammar, from the cache or compiled now (blocking: call it off the step loop).
         InvalidRequest naming the constraint's field when xgrammar refuses it. isolated: CompileTimedOut when
-        timeout_s passes first (the child that compiled it is killed); in process, timeout_s is not enforced."""
+        timeout_s passes first in the trial (the child that compiled it is killed), CompileProcessEnded when the child
+        died, and on_trial_passed() called once the trial is done, before the compile here, which takes about as
+        long again and is not bounded; in process, timeout_s is not enforced."""
         compiled = self.cached(constraint, count=False)
         if compiled is not None:
             return compiled
         started = time.perf_counter()
-        compiled = self._compile(constraint, timeout_s)
+        compiled = self._compile(constraint, timeout_s, on_trial_passed)
         with self._lock:
             self.num_compiles += 1
             self.compile_s += time.perf_counter() - started
@@ -123,11 +126,13 @@ class GrammarCache:
             _, (_, evicted) = self._compiled.popitem(last=False)
             self.num_bytes -= evicted
 
-    def _compile(self, constraint: Constraint, timeout_s: float | None):
+    def _compile(self, constraint: Constraint, timeout_s: float | None, on_trial_passed=None):
         self.set_up()
         try:
             if self.isolated:  # the trial a timeout can stop: what passes it compiles here in about the same time
                 self._process.compile(constraint.kind, constraint.spec, timeout_s)
+                if on_trial_passed is not None:
+                    on_trial_passed()
             compiled = compile_constraint(self._compiler, constraint.kind, constraint.spec)
             if compiled.memory_size_bytes > LARGE_GRAMMAR_BYTES:
                 give_back_memory()

@@ -28,6 +28,24 @@ DRAFTS = (Draft202012Validator, Draft201909Validator, Draft7Validator, Draft6Val
 NUM_JSON_TYPES = 7  # a `type` list names each of them at most once
 STRING_LISTS = ("required",)  # lists the metaschema holds unique: jsonschema sorts strings, compares others pairwise
 STRING_LIST_MAPS = ("dependentRequired", "dependencies")  # name -> such a list
+# Where a schema holds schemas, in every draft the metaschema check follows: what the first pass walks (not values,
+# such as enum, const, default or examples, nor property names).
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies")
+SCHEMA_LISTS = ("prefixItems", "allOf", "anyOf", "oneOf", "items")  # items: a list in drafts 6 and 7
+SCHEMA_VALUES = (
+    "additionalProperties",
+    "items",
+    "additionalItems",
+    "propertyNames",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "contentSchema",
+)
 
 
 def canonical(value, field: str) -> str:
@@ -93,18 +111,23 @@ def checked_schema(schema, field: str) -> str:
 def _before_metaschema(schema, field: str, budget: WorkBudget) -> None:
     """Refuse what would make the metaschema check more than linear, or recurse past Python's limit: a `type` list
     longer than the JSON types or not all names, a list of required names that are not all strings, and a `pattern`
-    (or patternProperties name) nested deeper than MAX_PATTERN_DEPTH. Every object in the schema is looked at, values
-    too: the metaschema check reaches whichever of them are schemas."""
+    (or patternProperties name) nested deeper than MAX_PATTERN_DEPTH. Every schema within it is looked at, wherever
+    the metaschema check would reach it."""
     pending = [(schema, field)]
     try:
         while pending:
             node, path = pending.pop()
             budget.spend()
-            if isinstance(node, list):
-                pending.extend((item, f"{path}[{i}]") for i, item in enumerate(node))
-            elif isinstance(node, dict):
-                _metaschema_hazards(node, path, field)
-                pending.extend((value, f"{path}.{key}") for key, value in node.items())
+            if not isinstance(node, dict):
+                continue
+            _metaschema_hazards(node, path, field)
+            for name in SCHEMA_MAPS:
+                if isinstance(node.get(name), dict):
+                    pending.extend((child, f"{path}.{name}.{key}") for key, child in node[name].items())
+            for name in SCHEMA_LISTS:
+                if isinstance(node.get(name), list):
+                    pending.extend((child, f"{path}.{name}[{i}]") for i, child in enumerate(node[name]))
+            pending.extend((node[name], f"{path}.{name}") for name in SCHEMA_VALUES if name in node)
     except WorkBudgetExceeded:
         raise ApiError(400, f"'{field}' takes more work to check than its size allows", field) from None
 

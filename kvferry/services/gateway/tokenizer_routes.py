@@ -71,7 +71,8 @@ class TokenizerRoutes:
             if "messages" in body:
                 add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
                 deadline = time.monotonic() + self.api.core.deadlines.request_s
-                tools = await self.api.checks_off_loop(request, deadline, parse_tools, body, checks=True)
+                checks = body.get("tools") is not None
+                tools = await self.api.checks_off_loop(request, deadline, parse_tools, body, checks=checks)
                 ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt, tools)
             else:
                 prompt = body.get("prompt")
