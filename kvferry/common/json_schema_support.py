@@ -119,12 +119,11 @@ def check_supported(schema, path: str, budget: WorkBudget | None = None) -> None
         walk = _Walk(schema, budget)
         walk.node(schema, path, None)
         walk.ref_chain("#", path, set())
-    except WorkBudgetExceeded:
+    except WorkBudgetExceeded as exc:
         raise UnsupportedSchema(
             path,
-            f"checking this schema takes more than the {budget.num_steps} steps its size allows (oneOf branches "
-            "compared pairwise over shared properties, or $ref chains followed many times); simplify it, or use "
-            "anyOf for branches that need not exclude each other",
+            f"checking this schema takes {exc} (oneOf branches compared pairwise over shared properties, or $ref "
+            "chains followed many times); simplify it, or use anyOf for branches that need not exclude each other",
         ) from None
 
 

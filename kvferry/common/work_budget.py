@@ -29,11 +29,14 @@ class WorkCancelled(Exception):
 
 
 class RequestWork:
-    """One request's stake in the checks run for it: whether it still wants them, and until when."""
+    """One request's stake in the checks run for it: whether it still wants them, until when, and the steps they may
+    take together (each check has a budget of its own besides: a request of many schemas, 128 tools say, would
+    otherwise get the base allowance 128 times)."""
 
-    def __init__(self, deadline: float | None = None):
-        """deadline: time.monotonic() past which the checks stop (None: none)."""
-        self.deadline = deadline
+    def __init__(self, deadline: float | None = None, num_steps: int | None = None):
+        """deadline: time.monotonic() past which the checks stop (None: none); num_steps: the steps of all its
+        checks together (None: no bound but each check's own)."""
+        self.deadline, self.num_steps, self.num_steps_left = deadline, num_steps, num_steps
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -63,7 +66,14 @@ class WorkBudget:
     def spend(self, num_steps: int = 1) -> None:
         self.num_left -= num_steps
         if self.num_left < 0:
-            raise WorkBudgetExceeded(f"more than {self.num_steps} steps")
+            raise WorkBudgetExceeded(f"more than the {self.num_steps} steps its size allows")
+        request = self.request
+        if request is not None and request.num_steps_left is not None:
+            request.num_steps_left -= num_steps
+            if request.num_steps_left < 0:
+                raise WorkBudgetExceeded(
+                    f"more than the {request.num_steps} steps a request's checks may take together"
+                )
         self._until_look -= num_steps
         if self._until_look <= 0:
             self._until_look = CHECK_EVERY

@@ -233,3 +233,40 @@ def test_the_first_pass_looks_at_schemas_only_not_at_values_or_property_names():
     looks_like_a_schema = {"type": ["a", "b", "c", "d", "e", "f", "g", "h"], "required": [1, 2]}
     checked_schema({"type": "object", "default": looks_like_a_schema, "examples": [looks_like_a_schema]}, "f")
     checked_schema({"enum": [looks_like_a_schema]}, "f")
+
+
+def costly_but_sound(num_properties: int, tags=("a", "b")) -> dict:
+    """Parameters whose oneOf is told apart only by its last required property: every shared one before it is
+    compared in depth first (about 160,000 steps at 28), well within this schema's own budget."""
+    shared = {f"p{i}": {"$ref": "#/$defs/o"} for i in range(num_properties)}
+
+    def branch(tag):
+        return {"type": "object", "properties": {**shared, "tag": {"const": tag}}, "required": [*shared, "tag"]}
+
+    o = {"type": "object", "properties": shared, "required": list(shared)}
+    return {"type": "object", "$defs": {"o": o}, "properties": {"x": {"oneOf": [branch(tag) for tag in tags]}}}
+
+
+def test_a_requests_checks_together_are_bounded_not_only_each_one():
+    """40 tools, each costing most of its own budget: before, 40 base allowances (6 million steps); now the request's
+    checks share one bound, and the tool that passes it is refused by name."""
+    from kvferry.services.gateway.api import REQUEST_CHECK_STEPS
+    from kvferry.services.gateway.tools import parse_tools
+
+    one = costly_but_sound(28)
+    budget = WorkBudget(compact_size(one))
+    check_supported(one, "s", budget)  # alone, it passes within its own budget
+    assert budget.num_spent > REQUEST_CHECK_STEPS / 40
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": one}} for i in range(40)]
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": tools}
+    work = RequestWork(num_steps=REQUEST_CHECK_STEPS)
+    token = current_request.set(work)
+    try:
+        with pytest.raises(ApiError) as refused:  # here: a thread of its own would not carry the request's context
+            parse_tools(body)
+    finally:
+        current_request.reset(token)
+    error = refused.value
+    assert error.status == 400 and error.param.startswith("tools[")
+    assert "a request's checks may take together" in error.message
+    assert -compact_size(one) <= work.num_steps_left < 0  # stopped at the bound, not after every tool

@@ -26,9 +26,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvferry.common import tracing
+from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
-from kvferry.common.work_budget import RequestWork, WorkCancelled, current_request
+from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
 from kvferry.services.gateway.capture import CaptureWriter
@@ -57,6 +58,9 @@ TEXT_THREADS = 4
 # the largest: they run on threads of their own, fewer than the text threads, so that a few large ones at once hold
 # up only each other, never the parsing and tokenizing of every other request.
 CHECK_THREADS = 2
+# All of a request's checks together: as many steps as the largest schema's own, twice over (the tools' schemas
+# together, and a response_format beside them, are each within MAX_CONSTRAINT_BYTES).
+REQUEST_CHECK_STEPS = 2 * WorkBudget(MAX_CONSTRAINT_BYTES).num_steps
 CHECKED_FIELDS = ("tools", *CONSTRAINT_FIELDS)  # a body with any of them has its output rules checked on those threads
 # A whole response with more values than this (tokens, times 1 + logprobs) is built and serialized on a text thread:
 # a few milliseconds of the event loop's time, which every stream waits through.
@@ -350,7 +354,7 @@ class Api:
         tools' checks). Their work budgets (common/work_budget.py) stop them at their next look once nobody wants
         the answer: the client left (ClientDisconnect here), the deadline (time.monotonic()) passed (504), or the
         gateway stops (503)."""
-        work = RequestWork(deadline)
+        work = RequestWork(deadline, REQUEST_CHECK_STEPS)
         token = current_request.set(work)  # the task below, and so the thread, run in a copy of this context
         self.checks.add(work)
         try:

@@ -128,8 +128,8 @@ def _before_metaschema(schema, field: str, budget: WorkBudget) -> None:
                 if isinstance(node.get(name), list):
                     pending.extend((child, f"{path}.{name}[{i}]") for i, child in enumerate(node[name]))
             pending.extend((node[name], f"{path}.{name}") for name in SCHEMA_VALUES if name in node)
-    except WorkBudgetExceeded:
-        raise ApiError(400, f"'{field}' takes more work to check than its size allows", field) from None
+    except WorkBudgetExceeded as exc:
+        raise ApiError(400, f"'{field}' takes {exc} to check", field) from None
 
 
 def _metaschema_hazards(node: dict, path: str, field: str) -> None:
