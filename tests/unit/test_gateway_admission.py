@@ -137,3 +137,21 @@ def test_tokenize_and_detokenize_count_against_max_waiting(tokenizer):
         assert held.finish()[0] == 200
         wait_for(lambda: api.admission.num_unanswered == 0, "the held request to be answered")
         assert send(port, "/tokenize", json.dumps({"prompt": "hi"}).encode())[0] == 200
+
+
+def test_a_chunked_body_is_read_under_a_reservation_of_the_largest_body(tokenizer):
+    """Nobody knows a chunked body's size until it is read, and the Guards read it whole before the route's
+    admission: read under a reservation of --max-body-size, so that bodies read at once are bounded too."""
+    with serving(tokenizer, max_waiting_bytes=150_000) as (port, api):
+        body = prompt_of(1000)
+        held = socket.create_connection(("127.0.0.1", port), timeout=60)
+        held.sendall(head("/tokenize", None) + b"%x\r\n%s" % (len(body), body[:500]))  # half of its one chunk
+        wait_for(lambda: api.admission.num_unanswered_bytes >= api.limits.max_body_bytes, "the reservation")
+        for chunked in (True, False):
+            status, headers, reply_body = send(port, "/tokenize", prompt_of(100_000), chunked=chunked)
+            assert status == 429 and headers.get("retry-after") == "1", (chunked, status, reply_body)
+        held.sendall(body[500:] + b"\r\n0\r\n\r\n")
+        status, _, reply_body = reply(held)
+        assert status == 200 and reply_body["count"] > 0
+        wait_for(lambda: api.admission.num_unanswered_bytes == 0, "the reservation to be given back")
+        assert send(port, "/tokenize", prompt_of(100_000), chunked=True)[0] == 200

@@ -5,7 +5,9 @@ A body waits in memory for the text threads, and parsed it takes about 11 times 
 let --max-waiting bodies of --max-body-size in, gigabytes. So every route that parses a body is let in here with its
 raw size (its Content-Length, which the Guards give a chunked body too, before the route reads it) and gives both
 back once it is answered: a generation at its first event, a tokenizer route with its reply. Past either bound a
-request gets 429 with retry-after at once, before its body is read. A lone request is always let in, whatever its
+request gets 429 with retry-after at once, before its body is read. A chunked body, whose size nobody knows before it
+is read, is read by the Guards under a reservation of --max-body-size bytes (reserve_bytes), past which it gets the
+same 429 before any of it is read. A lone request is always let in, whatever its
 size (the Guards' --max-body-size bounds it), so that a budget below that size refuses no request forever.
 """
 
@@ -37,7 +39,7 @@ class Admission:
             # Refused at once, not queued until it times out: the client backs off and comes back.
             return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")
         held = self.num_unanswered_bytes
-        if self.max_waiting_bytes and self.num_unanswered and held + num_bytes > self.max_waiting_bytes:
+        if self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes:
             return ApiError(
                 429,
                 f"too many request bytes waiting ({held} let in, {num_bytes} more asked, at most "
@@ -45,6 +47,19 @@ class Admission:
                 kind="rate_limit_error",
             )
         return None
+
+    def reserve_bytes(self, num_bytes: int) -> bool:
+        """Hold num_bytes for a body being read, unless that passes the byte bound while other bytes are held (a lone
+        body is always let in, as a lone request is); then False. Given back with release_bytes."""
+        held = self.num_unanswered_bytes
+        if self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes:
+            return False
+        self.num_unanswered_bytes += num_bytes
+        return True
+
+    def release_bytes(self, num_bytes: int) -> None:
+        self.num_unanswered_bytes -= num_bytes
+        assert self.num_unanswered_bytes >= 0
 
     def admit(self, num_bytes: int) -> None:
         self.num_unanswered += 1

@@ -142,7 +142,11 @@ class Api:
         routes = self.routes()
         json_paths = frozenset(route.path for route in routes if "POST" in route.methods)  # every POST takes JSON
         guards = Middleware(
-            Guards, api_key=self.api_key, max_body_bytes=self.limits.max_body_bytes, json_paths=json_paths
+            Guards,
+            api_key=self.api_key,
+            max_body_bytes=self.limits.max_body_bytes,
+            json_paths=json_paths,
+            admission=self.admission,
         )
         return Starlette(
             routes=routes,

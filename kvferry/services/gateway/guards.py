@@ -16,6 +16,8 @@ A body over the limit gets 413 before the route reads it: by its Content-Length,
 import hmac
 import json
 
+from kvferry.services.gateway.admission import Admission
+
 OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
 WEBSOCKET_POLICY_VIOLATION = 1008
 
@@ -33,9 +35,16 @@ def is_json(content_type: bytes | None) -> bool:
 
 
 class Guards:
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, json_paths: frozenset[str] = frozenset()):
-        """json_paths: the routes whose POST body is JSON."""
-        self.app = app
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        json_paths: frozenset[str] = frozenset(),
+        admission: Admission | None = None,
+    ):
+        """json_paths: the routes whose POST body is JSON; admission: what a chunked body is read under."""
+        self.app, self.admission = app, admission
         self.api_key = f"Bearer {api_key}".encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.json_paths = json_paths
@@ -67,18 +76,22 @@ class Guards:
             return await self.app(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
-        # A chunked body: read it here, up to the limit, and hand it on whole.
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] != "http.request":
-                return
-            chunks.append(message.get("body", b""))
-            size += len(chunks[-1])
-            if size > self.max_body_bytes:
-                return await self._reply(send, *too_big)
-            more = message.get("more_body", False)
-        body = b"".join(chunks)
+        # A chunked body: read it here, up to the limit, under a reservation of the limit (its size is known only once
+        # read, and until then it is memory that the bytes let in must count), and hand it on whole.
+        if self.admission is not None and not self.admission.reserve_bytes(self.max_body_bytes):
+            message = f"too many request bytes waiting to send a chunked body of up to {self.max_body_bytes}"
+            refusal = _error(429, f"{message}; retry shortly", "rate_limit_error", "rate_limit_error")
+            return await self._reply(send, *refusal, [(b"retry-after", b"1")])
+        try:
+            body = await self._read_chunked(receive)
+        finally:
+            if self.admission is not None:
+                self.admission.release_bytes(self.max_body_bytes)
+        if body is None:
+            return await self._reply(send, *too_big)
+        if body is False:
+            return  # the client left
+        size = len(body)
         sent = False
         # Handed on as a body of known length: what the API's admission charges (admission.py) before reading it.
         scope = {**scope, "headers": [*scope.get("headers", ()), (b"content-length", str(size).encode())]}
@@ -92,6 +105,20 @@ class Guards:
 
         return await self.app(scope, replay, send)
 
+    async def _read_chunked(self, receive) -> bytes | None | bool:
+        """The whole body; None past --max-body-size, False when the client left first."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":
+                return False
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return None
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
     async def _refuse(self, scope, receive, send, what: str) -> None:
         """A connection without the right key: 401 over HTTP, a close before the accept for a WebSocket, and nothing
         at all for a kind of connection this middleware does not know."""
@@ -102,12 +129,16 @@ class Guards:
             await send({"type": "websocket.close", "code": WEBSOCKET_POLICY_VIOLATION, "reason": f"API key {what}"})
 
     @staticmethod
-    async def _reply(send, status: int, body: bytes) -> None:
+    async def _reply(send, status: int, body: bytes, headers: list | None = None) -> None:
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    *(headers or ()),
+                ],
             }
         )
         await send({"type": "http.response.body", "body": body})
