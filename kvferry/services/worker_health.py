@@ -9,12 +9,16 @@ It listens before the model loads, so a taken port fails at once, and runs on it
 step must not make the worker look dead to the probe any sooner than the stall timeout says.
 
 The port listens on every interface, so whoever reaches it is bounded: at most MAX_CONNECTIONS connections are
-served at once (one thread each), a connection past them is closed at once, and one that sends nothing for
-IDLE_TIMEOUT_S is dropped. A probe sends its request as it connects and is answered in milliseconds, so clients
-that open connections and stay silent delay a probe by the timeout at most, and never pile up threads.
+served at once (one thread each), and each is shut down IDLE_TIMEOUT_S after it was accepted, however it trickles
+its bytes (a timeout per read alone lets a byte every few seconds hold a slot for good). When every slot is taken,
+a new connection is served and the oldest connection of the client holding the most slots is shut down for it:
+refusing the new one instead would let anyone who holds the slots fail the kubelet's liveness probe, and the
+pod be restarted. A probe sends its request as it connects and is answered in milliseconds, so it gets through.
 """
 
 import json
+import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,34 +27,83 @@ from kvferry.common import settings
 from kvferry.common.bind_check import listen_tcp
 
 PATHS = ("/health", "/live")
-IDLE_TIMEOUT_S = 5.0  # a kubelet probe times out after 1 s by default; a silent client holds a slot no longer
+IDLE_TIMEOUT_S = 5.0  # a kubelet probe times out after 1 s by default; no connection holds a slot longer
 MAX_CONNECTIONS = 16  # probes come one at a time per prober; a few probers and `kvferry health` fit
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most max_connections at once; a connection past them is closed unserved."""
+    """A thread per connection, at most max_connections at once, each shut down timeout_s after it was accepted;
+    when all are taken, a new connection takes the slot of an old one, which is shut down."""
 
     daemon_threads = True
 
-    def __init__(self, address, handler, max_connections: int):
+    def __init__(self, address, handler, max_connections: int, timeout_s: float):
         super().__init__(address, handler, bind_and_activate=False)
         self.slots = threading.BoundedSemaphore(max_connections)
+        self.timeout_s = timeout_s
+        self.lock = threading.Lock()
+        self.served = {}  # request -> (deadline, client host), oldest first
 
     def process_request(self, request, client_address):
+        deadline = time.monotonic() + self.timeout_s
         if not self.slots.acquire(blocking=False):
-            self.shutdown_request(request)  # answered by a close: the client retries, as a probe does
-            return
+            self.drop_one()
+            # A shut-down connection's thread sees the end of its input and ends at once, giving back its slot.
+            if not self.slots.acquire(timeout=1.0):
+                self.shutdown_request(request)
+                return
+        with self.lock:
+            self.served[request] = (deadline, client_address[0])
         try:
             super().process_request(request, client_address)
         except BaseException:  # no thread started: the slot would never come back
-            self.slots.release()
+            self.forget(request)
             raise
 
     def process_request_thread(self, request, client_address):
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.slots.release()
+            self.forget(request)
+
+    def forget(self, request) -> None:
+        with self.lock:
+            self.served.pop(request, None)
+        self.slots.release()
+
+    def drop_one(self) -> None:
+        """Shut down the oldest connection of the client host holding the most: one client crowding the port
+        loses its own connections, not a prober's from another address."""
+        with self.lock:
+            if not self.served:
+                return  # all are already shut down and ending
+            hosts = [host for _, host in self.served.values()]
+            most = max(hosts.count(host) for host in hosts)
+            victim = next(r for r, (_, host) in self.served.items() if hosts.count(host) == most)
+            self.served.pop(victim)
+        shut(victim)
+
+    def service_actions(self) -> None:
+        # Run by serve_forever every poll_interval (0.5 s): connections past their deadline are shut down,
+        # which ends a read in progress; a timeout per read would be renewed by every byte trickled in.
+        now = time.monotonic()
+        with self.lock:
+            late = [r for r, (deadline, _) in self.served.items() if deadline <= now]
+            for request in late:
+                self.served.pop(request)
+        for request in late:
+            shut(request)
+
+    def handle_error(self, request, client_address):
+        if not isinstance(sys.exc_info()[1], OSError):  # a client gone or shut down mid-reply: nothing to log
+            super().handle_error(request, client_address)
+
+
+def shut(request: socket.socket) -> None:
+    try:
+        request.shutdown(socket.SHUT_RDWR)
+    except OSError:  # already closed by its thread
+        pass
 
 
 def worker_state(worker) -> dict:
@@ -88,7 +141,7 @@ class WorkerHealthServer:
         owner = self
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = idle_timeout_s  # the socket's timeout for each read and write: a silent client is dropped
+            timeout = idle_timeout_s  # for each read and write; the server's deadline bounds the whole connection
 
             def do_GET(self):
                 path = self.path.split("?", 1)[0]
@@ -110,7 +163,7 @@ class WorkerHealthServer:
                 pass
 
         sock = listen_tcp(host, port, settings.label("health_port"))
-        self.server = BoundedHTTPServer((host, port), Handler, max_connections)
+        self.server = BoundedHTTPServer((host, port), Handler, max_connections, idle_timeout_s)
         self.server.socket.close()
         self.server.socket = sock
         self.port = sock.getsockname()[1]

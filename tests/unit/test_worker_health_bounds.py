@@ -1,5 +1,6 @@
-"""The worker health port bounds its connections: idle clients time out, excess ones are closed at once, and a probe
-is still answered while many clients hold connections open. Real sockets on 127.0.0.1."""
+"""The worker health port bounds its connections: each is shut down a deadline after it was accepted however it
+trickles bytes, a new one past the limit takes the slot of the oldest, and a probe is still answered while many
+clients hold connections open. Real sockets on 127.0.0.1 (and 127.0.0.2 for a second client host)."""
 
 import http.client
 import socket
@@ -55,17 +56,70 @@ def test_idle_connections_neither_pile_up_threads_nor_block_the_probe():
         server.close()
 
 
-def test_excess_connections_are_closed_promptly_and_slots_come_back():
+def test_excess_connections_shut_the_oldest_promptly_and_slots_come_back():
     server = WorkerHealthServer("127.0.0.1", 0, idle_timeout_s=60.0, max_connections=4)
-    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    held = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    time.sleep(0.3)
+    held += [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
     try:
-        time.sleep(0.3)
-        extra = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(10)]
-        assert sum(closed_by_server(s, 5.0) for s in extra) == 10  # long before the 60 s timeout
-        for s in idle:
+        # Each new connection took the slot of the oldest, long before the 60 s timeout: the newest 4 hold them.
+        assert [closed_by_server(s, 5.0) for s in held[:10]] == [True] * 10
+        assert not any(closed_by_server(s, 0.2) for s in held[10:])
+        for s in held:
             s.close()
         assert probe(server.port) == 503  # the slots freed by clients that left serve the probe
     finally:
-        for s in idle + extra:
+        for s in held:
+            s.close()
+        server.close()
+
+
+def test_a_client_trickling_bytes_is_dropped_at_the_connection_deadline():
+    # Each byte arrives well within the per-read timeout: only a deadline for the whole connection ends it.
+    server = WorkerHealthServer("127.0.0.1", 0, idle_timeout_s=1.5, max_connections=4)
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    try:
+        for byte in b"GET /live HTTP/1.0":  # a byte about every second: 18 s unless dropped
+            try:
+                sock.sendall(bytes([byte]))
+            except OSError:  # the server shut the connection down under our write
+                break
+            if closed_by_server(sock, 1.0):  # also the pause between bytes
+                break
+        else:
+            raise AssertionError("the connection outlived 18 s of trickled bytes")
+    finally:
+        sock.close()
+        server.close()
+
+
+def test_a_probe_is_answered_when_idle_connections_hold_every_slot():
+    server = WorkerHealthServer("127.0.0.1", 0, idle_timeout_s=60.0, max_connections=4)
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        time.sleep(0.3)  # all four are being served, silent, far from their deadline
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("GET", "/live")  # one try, no retry: the kubelet's probe
+        assert conn.getresponse().status == 503  # answered (the model is not loaded yet: not live)
+        conn.close()
+        assert closed_by_server(idle[0], 5.0)  # the oldest made room for it
+        assert not any(closed_by_server(s, 0.2) for s in idle[1:])
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+def test_the_connection_dropped_for_room_is_from_the_client_holding_the_most():
+    # A prober on another address connected first; a client filling the rest of the slots loses its own.
+    server = WorkerHealthServer("127.0.0.1", 0, idle_timeout_s=60.0, max_connections=4)
+    prober = socket.create_connection(("127.0.0.1", server.port), source_address=("127.0.0.2", 0))
+    time.sleep(0.1)
+    crowd = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(4)]
+    try:
+        assert closed_by_server(crowd[0], 5.0)
+        assert not closed_by_server(prober, 0.3)
+    finally:
+        for s in [prober, *crowd]:
             s.close()
         server.close()
