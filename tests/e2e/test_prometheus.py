@@ -250,6 +250,8 @@ def test_the_adapter_rules_behind_the_hpas_follow_load_on_a_real_prometheus(tmp_
             f"{running} == {NUM_REQUESTS} and {queued} == 0: every prompt computed, every request decoding",
         )
         assert 0 < last[usage] < 1
+        # Each stream's head left the gateway with its first token; its client thread reads it in its own time.
+        stack.wait_for(lambda: all(s.status is not None for s in held), 30, "every stream's response head")
         assert [s.status for s in held] == [200] * NUM_REQUESTS and all(s.is_alive() for s in held)
 
         # The clients leave: every request ends on every worker, and the metrics fall back to idle.
