@@ -32,6 +32,12 @@ serve: model
 test: $(TEST_STAMP) model prometheus
 	$(PY) -m pytest -q --durations=15 tests
 
+# The fast tier, for every change: the unit and integration tests that take no more than a second or so each (not
+# marked slow) and one tiny-model end-to-end smoke test. `make test` runs everything.
+.PHONY: check
+check: $(TEST_STAMP) model
+	$(PY) -m pytest -q -m "not slow" tests/unit tests/integration tests/e2e/test_smoke.py
+
 # Prometheus for tests/e2e/test_prometheus.py: Debian's package, downloaded with apt and unpacked into kvferry's
 # cache, no root needed. Without apt it says why, the test skips, and the build goes on.
 .PHONY: prometheus

@@ -199,15 +199,17 @@ def free_blocks(stack) -> dict[str, int]:
     return {name: w["free_blocks"] for name, w in stack.workers().items()}
 
 
-def settled(stack, read):
+def settled(stack, read, timeout: float = 60):
     """read(stack) once the workers' heartbeats have caught up with earlier requests (two readings agree)."""
+    give_up_at = time.monotonic() + timeout  # a guard against a hang, not a timing
     previous = read(stack)
-    while True:
+    while time.monotonic() < give_up_at:
         time.sleep(1.2)  # more than two heartbeat intervals of the stack (0.5 s)
         current = read(stack)
         if current == previous:
             return current
         previous = current
+    raise AssertionError(f"the workers' readings never settled within {timeout} s: last {previous}")
 
 
 def test_a_client_that_disconnects_mid_stream_frees_every_block(stack):

@@ -13,6 +13,8 @@ from kvferry.common.constraint import Constraint
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.services.constraint_compiles import ConstraintCompiles
 
+pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`
+
 EOS = 2
 YES_NO = Constraint("choice", '["yes","no"]', "structured_outputs.choice")
 REGEX = Constraint("regex", "[0-9]{3}", "structured_outputs.regex")

@@ -30,6 +30,8 @@ from kvferry.common.work_budget import WorkBudget
 from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.schema_checks import checked_schema
 
+pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`
+
 NUM_RANDOM = 40
 EOS = 2
 COMPILE_TIMEOUT_S = float(settings.default("grammar_compile_timeout"))

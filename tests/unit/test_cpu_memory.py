@@ -11,6 +11,8 @@ import torch
 
 from kvferry.common.model.cpu_memory import huge_page_zeros
 
+pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`
+
 HUGE_PAGE = 2 * 2**20
 
 
@@ -53,6 +55,7 @@ import json, re, sys
 from pathlib import Path
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
+
 engine = LLMEngine(EngineConfig(model=sys.argv[1], kv_cache_memory=8 * 2**20, kv_huge_pages=sys.argv[2] == "on"))
 address, flags = engine.runner.kv_cache.data_ptr(), None
 for line in Path("/proc/self/smaps").read_text().splitlines():

@@ -14,6 +14,8 @@ from kvferry.tools.gpu_check import driver
 from kvferry.tools.gpu_check.part import Context, PartFailed, excerpt
 from kvferry.tools.gpu_check.parts import BUDGET_S, PARTS, Part
 
+pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

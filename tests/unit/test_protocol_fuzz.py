@@ -3,11 +3,14 @@ else escapes. 4,000 + 3,000 + 2 x 3,000 examples: over 10,000 frames. The live s
 tests/e2e/test_reliability.py."""
 
 import msgpack
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`
 
 SAMPLING = SamplingParams(
     max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, ignore_eos=False, stop_token_ids=(2,)
