@@ -209,8 +209,8 @@ class FirstToken:
 
 @dataclass
 class KVTransfer:
-    """Frames: [keys, values], each [num_layers, num_blocks, block_size, num_kv_heads, head_dim] of one group of
-    layers. A transfer is one message per group, in layer order, all with the same fields but the layers and the
+    """One frame: the K and V of one group of layers, [num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim]
+    (K and V of a token side by side, as the cache holds them). A transfer is one message per group, in layer order, all with the same fields but the layers and the
     first tokens: groups sent while the prompt still computes carry no output_token_ids. The last group always
     carries them, and its choices are those that go on decoding (a subset of the first group's; none left: the
     sender aborts instead)."""
