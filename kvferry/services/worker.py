@@ -250,7 +250,7 @@ class Worker:
                     for link in self.links:
                         link.register_if_due(register, now)
                 for sock, _ in self.poller.poll(self.poll_timeout_ms()):
-                    self.drain(sock)
+                    self.read_socket(sock)
                 self.take_compiled()
                 if self.has_work():
                     self.step_isolated()
@@ -340,18 +340,19 @@ class Worker:
             log.warning("%s: %s: stalling the step loop for %.1f s", self.worker_id, faults.ENV, spec.stall_s)
             time.sleep(spec.stall_s)
 
-    def drain(self, sock) -> None:
-        """Handle every message waiting on sock. A message's failure stays with its request: the request fails
+    def read_socket(self, sock) -> None:
+        """Handle every message waiting on sock (a socket the poller found ready; the graceful drain is another
+        thing, `drain_timeout_s`). A message's failure stays with its request: the request fails
         with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
         if sock == self.compiles.wake_fd:
             return  # the loop takes the finished compiles after every poll
         try:
-            if self.drain_other(sock):
+            if self.read_role_socket(sock):
                 return
         except FatalError:
             raise
         except Exception:  # what it could pin on a request, it failed alone already; this is a bug: the loop goes on
-            log.exception("%s: while draining", self.worker_id)
+            log.exception("%s: while reading a socket", self.worker_id)
             return
         channel = self.channel_for(sock)
         while sock.poll(0):
@@ -371,7 +372,7 @@ class Worker:
             except Exception as exc:
                 self.on_message_failed(channel, env, exc)
 
-    def drain_other(self, sock) -> bool:
+    def read_role_socket(self, sock) -> bool:
         """A role's own file descriptors in the poller (the prefill worker's sender); True when sock was one."""
         return False
 

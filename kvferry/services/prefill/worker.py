@@ -68,7 +68,7 @@ class PrefillWorker(Worker):
             num_kv_bytes_sent_early=c.num_kv_bytes_sent_early,
         )
 
-    def drain_other(self, sock) -> bool:
+    def read_role_socket(self, sock) -> bool:
         if sock != self.sender.wake_fd:
             return False
         self.connector.take_replies()
