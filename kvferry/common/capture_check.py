@@ -16,16 +16,6 @@ def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_time(value) -> bool:
-    """A finite, non-negative number of seconds (an int too large for a float is not one)."""
-    if not (_is_int(value) or isinstance(value, float)):
-        return False
-    try:
-        return math.isfinite(value) and value >= 0
-    except OverflowError:
-        return False
-
-
 def _is_finite(value) -> bool:
     """A finite number, of any sign (an int too large for a float is not one)."""
     if not (_is_int(value) or isinstance(value, float)):
@@ -34,6 +24,11 @@ def _is_finite(value) -> bool:
         return math.isfinite(value)
     except OverflowError:
         return False
+
+
+def _is_time(value) -> bool:
+    """A finite, non-negative number of seconds."""
+    return _is_finite(value) and value >= 0
 
 
 def _list_of(check):

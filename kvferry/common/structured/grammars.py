@@ -43,7 +43,8 @@ class GrammarCache:
         isolated: bool = False,
     ):
         """load_tokenizer: transformers' tokenizer (None: the folder has none), called when the first constraint
-        comes. isolated: compile in a child process, which a compile's timeout kills (a worker's)."""
+        comes. isolated: try each new constraint first in a child process, which a compile's timeout kills, and compile it
+        here once the trial passed (a worker's)."""
         self._load_tokenizer, self._vocab_size, self._stop_token_ids = load_tokenizer, vocab_size, list(stop_token_ids)
         self._tokenizer_info = self._compiler = self._process = None
         self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # -> (grammar, its bytes)

@@ -38,11 +38,10 @@ class Admission:
         if max_waiting and self.num_unanswered >= max_waiting:
             # Refused at once, not queued until it times out: the client backs off and comes back.
             return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")
-        held = self.num_unanswered_bytes
-        if self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes:
+        if not self.bytes_fit(num_bytes):
             return ApiError(
                 429,
-                f"too many request bytes waiting ({held} let in, {num_bytes} more asked, at most "
+                f"too many request bytes waiting ({self.num_unanswered_bytes} let in, {num_bytes} more asked, at most "
                 f"{self.max_waiting_bytes}: {settings.label('max_waiting_bytes')}); retry shortly",
                 kind="rate_limit_error",
             )
@@ -51,11 +50,16 @@ class Admission:
     def reserve_bytes(self, num_bytes: int) -> bool:
         """Hold num_bytes for a body being read, unless that passes the byte bound while other bytes are held (a lone
         body is always let in, as a lone request is); then False. Given back with release_bytes."""
-        held = self.num_unanswered_bytes
-        if self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes:
+        if not self.bytes_fit(num_bytes):
             return False
         self.num_unanswered_bytes += num_bytes
         return True
+
+    def bytes_fit(self, num_bytes: int) -> bool:
+        """Whether num_bytes more stay within --max-waiting-bytes; always, when nothing is held (a lone request or
+        body is let in whatever its size: the Guards' --max-body-size bounds it)."""
+        held = self.num_unanswered_bytes
+        return not (self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes)
 
     def release_bytes(self, num_bytes: int) -> None:
         self.num_unanswered_bytes -= num_bytes

@@ -114,7 +114,7 @@ class Api:
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
         self.text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="kvferry-text")
         self.check_threads = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="kvferry-check")
-        self.checks: set[RequestWork] = set()  # of the requests whose content is being checked on a text thread
+        self.running_checks: set[RequestWork] = set()  # of the requests whose content is being checked off the loop
 
     @property
     def max_model_len(self) -> int:
@@ -161,7 +161,7 @@ class Api:
         try:
             yield
         finally:
-            for work in list(self.checks):  # a check still running stops at its next look: the process can exit
+            for work in list(self.running_checks):  # a check still running stops at its next look: the process can exit
                 work.cancel()
             await self.core.stop()
             if self.capture is not None:
@@ -360,7 +360,7 @@ class Api:
         gateway stops (503)."""
         work = RequestWork(deadline, REQUEST_CHECK_STEPS)
         token = current_request.set(work)  # the task below, and so the thread, run in a copy of this context
-        self.checks.add(work)
+        self.running_checks.add(work)
         try:
             return await self._unless_client_leaves(request, self.off_loop(fn, *args, checks=checks))
         except WorkCancelled:
@@ -370,7 +370,7 @@ class Api:
         finally:
             current_request.reset(token)
             work.cancel()  # what still runs was abandoned: the client left
-            self.checks.discard(work)
+            self.running_checks.discard(work)
 
     @staticmethod
     async def _unless_client_leaves(request: Request, work):
