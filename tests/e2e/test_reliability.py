@@ -147,8 +147,15 @@ def test_a_stopped_decode_worker_holds_up_nobody_and_rejoins_intact(make_stack, 
 
 def test_a_prefill_worker_killed_with_requests_queued_hands_them_to_the_other(make_stack, slow_tiny_model):
     # Without prefix caching: the reference run would cache these very prompts, and no queue would build up.
-    # Prefill steps of the tiny model as slow as the default model's at about 500 tokens: a queue builds up
-    env = {**FAST_FAILOVER, "KVFERRY_FAULTS": "step_delay_ms=300", "KVFERRY_NO_PREFIX_CACHING": "1"}
+    # Prefill steps of the tiny model as slow as the default model's, and about one prompt each: a queue of
+    # seconds builds up on each prefill worker. (With the default 2,048 tokens a step, one step took a worker's
+    # whole share, and the kill could come after its last prefill: nothing to move.)
+    env = {
+        **FAST_FAILOVER,
+        "KVFERRY_FAULTS": "step_delay_ms=300",
+        "KVFERRY_NO_PREFIX_CACHING": "1",
+        "KVFERRY_MAX_NUM_BATCHED_TOKENS": "256",
+    }
     stack = make_stack(model=slow_tiny_model, extra_env=env).start_pair()
     stack.start_worker("prefill-b", "prefill")
     stack.wait_workers({"prefill-b"})

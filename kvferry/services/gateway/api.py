@@ -199,7 +199,8 @@ class Api:
 
     async def workers(self, request: Request) -> JSONResponse:
         core = self.core
-        on = lambda w: sum(w.identity in (f.prefill_identity, f.decode_identity) for f in core.flights.values())
+        # A worker's requests in flight are those that still depend on it: a prefill worker's end when their KV lands.
+        on = lambda w: sum(f.involves(w.identity) for f in core.flights.values())
         return JSONResponse(
             {
                 "workers": [{**w.as_json(), "requests_in_flight": on(w)} for w in core.registry.workers.values()],
