@@ -1,46 +1,102 @@
-"""The engine's settings (EngineConfig). Their defaults, bounds, flags and environment variables are in
-kvferry/common/settings.py, each defined once."""
+"""The engine's settings (EngineConfig), each declared once as a field: its default, bounds and help. From them come
+the flags and KVFERRY_* variables of the commands that run an engine (settings.py walks this class)."""
 
 import argparse
-from dataclasses import dataclass, fields
 
-from kvferry.common import settings
+from kvferry.common.setting import (
+    COMMANDS,
+    ENGINE,
+    GATEWAY,
+    SERVE,
+    SIZE,
+    check_settings,
+    from_args,
+    setting,
+    settings_class,
+)
 
-_d = settings.default
+_AND_GATEWAY = (*ENGINE, GATEWAY)
 
 
-@dataclass
+@settings_class(ENGINE, "model and engine")
 class EngineConfig:
-    """One engine's settings: the dests of the settings that settings.ENGINE commands take."""
+    """One engine's settings."""
 
-    model: str | None = _d("model")
-    device: str = _d("device")  # auto: cuda when present, else cpu
-    dtype: str = _d("dtype")  # auto: float32 on cpu, bfloat16 on cuda
-    block_size: int = _d("block_size")
-    kv_cache_memory: int = _d("kv_cache_memory")  # bytes for K and V of all layers
-    max_num_seqs: int = _d("max_num_seqs")
-    max_num_batched_tokens: int = _d("max_num_batched_tokens")
-    max_model_len: int | None = _d("max_model_len")
-    num_threads: int | None = _d("num_threads")  # torch CPU threads for this process
-    seed: int | None = _d("seed")
-    enable_prefix_caching: bool = _d("no_prefix_caching")  # reuse cached KV blocks of a prompt's longest cached prefix
-    kv_huge_pages: bool = _d("no_kv_huge_pages")  # the CPU KV cache on transparent huge pages (model/cpu_memory.py)
-    enable_chunked_prefill: bool = _d("no_chunked_prefill")  # split long prompts into chunks beside other prompts
-    long_prefill_threshold: int = _d("long_prefill_threshold")  # chunked: a prompt's most tokens in one step
-    quantization: str | None = _d("quantization")  # None ("none"): weights in dtype; "int8": see model/int8_linear.py
-    enforce_eager: bool = _d("enforce_eager")  # on CUDA: no decode graphs (see model/decode_graphs.py)
+    model: str | None = setting(
+        None,
+        "Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct",
+        commands=COMMANDS,
+    )
+    device: str = setting("auto", "auto (cuda when present, else cpu), cpu, cuda or cuda:N")
+    dtype: str = setting(
+        "auto",
+        "the weights' and KV cache's type; auto: float32 on the CPU, bfloat16 on CUDA",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    # None ("none"): weights in dtype; "int8": see model/int8_linear.py
+    quantization: str | None = setting(
+        "none",
+        "int8: every linear layer's weights in int8 with one scale per output channel (a tied lm_head gets its "
+        "own int8 copy; the embedding stays in float); slightly less accurate: `kvferry bench quantization` "
+        "measures it. `kvferry serve` gives it to both workers",
+        choices=("int8", "none"),
+        commands=(*ENGINE, SERVE),
+    )
+    block_size: int = setting(
+        16,
+        "tokens per KV cache block; the gateway and every worker must have the same",
+        choices=(8, 16, 32),
+        commands=_AND_GATEWAY,
+    )
+    kv_cache_memory: int = setting("1GiB", "memory budget of the paged KV cache, e.g. 512MiB", kind=SIZE, min=1)
+    max_num_seqs: int = setting(128, "the most sequences in one step", min=1)
+    max_num_batched_tokens: int = setting(2048, "the most tokens one step computes", min=1)
+    max_model_len: int | None = setting(
+        None,
+        "the longest prompt plus output a request may have; default: the model's own limit",
+        min=2,
+        commands=_AND_GATEWAY,
+    )
+    num_threads: int | None = setting(None, "torch CPU threads of this process; default: torch's own choice", min=1)
+    seed: int | None = setting(
+        None, "seed of the shared generator used by requests without a seed", flag="--engine-seed"
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "compute every prompt in full instead of reusing cached KV blocks of its prefix",
+        off="no_prefix_caching",
+    )
+    kv_huge_pages: bool = setting(  # model/cpu_memory.py
+        True,
+        "on the CPU, back the KV cache with ordinary pages instead of asking Linux for transparent huge pages (huge "
+        "pages spare decode attention TLB misses, but the first touch can take a second or more per GiB while the "
+        "kernel compacts memory, at every start)",
+        off="no_kv_huge_pages",
+    )
+    enable_chunked_prefill: bool = setting(
+        True,
+        "compute each prompt in one step, however long, instead of in chunks beside other prompts",
+        off="no_chunked_prefill",
+    )
+    long_prefill_threshold: int = setting(
+        512,
+        "with chunked prefill, the most tokens of one prompt in a step; the rest of the step's budget goes to "
+        "the prompts behind it (0: no cap)",
+        min=0,
+    )
+    enforce_eager: bool = setting(  # model/decode_graphs.py
+        False,
+        "on CUDA, run every decode step eagerly instead of replaying captured CUDA graphs (saves their capture "
+        "time and memory; the CPU never uses them)",
+    )
 
     def __post_init__(self):
         if self.quantization in (None, ""):
             self.quantization = "none"
-        for setting in _SETTINGS:
-            setting.check(getattr(self, setting.attr))  # a ConfigError naming the setting
+        check_settings(self)  # a ConfigError naming the setting
         if self.quantization == "none":
             self.quantization = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
-
-
-_SETTINGS = settings.for_command(settings.GENERATE)  # one per field (a unit test checks)
+        return from_args(cls, args)

@@ -1,393 +1,76 @@
-"""Every kvferry setting, defined once: its name, type, default, bounds, help and the commands that take it.
+"""Every kvferry setting, walked from the config classes that declare them, each once: EngineConfig (config.py),
+GatewayConfig, WorkerConfig, ServeConfig and ProcessConfig. A field there is the setting: its name, type, default,
+bounds, help and the commands that take it (setting.py).
 
-From this table come each command's flags (`--max-num-seqs`), the environment variables (`KVFERRY_` plus the
-upper-case name, written nowhere else), what `kvferry serve` passes to its child processes, the EngineConfig
-defaults, and the settings table in docs/operations.md. A flag overrides the environment, and the environment
-overrides the default. An empty variable counts as unset.
+From them come each command's flags (`--max-num-seqs`), the environment variables (`KVFERRY_` plus the
+upper-case name, written nowhere else), what `kvferry serve` passes to its child processes, and the settings table
+in docs/operations.md. A flag overrides the environment, and the environment overrides the default. An empty
+variable counts as unset.
 
-To add a setting: add one Setting to SPEC below (name, type, default, help, the commands that take it), read it
-as `args.<name>` in the command, then run `make docs` (it writes the table into docs/operations.md).
+To add a setting: add one field to its role's config class, read it from the config (or `args.<name>`), then run
+`make docs` (it writes the table into docs/operations.md).
 
 Standard library only: the gateway and the image's health check import this.
 """
 
 import argparse
 import os
-import re
 import sys
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.logs import FORMATS
-
-ENV_PREFIX = "KVFERRY_"
-
-# The commands that take settings. "bench" is each benchmark that runs the engine in process
-# (bench engine, bench step, bench quantization).
-PREPARE, GENERATE, GATEWAY, PREFILL, DECODE, SERVE, BENCH = (
-    "prepare",
-    "generate",
-    "gateway",
-    "prefill",
-    "decode",
-    "serve",
-    "bench",
+from kvferry.common.setting import (
+    _FALSE,
+    _TRUE,
+    BENCH,
+    COMMANDS,
+    DECODE,
+    ENGINE,
+    ENV_PREFIX,
+    FLOAT,
+    GATEWAY,
+    GENERATE,
+    INT,
+    NAMES,
+    PATH,
+    PREFILL,
+    PREPARE,
+    SERVE,
+    SERVICES,
+    SIZE,
+    STR,
+    SWITCH,
+    WORKERS,
+    EnvText,
+    Setting,
+    parse_names,
+    settings_of,
 )
-COMMANDS = (GATEWAY, PREFILL, DECODE, SERVE, GENERATE, BENCH, PREPARE)
-ENGINE = (GENERATE, PREFILL, DECODE, BENCH)  # the commands that run an engine: EngineConfig's settings
-WORKERS = (PREFILL, DECODE)
-SERVICES = (GATEWAY, PREFILL, DECODE, SERVE)  # long-running processes
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
-}
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+__all__ = [
+    "BENCH", "COMMANDS", "DECODE", "ENGINE", "ENV_PREFIX", "FLOAT", "GATEWAY", "GENERATE", "INT", "NAMES", "PATH",
+    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "STR", "SWITCH", "WORKERS", "Setting", "SPEC", "get",
+    "env_name", "label", "default", "from_env", "for_command", "add_arguments", "child_environment",
+    "apply_environment", "markdown_table", "write_docs", "docs_table_of", "main",
+]  # fmt: skip
 
+# The sections of the docs table and of --help, in their order.
+SECTIONS = (
+    "model and engine",
+    "gateway",
+    "worker",
+    "deadlines and overload",
+    "API",
+    "security",
+    "observability",
+    "files",
+)
 
-def parse_size(text: str | int) -> int:
-    """'1GiB', '512MiB', '2g', '1048576' -> bytes."""
-    if isinstance(text, int):
-        return text
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (try 512MiB or 2GiB)")
-    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-
-
-def parse_bool(text: str | bool) -> bool:
-    if isinstance(text, bool):
-        return text
-    if text.strip().lower() in _TRUE:
-        return True
-    if text.strip().lower() in _FALSE:
-        return False
-    raise ValueError(f"not a yes or no: {text!r} (try {', '.join(_TRUE)} or {', '.join(_FALSE)})")
-
-
-MAX_NAMES, MAX_NAME_CHARS = 16, 256  # a names setting's bounds (--served-model-name)
-
-
-def parse_names(text: str | Iterable[str]) -> tuple[str, ...]:
-    """'a b' (a variable's text, or one flag argument) or names already split -> ('a', 'b'): at most MAX_NAMES,
-    each of 1 to MAX_NAME_CHARS printable characters without whitespace, none twice."""
-    names = tuple(text.split() if isinstance(text, str) else text)
-    if not names:
-        raise ValueError("needs at least one name")
-    if len(names) > MAX_NAMES:
-        raise ValueError(f"at most {MAX_NAMES} names, got {len(names)}")
-    for name in names:
-        if not (isinstance(name, str) and 0 < len(name) <= MAX_NAME_CHARS and name.isprintable()):
-            raise ValueError(f"a name has 1 to {MAX_NAME_CHARS} printable characters, got {str(name)[:80]!r}")
-        if len(name.split()) != 1:
-            raise ValueError(f"a name has no whitespace, got {name[:80]!r}")
-    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
-    if twice is not None:
-        raise ValueError(f"{twice[:80]!r} is named twice")
-    return names
-
-
-def _parse_int(text: str | int) -> int:
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"invalid int value: {text!r}") from None
-
-
-def _parse_float(text: str | float) -> float:
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        return float(text)
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"invalid float value: {text!r}") from None
-
-
-# A setting's kind: how its text becomes a value, and how a value goes back into the environment.
-# NAMES: one or more names (a flag taking several arguments; a variable's text separated by spaces).
-STR, INT, FLOAT, SIZE, PATH, SWITCH, NAMES = "str", "int", "float", "size", "path", "switch", "names"
-_PARSERS: dict[str, Callable[[Any], Any]] = {
-    STR: str,
-    INT: _parse_int,
-    FLOAT: _parse_float,
-    SIZE: parse_size,
-    PATH: str,
-    SWITCH: parse_bool,
-    NAMES: parse_names,
-}
-
-
-class EnvText(str):
-    """A value read from the environment, which remembers its variable for error messages."""
-
-    variable: str
-
-    def __new__(cls, text: str, variable: str):
-        self = super().__new__(cls, text)
-        self.variable = variable
-        return self
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str  # snake_case; the flag is --name-with-dashes, the variable KVFERRY_NAME
-    kind: str
-    default: Any  # text as a user would write it ("1GiB"), a value, or None
-    help: str
-    commands: tuple[str, ...]
-    group: str
-    choices: tuple | None = None
-    min: float | None = None  # inclusive
-    above: float | None = None  # exclusive (for a float that must be positive)
-    max: float | None = None  # inclusive, given with min or above
-    flag: str | None = None  # a flag other than --name-with-dashes; "" for a setting read from the environment only
-    dest: str | None = None  # the attribute in the parsed arguments, when it is not the name
-    negate: bool = False  # a switch whose attribute is its opposite (--no-prefix-caching -> enable_prefix_caching)
-    metavar: str | None = None
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.name.upper()
-
-    @property
-    def option(self) -> str | None:
-        """The flag, or None for a setting read from the environment only."""
-        if self.flag == "":
-            return None
-        return self.flag or "--" + self.name.replace("_", "-")
-
-    @property
-    def attr(self) -> str:
-        return self.dest or self.name
-
-    @property
-    def label(self) -> str:
-        """How messages name the setting: '--port (KVFERRY_PORT)'."""
-        return f"{self.option} ({self.env})" if self.option else self.env
-
-    def bounds(self) -> str | None:
-        """What a valid value is, as words, or None when anything of the type goes."""
-        if self.choices:
-            words = [str(c) for c in self.choices]
-            return ", ".join(words[:-1]) + " or " + words[-1] if len(words) > 1 else words[0]
-        if self.min is not None and self.max is not None:
-            return f"between {self.min:g} and {self.max:g}"
-        if self.min is not None:
-            return f"at least {self.min:g}"
-        if self.above is not None and self.max is not None:
-            return f"more than {self.above:g} and at most {self.max:g}"
-        return f"more than {self.above:g}" if self.above is not None else None
-
-    def problem(self, value: Any) -> str | None:
-        """Why a value (of the setting's type) is out of bounds, or None. None itself always passes."""
-        if value is None or self.kind == SWITCH:
-            return None
-        bad = (
-            (self.choices is not None and value not in self.choices)
-            or (self.min is not None and not value >= self.min)
-            or (self.above is not None and not value > self.above)
-            or (self.max is not None and not value <= self.max)
-        )
-        return f"must be {self.bounds()}, got {value!r}" if bad else None
-
-    def check(self, value: Any) -> Any:
-        """The value, or a ConfigError naming the setting (for values set in code, e.g. EngineConfig's)."""
-        problem = self.problem(value)
-        if problem:
-            raise ConfigError(f"{self.name} {problem}")
-        return value
-
-    def parse(self, text: Any) -> Any:
-        """A flag's or variable's text -> the setting's value (a negated switch's opposite included).
-
-        Raises ValueError whose message says what is wrong and, for a variable's text, which variable."""
-        source = f" (from {text.variable})" if isinstance(text, EnvText) else ""
-        try:
-            value = _PARSERS[self.kind](text)
-        except ValueError as exc:
-            raise ValueError(f"{exc}{source}") from None
-        problem = self.problem(value)
-        if problem:
-            raise ValueError(f"{problem}{source}")
-        return (not value) if self.negate else value
-
-    @property
-    def value_default(self) -> Any:
-        """The default as the parsed arguments hold it."""
-        if self.default is None:
-            return None
-        return self.parse(self.default) if isinstance(self.default, str) or self.kind == SWITCH else self.default
-
-    def from_env(self, environ: Mapping[str, str] | None = None) -> Any:
-        """The value from the environment, or the default: for what reads a setting without a command line."""
-        text = (os.environ if environ is None else environ).get(self.env, "")
-        if not text:
-            return self.value_default
-        try:
-            return self.parse(EnvText(text, self.env))
-        except ValueError as exc:
-            raise ConfigError(f"{self.label}: {exc}") from None
-
-    def to_env(self, value: Any) -> str | None:
-        """A parsed value as a variable's text, which parses back to it; None: leave the variable unset."""
-        if self.kind == SWITCH:
-            return "1" if bool(value) != self.negate else "0"
-        if value is None:
-            return None
-        if self.kind == PATH:
-            return os.path.abspath(value)
-        if self.kind == NAMES:
-            return " ".join(value)
-        return repr(value) if self.kind == FLOAT else str(value)
-
-
-SPEC: tuple[Setting, ...] = (
-    # The model and the engine.
-    Setting(
-        "model",
-        STR,
-        None,
-        "Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct",
-        (*COMMANDS,),
-        "model and engine",
-    ),
-    Setting(
-        "device", STR, "auto", "auto (cuda when present, else cpu), cpu, cuda or cuda:N", ENGINE, "model and engine"
-    ),
-    Setting(
-        "dtype",
-        STR,
-        "auto",
-        "the weights' and KV cache's type; auto: float32 on the CPU, bfloat16 on CUDA",
-        ENGINE,
-        "model and engine",
-        choices=("auto", "float32", "bfloat16", "float16"),
-    ),
-    Setting(
-        "quantization",
-        STR,
-        "none",
-        "int8: every linear layer's weights in int8 with one scale per output channel (a tied lm_head gets its "
-        "own int8 copy; the embedding stays in float); slightly less accurate: `kvferry bench quantization` "
-        "measures it. `kvferry serve` gives it to both workers",
-        (*ENGINE, SERVE),
-        "model and engine",
-        choices=("int8", "none"),
-    ),
-    Setting(
-        "block_size",
-        INT,
-        "16",
-        "tokens per KV cache block; the gateway and every worker must have the same",
-        (*ENGINE, GATEWAY),
-        "model and engine",
-        choices=(8, 16, 32),
-    ),
-    Setting(
-        "kv_cache_memory",
-        SIZE,
-        "1GiB",
-        "memory budget of the paged KV cache, e.g. 512MiB",
-        ENGINE,
-        "model and engine",
-        min=1,
-    ),
-    Setting("max_num_seqs", INT, "128", "the most sequences in one step", ENGINE, "model and engine", min=1),
-    Setting(
-        "max_num_batched_tokens", INT, "2048", "the most tokens one step computes", ENGINE, "model and engine", min=1
-    ),
-    Setting(
-        "max_model_len",
-        INT,
-        None,
-        "the longest prompt plus output a request may have; default: the model's own limit",
-        (*ENGINE, GATEWAY),
-        "model and engine",
-        min=2,
-    ),
-    Setting(
-        "num_threads",
-        INT,
-        None,
-        "torch CPU threads of this process; default: torch's own choice",
-        ENGINE,
-        "model and engine",
-        min=1,
-    ),
-    Setting(
-        "seed",
-        INT,
-        None,
-        "seed of the shared generator used by requests without a seed",
-        ENGINE,
-        "model and engine",
-        flag="--engine-seed",
-    ),
-    Setting(
-        "no_prefix_caching",
-        SWITCH,
-        False,
-        "compute every prompt in full instead of reusing cached KV blocks of its prefix",
-        ENGINE,
-        "model and engine",
-        dest="enable_prefix_caching",
-        negate=True,
-    ),
-    Setting(
-        "no_kv_huge_pages",
-        SWITCH,
-        False,
-        "on the CPU, back the KV cache with ordinary pages instead of asking Linux for transparent huge pages (huge "
-        "pages spare decode attention TLB misses, but the first touch can take a second or more per GiB while the "
-        "kernel compacts memory, at every start)",
-        ENGINE,
-        "model and engine",
-        dest="kv_huge_pages",
-        negate=True,
-    ),
-    Setting(
-        "no_chunked_prefill",
-        SWITCH,
-        False,
-        "compute each prompt in one step, however long, instead of in chunks beside other prompts",
-        ENGINE,
-        "model and engine",
-        dest="enable_chunked_prefill",
-        negate=True,
-    ),
-    Setting(
-        "long_prefill_threshold",
-        INT,
-        "512",
-        "with chunked prefill, the most tokens of one prompt in a step; the rest of the step's budget goes to "
-        "the prompts behind it (0: no cap)",
-        ENGINE,
-        "model and engine",
-        min=0,
-    ),
-    Setting(
-        "enforce_eager",
-        SWITCH,
-        False,
-        "on CUDA, run every decode step eagerly instead of replaying captured CUDA graphs (saves their capture "
-        "time and memory; the CPU never uses them)",
-        ENGINE,
-        "model and engine",
-    ),
+_NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
     # Where the gateway listens; what `kvferry serve` starts.
     Setting("host", STR, "127.0.0.1", "the HTTP API's address (0.0.0.0: every interface)", (GATEWAY, SERVE), "gateway"),
     Setting("port", INT, "8000", "the HTTP API's port", (GATEWAY, SERVE), "gateway", min=0, max=65535),
@@ -744,6 +427,13 @@ SPEC: tuple[Setting, ...] = (
     ),
 )
 
+CONFIGS = (EngineConfig,)
+SPEC: tuple[Setting, ...] = tuple(
+    sorted(
+        (*(s for config in CONFIGS for s in settings_of(config)), *_NOT_IN_A_CONFIG_YET),
+        key=lambda s: SECTIONS.index(s.group),
+    )
+)
 SETTINGS: dict[str, Setting] = {s.name: s for s in SPEC}
 
 
@@ -825,9 +515,7 @@ def add_arguments(
         text = environ.get(s.env, "")
         # Text defaults go through `type` once parsing is done, and only when the flag is absent: a bad
         # variable then gets the same one-line usage error as a bad flag, and a flag overrides it.
-        value = EnvText(text, s.env) if text else s.default
-        if s.kind == SWITCH:
-            value = value if isinstance(value, str) else s.value_default
+        value = EnvText(text, s.env) if text else s.value_default
         kwargs: dict[str, Any] = dict(dest=s.attr, default=value, type=_ArgType(s), help=s.help)
         if s.kind == SWITCH:
             kwargs.update(action=_Switch, const=not s.negate)
