@@ -15,10 +15,13 @@ from kvferry.common.setting import (
     settings_class,
 )
 
-_AND_GATEWAY = (*ENGINE, GATEWAY)
+# `kvferry serve` takes them too, and hands them to its workers (and the gateway those it takes), but for
+# num_threads: serve gives each worker its own (--prefill-threads, --decode-threads).
+_ENGINE_AND_SERVE = (*ENGINE, SERVE)
+_AND_GATEWAY = (*_ENGINE_AND_SERVE, GATEWAY)
 
 
-@settings_class(ENGINE, "model and engine")
+@settings_class(_ENGINE_AND_SERVE, "model and engine")
 class EngineConfig:
     """One engine's settings."""
 
@@ -40,7 +43,6 @@ class EngineConfig:
         "own int8 copy; the embedding stays in float); slightly less accurate: `kvferry bench quantization` "
         "measures it. `kvferry serve` gives it to both workers",
         choices=("int8", "none"),
-        commands=(*ENGINE, SERVE),
     )
     block_size: int = setting(
         16,
@@ -57,7 +59,9 @@ class EngineConfig:
         min=2,
         commands=_AND_GATEWAY,
     )
-    num_threads: int | None = setting(None, "torch CPU threads of this process; default: torch's own choice", min=1)
+    num_threads: int | None = setting(
+        None, "torch CPU threads of this process; default: torch's own choice", min=1, commands=ENGINE
+    )
     seed: int | None = setting(
         None, "seed of the shared generator used by requests without a seed", flag="--engine-seed"
     )

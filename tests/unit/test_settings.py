@@ -209,6 +209,18 @@ def test_serve_hands_its_children_every_setting_they_share(tmp_path, monkeypatch
                 assert parsed[s.attr] == (str(tmp_path / "traces") if s.name == "trace_dir" else vars(args)[s.attr])
 
 
+def test_serve_takes_the_engine_settings_another_model_needs_and_its_workers_get_them():
+    argv = ["--kv-cache-memory", "3GiB", "--dtype", "float16", "--device", "cuda:1", "--max-model-len", "4096"]
+    args = parser_for(settings.SERVE, {}).parse_args([*argv, "--no-prefix-caching"])
+    child = settings.apply_environment({}, settings.child_environment(args, settings.SERVE, settings.SERVICES))
+    for role in (settings.PREFILL, settings.DECODE):
+        config = EngineConfig.from_args(parser_for(role, child).parse_args([]))
+        assert (config.kv_cache_memory, config.dtype, config.device) == (3 * 2**30, "float16", "cuda:1")
+        assert config.max_model_len == 4096 and config.enable_prefix_caching is False
+    assert parser_for(settings.GATEWAY, child).parse_args([]).max_model_len == 4096
+    assert "--num-threads" not in {s.option for s in settings.for_command(settings.SERVE)}  # serve's own per worker
+
+
 def test_the_settings_table_in_docs_operations_is_the_spec():
     """docs/operations.md's settings table is generated from the spec. When this fails, run `make docs`
     (`.venv/bin/python -m kvferry.common.settings --write-docs docs/operations.md`) and commit the file."""
