@@ -28,8 +28,9 @@ from kvferry.common import protocol as p
 from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import ConfigError, FatalError, InvalidRequest, KvferryError
+from kvferry.common.errors import ConfigError, FatalError, KvferryError
 from kvferry.common.model.loader import served_model_name
+from kvferry.common.request_failure import fails_alone, failure_code
 from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.structured.grammars import DEFAULT_CACHE_BYTES
 from kvferry.common.transport import Channel
@@ -279,12 +280,8 @@ class Worker:
         """Hand each request whose constraint finished compiling (or timed out) back to its role; its failure stays
         with it."""
         for done in self.compiles.take_finished():
-            try:
+            with fails_alone(lambda exc: log.exception("%s: after a constraint's compile", self.worker_id)):
                 self.on_compiled(done)
-            except FatalError:
-                raise
-            except Exception:
-                log.exception("%s: after a constraint's compile", self.worker_id)
 
     def on_compiled(self, done: Compiled) -> None:
         """A role's request whose constraint was compiling: done.error empty means it compiled."""
@@ -309,16 +306,15 @@ class Worker:
     def step_isolated(self) -> None:
         """A step whose failure escaped the engine's and the records' own handling (a bug in the worker's code):
         logged, and the loop goes on; only a FatalError, or the same failure step after step, ends the worker."""
-        try:
+        with fails_alone(self.step_failed):
             self.step()
             self.num_failed_steps = 0
-        except FatalError:
-            raise
-        except Exception as exc:
-            self.num_failed_steps += 1
-            log.exception("%s: a step failed (%d in a row)", self.worker_id, self.num_failed_steps)
-            if self.num_failed_steps >= MAX_FAILED_STEPS:
-                raise FatalError(f"{MAX_FAILED_STEPS} steps in a row failed; the last: {exc!r}") from exc
+
+    def step_failed(self, exc: Exception) -> None:
+        self.num_failed_steps += 1
+        log.exception("%s: a step failed (%d in a row)", self.worker_id, self.num_failed_steps)
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise FatalError(f"{MAX_FAILED_STEPS} steps in a row failed; the last: {exc!r}") from exc
 
     def tell_gateways(self, message) -> None:
         for link in self.links:
@@ -346,13 +342,11 @@ class Worker:
         with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
         if sock == self.compiles.wake_fd:
             return  # the loop takes the finished compiles after every poll
-        try:
-            if self.read_role_socket(sock):
-                return
-        except FatalError:
-            raise
-        except Exception:  # what it could pin on a request, it failed alone already; this is a bug: the loop goes on
-            log.exception("%s: while reading a socket", self.worker_id)
+        role_socket = True  # also when reading it failed: nothing more to read there
+        # What it could pin on a request, it failed alone already; what escapes is a bug: the loop goes on.
+        with fails_alone(lambda exc: log.exception("%s: while reading a socket", self.worker_id)):
+            role_socket = self.read_role_socket(sock)
+        if role_socket:
             return
         channel = self.channel_for(sock)
         while sock.poll(0):
@@ -360,17 +354,11 @@ class Worker:
             if received is None:
                 continue
             peer, env = received
-            try:
-                if isinstance(env.message, p.RegisterReply):
-                    link = self.link_of(channel)
-                    if link is not None:
-                        self.on_register_reply(link, env.message)
-                    continue
-                self.handle(channel, peer, env)
-            except FatalError:
-                raise
-            except Exception as exc:
-                self.on_message_failed(channel, env, exc)
+            with fails_alone(lambda exc: self.on_message_failed(channel, env, exc)):
+                if not isinstance(env.message, p.RegisterReply):
+                    self.handle(channel, peer, env)
+                elif (link := self.link_of(channel)) is not None:
+                    self.on_register_reply(link, env.message)
 
     def read_role_socket(self, sock) -> bool:
         """A role's own file descriptors in the poller (the prefill worker's sender); True when sock was one."""
@@ -392,7 +380,7 @@ class Worker:
                      code: int | None = None, retry: bool = False) -> None:  # fmt: skip
         """Tell a request's gateway that its attempt failed here: code, else 400 when exc is the request's fault
         (InvalidRequest) and 500 when it is this worker's."""
-        code = code or (400 if isinstance(exc, InvalidRequest) else 500)
+        code = code or failure_code(exc)
         log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
         failed = p.RequestFailed(p.shorten(error, MAX_ERROR_CHARS), code, attempt, retry=retry)
         link.channel.send(failed, request_id, trace)

@@ -14,9 +14,10 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import settings, tracing
 from kvferry.common.bind_check import bind_zmq, check_exposed
-from kvferry.common.errors import FatalError, InvalidRequest, KvferryError
+from kvferry.common.errors import InvalidRequest, KvferryError
 from kvferry.common.model.kv_blocks import frame_tensor, layer_groups
 from kvferry.common.model_files import read_config, resolve_model
+from kvferry.common.request_failure import fails_alone, failure_text
 from kvferry.common.sampling import for_choice
 from kvferry.common.transport import Channel, limit_socket
 from kvferry.services.decode.connector import DecodeConnector
@@ -150,13 +151,8 @@ class DecodeWorker(Worker):
     def handle_message(self, key: AttemptKey, peer, env: p.Envelope) -> None:
         msg = env.message
         if isinstance(msg, p.KVTransfer):
-            try:
+            with fails_alone(lambda exc: self.transfer_failed(key, peer, env, exc)):
                 self.receive_kv(key, peer, env)
-            except FatalError:
-                raise
-            except Exception as exc:  # a bug or a message this code did not foresee: this transfer alone fails
-                log.exception("%s: KV transfer", self.worker_id, extra={"request_id": env.request_id})
-                self.refuse(self.record_for(key), env, peer, self.link_named(msg.gateway_id), exc)
         elif isinstance(msg, p.KVQuery):
             self.hold_blocks(key, peer, env)
         elif isinstance(msg, p.Abort):
@@ -164,6 +160,11 @@ class DecodeWorker(Worker):
                 self.abort_choice(key, msg.choice)
             else:
                 self.end_record(self.record_for(key))
+
+    def transfer_failed(self, key: AttemptKey, peer: bytes, env: p.Envelope, exc: Exception) -> None:
+        """What escaped a transfer's own refusals (a bug, or a message this code did not foresee): it is refused."""
+        log.exception("%s: KV transfer", self.worker_id, extra={"request_id": env.request_id})
+        self.refuse(self.record_for(key), env, peer, self.link_named(env.message.gateway_id), exc)
 
     def abort_choice(self, key: AttemptKey, choice: int) -> None:
         """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
@@ -396,13 +397,8 @@ class DecodeWorker(Worker):
             record = self.records.get(out.request_id.attempt_key)
             if record is None or record.state is not S.RUNNING:
                 continue
-            try:
+            with fails_alone(lambda exc: self.output_failed(record, exc)):  # the batch's other outputs still go out
                 self.deliver(record, out)
-            except FatalError:
-                raise
-            except Exception as exc:  # this request alone fails; the batch's other outputs still go out
-                log.exception("%s: an output", self.worker_id, extra={"request_id": record.key.request_id})
-                self.fail(record, f"{type(exc).__name__}: {exc}")
 
     def deliver(self, record: DecodeAttempt, out) -> None:
         """One choice's new tokens to its gateway; the record ends with its last choice."""
@@ -420,6 +416,11 @@ class DecodeWorker(Worker):
         record.link.channel.send(tokens, key.request_id, record.trace)
         if out.finished and record.choice_ended(choice):
             self.end_record(record)
+
+    def output_failed(self, record: DecodeAttempt, exc: Exception) -> None:
+        """Delivering an output raised: its request alone fails (500)."""
+        log.exception("%s: an output", self.worker_id, extra={"request_id": record.key.request_id})
+        self.fail(record, failure_text(exc))
 
     def fail(self, record: DecodeAttempt, error: str) -> None:
         if record.state is S.DONE:

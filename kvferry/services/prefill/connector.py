@@ -17,6 +17,7 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import FatalError
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.model.kv_blocks import as_frames
+from kvferry.common.request_failure import fails_alone, failure_text
 from kvferry.services.prefill.kv_sender import KVSender, Outgoing, SenderDied
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.request_keys import AttemptKey
@@ -80,7 +81,7 @@ class PrefillConnector(KVConnector):
             record = self.records.get(chunk.seq.request_id)
             if record is None or not chunk.samples or record.early_layers != lo or record.error:
                 continue
-            try:
+            with fails_alone(lambda exc: self.early_group_failed(record, lo, hi, exc)):
                 if lo == 0:
                     if record.answer_due:
                         continue
@@ -89,11 +90,12 @@ class PrefillConnector(KVConnector):
                     self.settle(record, chunk.seq.block_table)
                 self.send_group(record, lo, hi, chunk.seq.block_table, early=True)
                 record.early_layers = hi
-            except FatalError:
-                raise
-            except Exception as exc:  # this request alone fails, once the step is over; the batch computes on
-                log.exception("%s: shipping layers %d-%d of %s", self.worker_id, lo, hi, record.key.request_id)
-                record.error = f"{type(exc).__name__}: {exc}"
+
+    def early_group_failed(self, record: PrefillAttempt, lo: int, hi: int, exc: Exception) -> None:
+        """Shipping a group during the compute raised: the request alone fails, once the step is over (the batch
+        computes on)."""
+        log.exception("%s: shipping layers %d-%d of %s", self.worker_id, lo, hi, record.key.request_id)
+        record.error = failure_text(exc)
 
     def take_replies(self, during_forward: bool = False) -> None:
         """Act on what decode workers sent back (KVHeld, KVAck), and on messages that could not go out. During a
@@ -109,20 +111,21 @@ class PrefillConnector(KVConnector):
             request_id, message = (item[1].request_id, item[1].message) if isinstance(item, tuple) else (
                 item.outgoing.request_id, item.outgoing.message)  # fmt: skip
             record = self.records.get(AttemptKey(request_id, getattr(message, "attempt", 0)))
-            try:
+            with fails_alone(lambda exc: self.reply_failed(item, record, during_forward, exc)):
                 if isinstance(item, tuple):
                     self.on_reply(item[1])
                 elif record is not None:
                     out = item.outgoing
                     self.end(record, f"cannot reach decode worker {out.peer} at {out.address}: {item.error}", 503, True)
-            except FatalError:
-                raise
-            except Exception as exc:  # this request's transfer alone fails; during a forward, once it is over
-                if during_forward:
-                    self.deferred.append(item)
-                elif record is not None and record.state is not PrefillState.DONE:
-                    log.exception("%s: a reply about %s", self.worker_id, request_id)
-                    self.end(record, f"{type(exc).__name__}: {exc}", 500)
+
+    def reply_failed(self, item, record: PrefillAttempt | None, during_forward: bool, exc: Exception) -> None:
+        """Acting on a reply raised: this request's transfer alone fails; during a forward, once it is over (the
+        item is acted on again then)."""
+        if during_forward:
+            self.deferred.append(item)
+        elif record is not None and record.state is not PrefillState.DONE:
+            log.exception("%s: a reply about %s", self.worker_id, record.key.request_id)
+            self.end(record, failure_text(exc), 500)
 
     def on_reply(self, env: p.Envelope) -> None:
         msg = env.message
@@ -272,14 +275,14 @@ class PrefillConnector(KVConnector):
 
     def send_due_transfers(self) -> None:
         for record in list(self.records.values()):
-            try:
+            with fails_alone(lambda exc: self.transfer_failed(record, exc)):
                 self._send_if_due(record, time.monotonic())
-            except FatalError:
-                raise
-            except Exception as exc:  # this transfer alone fails
-                log.exception("%s: sending the KV of %s", self.worker_id, record.key.request_id)
-                if record.state is not PrefillState.DONE:
-                    self.end(record, f"{type(exc).__name__}: {exc}", 500)
+
+    def transfer_failed(self, record: PrefillAttempt, exc: Exception) -> None:
+        """Sending a transfer raised: it alone fails (500)."""
+        log.exception("%s: sending the KV of %s", self.worker_id, record.key.request_id)
+        if record.state is not PrefillState.DONE:
+            self.end(record, failure_text(exc), 500)
 
     def _send_if_due(self, record: PrefillAttempt, now: float) -> None:
         """Send a transfer whose time came: due, or not acknowledged in time; give it up past its bounds."""
