@@ -2,9 +2,8 @@
 
 import time
 
-import numpy as np
-
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.percentiles import summary
 
 
 def run_engine(engine, requests: list[dict]) -> dict:
@@ -29,8 +28,8 @@ def run_engine(engine, requests: list[dict]) -> dict:
     elapsed = time.perf_counter() - start
     wrong = [r["id"] for r in requests if num_out.get(r["id"]) != r["max_tokens"]]
     assert not wrong, f"requests with the wrong output length: {wrong[:5]}"
-    ttft = np.array([first_token_at[r["id"]] for r in requests])
-    tpot = np.array([(finished_at[r["id"]] - first_token_at[r["id"]]) / max(1, r["max_tokens"] - 1) for r in requests])
+    ttft = [first_token_at[r["id"]] for r in requests]
+    tpot = [(finished_at[r["id"]] - first_token_at[r["id"]]) / max(1, r["max_tokens"] - 1) for r in requests]
     total_out = sum(num_out.values())
     return {
         "elapsed_s": round(elapsed, 2),
@@ -38,9 +37,7 @@ def run_engine(engine, requests: list[dict]) -> dict:
         "output_tok_per_s": round(total_out / elapsed, 1),
         "requests_per_s": round(len(requests) / elapsed, 3),
         "num_steps": num_steps,
-        "ttft_p50_s": round(float(np.percentile(ttft, 50)), 3),
-        "ttft_p99_s": round(float(np.percentile(ttft, 99)), 3),
-        "tpot_p50_ms": round(float(np.percentile(tpot, 50)) * 1000, 1),
-        "tpot_p99_ms": round(float(np.percentile(tpot, 99)) * 1000, 1),
+        **summary(ttft, (50, 99), digits=3, key="ttft_{}_s"),
+        **summary(tpot, (50, 99), 1000, 1, key="tpot_{}_ms"),
         "preemptions": engine.scheduler.num_preemptions,
     }

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 from kvferry.common import capture, settings
+from kvferry.tools import percentiles
 from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
-from kvferry.tools.replay.compare import percentiles
 
 WARMUP_REQUESTS = 2  # bench serve's warm-up: the first lines of every capture
 BACKGROUND_FILE = "background.json"  # beside a kept capture: the gateway's and the load generator's CPU share
@@ -75,8 +75,8 @@ def _cpu_s(gateway_pid: int) -> tuple[float, float]:
 def _measured(folder: Path) -> dict:
     records = capture.load([folder])
     return {
-        "ttft": percentiles([r.ttft_s for r in records if r.ttft_s is not None]),
-        "itl": percentiles([g for r in records for gaps in r.itl_s for g in gaps]),
+        "ttft": percentiles.summary([r.ttft_s for r in records if r.ttft_s is not None], digits=6),
+        "itl": percentiles.summary([g for r in records for gaps in r.itl_s for g in gaps], digits=6),
         "requests": len(records),
     }
 

@@ -7,8 +7,8 @@ the server returned token ids, at the first token.
 """
 
 from kvferry.common.capture import Record
+from kvferry.tools.percentiles import summary
 from kvferry.tools.replay.sender import Replayed
-from kvferry.tools.sim.slo import QUANTILES, percentile
 
 MAX_LISTED = 20  # differences and errors listed one by one in the text report
 
@@ -45,14 +45,9 @@ def differences(record: Record, answer: Replayed) -> list[dict]:
     return out
 
 
-def percentiles(values: list[float]) -> dict:
-    """p50, p90 and p99, interpolated as the simulator's are (slo.percentile), so that the two compare."""
-    ordered = sorted(values)
-    return {f"p{q}": round(percentile(ordered, q), 6) if ordered else None for q in QUANTILES}
-
-
 def latencies(ttft: list, itl: list, e2e: list) -> dict:
-    return {"ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e)}
+    """p50, p90 and p99 of each, in seconds to the microsecond, as the simulator's are interpolated."""
+    return {"ttft_s": summary(ttft, digits=6), "itl_s": summary(itl, digits=6), "e2e_s": summary(e2e, digits=6)}
 
 
 def build_report(records: list[Record], answers: list[Replayed], elapsed_s: float, skipped: list[str]) -> dict:

@@ -1,31 +1,20 @@
-"""Percentiles, and the latency objectives the planner sizes pools for (p90 of TTFT and of inter-token gaps).
+"""The latency objectives the planner sizes pools for (p90 of TTFT and of inter-token gaps), and the distributions
+a simulation reports.
 
-Percentiles interpolate linearly between the sorted values, as numpy's default does. That makes it possible to
-know that a p90 exceeds its bound before a run ends: once enough values are over it (`certainly_over`), nothing
-that comes later can bring the p90 back under, so a simulation the planner runs can stop early.
+Percentiles interpolate linearly between the sorted values (tools/percentiles.py). That makes it possible to know
+that a p90 exceeds its bound before a run ends: once enough values are over it (`certainly_over`), nothing that
+comes later can bring the p90 back under, so a simulation the planner runs can stop early.
 """
 
 import math
 from dataclasses import dataclass
 
-QUANTILES = (50, 90, 99)
-
-
-def percentile(sorted_values: list[float], q: float) -> float | None:
-    if not sorted_values:
-        return None
-    h = (len(sorted_values) - 1) * q / 100
-    lo = math.floor(h)
-    hi = min(lo + 1, len(sorted_values) - 1)
-    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (h - lo)
+from kvferry.tools.percentiles import summary
 
 
 def distribution(values: list[float]) -> dict:
     """p50, p90, p99 and the mean (None without values)."""
-    ordered = sorted(values)
-    out = {f"p{q}": percentile(ordered, q) for q in QUANTILES}
-    out["mean"] = sum(ordered) / len(ordered) if ordered else None
-    return out
+    return summary(values) | {"mean": sum(values) / len(values) if values else None}
 
 
 def certainly_over(num_over: int, num_values: int, q: float) -> bool:
