@@ -7,48 +7,33 @@ that every request it accepts still completes, and how its TTFT compares with th
 """
 
 import asyncio
-import json
 import random
 import time
 
-import numpy as np
-
 from kvferry.tools.bench.stack import served_model
+from kvferry.tools.percentiles import summary
+from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
 
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, delay: float) -> dict:
     await asyncio.sleep(delay)
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    sent = time.perf_counter()
     first, num_tokens = None, 0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            return {
-                "status": response.status_code,
-                "retry_after": response.headers.get("retry-after"),
-                "answered_s": time.perf_counter() - sent,
-            }
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return {"status": 500, "error": chunk["error"]}
-                if chunk["choices"]:
-                    first = first or time.perf_counter()
+    try:
+        async with open_stream(client, url + "/v1/completions", greedy_completion(model, prompt, max_tokens)) as stream:
+            async for chunk in stream.chunks():
+                if chunk.error is not None:
+                    return {"status": 500, "error": chunk.data["error"]}
+                if chunk.data["choices"]:
+                    first = first if first is not None else chunk.at_s
                     num_tokens += 1
-    return {
-        "status": 200 if num_tokens == max_tokens else 500,
-        "ttft": first - sent if first else None,
-        "e2e": time.perf_counter() - sent,
-    }
+            e2e = stream.elapsed_s()
+    except Refused as refused:
+        return {
+            "status": refused.status,
+            "retry_after": refused.headers.get("retry-after"),
+            "answered_s": refused.answered_s,
+        }
+    return {"status": 200 if num_tokens == max_tokens else 500, "ttft": first, "e2e": e2e}
 
 
 def _requests(rng: random.Random, rate: float, duration_s: float) -> list[tuple[list[int], int, float]]:
@@ -72,19 +57,16 @@ async def _run(url: str, model: str, requests) -> tuple[list[dict], float]:
 
 def _figures(results: list[dict], elapsed: float) -> dict:
     ok = [r for r in results if r["status"] == 200]
-    ttft = np.array([r["ttft"] for r in ok]) if ok else np.zeros(1)
     refused = [r for r in results if r["status"] == 429]
-    pct = lambda a, q: round(float(np.percentile(a, q)), 3)
+    answered = summary([r["answered_s"] for r in refused], (99,), 1000, 3)["p99"]
     return {
         "sent": len(results),
         "completed": len(ok),
         "refused_429": len(refused),
         "errors": len(results) - len(ok) - len(refused),
         "completed_per_s": round(len(ok) / elapsed, 3),
-        "ttft_p50_s": pct(ttft, 50),
-        "ttft_p99_s": pct(ttft, 99),
-        "ttft_max_s": round(float(ttft.max()), 3),
-        "refusal_answered_p99_ms": pct(np.array([r["answered_s"] for r in refused]) * 1000, 99) if refused else 0,
+        **summary([r["ttft"] for r in ok] or [0.0], (50, 99, 100), digits=3, key="ttft_{}_s"),
+        "refusal_answered_p99_ms": answered if refused else 0,
         "retry_after_on_every_429": all(r.get("retry_after") for r in refused),
     }
 

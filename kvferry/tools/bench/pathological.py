@@ -7,15 +7,15 @@ strings on the gateway's event loop, which also answers the probe: the probe's l
 nothing running, shows whether that work blocks the loop.
 """
 
-import json
+import asyncio
 import logging
 import threading
 import time
 
-import numpy as np
-
 from kvferry.common import settings
 from kvferry.tools.bench.stack import served_model
+from kvferry.tools.percentiles import summary
+from kvferry.tools.sse_client import open_stream
 
 PROBE_INTERVAL_S = 0.05
 IDLE_PROBE_S = 2.0  # the probe alone first, for its latency with nothing running
@@ -60,38 +60,27 @@ class Probe:
         self.thread.join()
 
     def figures(self) -> dict:
-        ms = np.array(self.latencies) * 1000
-        return {
-            "probes": len(ms),
-            "p50_ms": round(float(np.percentile(ms, 50)), 2),
-            "p99_ms": round(float(np.percentile(ms, 99)), 2),
-            "max_ms": round(float(ms.max()), 2),
-        }
+        return {"probes": len(self.latencies), **summary(self.latencies, (50, 99, 100), 1000, 2, key="{}_ms")}
 
 
-def _request(url: str, body: dict) -> dict:
+async def _request(url: str, body: dict) -> dict:
     """Stream the request through; its duration, chunks, output tokens and finish reasons."""
     import httpx
 
     chunks, usage, reasons = 0, None, {}
-    started = time.perf_counter()
-    with httpx.Client(timeout=httpx.Timeout(900.0)) as client:
-        with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                raise RuntimeError(f"HTTP {response.status_code}: {response.read()[:300]!r}")
-            for line in response.iter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    raise RuntimeError(f"error in the stream: {chunk['error']}")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(900.0)) as client:
+        async with open_stream(client, url + "/v1/completions", body) as stream:
+            async for chunk in stream.chunks():
+                if chunk.error is not None:
+                    raise RuntimeError(f"error in the stream: {chunk.data['error']}")
                 chunks += 1
-                usage = chunk.get("usage") or usage
-                for choice in chunk["choices"]:
+                usage = chunk.data.get("usage") or usage
+                for choice in chunk.data["choices"]:
                     if choice["finish_reason"]:
                         reasons[choice["index"]] = choice["finish_reason"]
+            duration_s = stream.elapsed_s()
     return {
-        "duration_s": round(time.perf_counter() - started, 2),
+        "duration_s": round(duration_s, 2),
         "chunks": chunks,
         "output_tokens": usage["completion_tokens"] if usage else None,
         "finish_reasons": sorted(set(reasons.values())),
@@ -116,7 +105,7 @@ def pathological(url: str, max_tokens: int, n: int, num_stops: int, stop_length:
     with Probe(url) as idle:
         time.sleep(IDLE_PROBE_S)
     with Probe(url) as busy:
-        request = _request(url, body)
+        request = asyncio.run(_request(url, body))
     return {
         "request": {
             "max_tokens": max_tokens,

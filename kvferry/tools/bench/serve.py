@@ -4,42 +4,30 @@ import asyncio
 import json
 import time
 
-import numpy as np
+from kvferry.tools.percentiles import summary
+from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
 
 
 async def _one(client, url: str, model: str, request: dict, start: float, extra_body: dict) -> dict:
     await asyncio.sleep(max(0.0, request["arrival_s"] - (time.perf_counter() - start)))
-    body = {
-        **extra_body,
-        "model": model,
-        "prompt": request["prompt_token_ids"],
-        "max_tokens": request["max_tokens"],
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    sent = time.perf_counter()
-    token_times, num_tokens, kv_transfer_s = [], 0, 0.0
-    async with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"{request['id']}: HTTP {response.status_code}: {await response.aread()}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"{request['id']}: {chunk['error']}")
-            if chunk["choices"]:
-                token_times.append(time.perf_counter())
-                kv_transfer_s = chunk.get("kvferry", {}).get("kv_transfer_s", kv_transfer_s)
-            if chunk.get("usage"):
-                num_tokens = chunk["usage"]["completion_tokens"]
+    body = extra_body | greedy_completion(model, request["prompt_token_ids"], request["max_tokens"], usage=True)
+    token_at, num_tokens, kv_transfer_s = [], 0, 0.0
+    try:
+        async with open_stream(client, url + "/v1/completions", body) as stream:
+            async for chunk in stream.chunks():
+                if chunk.error is not None:
+                    raise RuntimeError(f"{request['id']}: {chunk.data['error']}")
+                if chunk.data["choices"]:
+                    token_at.append(chunk.at_s)
+                    kv_transfer_s = chunk.data.get("kvferry", {}).get("kv_transfer_s", kv_transfer_s)
+                if chunk.data.get("usage"):
+                    num_tokens = chunk.data["usage"]["completion_tokens"]
+    except Refused as refused:
+        raise RuntimeError(f"{request['id']}: {refused}") from None
     if num_tokens != request["max_tokens"]:
         raise RuntimeError(f"{request['id']}: {num_tokens} tokens, expected {request['max_tokens']}")
-    ttft = token_times[0] - sent
-    tpot = (token_times[-1] - token_times[0]) / max(1, len(token_times) - 1)
-    return {"ttft": ttft, "tpot": tpot, "tokens": num_tokens, "kv_transfer_s": kv_transfer_s}
+    tpot = (token_at[-1] - token_at[0]) / max(1, len(token_at) - 1)
+    return {"ttft": token_at[0], "tpot": tpot, "tokens": num_tokens, "kv_transfer_s": kv_transfer_s}
 
 
 async def replay(url: str, model: str, requests: list[dict], extra_body: dict | None = None) -> dict:
@@ -69,14 +57,11 @@ async def replay(url: str, model: str, requests: list[dict], extra_body: dict | 
 
 
 def _latencies(results: list[dict]) -> dict:
-    pct = lambda key, q, unit=1: round(float(np.percentile([r[key] for r in results], q)) * unit, 4)
+    values = lambda key: [r[key] for r in results]
     return {
-        "ttft_p50_s": pct("ttft", 50),
-        "ttft_p99_s": pct("ttft", 99),
-        "tpot_p50_ms": round(pct("tpot", 50, 1000), 1),
-        "tpot_p99_ms": round(pct("tpot", 99, 1000), 1),
-        "kv_transfer_p50_ms": round(pct("kv_transfer_s", 50, 1000), 2),
-        "kv_transfer_p99_ms": round(pct("kv_transfer_s", 99, 1000), 2),
+        **summary(values("ttft"), (50, 99), digits=4, key="ttft_{}_s"),
+        **summary(values("tpot"), (50, 99), 1000, 1, key="tpot_{}_ms"),
+        **summary(values("kv_transfer_s"), (50, 99), 1000, 2, key="kv_transfer_{}_ms"),
     }
 
 

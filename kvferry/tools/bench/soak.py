@@ -9,6 +9,7 @@ import time
 import urllib.request
 
 from kvferry.tools.bench.stack import served_model
+from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
 
 WARM_UP = 200  # requests before the memory baseline is taken (a multiple of 100)
 
@@ -50,38 +51,29 @@ def plan(num_requests: int, cancel_share: float, cancel_within_s: float, seed: i
 
 async def _one(client, url: str, model: str, prompt: list[int], max_tokens: int, cancel: tuple | None) -> str:
     """-> 'ok', 'cancelled' or an error; cancel as in plan()."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = greedy_completion(model, prompt, max_tokens)
     close_after = None if cancel is None else cancel[1] if cancel[0] == "tokens" else max_tokens - 1
 
-    async def stream() -> str:
+    async def receive() -> str:
         num_tokens = 0
-        async with client.stream("POST", url + "/v1/completions", json=body) as response:
-            if response.status_code != 200:
-                return f"http {response.status_code}"
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    return f"error {chunk['error'].get('message', '')[:80]}"
-                num_tokens += len(chunk["choices"])
-                if close_after is not None and num_tokens >= close_after:
-                    return "cancelled"  # leaving the block closes the connection: the gateway must abort
+        try:
+            async with open_stream(client, url + "/v1/completions", body) as stream:
+                async for chunk in stream.chunks():
+                    if chunk.error is not None:
+                        return f"error {chunk.error[:80]}"
+                    num_tokens += len(chunk.data["choices"])
+                    if close_after is not None and num_tokens >= close_after:
+                        return "cancelled"  # leaving the block closes the connection: the gateway must abort
+        except Refused as refused:
+            return f"http {refused.status}"
         return "ok" if num_tokens == max_tokens else f"short {num_tokens}/{max_tokens}"
 
     if cancel and cancel[0] == "time":
         try:
-            return await asyncio.wait_for(stream(), cancel[1])
+            return await asyncio.wait_for(receive(), cancel[1])
         except TimeoutError:
             return "cancelled"
-    return await stream()
+    return await receive()
 
 
 async def _drive(url: str, model: str, requests: list[tuple], concurrency: int, on_hundred) -> list[str]:

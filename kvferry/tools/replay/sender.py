@@ -7,12 +7,12 @@ can be timed; a stream's text and tokens are those of the whole response. It ask
 
 import asyncio
 import copy
-import json
 import time
 from dataclasses import dataclass, field
 
 from kvferry.common.capture import Record
 from kvferry.common.errors import KvferryError
+from kvferry.tools.sse_client import Refused, open_stream
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 CONNECT_TIMEOUT_S = 5.0
@@ -65,20 +65,17 @@ async def send(client, url: str, record: Record, body: dict) -> Replayed:
     out, sent = Replayed(), time.perf_counter()
     last_at: dict[int, float] = {}
     try:
-        async with client.stream("POST", url + record.endpoint, json=body) as response:
-            out.status = response.status_code
-            if response.status_code != 200:
-                out.error = _error_text(await response.aread())
-                return out
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+        async with open_stream(client, url + record.endpoint, body) as stream:
+            out.status = 200
+            async for chunk in stream.chunks():
+                if chunk.error is not None:
+                    out.error = chunk.error
                     continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    out.error = str(chunk["error"].get("message", chunk["error"]))
-                    continue
-                for choice in chunk.get("choices") or []:
-                    _take(out, choice, time.perf_counter() - sent, last_at)
+                for choice in chunk.data.get("choices") or []:
+                    _take(out, choice, chunk.at_s, last_at)
+    except Refused as refused:
+        out.status, out.error = refused.status, refused.message
+        return out
     except Exception as exc:  # a dropped connection, a malformed chunk: this request's error, not the replay's end
         out.error = out.error or f"{type(exc).__name__}: {exc}"
     out.e2e_s = time.perf_counter() - sent
@@ -105,14 +102,6 @@ def _take(out: Replayed, choice: dict, at: float, last_at: dict[int, float]) -> 
     if index in last_at:
         out.itl_s.extend([(at - last_at[index]) / num_tokens] * num_tokens)
     last_at[index] = at
-
-
-def _error_text(raw: bytes) -> str:
-    try:
-        body = json.loads(raw)
-        return str(body["error"]["message"]) if isinstance(body.get("error"), dict) else str(body)[:500]
-    except (ValueError, AttributeError):
-        return raw[:500].decode(errors="replace")
 
 
 async def replay_all(
