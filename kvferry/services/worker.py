@@ -36,11 +36,11 @@ from kvferry.common.structured.grammars import DEFAULT_CACHE_BYTES
 from kvferry.common.transport import Channel
 from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
 from kvferry.services.gateway_link import GatewayLink, parse_gateways
+from kvferry.services.worker_timings import CACHE_SYNC_S
 
 log = logging.getLogger("kvferry.worker")
 MAX_CHOICES = p.MAX_CHOICES  # n per request: a bound on what one message can make a worker do
 MAX_ERROR_CHARS = 2000  # of a failure's text told to a gateway: an exception's message can quote a whole input
-CACHE_SYNC_S = 30.0  # between full CacheUpdates: how long a lost update can leave a gateway's view stale
 MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken, not unlucky
 
 

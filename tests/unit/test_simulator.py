@@ -3,6 +3,8 @@ KV fills, a property test that the real block manager is never over-committed, a
 
 import collections
 import random
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -142,13 +144,18 @@ def test_a_step_is_costed_by_the_cost_models_own_pairs_and_context():
         assert w.step_seconds(plan) == expected
 
 
-def test_the_workers_own_timings_match_the_ones_the_simulator_copies():
-    from kvferry.services import worker
+def test_the_simulator_uses_the_workers_own_timings_and_loads_no_torch():
+    """One definition (services/worker_timings.py): the worker loop, the prefill connector and the simulator hold the
+    very same objects. In a fresh interpreter, since other tests' imports would hide torch in this one's modules."""
+    from kvferry.services import worker, worker_timings
     from kvferry.services.prefill import connector
 
-    assert sim_module.RETRY_S == connector.RETRY_FULL_AFTER_S
-    assert sim_module.GIVE_UP_S == connector.GIVE_UP_TRANSFER_S
-    assert sim_module.CACHE_SYNC_S == worker.CACHE_SYNC_S
+    for user, name in ((connector, "RETRY_FULL_AFTER_S"), (connector, "GIVE_UP_TRANSFER_S"), (worker, "CACHE_SYNC_S")):
+        assert getattr(user, name) is getattr(worker_timings, name) is getattr(sim_module, name)
+    code = "import sys, kvferry.tools.sim.cli, kvferry.tools.sim.simulator; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
 
 
 def check_blocks(sim, w) -> None:

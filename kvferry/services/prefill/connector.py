@@ -21,11 +21,10 @@ from kvferry.common.request_failure import fails_alone, failure_text
 from kvferry.services.prefill.kv_sender import KVSender, Outgoing, SenderDied
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.request_keys import AttemptKey
+from kvferry.services.worker_timings import GIVE_UP_TRANSFER_S, RETRY_FULL_AFTER_S
 
 log = logging.getLogger("kvferry.prefill")
-RETRY_FULL_AFTER_S = 0.05  # a decode worker with no room is asked again after this long
 ACK_TIMEOUT_S = 10.0  # a transfer not acknowledged by then is sent again
-GIVE_UP_TRANSFER_S = 60.0  # a transfer no decode worker took by then is dropped; the gateway moves the request
 HELD_ANSWER_WAIT_S = 0.1  # a finished prompt's transfer waits this long at most for the decode worker's KVHeld
 
 

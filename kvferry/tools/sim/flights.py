@@ -73,7 +73,7 @@ class SimFlight:
     blocks: list[int] = field(default_factory=list)  # allocated at the decode worker for the KV on the way
     started_at: float | None = None  # its first chunk scheduled
     first_token_at: float | None = None
-    retry_from: float = 0.0  # when the decode worker last had no room: retries go every RETRY_S from then
+    retry_from: float = 0.0  # when the decode worker last had no room: retries go every RETRY_FULL_AFTER_S from then
     num_open_choices: int = 0
 
     def start(self, now: float) -> None:

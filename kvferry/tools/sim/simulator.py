@@ -13,8 +13,8 @@ The model's forward is replaced by the fitted cost model: a step ends its cost a
 3. The step that computes the last chunk ends: every choice has its first token (TTFT), and the gateway counts the
    prompt prefilled. Choices whose captured output is one token end there.
 4. The transfer: the decode worker's `begin_prefilled` allocates the blocks, or finds no room, and the sender tries
-   again every RETRY_S. The KV takes `CostModel.transfer_seconds(blocks sent)` on the prefill worker's sender, one
-   transfer after another. Then `finish_prefilled` admits the choices, and the prefill worker frees its blocks.
+   again every RETRY_FULL_AFTER_S. The KV takes `CostModel.transfer_seconds(blocks sent)` on the prefill worker's
+   sender, one transfer after another. Then `finish_prefilled` admits the choices, and the prefill worker frees its blocks.
 5. Each decode step gives each running choice one token, until it has its captured number (ignore_eos). Preemption
    when blocks run out, and the recompute after it, are the scheduler's own.
 
@@ -27,8 +27,9 @@ What is simplified: messages take no time (a token reaches the client when its s
 whole after the prompt's last step. The real one ships its early layer groups during that step, so the cost
 model's transfer time is what a transfer adds after the step. Transfers waiting for room are retried first come,
 first served, at the retry period of the first. Nothing fails, moves or times out, except transfers that no decode
-worker takes within GIVE_UP_S. Constraints, penalties and logprobs are not modelled: they change which tokens
-come, and the capture already says how many.
+worker takes within GIVE_UP_TRANSFER_S. Constraints, penalties and logprobs are not modelled: they change which
+tokens come, and the capture already says how many.
+The worker's timings are its own (services/worker_timings.py), which load nothing.
 """
 
 import collections
@@ -46,6 +47,7 @@ from kvferry.common.errors import ConfigError, InvalidRequest
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import Sequence
 from kvferry.services.gateway.registry import Registry
+from kvferry.services.worker_timings import CACHE_SYNC_S, GIVE_UP_TRANSFER_S, RETRY_FULL_AFTER_S
 from kvferry.tools.sim.cost_model import CostModel
 from kvferry.tools.sim.flights import FlightState, SimChoice, SimFlight, SimRequest
 from kvferry.tools.sim.report import Report, build_report
@@ -53,11 +55,6 @@ from kvferry.tools.sim.slo import SLO, certainly_over
 from kvferry.tools.sim.worker_config import Placement, WorkerConfig
 from kvferry.tools.sim.workers import SimWorker
 from kvferry.tools.sim.workload import Workload
-
-# The workers' own timings, written here because importing their modules loads torch (a unit test compares them).
-RETRY_S = 0.05  # services/prefill/connector.RETRY_FULL_AFTER_S: a decode worker with no room is asked again
-GIVE_UP_S = 60.0  # services/prefill/connector.GIVE_UP_TRANSFER_S: a transfer nobody took is dropped
-CACHE_SYNC_S = 30.0  # services/worker.CACHE_SYNC_S: between full CacheUpdates
 
 
 @dataclass
@@ -340,8 +337,8 @@ class Simulator:
     def _try_transfer(self, flight: SimFlight) -> bool:
         """Offer the KV to the decode worker; False when it has no room now (the flight waits to try again)."""
         d = flight.decode
-        if self.now > flight.first_token_at + GIVE_UP_S:
-            self._fail(flight, f"{d.worker_id} did not take the KV in {GIVE_UP_S:.0f} s")
+        if self.now > flight.first_token_at + GIVE_UP_TRANSFER_S:
+            self._fail(flight, f"{d.worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s")
             return True
         try:
             blocks = d.received.begin_prefilled(
@@ -389,9 +386,9 @@ class Simulator:
         if d.retry_pending or not d.waiting_transfers:
             return
         head = d.waiting_transfers[0]
-        periods = max(1, math.ceil((self.now - head.retry_from) / RETRY_S - 1e-9))
+        periods = max(1, math.ceil((self.now - head.retry_from) / RETRY_FULL_AFTER_S - 1e-9))
         d.retry_pending = True
-        self._push(head.retry_from + periods * RETRY_S, self._retry_transfers, d)
+        self._push(head.retry_from + periods * RETRY_FULL_AFTER_S, self._retry_transfers, d)
 
     def _retry_transfers(self, d: SimWorker) -> None:
         d.retry_pending = False
@@ -399,7 +396,7 @@ class Simulator:
             if not self._try_transfer(d.waiting_transfers[0]):
                 if not d.busy:  # no step will end to free room: ask again after the period, as the sender does
                     d.retry_pending = True
-                    self._push(self.now + RETRY_S, self._retry_transfers, d)
+                    self._push(self.now + RETRY_FULL_AFTER_S, self._retry_transfers, d)
                 return
             d.waiting_transfers.popleft()
 
