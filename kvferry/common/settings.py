@@ -22,6 +22,7 @@ from typing import Any
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.logs import FORMATS
 from kvferry.common.setting import (
     _FALSE,
@@ -72,26 +73,6 @@ SECTIONS = (
 
 _NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
     # Where the gateway listens; what `kvferry serve` starts.
-    Setting("host", STR, "127.0.0.1", "the HTTP API's address (0.0.0.0: every interface)", (GATEWAY, SERVE), "gateway"),
-    Setting("port", INT, "8000", "the HTTP API's port", (GATEWAY, SERVE), "gateway", min=0, max=65535),
-    Setting(
-        "control",
-        STR,
-        "tcp://127.0.0.1:5557",
-        "where workers register (beyond 127.0.0.1 only with --curve-keys, or --insecure)",
-        (GATEWAY,),
-        "gateway",
-    ),
-    Setting(
-        "heartbeat_interval",
-        FLOAT,
-        "1.0",
-        "seconds between a worker's heartbeats (the gateway tells each worker as it registers); a worker that "
-        "misses several is taken off the registry",
-        (GATEWAY,),
-        "gateway",
-        above=0,
-    ),
     Setting(
         "control_port",
         INT,
@@ -200,25 +181,6 @@ _NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
     ),
     # Deadlines and overload.
     Setting(
-        "max_waiting",
-        INT,
-        "256",
-        "requests waiting for their first token; past this, new ones get 429 (0: no bound)",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        min=0,
-    ),
-    Setting(
-        "max_waiting_bytes",
-        SIZE,
-        "64MiB",
-        "request bodies let in and not yet answered, in bytes as sent (parsed, they take about 11 times that); past "
-        "this, new ones get 429 (0: no bound). A lone request is always let in",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        min=0,
-    ),
-    Setting(
         "drain_timeout",
         FLOAT,
         "30",
@@ -228,119 +190,7 @@ _NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
         "deadlines and overload",
         min=0,
     ),
-    Setting(
-        "first_token_timeout",
-        FLOAT,
-        "120",
-        "a request without its first token this long moves to other workers",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        above=0,
-    ),
-    Setting(
-        "step_timeout",
-        FLOAT,
-        "30",
-        "a decoding request without new tokens this long moves to other workers",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        above=0,
-    ),
-    Setting(
-        "request_timeout",
-        FLOAT,
-        "600",
-        "a request not finished this long after it arrived fails with 504",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        above=0,
-    ),
-    Setting(
-        "max_moves",
-        INT,
-        "3",
-        "how often a request may move off a failed worker before it fails",
-        (GATEWAY, SERVE),
-        "deadlines and overload",
-        min=0,
-    ),
     # The HTTP API.
-    Setting(
-        "api_key",
-        STR,
-        None,
-        "require 'Authorization: Bearer KEY' on every route but /health, /metrics, /version, /openapi.json",
-        (GATEWAY, SERVE),
-        "API",
-    ),
-    Setting(
-        "served_model_name",
-        NAMES,
-        None,
-        "the model's names in the API, as vLLM's flag: the first is the one responses report, a request may name "
-        "any, /v1/models lists them all; default: the model's own name (the default model's is "
-        "HuggingFaceTB/SmolLM2-135M-Instruct, also answering to SmolLM2-135M-Instruct). The variable takes them "
-        "separated by spaces",
-        (GATEWAY, SERVE),
-        "API",
-    ),
-    Setting("max_body_size", SIZE, "8MiB", "larger request bodies get 413", (GATEWAY, SERVE), "API", min=1),
-    Setting("max_n", INT, "16", "the largest n a request may ask for", (GATEWAY, SERVE), "API", min=1),
-    Setting(
-        "max_tokens_limit", INT, "16384", "the largest max_tokens a request may ask for", (GATEWAY, SERVE), "API", min=1
-    ),
-    Setting("max_stop", INT, "16", "the most stop strings a request may send", (GATEWAY, SERVE), "API", min=0),
-    Setting(
-        "max_prompts", INT, "64", "the most prompts one completions request may carry", (GATEWAY, SERVE), "API", min=1
-    ),
-    Setting("max_stop_length", INT, "1024", "the longest stop string, in characters", (GATEWAY, SERVE), "API", min=1),
-    Setting(
-        "max_stop_chars",
-        INT,
-        "4096",
-        "the most characters a request's stop strings may have together",
-        (GATEWAY, SERVE),
-        "API",
-        min=1,
-    ),
-    Setting(
-        "max_prompt_chars",
-        INT,
-        "1000000",
-        "the most characters a request's prompts (or chat messages) may have together",
-        (GATEWAY, SERVE),
-        "API",
-        min=1,
-    ),
-    Setting(
-        "max_logprob_entries",
-        INT,
-        "1000000",
-        "the most logprob entries one response may hold: n x (echoed prompt tokens + max_tokens) x (1 + logprobs), "
-        "over every prompt (streamed: the echoed prompts alone); past this, 400 before any work",
-        (GATEWAY, SERVE),
-        "API",
-        min=1,
-    ),
-    Setting(
-        "max_connections",
-        INT,
-        "1024",
-        "HTTP connections served at once; past this, new ones get 503",
-        (GATEWAY, SERVE),
-        "API",
-        min=1,
-    ),
-    Setting(
-        "tool_prompt_template",
-        PATH,
-        None,
-        "a Jinja file that renders chat tools into the system prompt for models whose chat template has no tools; "
-        "default: kvferry's own (docs/structured-output.md)",
-        (GATEWAY, SERVE),
-        "API",
-        metavar="FILE",
-    ),
     # Security.
     Setting(
         "curve_keys",
@@ -380,33 +230,6 @@ _NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
         "observability",
     ),
     Setting(
-        "capture_dir",
-        PATH,
-        None,
-        "append one JSON line per finished request to files in this folder, for kvferry replay, simulate and plan "
-        "(prompts and outputs included: keep the folder as private as the traffic)",
-        (GATEWAY, SERVE),
-        "observability",
-    ),
-    Setting(
-        "capture_max_bytes",
-        SIZE,
-        "64MiB",
-        "a capture file past this size is closed and a new one started",
-        (GATEWAY, SERVE),
-        "observability",
-        min=4096,
-    ),
-    Setting(
-        "capture_max_total_bytes",
-        SIZE,
-        "1GiB",
-        "the capture folder's files past this total are deleted, oldest first",
-        (GATEWAY, SERVE),
-        "observability",
-        min=4096,
-    ),
-    Setting(
         "otlp_endpoint",
         STR,
         None,
@@ -427,7 +250,7 @@ _NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
     ),
 )
 
-CONFIGS = (EngineConfig,)
+CONFIGS = (EngineConfig, GatewayConfig)
 SPEC: tuple[Setting, ...] = tuple(
     sorted(
         (*(s for config in CONFIGS for s in settings_of(config)), *_NOT_IN_A_CONFIG_YET),

@@ -11,6 +11,8 @@ import pytest
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
+from kvferry.common.gateway_config import GatewayConfig
+from kvferry.common.setting import from_args
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -219,6 +221,21 @@ def test_serve_takes_the_engine_settings_another_model_needs_and_its_workers_get
         assert config.max_model_len == 4096 and config.enable_prefix_caching is False
     assert parser_for(settings.GATEWAY, child).parse_args([]).max_model_len == 4096
     assert "--num-threads" not in {s.option for s in settings.for_command(settings.SERVE)}  # serve's own per worker
+
+
+def test_the_gateway_runs_with_its_config_parsed_from_its_flags():
+    from kvferry.services.gateway.main import limits_of
+    from kvferry.services.gateway.request_parsing import Limits
+    from kvferry.services.gateway.server import Deadlines
+
+    assert limits_of(GatewayConfig()) == Limits()  # each limit's default is its setting's
+    argv = ["--max-body-size", "1KiB", "--max-tokens-limit", "5", "--max-n", "2", "--step-timeout", "2"]
+    config = from_args(GatewayConfig, parser_for(settings.GATEWAY, {"KVFERRY_MAX_MOVES": "0"}).parse_args(argv))
+    limits, deadlines = limits_of(config), Deadlines(config)
+    assert (limits.max_body_bytes, limits.max_tokens, limits.max_n) == (1024, 5, 2)
+    assert (deadlines.step_s, deadlines.max_moves, deadlines.request_s) == (2.0, 0, 600.0)
+    with pytest.raises(ConfigError, match="port must be between 0 and 65535, got 70000"):
+        GatewayConfig(port=70000)
 
 
 def test_the_settings_table_in_docs_operations_is_the_spec():

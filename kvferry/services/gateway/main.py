@@ -5,6 +5,7 @@ in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctr
 """
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -14,6 +15,7 @@ import uvicorn
 from kvferry.common import settings
 from kvferry.common.bind_check import check_http_exposed, listen_tcp
 from kvferry.common.curve import CurveKeys
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.model_files import (
     DEFAULT_MODEL_NAME,
     max_model_len_of,
@@ -21,6 +23,7 @@ from kvferry.common.model_files import (
     resolve_model,
     served_model_name,
 )
+from kvferry.common.setting import from_args
 from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
@@ -88,82 +91,72 @@ def served_names(model, configured: tuple[str, ...] | None = None) -> tuple[str,
     return (served_model_name(model),)
 
 
+def limits_of(config: GatewayConfig) -> Limits:
+    """What one request may ask for: each of Limits' fields is the gateway setting of its name, or of the name here."""
+    setting_of = {"max_body_bytes": "max_body_size", "max_tokens": "max_tokens_limit"}
+    return Limits(**{f.name: getattr(config, setting_of.get(f.name, f.name)) for f in dataclasses.fields(Limits)})
+
+
 def run_gateway(args) -> None:
     from kvferry.common.observability import observe
 
+    config = from_args(GatewayConfig, args)
     observe(args, "gateway", "gateway")
-    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
+    check_http_exposed(config.host, config.port, config.api_key, args.insecure)
     # Bound before the model loads: a taken port fails at once, naming the setting.
-    http_socket = listen_tcp(args.host, args.port, settings.label("port"))
+    http_socket = listen_tcp(config.host, config.port, settings.label("port"))
     name = served_model_name(args.model)  # what workers register with; clients may know it by other names
-    deadlines = Deadlines(
-        first_token_s=args.first_token_timeout,
-        step_s=args.step_timeout,
-        request_s=args.request_timeout,
-        max_moves=args.max_moves,
-    )
     core = GatewayCore(
-        args.control,
+        config.control,
         name,
         args.block_size,
-        args.heartbeat_interval,
-        deadlines,
-        args.max_waiting,
+        config.heartbeat_interval,
+        Deadlines(config),
+        config.max_waiting,
         CurveKeys.load(args.curve_keys),
         insecure=args.insecure,
     )  # binds --control: before the tokenizer loads, too
     tokenizer, model_max_len = load_text_side(args.model)
     loaded_at = time.time()  # /v1/models' created
-    names = served_names(args.model, args.served_model_name)
-    tool_prompt = ToolPrompt.from_file(args.tool_prompt_template)  # a template that does not render stops us here
-    limits = Limits(
-        max_body_bytes=args.max_body_size,
-        max_n=args.max_n,
-        max_tokens=args.max_tokens_limit,
-        max_stop=args.max_stop,
-        max_prompts=args.max_prompts,
-        max_stop_length=args.max_stop_length,
-        max_stop_chars=args.max_stop_chars,
-        max_prompt_chars=args.max_prompt_chars,
-        max_logprob_entries=args.max_logprob_entries,
-    )
+    names = served_names(args.model, config.served_model_name)
+    tool_prompt = ToolPrompt.from_file(config.tool_prompt_template)  # a template that does not render stops us here
     capture = None
-    if args.capture_dir:
-        limits_of_files = CaptureLimits(args.capture_max_bytes, args.capture_max_total_bytes)
-        capture = CaptureWriter(args.capture_dir, core.gateway_id, limits_of_files, (args.api_key,))
-        log.info("capturing every finished request into %s", args.capture_dir)
+    if config.capture_dir:
+        limits_of_files = CaptureLimits(config.capture_max_bytes, config.capture_max_total_bytes)
+        capture = CaptureWriter(config.capture_dir, core.gateway_id, limits_of_files, (config.api_key,))
+        log.info("capturing every finished request into %s", config.capture_dir)
     api = Api(
         core,
         tokenizer,
         names,
         args.max_model_len or model_max_len,
-        limits,
-        args.api_key,
+        limits_of(config),
+        config.api_key,
         tool_prompt,
         capture,
         loaded_at=loaded_at,
-        max_waiting_bytes=args.max_waiting_bytes,
+        max_waiting_bytes=config.max_waiting_bytes,
     )
     log.info(
         "serving %s as %s on http://%s:%d, workers register at %s",
         name,
         ", ".join(names),
-        args.host,
-        args.port,
+        config.host,
+        config.port,
         core.control_endpoint,
     )
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not
     # memory. A request's head is bounded by h11's own limit (16 KiB), and its body by the Guards.
-    config = uvicorn.Config(
+    uvicorn_config = uvicorn.Config(
         api.app(),
-        host=args.host,
-        port=args.port,
+        host=config.host,
+        port=config.port,
         log_level="warning",
         log_config=None,
         timeout_graceful_shutdown=5,
-        limit_concurrency=args.max_connections,
+        limit_concurrency=config.max_connections,
     )
-    server = DrainingServer(config, core, args.drain_timeout)
+    server = DrainingServer(uvicorn_config, core, args.drain_timeout)
     freeze_startup_objects()  # the app, tokenizer and template: a full collection mid-stream would walk them all
     server.run(sockets=[http_socket])

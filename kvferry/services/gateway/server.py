@@ -26,6 +26,7 @@ from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.curve import CurveKeys, KeyHolder
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
@@ -46,14 +47,17 @@ class NoWorkers(Exception):
 
 @dataclass
 class Deadlines:
-    """How long a request may wait for each thing, and how often it may move. Defaults suit a CPU."""
+    """How long a request may wait for each thing, and how often it may move: the gateway's settings (config), and
+    two waits of its own. Defaults suit a CPU."""
 
-    first_token_s: float = settings.default("first_token_timeout")  # routed -> first token: queueing plus prefill
-    step_s: float = settings.default("step_timeout")  # between a decoding request's token messages
+    config: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     gap_s: float = 2.0  # tokens held back for a message that has not come
     no_workers_s: float = 10.0  # a request that must move waits this long for a live worker
-    request_s: float = settings.default("request_timeout")  # end to end
-    max_moves: int = settings.default("max_moves")  # moves to other workers before the request fails
+
+    first_token_s = property(lambda self: self.config.first_token_timeout)
+    step_s = property(lambda self: self.config.step_timeout)
+    request_s = property(lambda self: self.config.request_timeout)
+    max_moves = property(lambda self: self.config.max_moves)
 
 
 class GatewayCore:
