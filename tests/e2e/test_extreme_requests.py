@@ -1,8 +1,8 @@
 """Requests the API schema allows, with extreme values, against a real gateway and a real prefill/decode pair:
-each ends with a 2xx or a 4xx, never a 5xx or a hang, and no process exits."""
+each is served (a 200 with every choice it asked for), never refused, failed or hung, and no process exits."""
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvferry.common.sampling import MAX_SEED
@@ -45,12 +45,9 @@ requests = st.fixed_dictionaries(
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(body=requests, min_equals_max=st.booleans())
-def test_extreme_but_valid_requests_end_in_2xx_or_4xx_and_no_process_exits(stack, body, min_equals_max):
+def test_extreme_but_valid_requests_are_served_and_no_process_exits(stack, body, min_equals_max):
     if min_equals_max:
         body = {**body, "min_tokens": body["max_tokens"]}
     status, reply = stack.post("/v1/completions", body, timeout=120)
-    event(f"HTTP {status}")  # --hypothesis-show-statistics tells how many reached the workers
-    assert status < 300 or 400 <= status < 500, (status, reply, body)
-    if status < 300:
-        assert len(reply["choices"]) == body.get("n", 1)
+    assert status == 200 and len(reply["choices"]) == body.get("n", 1), (status, reply, body)
     assert all(proc.poll() is None for proc in stack.procs.values()), body

@@ -51,11 +51,12 @@ def reference():
     texts = {}
     for chat in (False, True):
         for out, prompt in zip(engine.generate(PROMPTS, params, chat=chat), PROMPTS):
-            texts[(prompt, chat)] = out.text
+            texts[(prompt, chat)] = (out.text, out.finish_reason.name.lower())
     return texts
 
 
-def ask(stack: Stack, prompt: str, chat: bool, stream: bool) -> str:
+def ask(stack: Stack, prompt: str, chat: bool, stream: bool) -> tuple[str, str]:
+    """The answer's text and finish reason."""
     body = {"max_tokens": 24, "temperature": 0}
     if chat:
         body["messages"] = [{"role": "user", "content": prompt}]
@@ -67,13 +68,13 @@ def ask(stack: Stack, prompt: str, chat: bool, stream: bool) -> str:
         events = stack.stream(path, body)
         assert events[-1] == "[DONE]"
         chunks = [e["choices"][0] for e in events[:-1] if e["choices"]]
-        assert chunks[-1]["finish_reason"] in ("stop", "length")
-        return "".join((c["delta"].get("content", "") if chat else c["text"]) for c in chunks)
+        text = "".join((c["delta"].get("content", "") if chat else c["text"]) for c in chunks)
+        return text, chunks[-1]["finish_reason"]
     status, reply = stack.post(path, body)
     assert status == 200, reply
     choice = reply["choices"][0]
     assert reply["usage"]["completion_tokens"] >= 1 and reply["usage"]["prompt_tokens"] >= 1
-    return choice["message"]["content"] if chat else choice["text"]
+    return (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
 
 
 def test_concurrent_requests_match_the_in_process_engine(stack, reference):

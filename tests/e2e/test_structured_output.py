@@ -228,7 +228,10 @@ def test_a_named_tool_and_a_two_turn_conversation(client):
         model=MODEL, messages=follow_up, tools=[WEATHER_TOOL], tool_choice="none", temperature=0, max_tokens=60
     )  # fmt: skip
     message = answer.choices[0].message
-    assert message.content and not message.tool_calls and answer.choices[0].finish_reason in ("stop", "length")
+    assert message.content and not message.tool_calls
+    # The reason matches what happened: all 60 tokens spent, or an end before them.
+    ran_out = answer.usage.completion_tokens == 60
+    assert answer.choices[0].finish_reason == ("length" if ran_out else "stop"), answer
 
 
 def test_invalid_constraints_get_a_400_naming_the_field(stack):
