@@ -5,7 +5,7 @@ field, never a RecursionError, a ValueError or an OverflowError further in."""
 import json
 import sys
 
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 
 MAX_JSON_DEPTH = 64  # far deeper than any OpenAI body goes; it bounds every walk over one, here and in the template
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1

@@ -20,7 +20,7 @@ from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
 from kvferry.common.json_schema_support import MAX_PATTERN_DEPTH, UnsupportedSchema, check_supported, pattern_depth
 from kvferry.common.work_budget import WorkBudget, WorkBudgetExceeded
 from kvferry.services.gateway import json_body
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 
 MAX_MESSAGE_CHARS = 300  # of a metaschema error quoted back: it may quote the whole schema
 # The drafts whose meaning the engine follows; draft 4 and older differ (boolean exclusiveMinimum, ...).

@@ -13,8 +13,9 @@ import time
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.chat_messages import checked_messages
-from kvferry.services.gateway.request_parsing import ApiError, field
+from kvferry.services.gateway.request_schema import field
 from kvferry.services.gateway.tool_prompt import for_template
 from kvferry.services.gateway.tools import Tools, parse_tools
 

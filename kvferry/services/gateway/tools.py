@@ -17,7 +17,8 @@ import re
 from dataclasses import dataclass
 
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, STRUCTURAL_TAG, Constraint
-from kvferry.services.gateway.request_parsing import ApiError, field
+from kvferry.services.gateway.api_error import ApiError
+from kvferry.services.gateway.request_schema import field
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 
 MAX_TOOLS = 128

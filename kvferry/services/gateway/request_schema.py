@@ -1,0 +1,155 @@
+"""A request body's schema, declared once: each field a Param, from which come the unknown-field refusal, the type
+and bound checks (a 400 whose param names the field) and the field's part of /openapi.json.
+
+Plain dataclasses, not pydantic or msgspec. pydantic is in the environment only as xgrammar's and openai's
+dependency, and neither gives what the tests hold the gateway to: a list's or an object's length checked before any
+of its entries is looked at (a hostile body of 400,000 stop_token_ids costs nothing), the messages and `param`s the
+clients already read, and an OpenAPI 3.0 description (pydantic writes JSON Schema 2020-12). A field these checks
+cannot say (a stop string's characters together, a logit_bias key) declares its own `read`, beside its `spec`.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvferry.services.gateway.api_error import ApiError
+
+BOOLEAN, INTEGER, NUMBER, STRING, OBJECT, ARRAY = "boolean", "integer", "number", "string", "object", "array"
+# type: (the Python types of its JSON values, how an error names it)
+TYPES = {
+    BOOLEAN: ((bool,), "true or false"),
+    INTEGER: ((int,), "an integer"),
+    NUMBER: ((int, float), "a number"),
+    STRING: ((str,), "a string"),
+    OBJECT: ((dict,), "an object"),
+    ARRAY: ((list,), "a list"),
+}
+MAX_SHOWN = 100  # characters of a client's field name that an error repeats
+
+
+@dataclass(frozen=True)
+class Param:
+    """One field. type: one of the above, or "" for a field whose value another module checks (prompt, messages,
+    tools, the output constraints): then spec says what it is. lo/hi: inclusive bounds (above_lo: lo itself is
+    not); check_hi=False leaves hi to parse_generation, which checks it after the context length (that error says
+    more). only: a field kvferry knows and does not honour, accepted only with a value that asks for nothing.
+    read(name, value, vocab_size): a compound field's own check, whose result is the field's value. fields: a
+    nested object's own schema. spec: its OpenAPI schema where type and bounds do not say it all."""
+
+    type: str = ""
+    lo: float | None = None
+    hi: float | None = None
+    above_lo: bool = False
+    check_hi: bool = True
+    default: object = None
+    doc: str = ""
+    only: tuple = ()
+    read: Callable | None = None
+    fields: "Schema | None" = None
+    spec: dict | None = None
+
+    def what(self) -> str:
+        """What a value must be, as an error says it: "an integer from 1 to 16", "a number in (0, 2]"."""
+        noun = TYPES[self.type][1] if self.type else "valid"
+        hi = self.hi if self.check_hi else None
+        if self.above_lo:
+            return f"{noun} in ({self.lo}, {hi if hi is not None else 'inf'}]"
+        if self.lo is not None and hi is not None:
+            return f"{noun} from {self.lo} to {hi}"
+        if self.lo is not None:
+            return f"{noun} of at least {self.lo}"
+        if hi is not None:
+            return f"{noun} of at most {hi}"
+        return noun
+
+    def value(self, name: str, value, vocab_size: int):
+        """value checked (it is not None); the field's value, or an ApiError naming it."""
+        types = TYPES[self.type][0] if self.type else None
+        if types is not None and (not isinstance(value, types) or isinstance(value, bool) and self.type != BOOLEAN):
+            raise ApiError(400, f"'{name}' must be {self.what()}", name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ApiError(400, f"'{name}' must be a finite number", name)
+        if self.type in (INTEGER, NUMBER) and not self._within(value):
+            raise ApiError(400, f"'{name}' must be {self.what()}, got {value!r}", name)
+        if self.fields is not None:
+            return self.fields.read(value, vocab_size, prefix=f"{name}.")
+        return self.read(name, value, vocab_size) if self.read is not None else value
+
+    def _within(self, value) -> bool:
+        lo, hi = self.lo, self.hi if self.check_hi else None
+        above = lo is None or (value > lo if self.above_lo else value >= lo)
+        return above and (hi is None or value <= hi)
+
+    def openapi(self) -> dict:
+        out: dict = {"type": self.type} if self.type else {}
+        if self.fields is not None:
+            out.update(self.fields.openapi())
+        for key, bound in (("minimum", self.lo), ("maximum", self.hi)):
+            if bound is not None:
+                out[key] = bound
+        if self.above_lo:
+            out["exclusiveMinimum"] = True
+        if self.only:
+            out["enum"] = [v for v in self.only if v is not None]
+        out.update(self.spec or {})
+        out["nullable"] = True
+        if self.doc:
+            out["description"] = self.doc
+        return out
+
+
+@dataclass(frozen=True)
+class Schema:
+    """An object's fields. closed: a field not declared is refused (OpenAPI's additionalProperties: false).
+    required: the fields OpenAPI lists as required (their own modules refuse a body without them)."""
+
+    params: dict[str, Param]
+    required: tuple[str, ...] = ()
+    closed: bool = True
+
+    def check_names(self, body: dict, prefix: str = "") -> None:
+        """An unknown field, or one not honoured that asks for something, first: it may be what was meant to
+        constrain the output."""
+        for name, value in body.items():
+            param = self.params.get(name)
+            if param is None and self.closed:
+                shown = name if len(name) <= MAX_SHOWN else name[:MAX_SHOWN] + "..."
+                raise ApiError(400, f"unknown parameter '{prefix}{shown}'", prefix[:-1] or name)
+            if param is not None and param.only and value is not None and value not in param.only:
+                raise ApiError(400, f"'{prefix}{name}' is not supported", prefix + name)
+
+    def read(self, body, vocab_size: int, prefix: str = "") -> dict:
+        """Every declared field's value (its default where it is absent or null), each checked."""
+        if not isinstance(body, dict):
+            raise ApiError(400, f"'{prefix[:-1]}' must be an object", prefix[:-1] or None)
+        self.check_names(body, prefix)
+        out = {}
+        for name, param in self.params.items():
+            value = body.get(name)
+            out[name] = param.default if value is None else param.value(prefix + name, value, vocab_size)
+        return out
+
+    def openapi(self) -> dict:
+        out: dict = {"type": OBJECT}
+        if self.required:
+            out["required"] = list(self.required)
+        if self.closed:
+            out["additionalProperties"] = False
+        out["properties"] = {name: param.openapi() for name, param in self.params.items()}
+        for name in self.required:  # a required field is never null
+            out["properties"][name].pop("nullable", None)
+        return out
+
+
+def field(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
+    """One field read where no Schema reads the body (a tool's checks, a tokenizer route's), checked."""
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
+        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", name)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ApiError(400, f"'{name}' must be a finite number", name)
+    if check is not None and not check(value):
+        raise ApiError(400, f"'{name}' is out of range: {value!r}", name)
+    return value

@@ -1,0 +1,108 @@
+"""The request schema is declared once (request_fields.py): what /openapi.json says of each field is what the gateway
+accepts and refuses, and adding an API parameter is one declaration."""
+
+import pytest
+
+from kvferry.services.gateway import request_fields
+from kvferry.services.gateway.openapi import openapi_spec
+from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS
+from kvferry.services.gateway.request_parsing import ApiError, Limits, check_fields, parse_generation
+from kvferry.services.gateway.request_schema import INTEGER, Param
+
+VOCAB = 1000
+LIMITS = Limits(max_tokens=100, max_n=3, max_stop=2)
+# top_logprobs needs logprobs: true
+BASE = {COMPLETIONS: {"prompt": "x", "max_tokens": 4}, CHAT: {"messages": [], "max_tokens": 4, "logprobs": True}}
+
+
+def parse(body: dict, name: str, limits: Limits = LIMITS):
+    return parse_generation({**BASE[name], **body}, name == CHAT, [1, 2, 3], 1000, VOCAB, limits)
+
+
+def refusal(body: dict, name: str, limits: Limits = LIMITS) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        parse(body, name, limits)
+    assert caught.value.status == 400 and len(caught.value.message) < 300
+    return caught.value
+
+
+@pytest.mark.parametrize("name", [COMPLETIONS, CHAT])
+def test_every_field_the_description_lists_is_accepted_and_no_other(name):
+    described = openapi_spec("0", LIMITS)["components"]["schemas"][name]
+    assert described["additionalProperties"] is False
+    for field in described["properties"]:
+        check_fields({field: None}, name == CHAT)
+    assert refusal({"temperature_": 1}, name).param == "temperature_"
+    other = CHAT if name == COMPLETIONS else COMPLETIONS
+    for field in set(openapi_spec("0", LIMITS)["components"]["schemas"][other]["properties"]) - set(
+        described["properties"]
+    ):
+        assert "unknown parameter" in refusal({field: 1}, name).message
+
+
+@pytest.mark.parametrize("name", [COMPLETIONS, CHAT])
+def test_every_described_bound_and_type_is_a_400_naming_its_field(name):
+    properties = openapi_spec("0", LIMITS)["components"]["schemas"][name]["properties"]
+    num_bounds = 0
+    for field, spec in properties.items():
+        if spec.get("type") in ("integer", "number", "boolean"):
+            assert refusal({field: "1"}, name).param == field
+        low, high = spec.get("minimum"), spec.get("maximum")
+        if "enum" in spec:  # known, not honoured: only the value that asks for nothing
+            parse({field: spec["enum"][0]}, name)
+            assert refusal({field: 2}, name).param == field
+        elif spec.get("type") in ("integer", "number") and field != "max_tokens":
+            step = 1 if spec["type"] == "integer" else 0.5
+            if low is not None:
+                below = low if spec.get("exclusiveMinimum") else low - step
+                assert refusal({field: below}, name).param == field, field
+                num_bounds += 1
+            if high is not None:
+                assert refusal({field: high + step}, name).param == field, field
+                num_bounds += 1
+            parse({field: high if high is not None and high < 100 else low + step}, name)  # within: accepted
+    assert num_bounds >= 15
+    # max_tokens' limit is checked after the context length, and still names its field
+    assert refusal({"max_tokens": properties["max_tokens"]["maximum"] + 1}, name).param == "max_tokens"
+
+
+def test_the_limits_flow_into_the_checks_and_the_description():
+    for limits in (Limits(max_n=2, max_tokens=50, max_stop=1), Limits(max_n=5, max_tokens=500, max_stop=3)):
+        properties = openapi_spec("0", limits)["components"]["schemas"][COMPLETIONS]["properties"]
+        assert properties["n"]["maximum"] == limits.max_n and properties["max_tokens"]["maximum"] == limits.max_tokens
+        assert properties["stop"]["oneOf"][1]["maxItems"] == limits.max_stop
+        assert parse({"n": limits.max_n}, COMPLETIONS, limits).n == limits.max_n
+        assert refusal({"n": limits.max_n + 1}, COMPLETIONS, limits).param == "n"
+        assert refusal({"stop": ["a"] * (limits.max_stop + 1)}, COMPLETIONS, limits).param == "stop"
+
+
+def test_adding_a_parameter_is_one_declaration(monkeypatch):
+    """A new field declared in request_fields.py alone is accepted, checked against its bound (a limit), and
+    described."""
+    plain = request_fields.BUILDERS[COMPLETIONS]
+
+    def with_knob(limits: Limits):
+        schema = plain(limits)
+        return type(schema)({**schema.params, "knob": Param(INTEGER, lo=1, hi=limits.max_n, doc="new")}, ("prompt",))
+
+    monkeypatch.setitem(request_fields.BUILDERS, COMPLETIONS, with_knob)
+    request_fields._built.cache_clear()
+    try:
+        described = openapi_spec("0", LIMITS)["components"]["schemas"][COMPLETIONS]["properties"]["knob"]
+        assert described == {"type": "integer", "minimum": 1, "maximum": 3, "nullable": True, "description": "new"}
+        parse({"knob": 3}, COMPLETIONS)
+        error = refusal({"knob": 4}, COMPLETIONS)
+        assert error.param == "knob" and error.message == "'knob' must be an integer from 1 to 3, got 4"
+        assert refusal({"knob": 4}, CHAT).message == "unknown parameter 'knob'"
+    finally:
+        request_fields._built.cache_clear()
+
+
+def test_a_nested_object_names_its_own_fields():
+    for options, param, says in (
+        ({"include_usage": "yes"}, "stream_options.include_usage", "must be true or false"),
+        ({"x" * 5000: True}, "stream_options", "unknown parameter 'stream_options.xxx"),
+        ([], "stream_options", "must be an object"),
+    ):
+        error = refusal({"stream": True, "stream_options": options}, CHAT)
+        assert error.param == param and says in error.message
