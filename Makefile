@@ -30,7 +30,7 @@ serve: model
 	$(VENV)/bin/kvferry serve
 
 test: $(TEST_STAMP) model prometheus
-	$(PY) -m pytest -q --durations=15 tests
+	KVFERRY_TESTS_REQUIRE_ENV=1 $(PY) -m pytest -q --durations=15 tests
 
 # The fast tier, for every change: the unit and integration tests that take no more than a second or so each (not
 # marked slow) and one tiny-model end-to-end smoke test. `make test` runs everything.

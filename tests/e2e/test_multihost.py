@@ -10,6 +10,7 @@ import pytest
 from kvferry.common.curve import generate
 from tests.e2e.netns import Hosts, ensure_ip
 from tests.e2e.stack import Stack, engine_texts
+from tests.environment import lacking
 
 pytestmark = pytest.mark.slow
 BODY = {"temperature": 0, "ignore_eos": True}
@@ -20,7 +21,7 @@ PROMPTS = ["The capital of France is", "Once upon a time,", "def fibonacci(n):",
 def hosts():
     reason = ensure_ip()
     if reason:
-        pytest.skip(f"multi-host test needs network namespaces: {reason}")
+        lacking(f"multi-host test needs network namespaces: {reason}")
     hosts = Hosts()
     try:
         for host in ("gw", "pf", "dc"):

@@ -8,11 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 from honcho.environ import expand_processes, parse, parse_procfile
 
 from kvferry.common import settings
 from tests.e2e.stack import tiny_stack
+from tests.environment import lacking
 
 ROOT = Path(__file__).resolve().parents[2]
 PROCFILE = ROOT / "Procfile"
@@ -73,7 +73,7 @@ def running(procs: dict[int, int]) -> list[int]:
 
 def test_honcho_runs_the_procfile_with_two_workers_of_each_role_and_stops_on_sigterm(tmp_path):
     if not (ROOT / ".venv" / "bin" / "kvferry").exists():
-        pytest.skip("the Procfile runs .venv/bin/kvferry, which `make install` creates")
+        lacking("the Procfile runs .venv/bin/kvferry, which `make install` creates")
     stack = tiny_stack(tmp_path)  # its free ports, its tiny model and small KV cache; honcho starts the processes
     env_file = tmp_path / "honcho.env"
     env_file.write_text(f"PORT={stack.port}\n")  # honcho's own way to set its base port, as the committed .env does

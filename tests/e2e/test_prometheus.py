@@ -14,11 +14,11 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import yaml
 
 from tests.e2e.prometheus_server import Prometheus, cached_binary, find_binary
 from tests.e2e.stack import tiny_stack
+from tests.environment import lacking
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -128,7 +128,7 @@ class HeldStream(threading.Thread):
 def test_the_adapter_rules_behind_the_hpas_follow_load_on_a_real_prometheus(tmp_path):
     binary = find_binary()
     if binary is None:
-        pytest.skip(
+        lacking(
             f"no prometheus on PATH or at {cached_binary()}: `make prometheus` (part of `make test`) puts Debian's "
             "package there where apt can download it"
         )
