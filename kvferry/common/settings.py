@@ -23,7 +23,8 @@ from typing import Any
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.gateway_config import GatewayConfig
-from kvferry.common.logs import FORMATS
+from kvferry.common.process_config import ProcessConfig
+from kvferry.common.serve_config import ServeConfig
 from kvferry.common.setting import (
     _FALSE,
     _TRUE,
@@ -51,6 +52,7 @@ from kvferry.common.setting import (
     parse_names,
     settings_of,
 )
+from kvferry.common.worker_config import WorkerConfig
 
 __all__ = [
     "BENCH", "COMMANDS", "DECODE", "ENGINE", "ENV_PREFIX", "FLOAT", "GATEWAY", "GENERATE", "INT", "NAMES", "PATH",
@@ -71,189 +73,11 @@ SECTIONS = (
     "files",
 )
 
-_NOT_IN_A_CONFIG_YET: tuple[Setting, ...] = (
-    # Where the gateway listens; what `kvferry serve` starts.
-    Setting(
-        "control_port",
-        INT,
-        "5557",
-        "the port on 127.0.0.1 where serve's workers register at its gateway",
-        (SERVE,),
-        "gateway",
-        min=1,
-        max=65535,
-    ),
-    # On a small machine both workers take every core, and the decode worker runs at a lower priority: a prompt's
-    # prefill then has the cores while it lasts (its GEMMs are the machine's most efficient work, and its requests
-    # join the decode batch sooner), and decode takes what prefill leaves. std-32 over HTTP ran about 14%
-    # faster than with the cores split between them (docs/benchmarks.md), at the price of decode's pace while a
-    # burst of prompts is prefilled. decode_nice 0 shares the cores evenly.
-    Setting("prefill_threads", INT, "2", "torch threads of serve's prefill worker", (SERVE,), "gateway", min=1),
-    Setting("decode_threads", INT, "2", "torch threads of serve's decode worker", (SERVE,), "gateway", min=1),
-    Setting(
-        "decode_nice",
-        INT,
-        "10",
-        "niceness of serve's decode worker, as nice(1)'s: how far it yields the cores to prefill",
-        (SERVE,),
-        "gateway",
-        min=0,
-        max=19,
-    ),
-    # Workers.
-    Setting(
-        "gateway",
-        STR,
-        "tcp://127.0.0.1:5557",
-        "the gateway's control address; several, comma-separated, to serve gateways that share this worker",
-        WORKERS,
-        "worker",
-    ),
-    Setting(
-        "worker_id",
-        STR,
-        None,
-        "this worker's name in logs, traces and /v1/workers; default: the role and a random suffix",
-        WORKERS,
-        "worker",
-    ),
-    Setting(
-        "grammar_compile_timeout",
-        FLOAT,
-        "5",
-        "a structured-output constraint not compiled this long (seconds) after it reached a worker's compile queue "
-        "fails: a 400 when its own compile took most of it (that compile is killed), else a 503 that another worker "
-        "may take; at most 8, below the 10 s a prefill worker waits for a decode worker to take a transfer (the "
-        "set-up of the tokenizer, xgrammar and the compile process, about 3 s on a 2-core CPU once and again after "
-        "each kill, is not counted)",
-        (*WORKERS, SERVE),
-        "worker",
-        above=0,
-        max=8,
-    ),
-    Setting(
-        "grammar_cache_bytes",
-        SIZE,
-        "256MiB",
-        "the compiled structured-output grammars a worker keeps, by the memory they hold (a large enum's holds tens "
-        "of MiB, an ordinary schema's tens of KiB); one larger than this is served, not kept. The default fits a "
-        "4 GiB worker beside the default model (540 MB), its 1 GiB KV cache, torch and the compile process",
-        (*WORKERS, SERVE),
-        "worker",
-        min=0,
-    ),
-    Setting(
-        "stall_timeout",
-        FLOAT,
-        "30",
-        "report unhealthy (the gateway moves the requests) when the step loop is stuck this long",
-        WORKERS,
-        "worker",
-        above=0,
-    ),
-    Setting(
-        "health_port",
-        INT,
-        None,
-        "serve GET /health (registered and stepping) and /live (loop not stuck) on this port, on every "
-        "interface: the kubelet probes the pod's address (default: off)",
-        WORKERS,
-        "worker",
-        min=1,
-        max=65535,
-    ),
-    Setting(
-        "kv_bind",
-        STR,
-        "tcp://127.0.0.1:0",
-        "where prefill workers send KV (port 0: any free port)",
-        (DECODE,),
-        "worker",
-    ),
-    Setting(
-        "advertise_host",
-        STR,
-        None,
-        "the address prefill workers reach a 0.0.0.0 --kv-bind at (default: this host's IP; in Kubernetes, "
-        "give the pod IP)",
-        (DECODE,),
-        "worker",
-    ),
-    # Deadlines and overload.
-    Setting(
-        "drain_timeout",
-        FLOAT,
-        "30",
-        "on SIGTERM, stop taking new work and finish what is in flight for at most this long (a worker then "
-        "hands the rest back)",
-        SERVICES,
-        "deadlines and overload",
-        min=0,
-    ),
-    # The HTTP API.
-    # Security.
-    Setting(
-        "curve_keys",
-        PATH,
-        None,
-        "encrypt and authenticate every ZeroMQ socket with the keys in DIR (kvferry keys DIR)",
-        SERVICES,
-        "security",
-        metavar="DIR",
-    ),
-    Setting(
-        "insecure",
-        SWITCH,
-        False,
-        "allow ZeroMQ sockets bound beyond loopback without --curve-keys, and the HTTP API without --api-key (only "
-        "on a private network you trust)",
-        SERVICES,
-        "security",
-    ),
-    Setting(
-        "curve_client",
-        STR,
-        None,
-        "the CURVE client key pair this worker presents, DIR/NAME.key_secret (default: its role, prefill or decode); "
-        "a pair of its own (kvferry keys DIR --client NAME) can be revoked alone",
-        WORKERS,
-        "security",
-        metavar="NAME",
-    ),
-    # Observability.
-    Setting(
-        "trace_dir",
-        PATH,
-        None,
-        "append one JSON line per message and span to files in this folder (read with kvferry trace)",
-        SERVICES,
-        "observability",
-    ),
-    Setting(
-        "otlp_endpoint",
-        STR,
-        None,
-        "also export spans to this OpenTelemetry collector (OTLP/HTTP), e.g. http://localhost:4318",
-        SERVICES,
-        "observability",
-    ),
-    Setting("log_format", STR, "text", "the log lines' format", SERVICES, "observability", choices=FORMATS),
-    # Read from the environment only.
-    Setting(
-        "cache_dir",
-        PATH,
-        "~/.cache/kvferry",
-        "where converted models live (a .gguf file is converted once, into this folder)",
-        COMMANDS,
-        "files",
-        flag="",
-    ),
-)
 
-CONFIGS = (EngineConfig, GatewayConfig)
+CONFIGS = (EngineConfig, GatewayConfig, ServeConfig, ProcessConfig, WorkerConfig)  # in a section, in this order
 SPEC: tuple[Setting, ...] = tuple(
     sorted(
-        (*(s for config in CONFIGS for s in settings_of(config)), *_NOT_IN_A_CONFIG_YET),
+        (s for config in CONFIGS for s in settings_of(config)),
         key=lambda s: SECTIONS.index(s.group),
     )
 )

@@ -12,6 +12,9 @@ from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import KvferryError
 from kvferry.common.observability import observe
+from kvferry.common.process_config import ProcessConfig
+from kvferry.common.setting import from_args
+from kvferry.common.worker_config import WorkerConfig
 
 
 def cmd_gateway(args) -> int:
@@ -21,7 +24,7 @@ def cmd_gateway(args) -> int:
     return 0
 
 
-def _run_worker(args, cls, **kwargs) -> int:
+def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig, **kwargs) -> int:
     import signal
     import uuid
 
@@ -29,7 +32,7 @@ def _run_worker(args, cls, **kwargs) -> int:
     from kvferry.services.launcher import _interrupt
 
     role = cls.role.name.lower()
-    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
     # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
     # of requests (found by `kvferry bench soak`; docs/benchmarks.md). 64 still holds every shape a decode batch cycles
@@ -38,22 +41,22 @@ def _run_worker(args, cls, **kwargs) -> int:
         os.environ.setdefault(cache, "64")
     observe(args, role, worker_id)  # before the worker: its channels take the tracer
     # Read before the model loads, so that bad keys fail at once. Each role presents a client pair of its own.
-    curve = CurveKeys.for_role(args.curve_keys, role, args.curve_client)
+    curve = CurveKeys.for_role(process.curve_keys, role, config.curve_client)
     signal.signal(signal.SIGTERM, _interrupt)  # until it serves: stop like Ctrl-C
     from kvferry.services.worker_health import WorkerHealthServer
 
-    health = WorkerHealthServer("0.0.0.0", args.health_port) if args.health_port is not None else None
+    health = WorkerHealthServer("0.0.0.0", config.health_port) if config.health_port is not None else None
 
     worker = cls(
         EngineConfig.from_args(args),
-        args.gateway,
+        config.gateway,
         worker_id,
-        stall_timeout_s=args.stall_timeout,
-        grammar_compile_timeout_s=args.grammar_compile_timeout,
-        grammar_cache_bytes=args.grammar_cache_bytes,
-        drain_timeout_s=args.drain_timeout,
+        stall_timeout_s=config.stall_timeout,
+        grammar_compile_timeout_s=config.grammar_compile_timeout,
+        grammar_cache_bytes=config.grammar_cache_bytes,
+        drain_timeout_s=process.drain_timeout,
         curve=curve,
-        insecure=args.insecure,
+        insecure=process.insecure,
         **kwargs,
     )
     if health:
@@ -75,18 +78,21 @@ def _run_worker(args, cls, **kwargs) -> int:
 def cmd_prefill(args) -> int:
     from kvferry.services.prefill.worker import PrefillWorker
 
-    return _run_worker(args, PrefillWorker)
+    return _run_worker(args, PrefillWorker, from_args(WorkerConfig, args), from_args(ProcessConfig, args))
 
 
 def cmd_decode(args) -> int:
     from kvferry.common.bind_check import check_exposed
 
+    config, process = from_args(WorkerConfig, args), from_args(ProcessConfig, args)
     # Refused now, not after torch and the model load. With --insecure the worker warns as it binds.
-    if not args.insecure:
-        check_exposed(args.kv_bind, "the decode worker's KV ingress", curve=bool(args.curve_keys))
+    if not process.insecure:
+        check_exposed(config.kv_bind, "the decode worker's KV ingress", curve=bool(process.curve_keys))
     from kvferry.services.decode.worker import DecodeWorker
 
-    return _run_worker(args, DecodeWorker, kv_bind=args.kv_bind, advertise_host=args.advertise_host)
+    return _run_worker(
+        args, DecodeWorker, config, process, kv_bind=config.kv_bind, advertise_host=config.advertise_host
+    )
 
 
 def cmd_serve(args) -> int:

@@ -12,6 +12,9 @@ import urllib.request
 
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
+from kvferry.common.gateway_config import GatewayConfig
+from kvferry.common.serve_config import ServeConfig
+from kvferry.common.setting import from_args
 
 READY_TIMEOUT_S = 300.0
 
@@ -130,8 +133,9 @@ def serve(args) -> int:
     from kvferry.common.bind_check import check_http_exposed
     from kvferry.common.model_files import resolve_model
 
+    config, gateway = from_args(ServeConfig, args), from_args(GatewayConfig, args)
     # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
-    check_http_exposed(args.host, args.port, args.api_key, args.insecure)
+    check_http_exposed(gateway.host, gateway.port, gateway.api_key, args.insecure)
     resolve_model(args.model)  # convert once here, not in three processes at the same time
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:
     # a shell starts background jobs with it ignored.
@@ -151,16 +155,16 @@ def serve(args) -> int:
     procs = []
     try:
         procs = start_services(
-            args.host,
-            args.port,
-            args.control_port,
-            args.prefill_threads,
-            args.decode_threads,
+            gateway.host,
+            gateway.port,
+            config.control_port,
+            config.prefill_threads,
+            config.decode_threads,
             env,
-            decode_nice=args.decode_nice,
+            decode_nice=config.decode_nice,
             prefill_env=prefill_env,
         )
-        print(f"kvferry: serving on http://{args.host}:{args.port}  (Ctrl-C stops all)", flush=True)
+        print(f"kvferry: serving on http://{gateway.host}:{gateway.port}  (Ctrl-C stops all)", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("kvferry: a service exited; stopping the others", file=sys.stderr)

@@ -27,6 +27,7 @@ def test_serve_hands_its_flags_and_variables_to_its_children(make_stack, tmp_pat
         *("--port", str(stack.port), "--control-port", str(stack.control_port)),
         *("--prefill-threads", "1", "--decode-threads", "1"),
         *("--max-tokens-limit", "8", "--max-n", "1", "--trace-dir", "traces", "--log-format", "json"),
+        *("--kv-cache-memory", "64MiB", "--dtype", "float32"),  # engine settings, for the workers
     )
     stack.wait_for(lambda: stack.get("/health")[0] == 200, 240, "serve's stack healthy")
     assert {w["role"] for w in stack.workers().values()} == {"prefill", "decode"}
@@ -53,6 +54,8 @@ def test_serve_hands_its_flags_and_variables_to_its_children(make_stack, tmp_pat
     environs = {_role(pid): Path(f"/proc/{pid}/environ").read_bytes().split(b"\0") for pid in children}
     assert b"GOMP_SPINCOUNT=10000" in environs["prefill"], environs["prefill"]
     assert not any(e.startswith(b"GOMP_SPINCOUNT=") for e in environs["decode"]), environs["decode"]
+    for role in ("prefill", "decode"):  # serve's engine flags, as each worker reads them
+        assert {b"KVFERRY_KV_CACHE_MEMORY=67108864", b"KVFERRY_DTYPE=float32"} <= set(environs[role]), environs[role]
 
     # The decode worker yields the cores to prefill: it and every thread it started run at serve's default niceness.
     niceness = {_role(pid): _niceness_of_threads(pid) for pid in children if _role(pid)}

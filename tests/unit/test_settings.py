@@ -1,5 +1,6 @@
-"""The settings spec (kvferry/common/settings.py): variables, flags, bounds, the parsers made from it, what
-`kvferry serve` hands its children, EngineConfig, and the settings table in docs/operations.md."""
+"""The settings (kvferry/common/settings.py, walked from the config classes that declare them): variables, flags,
+bounds, the parsers made from them, what `kvferry serve` hands its children, each role's config, and the settings
+table in docs/operations.md."""
 
 import argparse
 import dataclasses
@@ -12,7 +13,10 @@ from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.gateway_config import GatewayConfig
-from kvferry.common.setting import from_args
+from kvferry.common.process_config import ProcessConfig
+from kvferry.common.serve_config import ServeConfig
+from kvferry.common.setting import from_args, setting, settings_class, settings_of
+from kvferry.common.worker_config import WorkerConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 OPERATIONS = ROOT / "docs" / "operations.md"
@@ -236,6 +240,55 @@ def test_the_gateway_runs_with_its_config_parsed_from_its_flags():
     assert (deadlines.step_s, deadlines.max_moves, deadlines.request_s) == (2.0, 0, 600.0)
     with pytest.raises(ConfigError, match="port must be between 0 and 65535, got 70000"):
         GatewayConfig(port=70000)
+
+
+def test_every_setting_is_one_field_of_one_config_and_its_default_is_the_fields():
+    declared = [s for config in settings.CONFIGS for s in settings_of(config)]
+    assert len(declared) == len(settings.SPEC) and set(declared) == set(settings.SPEC)
+    for config in settings.CONFIGS:
+        instance = config()
+        for s in settings_of(config):
+            assert getattr(instance, s.attr) == (None if s.name == "quantization" else s.value_default), s.name
+
+
+def test_a_config_field_declares_its_setting():
+    @settings_class((settings.GATEWAY,), "API")
+    class Example:
+        size: int = setting("2KiB", "a size", kind=settings.SIZE, min=1)
+        on: bool = setting(True, "turned off by --no-on", off="no_on")
+        plain: float | None = setting(None, "a float", above=0, section="files")
+        not_a_setting: int = 3
+
+    size, on, plain = settings_of(Example)
+    assert (size.kind, size.value_default, Example().size, size.bounds()) == (settings.SIZE, 2048, 2048, "at least 1")
+    assert (on.name, on.attr, on.option, on.env, Example().on) == ("no_on", "on", "--no-on", "KVFERRY_NO_ON", True)
+    assert (plain.kind, plain.group, size.group, plain.commands) == (settings.FLOAT, "files", "API", ("gateway",))
+    assert from_args(Example, argparse.Namespace(size=5, on=False, not_a_setting=9)) == Example(size=5, on=False)
+    with pytest.raises(ConfigError, match="plain must be more than 0, got 0"):
+        Example(plain=0)
+    with pytest.raises(TypeError, match="on by default"):
+
+        @settings_class((settings.GATEWAY,), "API")
+        class OffByDefault:
+            on: bool = setting(False, "a switch's field turned off must be on by default", off="no_on")
+
+
+def test_a_worker_and_serve_run_with_their_configs_parsed_from_their_flags():
+    argv = ["--kv-bind", "tcp://127.0.0.1:5", "--drain-timeout", "0", "--insecure"]
+    args = parser_for(settings.DECODE, {"KVFERRY_STALL_TIMEOUT": "4"}).parse_args(argv)
+    worker, process = from_args(WorkerConfig, args), from_args(ProcessConfig, args)
+    assert (worker.stall_timeout, worker.kv_bind, process.drain_timeout, process.insecure) == (
+        4.0,
+        "tcp://127.0.0.1:5",
+        0.0,
+        True,
+    )
+    prefill = from_args(WorkerConfig, parser_for(settings.PREFILL, {}).parse_args(["--worker-id", "p"]))
+    assert (prefill.worker_id, prefill.kv_bind) == ("p", "tcp://127.0.0.1:0")  # one it does not take: the default
+    serve = parser_for(settings.SERVE, {"KVFERRY_DECODE_NICE": "0"}).parse_args(["--prefill-threads", "3"])
+    assert from_args(ServeConfig, serve) == ServeConfig(prefill_threads=3, decode_nice=0)
+    with pytest.raises(ConfigError, match="grammar_compile_timeout must be more than 0 and at most 8, got 9"):
+        WorkerConfig(grammar_compile_timeout=9)
 
 
 def test_the_settings_table_in_docs_operations_is_the_spec():
