@@ -59,23 +59,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_serve)
 
-    from kvferry.tools.bench.observers import cmd_bench_observer
-
-    for name, what in (("tracing", "message tracing"), ("capture", "traffic capture")):
-        p = bench.add_parser(name, help=f"std-32 over HTTP with {what} off and on: what {what} costs")
-        p.add_argument("--model", default=None)
-        p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
-        p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on), alternated")
-        p.add_argument("--prefill-threads", type=int, default=1)
-        p.add_argument("--decode-threads", type=int, default=2)
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(func=cmd_bench_observer)
-
-    from kvferry.tools.bench import feature, measure_parsers, quantization, sim_check
+    from kvferry.tools.bench import ab, measure_parsers, quantization, sim_check
 
     measure_parsers.add_parsers(bench)
     sim_check.add_parser(bench)
-    feature.add_parser(bench)
+    ab.add_parsers(bench)
     quantization.add_parser(bench)
 
     p = bench.add_parser(

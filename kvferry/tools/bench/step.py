@@ -68,7 +68,7 @@ class TimedModel:
 
 
 def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constraint=None) -> dict:
-    """constraint: one every sequence is held to (bench feature --feature structured-output)."""
+    """constraint: one every sequence is held to (bench ab --feature structured-output)."""
     rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, constraint=constraint)
     low, high = (256, engine.vocab_size - 256) if engine.vocab_size > 1024 else (3, engine.vocab_size)  # no specials

@@ -1,4 +1,4 @@
-"""`kvferry bench feature --feature structured-output`: std-32 with every request constrained to a mid-size JSON
+"""`kvferry bench ab --feature structured-output`: std-32 with every request constrained to a mid-size JSON
 schema, against the same requests unconstrained, on one stack, in one invocation.
 
 The schema asks for at least 40 records, which no std-32 request (256 tokens at most) can finish, so both sides

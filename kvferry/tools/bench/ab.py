@@ -1,0 +1,115 @@
+"""`kvferry bench ab --feature NAME`: one feature off against on, each side on a fresh stack (a gateway, 1 prefill and
+1 decode worker) over the workload that measures it.
+
+Rounds alternate off and on, so that a slow spell on a shared machine hits both sides. Each side warms up with two
+short requests that share no prefix with the workload, then replays it; the best run of each side is compared
+(ab_reports.py): for prefix caching and chunked prefill their TTFT, throughput and prompt tokens computed, for
+tracing and capture what the observer costs in throughput and what it writes. Structured output runs both sides
+on one stack instead (structured.py). `bench feature`, `bench tracing` and `bench capture` are this command under
+their earlier names.
+"""
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+
+from kvferry.common import settings
+from kvferry.tools.bench import ab_reports, structured, workload
+from kvferry.tools.bench.serve import counters_delta, prefill_counters, replay
+from kvferry.tools.bench.stack import fresh_stack, served_model
+
+
+@dataclass(frozen=True)
+class Feature:
+    setting: str  # the setting the feature hangs on
+    observer: bool  # the setting turns it on, naming the folder it writes to; otherwise "1" turns it off
+    workload: str  # the one that measures it
+    decode_threads: int = 1
+
+
+FEATURES = {
+    "prefix-caching": Feature("no_prefix_caching", False, "shared-prefix"),
+    "chunked-prefill": Feature("no_chunked_prefill", False, "head-of-line"),
+    "tracing": Feature("trace_dir", True, "std-32", decode_threads=2),
+    "capture": Feature("capture_dir", True, "std-32", decode_threads=2),
+}
+ONE_STACK = {"structured-output": structured.run}  # every request constrained to a JSON schema, or none
+
+
+def add_parsers(bench) -> None:
+    p = bench.add_parser(
+        "ab",
+        aliases=["feature"],
+        help="a feature off against on, on fresh stacks: prefix caching (shared-prefix workload), chunked prefill "
+        "(head-of-line), tracing and capture (std-32); structured output (std-32, on one stack)",
+    )
+    p.add_argument("--feature", required=True, choices=sorted(FEATURES) + sorted(ONE_STACK))
+    _add_arguments(p)
+    for name, what in (("tracing", "message tracing"), ("capture", "traffic capture")):
+        p = bench.add_parser(name, help=f"std-32 over HTTP with {what} off and on (bench ab --feature {name})")
+        p.set_defaults(feature=name)
+        _add_arguments(p)
+
+
+def _add_arguments(p) -> None:
+    p.add_argument("--workload", default=None, choices=workload.NAMES, help="default: the feature's own")
+    p.add_argument("--model", default=None)
+    p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on)")
+    p.add_argument("--prefill-threads", type=int, default=1)
+    p.add_argument("--decode-threads", type=int, default=None, help="default: 2 for tracing and capture, else 1")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench_ab)
+
+
+def run_side(args, feature: Feature, requests: list[dict], warmup: list[dict], on: bool) -> dict:
+    """One side's replay on a stack of its own: bench serve's figures, the prefill workers' counters over the
+    workload ("prefill"), and for an observer turned on what it wrote ("written": lines and bytes)."""
+    folder = tempfile.mkdtemp(prefix=f"kvferry-{feature.setting}-") if feature.observer and on else None
+    if feature.observer:
+        env = {settings.env_name(feature.setting): folder} if folder else {}
+    else:
+        env = {} if on else {settings.env_name(feature.setting): "1"}
+    threads = {"prefill_threads": args.prefill_threads, "decode_threads": args.decode_threads or feature.decode_threads}
+    try:
+        with fresh_stack(args.model, env, **threads) as (url, _):
+            model = served_model(url)
+            asyncio.run(replay(url, model, warmup))
+            before = prefill_counters(url, len(warmup))
+            report = asyncio.run(replay(url, model, requests))
+            report["prefill"] = counters_delta(before, prefill_counters(url, len(warmup) + len(requests)))
+        if folder:
+            files = [os.path.join(folder, f) for f in os.listdir(folder)]
+            lines = sum(sum(1 for _ in open(f, encoding="utf-8")) for f in files)
+            report["written"] = {"lines": lines, "bytes": sum(os.path.getsize(f) for f in files)}
+        return report
+    finally:
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def cmd_bench_ab(args) -> int:
+    if args.feature in ONE_STACK:
+        args.decode_threads = args.decode_threads or 1
+        return ONE_STACK[args.feature](args)
+    from kvferry.common.model_config import ModelConfig
+    from kvferry.common.model_files import resolve_model
+
+    feature = FEATURES[args.feature]
+    name = args.workload or feature.workload
+    vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
+    requests = workload.generate(name, vocab_size)
+    # Warm-up requests share nothing with the workload: its first prompts find an empty cache.
+    warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
+    sides = {"off": [], "on": []}
+    for i in range(args.repeat):
+        for side in ("off", "on"):
+            sides[side].append(run_side(args, feature, requests, warmup, side == "on"))
+            print(f"round {i + 1} {args.feature} {side}: " + json.dumps(sides[side][-1]), file=sys.stderr)
+    compare = ab_reports.cost if feature.observer else ab_reports.latency
+    report, text = compare(args.feature, name, sides)
+    print(json.dumps(report) if args.json else text)
+    return 0
