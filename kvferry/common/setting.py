@@ -300,6 +300,9 @@ def settings_class(commands: tuple[str, ...], section: str) -> Callable[[type], 
                 s = _as_setting(name, annotation, declared, commands, current)
                 current = s.group
                 setattr(cls, name, field(default=s.value_default, metadata={_METADATA: s}))
+        unannotated = [name for name, value in vars(cls).items() if isinstance(value, _Declared)]
+        if unannotated:
+            raise TypeError(f"{cls.__name__}: a setting's field needs a type: {', '.join(unannotated)}")
         if "__post_init__" not in cls.__dict__:
             cls.__post_init__ = check_settings
         return dataclass(cls)

@@ -208,7 +208,7 @@ def _default_text(s: Setting) -> str:
 
 def markdown_table() -> str:
     lines = [
-        "<!-- Generated from kvferry/common/settings.py by `make docs`; edit the spec, not this table. -->",
+        "<!-- Generated from the config classes (kvferry/common/*config.py) by `make docs`; edit a field there, not this table. -->",
         "",
         "| setting | flag | environment variable | default | commands | what it does |",
         "| --- | --- | --- | --- | --- | --- |",

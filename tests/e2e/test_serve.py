@@ -1,5 +1,5 @@
 """`kvferry serve`: its children (gateway, prefill, decode) run with serve's settings, from its flags and its
-environment (the flag winning), as the settings spec hands them on."""
+environment (the flag winning), as settings.child_environment hands them on."""
 
 import os
 from pathlib import Path

@@ -292,7 +292,7 @@ def test_a_worker_and_serve_run_with_their_configs_parsed_from_their_flags():
 
 
 def test_the_settings_table_in_docs_operations_is_the_spec():
-    """docs/operations.md's settings table is generated from the spec. When this fails, run `make docs`
+    """docs/operations.md's settings table is generated from the configs' fields. When this fails, run `make docs`
     (`.venv/bin/python -m kvferry.common.settings --write-docs docs/operations.md`) and commit the file."""
     assert OPERATIONS.is_file(), f"{OPERATIONS} is missing"
     table = settings.docs_table_of(OPERATIONS)
