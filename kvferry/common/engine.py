@@ -5,6 +5,10 @@ for the distributed pipeline: the same request with greedy sampling gives the sa
 prefill or decode worker drives the same step with its own KV connector (common/kv_connector.py) plugged in,
 and reaches the engine only through the public methods below.
 
+The engine holds one index of its sequences (`_live`, request id -> Sequence): waiting, running, or finished
+with their blocks kept for the connector (Sequence.kept) until release(). Everything kept for a request between
+steps is on its Sequence, so a request is forgotten by dropping it from the index.
+
 A step's failure stays with that step's requests: an exception while computing or sampling it ends each of
 them with an error output, and the engine goes on. Only a FatalError (a broken device) ends the caller.
 """
@@ -100,9 +104,8 @@ class LLMEngine(ReceivedKV):
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCache(lambda: self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids)
         self._ids = itertools.count()
+        # Every sequence held here, kept ones too. The name is ReceivedKV's, which a simulator's stand-in shares.
         self._live: dict[str, Sequence] = {}
-        self._kept: dict[str, Sequence] = {}  # finished, blocks kept for the connector until release()
-        self._logprobs: dict[str, list[TokenLogprobs]] = {}
         self.last_plan: StepPlan | None = None
         self.layer_groups = layer_groups(layout.num_layers)
         self._group_ending_at = {hi: (lo, hi) for lo, hi in self.layer_groups}  # a group's last layer + 1 -> it
@@ -160,7 +163,7 @@ class LLMEngine(ReceivedKV):
     ) -> str:
         """Queue a validated prompt."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._live or request_id in self._kept:
+        if request_id in self._live:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         # Outputs with nothing computed: the scheduler runs it like a preempted sequence, all tokens as one prompt.
         seq = Sequence(request_id, token_ids, params, output_token_ids=list(resume_token_ids))
@@ -199,14 +202,14 @@ class LLMEngine(ReceivedKV):
     def abort(self, request_id: str) -> bool:
         """End a request wherever it is: waiting, running, or finished with its blocks kept."""
         seq = self.scheduler.abort(request_id)
-        kept = request_id in self._kept
+        held = self._live.get(request_id)
+        kept = held is not None and held.kept
         self.release(request_id)
         return seq is not None or kept
 
     def forget(self, request_id: str) -> None:
+        """Drop a sequence from the index, and with it all the engine kept for it; its blocks are not touched."""
         self._live.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        self.runner.release(request_id)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -227,7 +230,8 @@ class LLMEngine(ReceivedKV):
             finished_seqs = self.scheduler.update(plan, sampled)
             finished = {id(s) for s in finished_seqs}
             if self.connector.keeps_finished_blocks:  # at once: a failure below must not lose their blocks
-                self._kept.update((s.request_id, s) for s in finished_seqs if s.finish_reason != FinishReason.ABORT)
+                for s in finished_seqs:
+                    s.kept = s.finish_reason != FinishReason.ABORT
         except FatalError:
             raise
         except Exception as exc:
@@ -250,16 +254,13 @@ class LLMEngine(ReceivedKV):
             )
             if logprobs is not None:
                 out.new_logprobs = [logprobs]
-                out.logprobs = self._logprobs.setdefault(seq.request_id, [])
-                out.logprobs.append(logprobs)
+                seq.logprobs.append(logprobs)
+                out.logprobs = seq.logprobs
             if (plan.is_prefill or done) and seq.params.prompt_logprobs is not None:  # first and last output
-                out.prompt_logprobs = self.runner.prompt_logprobs.get(seq.request_id)
+                out.prompt_logprobs = seq.prompt_logprobs
             outputs.append(out)
-            if done:
-                if seq.request_id in self._kept:
-                    self._live.pop(seq.request_id, None)  # its generator and logits stay until release()
-                else:
-                    self.forget(seq.request_id)
+            if done and not seq.kept:  # a kept one stays in the index, logprobs and all, until release()
+                self.forget(seq.request_id)
         return outputs
 
     def _layer_hook(self, plan: StepPlan):
@@ -298,14 +299,16 @@ class LLMEngine(ReceivedKV):
 
     # -- what a connector's role reads and releases ---------------------------------------------------------
     def release(self, request_id: str) -> None:
-        """Free what a finished sequence kept (keeps_finished_blocks): its blocks, generator and logits."""
-        seq = self._kept.pop(request_id, None)
-        if seq is not None:
+        """Let go of a request's sequence; a kept one (keeps_finished_blocks) frees its blocks too."""
+        seq = self._live.pop(request_id, None)
+        if seq is not None and seq.kept:
             self.scheduler.release(seq)
-        self.forget(request_id)
+            seq.kept = False
 
     def kept_block_ids(self, request_id: str) -> list[int]:
-        return list(self._kept[request_id].block_table)
+        seq = self._live[request_id]
+        assert seq.kept, f"{request_id} has no kept blocks"
+        return list(seq.block_table)
 
     def read_kv(self, block_ids: list[int], layers: tuple[int, int]):
         """K and V of these blocks in layers [lo, hi): [layers, blocks, block_size, 2, kvh, d], contiguous on the
@@ -321,7 +324,7 @@ class LLMEngine(ReceivedKV):
         parameters the engine ran it with). Choice 0 is out's token; the extra choices draw from the same logits,
         each with its own parameters and its own constraint state. A choice whose constraint allowed no token
         has token -1 and FinishReason.DEAD_END."""
-        seq = self._kept.get(out.request_id) or self._live[out.request_id]
+        seq = self._live[out.request_id]
         num_outputs, num_tokens = len(seq.output_token_ids), seq.num_tokens
         if out.finish_reason == FinishReason.DEAD_END:  # its token was not appended
             before = seq.output_token_ids  # what each choice's constraint had seen before its first token
@@ -345,7 +348,8 @@ class LLMEngine(ReceivedKV):
         return firsts
 
     def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:
-        return list(self.runner.prompt_logprobs.get(request_id) or ())
+        seq = self._live.get(request_id)
+        return list(seq.prompt_logprobs or ()) if seq is not None else []
 
     def finish_reason(
         self,

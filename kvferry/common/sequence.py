@@ -1,12 +1,16 @@
-"""One request's state as the scheduler sees it: tokens, progress and its block table."""
+"""One sequence's state in an engine: its tokens, progress and block table as the scheduler sees them, and what
+the engine and its model runner keep for it from step to step. Everything an engine holds for a sequence is here,
+so it goes when the sequence goes."""
 
 import enum
 import typing
 from dataclasses import dataclass, field
 
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 if typing.TYPE_CHECKING:
+    import torch
+
     from kvferry.common.structured.matcher import ConstraintState
 
 
@@ -43,6 +47,15 @@ class Sequence:
     # Its structured-output matcher (common/structured/matcher.py), when params.constraint is set: advanced with
     # every output token, kept through preemption, rebuilt from the tokens wherever the sequence moves.
     constraint_state: "ConstraintState | None" = None
+    # Finished, its blocks kept for the engine's connector (a prefill worker's transfer) until LLMEngine.release().
+    kept: bool = False
+    # A seeded sequence's own random generator, made by the model runner on its device at the first sample and
+    # kept through preemption: the same seed draws the same tokens however the steps fall. None: not made yet, or
+    # the sequence draws from the runner's shared one (greedy, or no seed).
+    generator: "torch.Generator | None" = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # each output's, when params.logprobs asks
+    # When params.prompt_logprobs asks: entry p is prompt token p's logprobs given the tokens before it (0: None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def token_ids(self) -> list[int]:

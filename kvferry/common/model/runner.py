@@ -2,6 +2,8 @@
 
 It owns the model and the paged KV cache, turns a scheduler plan into tensors (token ids,
 positions, slot mapping, block tables, context lengths), runs the forward pass and samples.
+It keeps nothing per request: what a sequence needs from step to step (its seeded generator, its
+prompt's logprobs) it stores on the Sequence, which goes when the engine lets go of it.
 """
 
 from dataclasses import dataclass
@@ -111,18 +113,15 @@ class ModelRunner:
         if device.type == "cpu":  # decode: every layer in one call, where the model and the batch allow
             model.fused_decode = FusedDecode.for_model(model, self.k_caches, self.v_caches)
         self.device_gather = DeviceGather(device) if device.type == "cuda" else None  # KV going out to the host
-        # Unseeded random rows draw from this one; seeded rows get their own (see sampler).
+        # Unseeded random rows draw from this one; seeded rows get their own, on their Sequence (see sampler).
         self.shared_generator = torch.Generator(device=device)
         if seed is not None:
             self.shared_generator.manual_seed(seed)
         else:
             self.shared_generator.seed()
-        self.seq_generators: dict[str, torch.Generator] = {}
         self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests and logprobs
-        self.last_rows: dict[str, int] = {}  # request id -> its row in last_logits
+        self.last_sampled: list[Sequence] = []  # the sequences of last_logits' rows, in order
         self.last_logprobs: list = []  # per chunk of the latest step: TokenLogprobs where asked for, else None
-        # Per request asking for them: entry p is prompt token p's logprobs given the tokens before it.
-        self.prompt_logprobs: dict[str, list] = {}
         self.decode_graphs: DecodeGraphs | None = None  # see use_decode_graphs
         # A step's inputs go to the device as one packed copy on CUDA; a CPU test packs them too, to run that layout.
         self.pack_inputs = device.type == "cuda"
@@ -133,10 +132,6 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(
             self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq, self.device, capture
         )
-
-    def release(self, request_id: str) -> None:
-        self.seq_generators.pop(request_id, None)
-        self.prompt_logprobs.pop(request_id, None)
 
     def read_blocks(self, block_table: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
         """A sequence's K and V in these layers (default all), [layers, num_blocks, block_size, 2, kv_heads,
@@ -172,13 +167,13 @@ class ModelRunner:
             return self.shared_generator
         return torch.Generator(device=self.device).manual_seed(params.seed)
 
-    def _generator_for(self, seq) -> torch.Generator | None:
-        """A seeded sequence keeps its generator from step to step."""
+    def _generator_for(self, seq: Sequence) -> torch.Generator | None:
+        """A seeded sequence keeps its generator from step to step (made here, on this runner's device)."""
         if seq.params.greedy or seq.params.seed is None:
             return self._new_generator(seq.params)
-        if seq.request_id not in self.seq_generators:
-            self.seq_generators[seq.request_id] = self._new_generator(seq.params)
-        return self.seq_generators[seq.request_id]
+        if seq.generator is None:
+            seq.generator = self._new_generator(seq.params)
+        return seq.generator
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The step's inputs on the device, sent as one copy (host_staging.py)."""
@@ -241,7 +236,7 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[inputs.last_tokens])  # [num_sampling, vocab]
         self.last_logits = logits
         seqs = [plan.chunks[i].seq for i in sampling]
-        self.last_rows = {seq.request_id: row for row, seq in enumerate(seqs)}
+        self.last_sampled = seqs
         processed = process_logits(logits, seqs, self.eos_token_ids)
         constraints = [s.constraint_state for s in seqs]
         generators = [self._generator_for(s) for s in seqs]
@@ -259,11 +254,13 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def sample_choices(self, seq, choice_params: list, constraints: list) -> list[tuple[int, object]]:
+    def sample_choices(self, seq: Sequence, choice_params: list, constraints: list) -> list[tuple[int, object]]:
         """More first tokens from the prompt just sampled in the latest step, one per extra choice (each with its
         own parameters: its own seed, and its own constraint state or None): (token id, TokenLogprobs or None)
         each."""
-        logits = self.last_logits[self.last_rows[seq.request_id]][None]  # [1, vocab]
+        # By identity: a batch is short, and a dict of rows built for every step would cost each decode step.
+        row = next(row for row, sampled in enumerate(self.last_sampled) if sampled is seq)
+        logits = self.last_logits[row][None]  # [1, vocab]
         out = []
         for params, state in zip(choice_params, constraints):
             choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
@@ -282,7 +279,9 @@ class ModelRunner:
             if seq.params.prompt_logprobs is None:
                 continue
             prompt = seq.prompt_token_ids
-            entries = self.prompt_logprobs.setdefault(seq.request_id, [None] * len(prompt))
+            if seq.prompt_logprobs is None:  # else a recompute after preemption: the same entries again
+                seq.prompt_logprobs = [None] * len(prompt)
+            entries = seq.prompt_logprobs
             start = seq.num_computed_tokens
             # Position p scores prompt token p + 1; the prompt's last position scores the first output instead.
             end = min(start + chunk.num_new_tokens, len(prompt) - 1)
