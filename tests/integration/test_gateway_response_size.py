@@ -14,7 +14,7 @@ from starlette.responses import JSONResponse
 from kvferry.common import protocol as p
 from kvferry.common.sampling import TokenLogprobs
 from kvferry.common.sequence import FinishReason
-from kvferry.services.gateway import api as api_module
+from kvferry.services.gateway import response_consumer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.request_parsing import Limits
@@ -152,11 +152,11 @@ def test_a_large_whole_body_is_built_off_the_event_loop_and_a_small_one_on_it(to
         return real_sse(obj)
 
     threads["echoed"], threads["chunk"] = [], []
-    real_part, real_sse = CompletionLogprobs.part, api_module.sse
+    real_part, real_sse = CompletionLogprobs.part, response_consumer.sse
     monkeypatch.setattr(Choices, "whole", whole)
     monkeypatch.setattr(JSONResponse, "render", render)
     monkeypatch.setattr(CompletionLogprobs, "part", part)
-    monkeypatch.setattr(api_module, "sse", sse)
+    monkeypatch.setattr(response_consumer, "sse", sse)  # where the streamed chunks are serialized
 
     async def test(http, prefill):
         for stream in (False, True):

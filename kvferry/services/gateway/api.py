@@ -13,7 +13,6 @@ import contextlib
 import contextvars
 import functools
 import logging
-import re
 import time
 import uuid
 from collections.abc import Sequence
@@ -22,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from kvferry.common import tracing
@@ -32,6 +31,7 @@ from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
+from kvferry.services.gateway.api_error import error_response
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
@@ -42,8 +42,9 @@ from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, check_fields, parse_generation
 from kvferry.services.gateway.request_trace import RequestTrace
+from kvferry.services.gateway.response_consumer import ResponseConsumer
 from kvferry.services.gateway.response_size import check_response_size
-from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText, sse, usage
+from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
 from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
 from kvferry.services.gateway.tool_prompt import ToolPrompt
@@ -62,24 +63,7 @@ CHECK_THREADS = 2
 # together, and a response_format beside them, are each within MAX_CONSTRAINT_BYTES).
 REQUEST_CHECK_STEPS = 2 * WorkBudget(MAX_CONSTRAINT_BYTES).num_steps
 CHECKED_FIELDS = ("tools", *CONSTRAINT_FIELDS)  # a body with any of them has its output rules checked on those threads
-# A whole response with more values than this (tokens, times 1 + logprobs) is built and serialized on a text thread:
-# a few milliseconds of the event loop's time, which every stream waits through.
-OFF_LOOP_ENTRIES = 10_000
 MAX_SHOWN_NAME = 100  # an unknown model's name, as a 404 repeats it: its first characters
-FIELD_NAME = re.compile(r"[\w.$\[\]-]{1,200}")  # how a worker's refusal names the request field it is about
-
-
-def worker_error(event) -> ApiError:
-    """A worker's error event as the client's error. A 4xx is a refusal of the request: a constraint that does not
-    compile says "<field>: <reason>", and param names that field. Anything else is the server's."""
-    if not 400 <= event.error_code < 500:
-        return ApiError(event.error_code, event.error, kind="server_error")
-    prefix = event.error.split(": ", 1)[0] if ": " in event.error else ""
-    return ApiError(event.error_code, event.error, prefix if FIELD_NAME.fullmatch(prefix) else None)
-
-
-def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class Api:
@@ -270,18 +254,20 @@ class Api:
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
             check_response_size(generations, chat, body, self.limits)
+            shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
+            choices = Choices(generations, self.tokenizer, self.token_text, chat)
+            choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
             # Routing errors surface with the first event, before any byte is sent.
             flights = capture.flights if capture is not None else None
             events, first = await self._unless_client_leaves(
                 request, self._start(prompts, generations, rid, ctx, flights)
             )
-            if first.error is not None and 400 <= first.error_code < 500:
-                # A refusal (a constraint that does not compile) is the HTTP status, for a stream too.
-                await events.aclose()
-                raise worker_error(first)
+            response = ResponseConsumer(self, events, first, choices, shape, trace)
+            await response.check_first()
             trace.admitted(sum(len(ids) for ids in prompts), generation.n, constraint.kind if constraint else "")
             if capture is not None:
                 capture.record.prompt_token_ids = prompts
+                capture.choices = choices
         except ApiError as exc:
             trace.finish(exc.status, error=exc.message)
             return error_response(exc, headers)
@@ -299,18 +285,7 @@ class Api:
             return Response(status_code=499)  # nobody reads it
         finally:
             self.admission.release(num_bytes)
-        shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
-        choices = Choices(generations, self.tokenizer, self.token_text, chat)
-        choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
-        if capture is not None:
-            capture.choices = choices
-        if generation.stream:
-            return StreamingResponse(
-                self._stream(events, first, choices, shape, trace, generation),
-                media_type="text/event-stream",
-                headers=headers,
-            )
-        return await self._whole(request, events, first, choices, shape, trace, headers)
+        return await response.respond(request, headers)
 
     async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
         """Route every prompt: the request's events, and the first of them. flights: a list that gets each prompt's
@@ -451,115 +426,8 @@ class Api:
             raise ApiError(400, f"token id {bad} is outside the vocabulary", param)
         return ids
 
-    async def _apply(self, event, choices: Choices, trace: RequestTrace):
-        """One event into its choice; None when the choice had already ended (a stop string) and it is dropped."""
-        if choices.states[event.choice].reason is not None:
-            return None
-        if not choices.generation.prompt_only:
-            trace.tokens(event)
-        started = time.time()
-        heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
-        delta = await self.off_loop(choices.apply, event) if heavy else choices.apply(event)
-        trace.detokenized(started, len(event.token_ids))
-        if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
-            await self.core.abort_choice(*choices.flight_of(event.choice))
-        return delta
-
-    async def _whole(self, request: Request, events, first, choices: Choices, shape, trace, headers):
-        try:
-            kv_transfer_s = await self._unless_client_leaves(request, self._collect(events, first, choices, trace))
-        except ApiError as exc:  # a worker's error
-            trace.finish(exc.status, error=exc.message)
-            return error_response(exc, headers)
-        except ClientDisconnect:  # its generation ended on every worker
-            return Response(status_code=499)  # nobody reads it
-        finally:
-            if not choices.done:
-                trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
-        use = usage(trace.num_prompt, choices.num_out)
-        build = functools.partial(whole_response, choices, shape, use, kv_transfer_s, headers)
-        response = await self.off_loop(build) if choices.num_entries > OFF_LOOP_ENTRIES else build()
-        trace.finish(200, choices.reasons)
-        return response
-
-    async def _collect(self, events, first, choices: Choices, trace) -> float:
-        """Every event into its choice, until all are done; the longest KV transfer among them. A worker's error
-        raises an ApiError."""
-        event, kv_transfer_s = first, 0.0
-        try:
-            while True:
-                if event.error:
-                    raise worker_error(event)
-                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
-                await self._apply(event, choices, trace)
-                if choices.done:
-                    return kv_transfer_s
-                event = await events.__anext__()
-        finally:
-            await events.aclose()  # whatever still runs is aborted on its workers
-
-    async def _stream(self, events, first, choices: Choices, shape, trace, generation: Generation):
-        event, kv_transfer_s = first, 0.0
-        # stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's field)
-        so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
-        try:
-            if shape.has_role_chunk:
-                yield sse(
-                    shape.chunk(
-                        [shape.delta_choice(state.index, "", None, None, first_chunk=True) for state in choices.states],
-                        so_far(),
-                    )
-                )
-            while True:
-                if event.error:
-                    error = worker_error(event).body()
-                    error["error"]["code"] = event.error_code
-                    yield sse(error)
-                    trace.finish(event.error_code, error=event.error)
-                    break
-                kv_transfer_s = max(kv_transfer_s, kv_hop_s(event))
-                heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES
-                delta = await self._apply(event, choices, trace)
-                if delta is not None:
-                    # At least one chunk per token event, even when the text is held back: clients time tokens by
-                    # chunks. A chat with tools sends one per content or tool-call piece.
-                    use = so_far()
-                    chunks = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
-                    if choices.states[event.choice].generation.return_token_ids:
-                        chunks[0]["choices"][0]["token_ids"] = delta.token_ids
-                    if choices.done:
-                        chunks[-1]["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-                    if heavy:  # a long echoed prompt's logprobs: serialized on a text thread
-                        yield await self.off_loop(lambda: b"".join(map(sse, chunks)))
-                    else:
-                        for chunk in chunks:
-                            yield sse(chunk)
-                if choices.done:
-                    if generation.include_usage:
-                        yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))
-                    trace.finish(200, choices.reasons)
-                    break
-                event = await events.__anext__()
-            yield b"data: [DONE]\n\n"
-        finally:
-            await events.aclose()  # a client gone mid-stream aborts the request on its workers
-            trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
-
 
 async def client_disconnects(receive) -> None:
     """Returns once the client has gone. The body was read already, so all that can come is http.disconnect."""
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, headers: dict) -> JSONResponse:
-    """A finished request's whole body, serialized (on a text thread when large: nothing changes its choices now)."""
-    whole = shape.whole(choices.whole(shape), use)
-    whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
-    return JSONResponse(whole, headers=headers)
-
-
-def kv_hop_s(event) -> float:
-    """The KV transfer time a decode worker reported with a choice's first tokens (0 for any other event)."""
-    decoded = event.decode_tokens
-    return decoded.kv_transfer_s if decoded is not None else 0.0

@@ -1,5 +1,7 @@
 """The error a client reads: an HTTP status and OpenAI's error body, whose param names the field it is about."""
 
+from starlette.responses import JSONResponse
+
 
 class ApiError(Exception):
     def __init__(
@@ -15,3 +17,7 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def error_response(error: ApiError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)

@@ -1,0 +1,158 @@
+"""One request's events, from the first, into its choices and the client's response: whole (one JSON body once every
+choice is done) or streamed (server-sent events as they come).
+
+Both read the events through one loop (ResponseConsumer._deltas): a worker's error ends it, each event goes into its
+choice, and a choice that ended early (a stop string) is aborted on its worker while the others go on. Whatever way
+the response ends, the request's events are closed (what still runs is aborted on its workers) and its trace is
+finished once: 200, the worker's error, or 499 for a client that left.
+"""
+
+import functools
+import re
+import time
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from kvferry.services.gateway.api_error import ApiError, error_response
+from kvferry.services.gateway.choices import Choices
+from kvferry.services.gateway.request_trace import RequestTrace
+from kvferry.services.gateway.responses import sse, usage
+
+# A whole response with more values than this (tokens, times 1 + logprobs) is built and serialized on a text thread:
+# a few milliseconds of the event loop's time, which every stream waits through.
+OFF_LOOP_ENTRIES = 10_000
+FIELD_NAME = re.compile(r"[\w.$\[\]-]{1,200}")  # how a worker's refusal names the request field it is about
+
+
+def worker_error(event) -> ApiError:
+    """A worker's error event as the client's error. A 4xx is a refusal of the request: a constraint that does not
+    compile says "<field>: <reason>", and param names that field. Anything else is the server's."""
+    if not 400 <= event.error_code < 500:
+        return ApiError(event.error_code, event.error, kind="server_error")
+    prefix = event.error.split(": ", 1)[0] if ": " in event.error else ""
+    return ApiError(event.error_code, event.error, prefix if FIELD_NAME.fullmatch(prefix) else None)
+
+
+class ResponseConsumer:
+    def __init__(self, api, events, first, choices: Choices, shape, trace: RequestTrace):
+        """api: what runs work off the loop (off_loop), aborts a choice (core.abort_choice) and waits unless the
+        client leaves; events: the request's, first its first."""
+        self.api, self.events, self.first = api, events, first
+        self.choices, self.shape, self.trace = choices, shape, trace
+        self.kv_transfer_s = 0.0  # the longest KV transfer among the choices
+
+    async def check_first(self) -> None:
+        """A refusal with the first event (a constraint that does not compile) is the HTTP status, for a stream
+        too: raised as an ApiError, before any byte is sent."""
+        if self.first.error is not None and 400 <= self.first.error_code < 500:
+            await self.events.aclose()
+            raise worker_error(self.first)
+
+    async def respond(self, request: Request, headers: dict) -> Response:
+        if self.choices.generation.stream:
+            return StreamingResponse(self._stream(), media_type="text/event-stream", headers=headers)
+        return await self._whole(request, headers)
+
+    async def _deltas(self):
+        """(event, its delta, whether it was heavy) for each event that went into a choice still going, until every
+        choice is done; a worker's error raises its ApiError."""
+        event, choices = self.first, self.choices
+        while True:
+            if event.error:
+                raise worker_error(event)
+            self.kv_transfer_s = max(self.kv_transfer_s, kv_hop_s(event))
+            heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
+            delta = await self._apply(event, heavy)
+            if delta is not None:
+                yield event, delta, heavy
+            if choices.done:
+                return
+            event = await self.events.__anext__()
+
+    async def _apply(self, event, heavy: bool):
+        """One event into its choice; None when the choice had already ended (a stop string) and it is dropped."""
+        choices, trace = self.choices, self.trace
+        if choices.states[event.choice].reason is not None:
+            return None
+        if not choices.generation.prompt_only:
+            trace.tokens(event)
+        started = time.time()
+        delta = await self.api.off_loop(choices.apply, event) if heavy else choices.apply(event)
+        trace.detokenized(started, len(event.token_ids))
+        if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
+            await self.api.core.abort_choice(*choices.flight_of(event.choice))
+        return delta
+
+    async def _collect(self) -> None:
+        try:
+            async for _ in self._deltas():
+                pass
+        finally:
+            await self.events.aclose()  # whatever still runs is aborted on its workers
+
+    async def _whole(self, request: Request, headers: dict) -> Response:
+        choices, trace = self.choices, self.trace
+        try:
+            await self.api._unless_client_leaves(request, self._collect())
+        except ApiError as exc:  # a worker's error
+            trace.finish(exc.status, error=exc.message)
+            return error_response(exc, headers)
+        except ClientDisconnect:  # its generation ended on every worker
+            return Response(status_code=499)  # nobody reads it
+        finally:
+            if not choices.done:
+                trace.finish(499)  # the client left (after an error this does nothing): counted as an abort
+        use = usage(trace.num_prompt, choices.num_out)
+        build = functools.partial(whole_response, choices, self.shape, use, self.kv_transfer_s, headers)
+        response = await self.api.off_loop(build) if choices.num_entries > OFF_LOOP_ENTRIES else build()
+        trace.finish(200, choices.reasons)
+        return response
+
+    async def _stream(self):
+        choices, shape, trace, generation = self.choices, self.shape, self.trace, self.choices.generation
+        # stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's field)
+        so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
+        try:
+            if shape.has_role_chunk:
+                first_chunks = [shape.delta_choice(s.index, "", None, None, first_chunk=True) for s in choices.states]
+                yield sse(shape.chunk(first_chunks, so_far()))
+            async for event, delta, heavy in self._deltas():
+                # At least one chunk per token event, even when the text is held back: clients time tokens by
+                # chunks. A chat with tools sends one per content or tool-call piece.
+                use = so_far()
+                chunks = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
+                if choices.states[event.choice].generation.return_token_ids:
+                    chunks[0]["choices"][0]["token_ids"] = delta.token_ids
+                if choices.done:
+                    chunks[-1]["kvferry"] = {"kv_transfer_s": round(self.kv_transfer_s, 6)}
+                if heavy:  # a long echoed prompt's logprobs: serialized on a text thread
+                    yield await self.api.off_loop(lambda: b"".join(map(sse, chunks)))
+                else:
+                    for chunk in chunks:
+                        yield sse(chunk)
+            if generation.include_usage:
+                yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))
+            trace.finish(200, choices.reasons)
+        except ApiError as exc:  # a worker's error after the stream began: an event, then [DONE]
+            error = exc.body()
+            error["error"]["code"] = exc.status
+            yield sse(error)
+            trace.finish(exc.status, error=exc.message)
+        finally:
+            await self.events.aclose()  # a client gone mid-stream aborts the request on its workers
+            trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
+        yield b"data: [DONE]\n\n"
+
+
+def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, headers: dict) -> JSONResponse:
+    """A finished request's whole body, serialized (on a text thread when large: nothing changes its choices now)."""
+    whole = shape.whole(choices.whole(shape), use)
+    whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
+    return JSONResponse(whole, headers=headers)
+
+
+def kv_hop_s(event) -> float:
+    """The KV transfer time a decode worker reported with a choice's first tokens (0 for any other event)."""
+    decoded = event.decode_tokens
+    return decoded.kv_transfer_s if decoded is not None else 0.0
