@@ -19,4 +19,5 @@ class ConfigError(KvferryError, ValueError):
 
 class FatalError(KvferryError):
     """What ends a worker: a broken device, or settings that cannot work, found at startup. Nothing a single
-    request does may raise it."""
+    request does may raise it: the blocks that serve one request (common/request_failure.fails_alone) let only it
+    through."""
