@@ -12,6 +12,7 @@ import time
 import pytest
 import uvicorn
 
+from kvferry.services.gateway.admission import Admission
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.main import load_text_side
 from kvferry.services.gateway.server import GatewayCore
@@ -155,3 +156,26 @@ def test_a_chunked_body_is_read_under_a_reservation_of_the_largest_body(tokenize
         assert status == 200 and reply_body["count"] > 0
         wait_for(lambda: api.admission.num_unanswered_bytes == 0, "the reservation to be given back")
         assert send(port, "/tokenize", prompt_of(100_000), chunked=True)[0] == 200
+
+
+def test_one_admission_holds_both_bounds_and_what_they_count(tokenizer):
+    """The count's bound and the bytes' bound, and the requests and bytes let in, all in one Admission: the Api's,
+    built with the core's --max-waiting."""
+    admission = Admission(max_waiting=2, max_waiting_bytes=100)
+    assert admission.refusal(1000) is None  # a lone request, whatever its size
+    admission.admit(60)
+    refused = admission.refusal(50)
+    assert refused.status == 429 and "bytes" in refused.message
+    assert admission.refusal(40) is None
+    admission.admit(40)
+    refused = admission.refusal(0)
+    assert refused.status == 429 and "too many requests waiting (2)" in refused.message
+    admission.release(60)
+    admission.release(40)
+    assert (admission.num_unanswered, admission.num_unanswered_bytes) == (0, 0)
+    core = GatewayCore("tcp://127.0.0.1:0", MODEL, 16, max_waiting=3)
+    try:
+        api = Api(core, tokenizer, MODEL, 2048, max_waiting_bytes=7)
+        assert (api.admission.max_waiting, api.admission.max_waiting_bytes) == (3, 7)
+    finally:
+        core.control.close()

@@ -14,7 +14,7 @@ size (the Guards' --max-body-size bounds it), so that a budget below that size r
 from starlette.requests import Request
 
 from kvferry.common import settings
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 
 RETRY_AFTER = {"retry-after": "1"}
 
@@ -26,15 +26,19 @@ def body_bytes(request: Request) -> int:
 
 
 class Admission:
-    def __init__(self, max_waiting_bytes: int = 0):
-        """max_waiting_bytes: 0, no bound. The count's bound is read from the core at each request."""
-        self.max_waiting_bytes = max_waiting_bytes
+    """The one owner of both bounds and of what they count: the Api lets each request in here, the Guards reserve a
+    chunked body's bytes here."""
+
+    def __init__(self, max_waiting: int = 0, max_waiting_bytes: int = 0):
+        """max_waiting: requests; max_waiting_bytes: their raw bodies' bytes; 0: no bound."""
+        self.max_waiting, self.max_waiting_bytes = max_waiting, max_waiting_bytes
         # Counted from the moment a request is let in, so that a burst cannot pass the bounds while it is parsed.
         self.num_unanswered = 0
         self.num_unanswered_bytes = 0
 
-    def refusal(self, max_waiting: int, num_bytes: int) -> ApiError | None:
+    def refusal(self, num_bytes: int) -> ApiError | None:
         """The 429 for a request of num_bytes, or None when it may be let in (then: admit)."""
+        max_waiting = self.max_waiting
         if max_waiting and self.num_unanswered >= max_waiting:
             # Refused at once, not queued until it times out: the client backs off and comes back.
             return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")

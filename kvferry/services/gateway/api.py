@@ -90,8 +90,9 @@ class Api:
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
-        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound.
-        self.admission = Admission(max_waiting_bytes)
+        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound. Both bounds live there alone;
+        # --max-waiting comes by the core, which `kvferry gateway` builds first.
+        self.admission = Admission(core.max_waiting, max_waiting_bytes)
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
@@ -228,7 +229,7 @@ class Api:
             trace.finish(503, error=error.message)
             return error_response(error, headers)
         num_bytes = body_bytes(request)
-        refused = self.admission.refusal(self.core.max_waiting, num_bytes)
+        refused = self.admission.refusal(num_bytes)
         if refused is not None:
             trace.finish(429, error=refused.message)
             return error_response(refused, {**headers, **RETRY_AFTER})
@@ -313,7 +314,7 @@ class Api:
         """handler(request)'s response, the request let in (and held until it answers) as a generation is: for the
         tokenizer routes, which parse a body too."""
         num_bytes = body_bytes(request)
-        refused = self.admission.refusal(self.core.max_waiting, num_bytes)
+        refused = self.admission.refusal(num_bytes)
         if refused is not None:
             return error_response(refused, RETRY_AFTER)
         self.admission.admit(num_bytes)

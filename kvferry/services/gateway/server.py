@@ -96,7 +96,9 @@ class GatewayCore:
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
         self.deadlines = deadlines or Deadlines()
-        self.max_waiting = max_waiting  # requests let in without a first token (the API counts them); 0: unbounded
+        # --max-waiting, handed on to the Api's Admission (admission.py), which alone bounds and counts the requests
+        # let in; the core never reads it.
+        self.max_waiting = max_waiting
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
