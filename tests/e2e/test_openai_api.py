@@ -135,7 +135,9 @@ def test_sampling_parameters_each_take_effect(client, model, engine):
     assert stopped.text == engine.tokenizer.decode([stop_id]) and stopped.finish_reason == "stop"
     held = client.completions.create(**base, extra_body={"stop_token_ids": [stop_id], "min_tokens": 3}).choices[0]
     # min_tokens masks the stop token for three tokens: the in-process engine says where it then ends, and why.
-    [want] = engine.generate([PROMPT], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,), min_tokens=3))
+    [want] = engine.generate(
+        [PROMPT], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=(stop_id,), min_tokens=3)
+    )
     assert (held.text, held.finish_reason) == (want.text, want.finish_reason.name.lower())
     assert len(engine.tokenizer.encode(held.text)) >= 3
     assert (
