@@ -165,3 +165,18 @@ def test_stream_options_take_booleans_and_no_other_key(served, options, param):
     answer.extend(three_tokens())
     reply = client.post("/v1/completions", json={"prompt": "hi", "stream": True, "stream_options": options})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"prompt": "hi", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ({"prompt": 5}, "prompt"),
+        ({"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": 1}, "add_generation_prompt"),
+    ],
+)
+def test_tokenize_reads_its_fields_through_its_declared_schema(served, body, param):
+    client, _ = served
+    reply = client.post("/tokenize", json=body)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
+    assert client.post("/tokenize", json={"prompt": "hi", "add_special_tokens": False}).json()["count"] >= 1

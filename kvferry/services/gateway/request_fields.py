@@ -127,10 +127,10 @@ def tokenize(limits: Limits) -> Schema:
         "prompt": Param(STRING),
         "messages": Param(spec=other_fields.MESSAGES),
         **{name: param for name, param in _tools().items() if name != "parallel_tool_calls"},
-        "add_special_tokens": Param(BOOLEAN),
+        "add_special_tokens": Param(BOOLEAN, default=True),
         "add_generation_prompt": Param(BOOLEAN, default=True),
     }
-    return Schema(params, closed=False)
+    return Schema(params, closed=False)  # read by TokenizerRoutes._tokenize
 
 
 def detokenize(limits: Limits) -> Schema:

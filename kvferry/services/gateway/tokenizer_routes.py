@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse
 
 from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.chat_messages import checked_messages
-from kvferry.services.gateway.request_schema import field
+from kvferry.services.gateway.request_fields import TOKENIZE, schema_of
 from kvferry.services.gateway.tool_prompt import for_template
 from kvferry.services.gateway.tools import Tools, parse_tools
 
@@ -69,19 +69,19 @@ class TokenizerRoutes:
     async def _tokenize(self, request: Request) -> JSONResponse:
         try:
             body = await self.api.json_body(request)
+            values = schema_of(TOKENIZE, self.api.limits).read(body, self.api.vocab_size)
             if "messages" in body:
-                add_generation_prompt = field(body, "add_generation_prompt", (bool,), True)
+                add_generation_prompt = values["add_generation_prompt"]
                 deadline = time.monotonic() + self.api.core.deadlines.request_s
                 checks = body.get("tools") is not None
                 tools = await self.api.checks_off_loop(request, deadline, parse_tools, body, checks=checks)
                 ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt, tools)
             else:
-                prompt = body.get("prompt")
-                if not isinstance(prompt, str):
+                prompt = values["prompt"]
+                if prompt is None:
                     raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
                 self.check_chars(len(prompt), "prompt")
-                add_special_tokens = field(body, "add_special_tokens", (bool,), True)
-                ids = await self.api.off_loop(self.tokenizer.encode, prompt, add_special_tokens)
+                ids = await self.api.off_loop(self.tokenizer.encode, prompt, values["add_special_tokens"])
         except ApiError as exc:
             return JSONResponse(exc.body(), status_code=exc.status)
         except ClientDisconnect:
