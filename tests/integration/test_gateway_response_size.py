@@ -12,12 +12,12 @@ import pytest
 from starlette.responses import JSONResponse
 
 from kvferry.common import protocol as p
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import TokenLogprobs
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway import response_consumer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.choices import Choices
-from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.responses import CompletionLogprobs
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 from tests.gateway_api import MODEL
@@ -34,7 +34,7 @@ def tokenizer():
     return load_text_side(None)[0]
 
 
-def served(tokenizer, test, limits: Limits | None = None, workers: bool = True) -> None:
+def served(tokenizer, test, limits: GatewayConfig | None = None, workers: bool = True) -> None:
     """Run test(http, prefill) against an Api over a started core; prefill: a fake prefill worker (with its decode
     worker registered too), or None without workers."""
 

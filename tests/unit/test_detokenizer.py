@@ -6,13 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.model_files import resolve_model
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.detokenizer import PARTIAL, IncrementalText
-from kvferry.services.gateway.request_parsing import Generation, Limits
+from kvferry.services.gateway.request_parsing import Generation
 from kvferry.services.gateway.responses import TokenText
 
 
@@ -62,7 +63,7 @@ def test_partial_characters_wait_for_the_next_token():
 def longest_stops(alphabet_of_the_text: str) -> list[str]:
     """As many stop strings as the default limits allow, each of the longest allowed length. Each starts like the
     text (partial matches at every period) and goes on with a character the text never has, so none matches."""
-    limits = Limits()
+    limits = GatewayConfig()
     count = min(limits.max_stop, limits.max_stop_chars // limits.max_stop_length)
     starts = [alphabet_of_the_text[i:] for i in range(count)]
     return [(s + "#" * limits.max_stop_length)[: limits.max_stop_length] for s in starts]

@@ -147,7 +147,7 @@ def test_a_chunked_body_is_read_under_a_reservation_of_the_largest_body(tokenize
         body = prompt_of(1000)
         held = socket.create_connection(("127.0.0.1", port), timeout=60)
         held.sendall(head("/tokenize", None) + b"%x\r\n%s" % (len(body), body[:500]))  # half of its one chunk
-        wait_for(lambda: api.admission.num_unanswered_bytes >= api.limits.max_body_bytes, "the reservation")
+        wait_for(lambda: api.admission.num_unanswered_bytes >= api.config.max_body_size, "the reservation")
         for chunked in (True, False):
             status, headers, reply_body = send(port, "/tokenize", prompt_of(100_000), chunked=chunked)
             assert status == 429 and headers.get("retry-after") == "1", (chunked, status, reply_body)

@@ -16,8 +16,8 @@ from starlette.routing import Route, WebSocketRoute
 from starlette.testclient import TestClient
 from starlette.websockets import WebSocketDisconnect
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.services.gateway.guards import Guards
-from kvferry.services.gateway.request_parsing import Limits
 
 JSON_PATHS = frozenset({"/tokenize", "/v1/completions"})
 
@@ -184,7 +184,7 @@ def api():
     4xx."""
     from tests.gateway_api import in_process_api
 
-    with in_process_api(Limits(max_n=4, max_prompts=8, max_prompt_chars=1000)) as served_api:
+    with in_process_api(GatewayConfig(max_n=4, max_prompts=8, max_prompt_chars=1000)) as served_api:
         yield served_api
 
 
@@ -289,7 +289,7 @@ def test_prompts_times_n_is_bounded(client):
 )
 def test_tokenizing_a_long_prompt_leaves_the_event_loop_running(api, body):
     """Tokenizing ~900,000 characters takes about a second: the loop must go on serving meanwhile."""
-    api.limits.max_prompt_chars, saved = 1_000_000, api.limits.max_prompt_chars
+    api.config.max_prompt_chars, saved = 1_000_000, api.config.max_prompt_chars
 
     async def main():
         ticks = 0
@@ -313,7 +313,7 @@ def test_tokenizing_a_long_prompt_leaves_the_event_loop_running(api, body):
     try:
         response, ticks, took = asyncio.run(main())
     finally:
-        api.limits.max_prompt_chars = saved
+        api.config.max_prompt_chars = saved
     assert response.status_code == 200 and response.json()["count"] > 100_000
     tokenizer = api.tokenizer  # the same ids as the tokenizers library's own encode, and the chat template
     if "prompt" in body:

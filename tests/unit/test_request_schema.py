@@ -3,23 +3,24 @@ accepts and refuses, and adding an API parameter is one declaration."""
 
 import pytest
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.services.gateway import request_fields
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS
-from kvferry.services.gateway.request_parsing import ApiError, Limits, check_fields, parse_generation
+from kvferry.services.gateway.request_parsing import ApiError, check_fields, parse_generation
 from kvferry.services.gateway.request_schema import INTEGER, Param
 
 VOCAB = 1000
-LIMITS = Limits(max_tokens=100, max_n=3, max_stop=2)
+LIMITS = GatewayConfig(max_tokens_limit=100, max_n=3, max_stop=2)
 # top_logprobs needs logprobs: true
 BASE = {COMPLETIONS: {"prompt": "x", "max_tokens": 4}, CHAT: {"messages": [], "max_tokens": 4, "logprobs": True}}
 
 
-def parse(body: dict, name: str, limits: Limits = LIMITS):
+def parse(body: dict, name: str, limits: GatewayConfig = LIMITS):
     return parse_generation({**BASE[name], **body}, name == CHAT, [1, 2, 3], 1000, VOCAB, limits)
 
 
-def refusal(body: dict, name: str, limits: Limits = LIMITS) -> ApiError:
+def refusal(body: dict, name: str, limits: GatewayConfig = LIMITS) -> ApiError:
     with pytest.raises(ApiError) as caught:
         parse(body, name, limits)
     assert caught.value.status == 400 and len(caught.value.message) < 300
@@ -67,9 +68,15 @@ def test_every_described_bound_and_type_is_a_400_naming_its_field(name):
 
 
 def test_the_limits_flow_into_the_checks_and_the_description():
-    for limits in (Limits(max_n=2, max_tokens=50, max_stop=1), Limits(max_n=5, max_tokens=500, max_stop=3)):
+    for limits in (
+        GatewayConfig(max_n=2, max_tokens_limit=50, max_stop=1),
+        GatewayConfig(max_n=5, max_tokens_limit=500, max_stop=3),
+    ):
         properties = openapi_spec("0", limits)["components"]["schemas"][COMPLETIONS]["properties"]
-        assert properties["n"]["maximum"] == limits.max_n and properties["max_tokens"]["maximum"] == limits.max_tokens
+        assert (
+            properties["n"]["maximum"] == limits.max_n
+            and properties["max_tokens"]["maximum"] == limits.max_tokens_limit
+        )
         assert properties["stop"]["oneOf"][1]["maxItems"] == limits.max_stop
         assert parse({"n": limits.max_n}, COMPLETIONS, limits).n == limits.max_n
         assert refusal({"n": limits.max_n + 1}, COMPLETIONS, limits).param == "n"
@@ -81,7 +88,7 @@ def test_adding_a_parameter_is_one_declaration(monkeypatch):
     described."""
     plain = request_fields.BUILDERS[COMPLETIONS]
 
-    def with_knob(limits: Limits):
+    def with_knob(limits: GatewayConfig):
         schema = plain(limits)
         return type(schema)({**schema.params, "knob": Param(INTEGER, lo=1, hi=limits.max_n, doc="new")}, ("prompt",))
 

@@ -8,11 +8,11 @@ import time
 import pytest
 from starlette.testclient import TestClient
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.flight import Event
 from kvferry.services.gateway.main import DEFAULT_MODEL_SOURCE, load_text_side, served_names
-from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import GatewayCore
 
 NAMES = ("org/tiny-chat", "tiny")
@@ -28,7 +28,7 @@ def tokenizer():
 def api(tokenizer):
     core = GatewayCore("tcp://127.0.0.1:0", "SmolLM2-135M-Instruct", 16)
     try:
-        yield Api(core, tokenizer, NAMES, 2048, Limits(max_n=4), loaded_at=LOADED_AT)
+        yield Api(core, tokenizer, NAMES, 2048, GatewayConfig(max_n=4), loaded_at=LOADED_AT)
     finally:
         core.control.socket.close()
 

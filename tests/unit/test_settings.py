@@ -228,15 +228,16 @@ def test_serve_takes_the_engine_settings_another_model_needs_and_its_workers_get
 
 
 def test_the_gateway_runs_with_its_config_parsed_from_its_flags():
-    from kvferry.services.gateway.main import limits_of
-    from kvferry.services.gateway.request_parsing import Limits
+    from kvferry.services.gateway.openapi import openapi_spec
+    from kvferry.services.gateway.request_fields import COMPLETIONS
     from kvferry.services.gateway.server import Deadlines
 
-    assert limits_of(GatewayConfig()) == Limits()  # each limit's default is its setting's
     argv = ["--max-body-size", "1KiB", "--max-tokens-limit", "5", "--max-n", "2", "--step-timeout", "2"]
     config = from_args(GatewayConfig, parser_for(settings.GATEWAY, {"KVFERRY_MAX_MOVES": "0"}).parse_args(argv))
-    limits, deadlines = limits_of(config), Deadlines(config)
-    assert (limits.max_body_bytes, limits.max_tokens, limits.max_n) == (1024, 5, 2)
+    # The request schema's bounds are the config's own fields, read where they are checked
+    properties = openapi_spec("0", config)["components"]["schemas"][COMPLETIONS]["properties"]
+    assert (config.max_body_size, properties["max_tokens"]["maximum"], properties["n"]["maximum"]) == (1024, 5, 2)
+    deadlines = Deadlines(config)
     assert (deadlines.step_s, deadlines.max_moves, deadlines.request_s) == (2.0, 0, 600.0)
     with pytest.raises(ConfigError, match="port must be between 0 and 65535, got 70000"):
         GatewayConfig(port=70000)

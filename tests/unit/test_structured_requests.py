@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 
 from kvferry.common import json_schema_support
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, Constraint
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.json_schema_support import (
     ANNOTATIONS,
     FORMATS,
@@ -25,7 +26,7 @@ from kvferry.common.json_schema_support import (
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.flight import Event
-from kvferry.services.gateway.request_parsing import ApiError, Limits
+from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.schema_checks import checked_schema
 from tests.gateway_api import in_process_api
 
@@ -98,7 +99,7 @@ def test_the_constraint_reaches_every_choice():
     from kvferry.services.gateway.request_parsing import parse_generation
 
     constraint = Constraint("regex", "x", "structured_outputs.regex")
-    g = parse_generation({"n": 3}, False, [1, 2], 64, 1000, Limits(max_tokens=100), constraint)
+    g = parse_generation({"n": 3}, False, [1, 2], 64, 1000, GatewayConfig(max_tokens_limit=100), constraint)
     assert g.params.constraint == constraint and g.n == 3
 
 
@@ -422,7 +423,7 @@ def test_a_pydantic_models_schema_is_supported():
 # -- over HTTP, against a fake core ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def api():
-    with in_process_api(Limits(max_n=4)) as served_api:
+    with in_process_api(GatewayConfig(max_n=4)) as served_api:
         yield served_api
 
 
@@ -516,7 +517,7 @@ def test_the_grammar_counters_are_in_metrics(api):
 def test_the_openapi_description_has_the_structured_output_fields():
     from kvferry.services.gateway.openapi import openapi_spec
 
-    spec = openapi_spec("0", Limits())["components"]["schemas"]
+    spec = openapi_spec("0", GatewayConfig())["components"]["schemas"]
     for name in ("response_format", "structured_outputs", "guided_json"):
         assert name in spec["ChatCompletionRequest"]["properties"] and name in spec["CompletionRequest"]["properties"]
     for name in ("tools", "tool_choice", "parallel_tool_calls"):

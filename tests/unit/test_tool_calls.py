@@ -14,12 +14,13 @@ from hypothesis import strategies as st
 from starlette.testclient import TestClient
 
 from kvferry.common.errors import ConfigError
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sequence import FinishReason
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.chat_messages import checked_messages
 from kvferry.services.gateway.flight import Event
-from kvferry.services.gateway.request_parsing import ApiError, Limits
+from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.tool_calls import ToolCallParser, delta_pieces, parse_tool_calls
 from kvferry.services.gateway.tool_prompt import DEFAULT_TOOL_PROMPT, ToolPrompt, for_template
 from kvferry.services.gateway.tools import MAX_TOOLS, parse_tools
@@ -444,7 +445,7 @@ def test_an_assistant_call_with_data_arguments_and_content_renders(smol):
 # -- the responses -------------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def api():
-    with in_process_api(Limits(max_n=4)) as served_api:
+    with in_process_api(GatewayConfig(max_n=4)) as served_api:
         yield served_api
 
 

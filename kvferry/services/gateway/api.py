@@ -26,6 +26,7 @@ from starlette.routing import Route
 
 from kvferry.common import tracing
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
@@ -40,7 +41,7 @@ from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
-from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits, check_fields, parse_generation
+from kvferry.services.gateway.request_parsing import ApiError, Generation, check_fields, parse_generation
 from kvferry.services.gateway.request_trace import RequestTrace
 from kvferry.services.gateway.response_consumer import ResponseConsumer
 from kvferry.services.gateway.response_size import check_response_size
@@ -73,7 +74,7 @@ class Api:
         tokenizer,
         model_names: str | Sequence[str],
         max_model_len: int,
-        limits: Limits | None = None,
+        config: GatewayConfig | None = None,
         api_key: str | None = None,
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
@@ -81,12 +82,12 @@ class Api:
         max_waiting_bytes: int = 0,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
+        config: the gateway's settings, which bound what one request may ask for (default: their defaults); loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.created = int(time.time() if loaded_at is None else loaded_at)
-        self.limits, self.api_key = limits or Limits(), api_key
+        self.config, self.api_key = config or GatewayConfig(), api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
@@ -129,7 +130,7 @@ class Api:
         guards = Middleware(
             Guards,
             api_key=self.api_key,
-            max_body_bytes=self.limits.max_body_bytes,
+            max_body_bytes=self.config.max_body_size,
             json_paths=json_paths,
             admission=self.admission,
         )
@@ -206,7 +207,7 @@ class Api:
         return Response(self.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def openapi(self, request: Request) -> JSONResponse:
-        return JSONResponse(openapi_spec(VERSION, self.limits))
+        return JSONResponse(openapi_spec(VERSION, self.config))
 
     # -- generation ----------------------------------------------------------------------------------------
     async def completions(self, request: Request):
@@ -248,13 +249,13 @@ class Api:
             calls = tools is not None and tools.calls_allowed
             generations = [
                 parse_generation(
-                    body, chat, ids, self.max_model_len, self.vocab_size, self.limits, constraint, tool_calls=calls
+                    body, chat, ids, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
                 )
                 for ids in prompts
             ]
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
-            check_response_size(generations, chat, body, self.limits)
+            check_response_size(generations, chat, body, self.config)
             shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
             choices = Choices(generations, self.tokenizer, self.token_text, chat)
             choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
@@ -304,7 +305,7 @@ class Api:
     def _check_fanout(self, num_prompts: int, n: int) -> None:
         """Every choice is a sequence on a decode worker: one request may ask for as many as --max-n or
         --max-prompts allow alone, not their product."""
-        most = max(self.limits.max_n, self.limits.max_prompts)
+        most = max(self.config.max_n, self.config.max_prompts)
         if num_prompts * n > most:
             raise ApiError(
                 400, f"{num_prompts} prompts with n={n} make {num_prompts * n} choices; at most {most} per request", "n"
@@ -413,8 +414,8 @@ class Api:
             raise ApiError(
                 400, "'prompt' must be a string, a list of token ids, or a non-empty list of either", "prompt"
             )
-        if len(batch) > self.limits.max_prompts:
-            raise ApiError(400, f"at most {self.limits.max_prompts} prompts per request", "prompt")
+        if len(batch) > self.config.max_prompts:
+            raise ApiError(400, f"at most {self.config.max_prompts} prompts per request", "prompt")
         self.tokenizer_routes.check_chars(sum(len(p) for p in batch if isinstance(p, str)), "prompt")
         encode = self.tokenizer.encode
         return [self._checked(encode(p) if isinstance(p, str) else list(p), "prompt") for p in batch]

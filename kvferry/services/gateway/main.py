@@ -5,7 +5,6 @@ in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctr
 """
 
 import asyncio
-import dataclasses
 import logging
 import signal
 import time
@@ -28,7 +27,6 @@ from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
-from kvferry.services.gateway.request_parsing import Limits
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 from kvferry.services.gateway.tool_prompt import ToolPrompt
 
@@ -91,12 +89,6 @@ def served_names(model, configured: tuple[str, ...] | None = None) -> tuple[str,
     return (served_model_name(model),)
 
 
-def limits_of(config: GatewayConfig) -> Limits:
-    """What one request may ask for: each of Limits' fields is the gateway setting of its name, or of the name here."""
-    setting_of = {"max_body_bytes": "max_body_size", "max_tokens": "max_tokens_limit"}
-    return Limits(**{f.name: getattr(config, setting_of.get(f.name, f.name)) for f in dataclasses.fields(Limits)})
-
-
 def run_gateway(args) -> None:
     from kvferry.common.observability import observe
 
@@ -130,7 +122,7 @@ def run_gateway(args) -> None:
         tokenizer,
         names,
         args.max_model_len or model_max_len,
-        limits_of(config),
+        config,
         config.api_key,
         tool_prompt,
         capture,

@@ -1,15 +1,16 @@
 """Every field each endpoint takes, declared once (request_schema.py): /v1/completions, /v1/chat/completions,
 /tokenize and /detokenize. Adding an API parameter is one line here; the unknown-field refusal, its checks and
-/openapi.json follow. Its bounds come from the gateway's settings (Limits) or the engine's (common/sampling.py).
+/openapi.json follow. Its bounds come from the gateway's settings (GatewayConfig, each builder's `limits`) or the engine's
+(common/sampling.py).
 """
 
 import dataclasses
 import functools
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_SEED, MAX_STOP_TOKEN_IDS, MAX_TOP_K
 from kvferry.services.gateway import other_fields
 from kvferry.services.gateway.api_error import ApiError
-from kvferry.services.gateway.limits import Limits
 from kvferry.services.gateway.request_schema import ARRAY, BOOLEAN, INTEGER, NUMBER, OBJECT, STRING, Param, Schema
 
 # Each request's name in /openapi.json
@@ -17,19 +18,19 @@ COMPLETIONS, CHAT = "CompletionRequest", "ChatCompletionRequest"
 TOKENIZE, DETOKENIZE = "TokenizeRequest", "DetokenizeRequest"
 
 
-def schema_of(name: str, limits: Limits) -> Schema:
+def schema_of(name: str, limits: GatewayConfig) -> Schema:
     """The named request's schema under these limits (built once for each)."""
     return _built(name, dataclasses.astuple(limits))
 
 
 @functools.lru_cache(maxsize=32)
 def _built(name: str, limits: tuple) -> Schema:
-    return BUILDERS[name](Limits(*limits))
+    return BUILDERS[name](GatewayConfig(*limits))
 
 
-def _sampling(limits: Limits) -> dict[str, Param]:
+def _sampling(limits: GatewayConfig) -> dict[str, Param]:
     """The fields both generation endpoints share."""
-    max_tokens = limits.max_tokens
+    max_tokens = limits.max_tokens_limit
     stop_doc = (
         f"at most {limits.max_stop} strings of at most {limits.max_stop_length} characters each, "
         f"{limits.max_stop_chars} characters together"
@@ -85,12 +86,12 @@ def _sampling(limits: Limits) -> dict[str, Param]:
     }
 
 
-def completions(limits: Limits) -> Schema:
+def completions(limits: GatewayConfig) -> Schema:
     params = {
         "prompt": Param(spec=other_fields.prompt(limits.max_prompts)),  # checked by Api.prompt_ids
         **_sampling(limits),
         # 0 only with echo: the prompt's logprobs alone (parse_generation); the limit after the context's
-        "max_tokens": Param(INTEGER, lo=0, hi=limits.max_tokens, check_hi=False, default=None),
+        "max_tokens": Param(INTEGER, lo=0, hi=limits.max_tokens_limit, check_hi=False, default=None),
         "logprobs": Param(INTEGER, lo=0, hi=MAX_LOGPROBS),
         "echo": Param(BOOLEAN, default=False),
         "best_of": Param(INTEGER, only=(1,)),
@@ -99,12 +100,12 @@ def completions(limits: Limits) -> Schema:
     return Schema(params, required=("prompt",))
 
 
-def chat(limits: Limits) -> Schema:
+def chat(limits: GatewayConfig) -> Schema:
     params = {
         "messages": Param(spec=other_fields.MESSAGES),  # checked by chat_messages.py
         **_sampling(limits),
-        "max_tokens": Param(INTEGER, lo=1, hi=limits.max_tokens, check_hi=False),
-        "max_completion_tokens": Param(INTEGER, lo=1, hi=limits.max_tokens, check_hi=False),
+        "max_tokens": Param(INTEGER, lo=1, hi=limits.max_tokens_limit, check_hi=False),
+        "max_completion_tokens": Param(INTEGER, lo=1, hi=limits.max_tokens_limit, check_hi=False),
         "logprobs": Param(BOOLEAN, default=False),
         "top_logprobs": Param(INTEGER, lo=0, hi=MAX_LOGPROBS),
         **_tools(),
@@ -121,7 +122,7 @@ def _tools() -> dict[str, Param]:
     }
 
 
-def tokenize(limits: Limits) -> Schema:
+def tokenize(limits: GatewayConfig) -> Schema:
     params = {
         "model": Param(STRING),
         "prompt": Param(STRING),
@@ -133,14 +134,14 @@ def tokenize(limits: Limits) -> Schema:
     return Schema(params, closed=False)  # read by TokenizerRoutes._tokenize
 
 
-def detokenize(limits: Limits) -> Schema:
+def detokenize(limits: GatewayConfig) -> Schema:
     return Schema({"model": Param(STRING), "tokens": Param(spec=other_fields.TOKEN_IDS)}, ("tokens",), closed=False)
 
 
 BUILDERS = {COMPLETIONS: completions, CHAT: chat, TOKENIZE: tokenize, DETOKENIZE: detokenize}
 
 
-def _stop(name: str, stop, vocab_size: int, limits: Limits) -> list[str]:
+def _stop(name: str, stop, vocab_size: int, limits: GatewayConfig) -> list[str]:
     """Each new token's text is matched against the stop strings, and held back while it may begin one: their
     number and length are bounded, each checked before the strings are looked at one by one."""
     stop = [stop] if isinstance(stop, str) else stop

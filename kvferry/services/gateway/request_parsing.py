@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.services.gateway.api_error import ApiError
-from kvferry.services.gateway.limits import Limits
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS, schema_of
 
 # The request fields SamplingParams takes as they are, under the same names
@@ -30,7 +30,7 @@ SAMPLING = (
     "min_tokens",
     "logit_bias",
 )
-__all__ = ["ApiError", "Generation", "Limits", "check_fields", "parse_generation"]  # ApiError, Limits: as before
+__all__ = ["ApiError", "Generation", "check_fields", "parse_generation"]  # ApiError: as before
 
 
 @dataclass
@@ -52,7 +52,7 @@ class Generation:
 def check_fields(body: dict, chat: bool) -> None:
     """An unknown field, or one not honoured, refused before anything else is looked at (the names are the same
     whatever the limits)."""
-    schema_of(CHAT if chat else COMPLETIONS, Limits()).check_names(body)
+    schema_of(CHAT if chat else COMPLETIONS, GatewayConfig()).check_names(body)
 
 
 def parse_generation(
@@ -61,12 +61,12 @@ def parse_generation(
     prompt_ids: list[int],
     max_model_len: int,
     vocab_size: int,
-    limits: Limits,
+    limits: GatewayConfig,
     constraint: Constraint | None = None,
     tool_calls: bool = False,
 ) -> Generation:
-    """constraint: what the output must match (constraints.py reads it from the body); tool_calls: parse the output's
-    tool calls."""
+    """limits: the gateway's settings, which bound what a request may ask for; constraint: what the output must match
+    (constraints.py reads it from the body); tool_calls: parse the output's tool calls."""
     schema = schema_of(CHAT if chat else COMPLETIONS, limits)
     values = schema.read(body, vocab_size)
     num_prompt = len(prompt_ids)

@@ -10,7 +10,8 @@ chunk, which carries its echoed prompt: for a stream only the echoed prompts cou
 """
 
 from kvferry.common import settings
-from kvferry.services.gateway.request_parsing import ApiError, Generation, Limits
+from kvferry.common.gateway_config import GatewayConfig
+from kvferry.services.gateway.request_parsing import ApiError, Generation
 
 
 def num_logprob_entries(generations: list[Generation]) -> int:
@@ -23,7 +24,7 @@ def _tokens_held(g: Generation) -> int:
     return echoed if g.stream or g.prompt_only else echoed + g.params.max_tokens
 
 
-def check_response_size(generations: list[Generation], chat: bool, body: dict, limits: Limits) -> None:
+def check_response_size(generations: list[Generation], chat: bool, body: dict, limits: GatewayConfig) -> None:
     """A 400 naming the fields that multiply the response, when it would hold more than --max-logprob-entries."""
     num = num_logprob_entries(generations)
     most = limits.max_logprob_entries

@@ -37,7 +37,7 @@ class TokenizerRoutes:
 
     def check_chars(self, num_chars: int, param: str, how: str = "") -> None:
         """--max-prompt-chars, checked before tokenizing."""
-        most = self.api.limits.max_prompt_chars
+        most = self.api.config.max_prompt_chars
         if num_chars > most:
             raise ApiError(
                 400,
@@ -69,7 +69,7 @@ class TokenizerRoutes:
     async def _tokenize(self, request: Request) -> JSONResponse:
         try:
             body = await self.api.json_body(request)
-            values = schema_of(TOKENIZE, self.api.limits).read(body, self.api.vocab_size)
+            values = schema_of(TOKENIZE, self.api.config).read(body, self.api.vocab_size)
             if "messages" in body:
                 add_generation_prompt = values["add_generation_prompt"]
                 deadline = time.monotonic() + self.api.core.deadlines.request_s
