@@ -12,6 +12,7 @@ import time
 import pytest
 import uvicorn
 
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.services.gateway.admission import Admission
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.main import load_text_side
@@ -27,8 +28,9 @@ def tokenizer():
 @contextlib.contextmanager
 def serving(tokenizer, max_waiting: int = 0, max_waiting_bytes: int = 0):
     """(port, api): the Api served by uvicorn on a thread of its own, stopped after."""
-    core = GatewayCore("tcp://127.0.0.1:0", MODEL, 16, max_waiting=max_waiting)
-    api = Api(core, tokenizer, MODEL, 2048, max_waiting_bytes=max_waiting_bytes)
+    core = GatewayCore("tcp://127.0.0.1:0", MODEL, 16)
+    config = GatewayConfig(max_waiting=max_waiting, max_waiting_bytes=max_waiting_bytes)
+    api = Api(core, tokenizer, MODEL, 2048, config)
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(api.app(), log_level="warning", log_config=None))
@@ -160,7 +162,7 @@ def test_a_chunked_body_is_read_under_a_reservation_of_the_largest_body(tokenize
 
 def test_one_admission_holds_both_bounds_and_what_they_count(tokenizer):
     """The count's bound and the bytes' bound, and the requests and bytes let in, all in one Admission: the Api's,
-    built with the core's --max-waiting."""
+    built with both from the gateway's config."""
     admission = Admission(max_waiting=2, max_waiting_bytes=100)
     assert admission.refusal(1000) is None  # a lone request, whatever its size
     admission.admit(60)
@@ -173,9 +175,9 @@ def test_one_admission_holds_both_bounds_and_what_they_count(tokenizer):
     admission.release(60)
     admission.release(40)
     assert (admission.num_unanswered, admission.num_unanswered_bytes) == (0, 0)
-    core = GatewayCore("tcp://127.0.0.1:0", MODEL, 16, max_waiting=3)
+    core = GatewayCore("tcp://127.0.0.1:0", MODEL, 16)
     try:
-        api = Api(core, tokenizer, MODEL, 2048, max_waiting_bytes=7)
+        api = Api(core, tokenizer, MODEL, 2048, GatewayConfig(max_waiting=3, max_waiting_bytes=7))
         assert (api.admission.max_waiting, api.admission.max_waiting_bytes) == (3, 7)
     finally:
         core.control.close()

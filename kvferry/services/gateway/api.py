@@ -75,25 +75,24 @@ class Api:
         model_names: str | Sequence[str],
         max_model_len: int,
         config: GatewayConfig | None = None,
-        api_key: str | None = None,
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
         loaded_at: float | None = None,
-        max_waiting_bytes: int = 0,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        config: the gateway's settings, which bound what one request may ask for (default: their defaults); loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
+        config: the gateway's settings: what one request may ask for, how many may wait (Admission), the API key
+        (default: their defaults); loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.created = int(time.time() if loaded_at is None else loaded_at)
-        self.config, self.api_key = config or GatewayConfig(), api_key
+        self.config = config = config or GatewayConfig()
+        self.api_key = config.api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
-        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound. Both bounds live there alone;
-        # --max-waiting comes by the core, which `kvferry gateway` builds first.
-        self.admission = Admission(core.max_waiting, max_waiting_bytes)
+        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound. Both bounds live there alone.
+        self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)

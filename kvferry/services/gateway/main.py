@@ -104,7 +104,6 @@ def run_gateway(args) -> None:
         args.block_size,
         config.heartbeat_interval,
         Deadlines(config),
-        config.max_waiting,
         CurveKeys.load(args.curve_keys),
         insecure=args.insecure,
     )  # binds --control: before the tokenizer loads, too
@@ -123,11 +122,9 @@ def run_gateway(args) -> None:
         names,
         args.max_model_len or model_max_len,
         config,
-        config.api_key,
         tool_prompt,
         capture,
         loaded_at=loaded_at,
-        max_waiting_bytes=config.max_waiting_bytes,
     )
     log.info(
         "serving %s as %s on http://%s:%d, workers register at %s",

@@ -68,7 +68,6 @@ class GatewayCore:
         block_size: int,
         heartbeat_interval_s: float = settings.default("heartbeat_interval"),
         deadlines: Deadlines | None = None,
-        max_waiting: int = 0,
         curve: CurveKeys | None = None,
         insecure: bool = False,
     ):
@@ -96,9 +95,6 @@ class GatewayCore:
         self.control = Channel(sock, "gateway/control")  # asyncio socket: used through pack and send_async
         self.registry = Registry(heartbeat_interval_s, expected_model=model_name, expected_block_size=block_size)
         self.deadlines = deadlines or Deadlines()
-        # --max-waiting, handed on to the Api's Admission (admission.py), which alone bounds and counts the requests
-        # let in; the core never reads it.
-        self.max_waiting = max_waiting
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
         self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
