@@ -1,5 +1,6 @@
 """`kvferry bench step` on a tiny model: decode steps at a full batch, split into the model and the rest."""
 
+import json
 import time
 
 import pytest
@@ -7,6 +8,7 @@ import pytest
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.tools.bench.step import measure
+from kvferry.tools.cli import main
 from tests.tiny_models import save_tiny_model
 
 FORWARD_S = 0.02  # each forward made to take at least this long
@@ -47,3 +49,24 @@ def test_step_benchmark_counts_the_forward_as_the_model_and_leaves_the_engine_em
     if path == "decode graphs":
         assert runner.decode_graphs is graphs and "run" not in vars(graphs)  # its own method again
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_step_command_runs_the_measure_asked_for_and_refuses_another_measures_options(tmp_path, capsys):
+    """`bench step --measure ...` is one command over split, breakdown, paging and roofline: each measure reports
+    its own figures with the sizes given, and an option of another measure is refused rather than ignored."""
+    save_tiny_model("llama", tmp_path)
+    engine = ["--model", str(tmp_path), "--block-size", "8", "--kv-cache-memory", "1MiB", "--max-num-seqs", "8"]
+    small = ["--batch", "4", "--context", "16", "--steps", "2"]
+    assert main(["bench", "step", *small, *engine, "--json"]) == 0
+    split = json.loads(capsys.readouterr().out)
+    assert split["measure"] == "split" and (split["batch"], split["context"], split["steps"]) == (4, 16, 2)
+    assert 0 < split["model_ms"] <= split["step_ms"], split
+    assert main(["bench", "step", "--measure", "paging", *small, *engine, "--json"]) == 0
+    paging = json.loads(capsys.readouterr().out)
+    assert paging["measure"] == "paging" and (paging["batch"], paging["context"]) == (4, 16), paging
+    assert paging["overhead"] > 0 and paging["overhead_vs_preallocated"] > 0, paging  # ratios of unrounded times
+    assert main(["bench", "step", "--measure", "paging", *small, *engine]) == 0
+    assert "paging overhead" in capsys.readouterr().out
+    for name, option in (("paging", "--chunk"), ("split", "--trials"), ("roofline", "--batch")):
+        assert main(["bench", "step", "--measure", name, option, "3", *engine]) == 2
+        assert f"{option} does not apply to --measure {name}" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`kvferry bench breakdown`: where one engine step's time goes, part by part, each against its own roofline.
+"""`kvferry bench step --measure breakdown`: where one engine step's time goes, part by part, each against its own roofline.
 
 A decode step at a full batch and a prefill chunk run through `engine.step()` with the model's parts wrapped
 from outside: each submodule's forward, and the functions the model looks up by name at call time (RoPE, the
@@ -14,7 +14,6 @@ Where decode runs every layer in one C call (common/model/fused_decode.py says a
 does so, and the wrapped one goes layer by layer, so that its parts can be timed.
 """
 
-import json
 import random
 import statistics
 import time
@@ -22,7 +21,6 @@ from collections import defaultdict
 
 import torch
 
-from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import attention, llama
 from kvferry.common.model import runner as runner_module
@@ -237,7 +235,7 @@ def measure(
     gemm_budget_s: the time each GEMM shape's rate is measured for; read_bytes: the buffer the bandwidth reads."""
     runner = engine.runner
     if torch.device(runner.device).type != "cpu":
-        raise ConfigError("bench breakdown times the CPU path only: run it with --device cpu")
+        raise ConfigError("bench step --measure breakdown times the CPU path only: run it with --device cpu")
     spans = Spans()
     wrapper_s = wrapper_cost()
     dtype = runner.model.embed_tokens.weight.dtype
@@ -285,31 +283,22 @@ def measure(
     return report
 
 
-def cmd_bench_breakdown(args) -> int:
-    from kvferry.common.engine import LLMEngine
-
-    config = EngineConfig.from_args(args)
-    config.num_threads = config.num_threads or 2
-    engine = LLMEngine(config)
-    report = {"threads": torch.get_num_threads(), **measure(engine, args.batch, args.context, args.chunk, args.steps)}
-    if args.json:
-        print(json.dumps(report))
-        return 0
-    print(
+def text(report: dict) -> str:
+    lines = [
         f"{report['threads']} threads; read bandwidth {report['read_gb_per_s']} GB/s; GEMM GFLOP/s through the "
         f"model's path, by shape (rows x in x out): {report['gemm_gflops']}; "
         f"a timing wrapper costs {report['wrapper_cost_us']} us"
-    )
+    ]
     for kind in ("decode", "prefill"):
         r = report[kind]
-        print(
+        lines.append(
             f"\n== {kind} step: {r['sequences']} sequences, {r['tokens']} new tokens; median of {r['steps']}: "
             f"{r['step_ms']} ms ({r['step_ms_unwrapped']} ms unwrapped"
             f"{', its layers in one C call' if r.get('unwrapped_in_one_call') else ''}) =="
         )
-        print(f"{'part':<24} {'ms':>9} {'share':>7} {'roofline ms':>12} {'of roofline':>12}")
+        lines.append(f"{'part':<24} {'ms':>9} {'share':>7} {'roofline ms':>12} {'of roofline':>12}")
         for row in r["parts"]:
             bound = "-" if row["roofline_ms"] is None else f"{row['roofline_ms']:.3f}"
             ratio = "-" if row["of_roofline"] is None else f"{row['of_roofline']:.0%}"
-            print(f"{row['part']:<24} {row['ms']:>9.3f} {row['share']:>7.1%} {bound:>12} {ratio:>12}")
-    return 0
+            lines.append(f"{row['part']:<24} {row['ms']:>9.3f} {row['share']:>7.1%} {bound:>12} {ratio:>12}")
+    return "\n".join(lines)

@@ -21,7 +21,11 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--no-floor", action="store_true", help="skip the compute-floor measurement")
     p.add_argument("--no-paging", action="store_true", help="skip the paged-vs-contiguous decode step")
-    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (`bench roofline`, measured quickly)")
+    p.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the roofline (`bench step --measure roofline`, measured quickly)",
+    )
     p.add_argument(
         "--repeat",
         type=int,
@@ -53,7 +57,11 @@ def add_bench_parser(sub) -> None:
         help="another OpenAI-compatible server (llama.cpp's, vLLM): the same workload, alternating rounds",
     )
     p.add_argument("--no-floor", action="store_true")
-    p.add_argument("--no-roofline", action="store_true", help="skip the roofline (`bench roofline`, measured quickly)")
+    p.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the roofline (`bench step --measure roofline`, measured quickly)",
+    )
     p.add_argument("--repeat", type=int, default=2, help="runs of the workload and of the floor, alternated")
     p.add_argument("--threads", type=int, default=2, help="torch threads for the floor and the baseline")
     p.add_argument("--json", action="store_true")
@@ -392,7 +400,7 @@ def _alternate_with_floor(
 
 
 def _roofline(args, model_dir, device, dtype, requests: list[dict], report: dict) -> None:
-    """`bench roofline`'s figure for the workload, measured quickly, and kvferry's share of it."""
+    """`bench step --measure roofline`'s figure for the workload, measured quickly, and kvferry's share of it."""
     from kvferry.tools.bench.roofline_measure import quantization_of, quick_roofline
 
     r = report["roofline"] = quick_roofline(model_dir, device, dtype, requests, quantization=quantization_of(args))
@@ -434,15 +442,9 @@ def _summary(report: dict) -> None:
             f"kvferry is {h['kvferry_speedup']}x"
         )
     if "paging" in report:
-        p = report["paging"]
-        print(
-            f"paging overhead             {p['overhead']:>10}x  (decode step, batch {p['batch']}, context "
-            f"{p['context']}: paged {p['paged_step_ms']} ms, plain contiguous cache {p['plain_step_ms']} ms)"
-        )
-        print(
-            f"  vs a preallocated buffer  {p['overhead_vs_preallocated']:>10}x  (idealised: all sequences at one "
-            f"position, attended through a view: {p['preallocated_step_ms']} ms)"
-        )
+        from kvferry.tools.bench.paging import text
+
+        print(text(report["paging"]))
 
 
 def _roofline_line(report: dict) -> None:
@@ -454,5 +456,5 @@ def _roofline_line(report: dict) -> None:
         return
     print(
         f"roofline                    {r['output_tok_per_s']:>10}   ({r['total_s']} s, {r['limits_used']}; "
-        f"`kvferry bench roofline` for its figures)   kvferry reaches {report['kvferry']['fraction_of_roofline']:.0%} of it"
+        f"`kvferry bench step --measure roofline` for its figures)   kvferry reaches {report['kvferry']['fraction_of_roofline']:.0%} of it"
     )

@@ -1,4 +1,4 @@
-"""The flags of the bench commands that measure this machine in process: costs, step, transfer, breakdown, roofline.
+"""The flags of the bench commands that measure this machine in process: costs, transfer, step (with its --measure).
 
 Their modules import torch. Every kvferry command builds the whole CLI first, so each command here imports its
 module only when it runs: `kvferry gateway` must not load torch to read its flags.
@@ -64,31 +64,36 @@ def add_parsers(bench) -> None:
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_command("transfer", "cmd_bench_transfer"))
 
-    p = bench.add_parser("step", help="one decode step at batch 32: the model's share and the rest")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=256)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--profile", action="store_true", help="also print the top functions outside the model (cProfile)")
+    p = bench.add_parser(
+        "step",
+        help="the engine's step in process, by --measure: split (the model's share of a decode step and the rest), "
+        "breakdown (a decode step and a prefill chunk part by part, against rooflines), paging (paged against "
+        "contiguous caches), roofline (this machine's GEMM rate and read bandwidth, and a workload's roofline)",
+        description="Each --measure takes the engine's flags and --json; the other options go with the measures "
+        "named in their help, and are refused with another.",
+    )
+    p.add_argument("--measure", default="split", choices=["split", "breakdown", "paging", "roofline"])
+    p.add_argument("--batch", type=int, default=None, help="split, breakdown, paging: decoding sequences (32)")
+    p.add_argument(
+        "--context", type=int, default=None, help="split, breakdown, paging: prompt tokens of each sequence (256)"
+    )
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="split, breakdown, paging: timed steps, medians reported (split 20, breakdown 6); paging: the best of "
+        "this many alternated rounds (10)",
+    )
+    p.add_argument("--chunk", type=int, default=None, help="breakdown: tokens of the prefill chunk (512)")
+    p.add_argument(
+        "--profile", action="store_true", help="split: also print the top functions outside the model (cProfile)"
+    )
+    p.add_argument("--workload", default=None, choices=list(workload.WORKLOADS), help="roofline: the workload (std-32)")
+    p.add_argument("--trials", type=int, default=None, help="roofline: trials of each limit; the best is kept (3)")
+    p.add_argument(
+        "--measured-tok-s", type=float, default=None, help="roofline: a measured output tok/s to set against it"
+    )
+    p.add_argument("--engine", action="store_true", help="roofline: also run the workload through the engine")
     p.add_argument("--json", action="store_true")
     settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=_command("step", "cmd_bench_step"))
-
-    p = bench.add_parser(
-        "breakdown", help="a decode step at batch 32 and a 512-token prefill chunk, part by part, against rooflines"
-    )
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--context", type=int, default=256, help="prompt tokens of each decoding sequence")
-    p.add_argument("--chunk", type=int, default=512, help="tokens of the prefill chunk")
-    p.add_argument("--steps", type=int, default=6, help="timed steps of each kind; medians are reported")
-    p.add_argument("--json", action="store_true")
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=_command("breakdown", "cmd_bench_breakdown"))
-
-    p = bench.add_parser("roofline", help="this machine's GEMM rate and read bandwidth, and a workload's roofline")
-    p.add_argument("--workload", default="std-32", choices=list(workload.WORKLOADS))
-    p.add_argument("--trials", type=int, default=3, help="trials of each measurement; the best is kept")
-    p.add_argument("--measured-tok-s", type=float, default=None, help="a measured output tok/s to set against it")
-    p.add_argument("--engine", action="store_true", help="also run the workload through the in-process engine")
-    p.add_argument("--json", action="store_true")
-    settings.add_arguments(p, settings.BENCH)
-    p.set_defaults(func=_command("roofline_measure", "cmd_bench_roofline"))

@@ -1,4 +1,4 @@
-"""`kvferry bench roofline`: this machine's limits measured, and the roofline of a workload worked out from them.
+"""`kvferry bench step --measure roofline`: this machine's limits measured, and the roofline of a workload worked out from them.
 
 The GEMM rate goes through the path the model's linears take: on the CPU, fp32 weights packed for oneDNN
 (common/model/cpu_linear.py); on CUDA, torch.matmul in the model's dtype. It is measured at the model's
@@ -8,7 +8,6 @@ each: on a shared machine the best trial is the one least disturbed. A measureme
 instead, and the rest goes on.
 """
 
-import json
 import time
 
 import torch
@@ -33,8 +32,8 @@ def _cuda_missing(device: torch.device) -> str | None:
 
 def best_seconds(run, sync=lambda: None, trials: int = 3, min_s: float = 0.05) -> float:
     """Seconds of one run, best of trials (on a shared machine the least disturbed one); each trial repeats it for
-    at least min_s, so that short runs are not lost in the clock's and the call's own cost. `bench breakdown`
-    times its limits with it too."""
+    at least min_s, so that short runs are not lost in the clock's and the call's own cost. `--measure
+    breakdown` times its limits with it too."""
     run()
     sync()
     repeats, best = 1, float("inf")
@@ -190,7 +189,9 @@ def rounded(result: dict) -> dict:
     return {k: round(v, 1 if k.endswith("tok_per_s") else 3) if isinstance(v, float) else v for k, v in result.items()}
 
 
-def cmd_bench_roofline(args) -> int:
+def measure_workload(args, build_engine) -> tuple[dict, str]:
+    """`bench step --measure roofline`: the limits, the workload's roofline, and with --engine the workload run
+    through the engine build_engine(args) makes, set against it."""
     from kvferry.common.engine_setup import resolve_dtype
     from kvferry.common.model_files import read_config, resolve_model
 
@@ -214,23 +215,14 @@ def cmd_bench_roofline(args) -> int:
     report["roofline"] = rounded(workload_roofline(shape, report["limits"], requests))
     measured = args.measured_tok_s
     if args.engine:
-        measured = report["engine_tok_per_s"] = _engine_tok_per_s(args, requests)
+        from kvferry.tools.bench.offline import run_engine
+
+        engine = build_engine(args)
+        engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
+        measured = report["engine_tok_per_s"] = run_engine(engine, requests)["output_tok_per_s"]
     if measured and "total_s" in report["roofline"]:
         report["fraction_of_roofline"] = measured / report["roofline"]["output_tok_per_s"]
-    print(json.dumps(report) if args.json else _text(report, measured))
-    return 0
-
-
-def _engine_tok_per_s(args, requests: list[dict]) -> float:
-    from kvferry.common.config import EngineConfig
-    from kvferry.common.engine import LLMEngine
-    from kvferry.tools.bench.offline import run_engine
-
-    config = EngineConfig.from_args(args)
-    config.num_threads = config.num_threads or 2
-    engine = LLMEngine(config)
-    engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
-    return run_engine(engine, requests)["output_tok_per_s"]
+    return report, _text(report, measured)
 
 
 def _text(report: dict, measured: float | None) -> str:
