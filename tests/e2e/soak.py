@@ -1,6 +1,6 @@
-"""`kvferry bench soak`: many requests, a seeded fifth of them cancelled at random points, over 2 prefill and 2 decode
-workers. Afterwards nothing may be left: every worker's blocks free, no request in flight, and no process
-grown by more than 10% in memory since warm-up."""
+"""The soak test_soak.py runs: many requests, a seeded fifth of them cancelled at random points, over 2 prefill and 2
+decode workers. Afterwards nothing may be left: every worker's blocks free, no request in flight, and no process
+grown by more than 10% in memory since warm-up. (Until 2026-12-07 also the command `kvferry bench soak`.)"""
 
 import asyncio
 import json

@@ -74,18 +74,6 @@ def add_bench_parser(sub) -> None:
     ab.add_parsers(bench)
     quantization.add_parser(bench)
 
-    p = bench.add_parser(
-        "soak",
-        help="many requests, a fifth cancelled at random points, on 2 prefill and 2 decode "
-        "workers: leaks, stuck requests and memory growth",
-    )
-    p.add_argument("--requests", type=int, default=1000)
-    p.add_argument("--concurrency", type=int, default=16)
-    p.add_argument("--cancel-share", type=float, default=0.2)
-    p.add_argument("--model", default=None)
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_bench_soak)
-
     p = bench.add_parser("overload", help="Poisson arrivals at half and at twice the capacity: 429s, completions, TTFT")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals at each rate")
     p.add_argument("--max-waiting", type=int, default=16, help="the gateway's admission bound for the run")
@@ -106,17 +94,6 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--stop-length", type=int, default=None, help="characters in each (default: the longest allowed)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench_pathological)
-
-
-def cmd_bench_soak(args) -> int:
-    from kvferry.tools.bench.soak import soak
-    from kvferry.tools.bench.stack import fresh_stack
-
-    names = ["gateway", "prefill-0", "prefill-1", "decode-0", "decode-1"]
-    with fresh_stack(args.model, num_prefill=2, num_decode=2) as (url, procs):
-        report = soak(url, {n: p.pid for n, p in zip(names, procs)}, args.requests, args.concurrency, args.cancel_share)
-    print(json.dumps(report) if args.json else "\n".join(f"{k}: {v}" for k, v in report.items()))
-    return 0
 
 
 def cmd_bench_overload(args) -> int:
