@@ -26,6 +26,7 @@ import msgpack
 from kvferry.common.block_hash import HASH_BYTES
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, MAX_FIELD_CHARS, STRUCTURAL_TAG, Constraint
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -141,7 +142,7 @@ class RegisterReply:
     KIND: typing.ClassVar[Kind] = Kind.REGISTER_REPLY
     accepted: bool
     reason: str = ""
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = GatewayConfig.heartbeat_interval
     gateway_id: str = ""  # the gateway's name for itself: replies about its requests go back to it
 
 

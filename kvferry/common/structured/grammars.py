@@ -21,14 +21,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from kvferry.common import settings
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.structured.compile_process import CompileProcess, give_back_memory
 from kvferry.common.structured.xgrammar_compile import compile_constraint
+from kvferry.common.worker_config import WorkerConfig
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, however small
-DEFAULT_CACHE_BYTES = settings.default("grammar_cache_bytes")  # what they may hold together
+DEFAULT_CACHE_BYTES = WorkerConfig.grammar_cache_bytes  # what they may hold together
 LARGE_GRAMMAR_BYTES = 1 << 20  # past this, the memory a compile freed is handed back to the system
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from kvferry.common import settings
 from kvferry.common.capture import FILE_PREFIX, FILE_SUFFIX
 from kvferry.common.errors import ConfigError
+from kvferry.common.gateway_config import GatewayConfig
 
 log = logging.getLogger("kvferry.gateway")
 CREATE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_APPEND | os.O_CLOEXEC
@@ -30,8 +31,8 @@ MAX_NAME_TRIES = 100  # names taken in a row before the file counts as unwritabl
 
 @dataclass
 class CaptureLimits:
-    max_file_bytes: int = 64 * 2**20
-    max_total_bytes: int = 2**30
+    max_file_bytes: int = GatewayConfig.capture_max_bytes
+    max_total_bytes: int = GatewayConfig.capture_max_total_bytes
 
     def __post_init__(self):
         if self.max_total_bytes < self.max_file_bytes:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from kvferry.common import protocol as p
 from kvferry.common import settings
+from kvferry.common.gateway_config import GatewayConfig
 
 MISSED_HEARTBEATS = 3  # a worker silent for this many intervals is dropped
 
@@ -79,7 +80,7 @@ class WorkerInfo:
 
 @dataclass
 class Registry:
-    heartbeat_interval_s: float = 1.0
+    heartbeat_interval_s: float = GatewayConfig.heartbeat_interval
     expected_model: str | None = None
     expected_block_size: int | None = None
     expected_dtype: str | None = None  # the first worker's, unless set

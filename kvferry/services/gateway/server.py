@@ -66,7 +66,7 @@ class GatewayCore:
         control_address: str,
         model_name: str,
         block_size: int,
-        heartbeat_interval_s: float = settings.default("heartbeat_interval"),
+        heartbeat_interval_s: float = GatewayConfig.heartbeat_interval,
         deadlines: Deadlines | None = None,
         curve: CurveKeys | None = None,
         insecure: bool = False,
