@@ -12,6 +12,7 @@ import sys
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, KvferryError
+from kvferry.common.serve_config import ServeConfig
 from kvferry.tools.sim import workload as workloads
 from kvferry.tools.sim.cost_model import CostModel
 from kvferry.tools.sim.plan import Planner
@@ -75,7 +76,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="T",
         help="torch threads of each prefill worker (default: serve's, "
-        f"{settings.env_name('prefill_threads')} or {settings.default('prefill_threads')})",
+        f"{settings.env_name('prefill_threads')} or {ServeConfig.prefill_threads})",
     )
     p.add_argument(
         "--decode-threads",
@@ -83,7 +84,7 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="T",
         help="torch threads of each decode worker (default: serve's, "
-        f"{settings.env_name('decode_threads')} or {settings.default('decode_threads')})",
+        f"{settings.env_name('decode_threads')} or {ServeConfig.decode_threads})",
     )
     p.add_argument(
         "--cores",

@@ -41,9 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvferry.common import protocol as p
-from kvferry.common import settings
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.errors import ConfigError, InvalidRequest
+from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import Sequence
 from kvferry.services.gateway.registry import Registry
@@ -60,8 +60,8 @@ from kvferry.tools.sim.workload import Workload
 @dataclass
 class SimOptions:
     rate_scale: float = 1.0  # arrivals this many times closer together
-    heartbeat_interval_s: float = settings.default("heartbeat_interval")
-    max_waiting: int = settings.default("max_waiting")  # the gateway's; 0: no bound
+    heartbeat_interval_s: float = GatewayConfig.heartbeat_interval
+    max_waiting: int = GatewayConfig.max_waiting  # the gateway's; 0: no bound
     stop_on: SLO | None = None  # stop as soon as a p90 certainly misses it, or a request is refused or fails
     on_step: Callable | None = None  # on_step(simulator, worker) as each step starts and ends: for checks
 

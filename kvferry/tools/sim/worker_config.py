@@ -10,24 +10,25 @@ model's config.json by the runner's own KVCacheLayout and dtype resolution, or g
 import os
 from dataclasses import dataclass
 
-from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.model_files import max_model_len_of, read_config, resolve_model
+from kvferry.common.serve_config import ServeConfig
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What one simulated worker's Scheduler and BlockManager are built from (the fields they take)."""
+    """What one simulated worker's Scheduler and BlockManager are built from (the fields they take); each default is
+    its EngineConfig field's."""
 
     num_blocks: int
     max_model_len: int
-    block_size: int = settings.default("block_size")
-    max_num_seqs: int = settings.default("max_num_seqs")
-    max_num_batched_tokens: int = settings.default("max_num_batched_tokens")
-    enable_prefix_caching: bool = settings.default("no_prefix_caching")  # the switch's attribute: caching on
-    enable_chunked_prefill: bool = settings.default("no_chunked_prefill")
-    long_prefill_threshold: int = settings.default("long_prefill_threshold")
+    block_size: int = EngineConfig.block_size
+    max_num_seqs: int = EngineConfig.max_num_seqs
+    max_num_batched_tokens: int = EngineConfig.max_num_batched_tokens
+    enable_prefix_caching: bool = EngineConfig.enable_prefix_caching
+    enable_chunked_prefill: bool = EngineConfig.enable_chunked_prefill
+    long_prefill_threshold: int = EngineConfig.long_prefill_threshold
 
     def __post_init__(self):
         if self.num_blocks < 1:
@@ -86,8 +87,8 @@ class Placement:
     cores 0: each worker has cores of its own (a cluster's pods, a GPU each), so none slows another."""
 
     cores: int = os.cpu_count() or 1
-    prefill_threads: int = settings.default("prefill_threads")
-    decode_threads: int = settings.default("decode_threads")
+    prefill_threads: int = ServeConfig.prefill_threads
+    decode_threads: int = ServeConfig.decode_threads
     # Cores' worth of other work on the same cores all along: the gateway and a load generator beside the workers.
     background_threads: float = 0.0
 
