@@ -70,3 +70,8 @@ def test_step_command_runs_the_measure_asked_for_and_refuses_another_measures_op
     for name, option in (("paging", "--chunk"), ("split", "--trials"), ("roofline", "--batch")):
         assert main(["bench", "step", "--measure", name, option, "3", *engine]) == 2
         assert f"{option} does not apply to --measure {name}" in capsys.readouterr().err
+    # The earlier names are the command with their measure: `bench roofline` takes no --batch, and names its own.
+    assert main(["bench", "roofline", "--batch", "3", *engine]) == 2
+    assert "--batch does not apply to --measure roofline" in capsys.readouterr().err
+    assert main(["bench", "breakdown", "--measure", "paging", *engine]) == 2
+    assert "bench breakdown is bench step --measure breakdown" in capsys.readouterr().err

@@ -66,13 +66,16 @@ def add_parsers(bench) -> None:
 
     p = bench.add_parser(
         "step",
+        aliases=["breakdown", "roofline"],  # their earlier names: `bench breakdown` is `bench step --measure breakdown`
         help="the engine's step in process, by --measure: split (the model's share of a decode step and the rest), "
         "breakdown (a decode step and a prefill chunk part by part, against rooflines), paging (paged against "
         "contiguous caches), roofline (this machine's GEMM rate and read bandwidth, and a workload's roofline)",
         description="Each --measure takes the engine's flags and --json; the other options go with the measures "
         "named in their help, and are refused with another.",
     )
-    p.add_argument("--measure", default="split", choices=["split", "breakdown", "paging", "roofline"])
+    p.add_argument(
+        "--measure", default=None, choices=["split", "breakdown", "paging", "roofline"], help="default: split"
+    )
     p.add_argument("--batch", type=int, default=None, help="split, breakdown, paging: decoding sequences (32)")
     p.add_argument(
         "--context", type=int, default=None, help="split, breakdown, paging: prompt tokens of each sequence (256)"

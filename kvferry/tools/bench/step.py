@@ -185,6 +185,11 @@ OPTIONS = ("batch", "context", "steps", "chunk", "profile", "workload", "trials"
 
 
 def cmd_bench_step(args) -> int:
+    if args.bench != "step":  # called by an earlier name, which is its measure
+        if args.measure not in (None, args.bench):
+            raise ConfigError(f"bench {args.bench} is bench step --measure {args.bench}, not --measure {args.measure}")
+        args.measure = args.bench
+    args.measure = args.measure or "split"
     run, defaults = MEASURES[args.measure]
     for option in OPTIONS:
         if option in defaults:
