@@ -1,10 +1,10 @@
 """The prefill side of the KV connector: asks the decode worker which blocks it already holds, ships each
 computed prompt's KV blocks to it in layer groups, and keeps the blocks until it acknowledges.
 
-When a prompt starts computing (on_step_start) it asks the decode worker (KVQuery) which of the prompt's
+When a prompt starts computing (on_scheduled) it asks the decode worker (KVQuery) which of the prompt's
 leading blocks that worker's prefix cache holds; the transfer leaves those out. A transfer goes as one message
 per group of layers. In the step that finishes a prompt, each group but the last is queued for the sender
-thread as soon as its layers are stored (layers_stored), so it is on the wire while the following layers
+thread as soon as its layers are stored (save_layers), so it is on the wire while the following layers
 compute; the last group follows the first tokens. Nothing here touches a socket: KVSender does.
 """
 
@@ -45,7 +45,7 @@ class PrefillConnector(KVConnector):
         self.wants_layer_events = engine.device.type in ("cpu", "cuda") and engine.num_layers > 1
 
     # -- scheduler side ---------------------------------------------------------------------------------------
-    def on_step_start(self, plan) -> None:
+    def on_scheduled(self, plan) -> None:
         """Prompts whose first chunk is scheduled start computing, and ask their decode worker which of their
         leading blocks it holds: asked now, not on arrival, since a prompt queued behind one with the same
         prefix finds that prefix at the decode worker by then, and the answer comes during the compute."""
@@ -68,7 +68,7 @@ class PrefillConnector(KVConnector):
             record.asked = True
 
     # -- worker side ------------------------------------------------------------------------------------------
-    def layers_stored(self, plan, layers: tuple[int, int]) -> None:
+    def save_layers(self, plan, layers: tuple[int, int]) -> None:
         """A group of layers but the last is stored: that group of each finishing prompt's blocks is queued for
         its decode worker, once the blocks to send are settled (the decode worker's KVHeld came, or was never
         asked); a prompt that misses the first group goes whole after the compute."""
