@@ -239,6 +239,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every sequence that got a token in it, or that the step's
         failure ended."""
+        released, failed = self.connector.get_finished()
+        for request_id in released:
+            self.release(request_id)
+        for request_id in failed:
+            self.abort(request_id)
         self.last_plan = plan = self.scheduler.schedule()  # what ran, for a worker's trace of the step
         if not plan.chunks:
             return []

@@ -3,8 +3,8 @@
 Every role drives the same `LLMEngine.step()`. What a role adds to it sits behind this interface, in the
 spirit of vLLM V1's KV connector, in two halves:
 
-- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), what a scheduled step
-  means to it (`on_scheduled`), and whether a finished sequence keeps its blocks (`request_finished`; a role that
+- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), its turn before each
+  step and the requests whose blocks go (`get_finished`), what a scheduled step means to it (`on_scheduled`), and whether a finished sequence keeps its blocks (`request_finished`; a role that
   keeps any says so up front, `keeps_finished_blocks`, for the scheduler);
 - worker side: a group of layers of the step's KV has been stored (`save_layers`), and received blocks are
   written into the cache (`load_blocks`).
@@ -43,6 +43,12 @@ class KVConnector:
         """Of a prompt's leading full blocks (chained hashes), the ids of those already here, referenced for the
         caller; none for the null connector."""
         return []
+
+    def get_finished(self) -> tuple[list[str], list[str]]:
+        """Before each step (a step with nothing to schedule too): the connector's turn to act on what came in, and
+        the requests whose kept blocks go since the last call: (released: their transfer is done, so the engine
+        releases them; failed: ended by the connector, so the engine aborts them wherever they are)."""
+        return [], []
 
     def on_scheduled(self, plan: StepPlan) -> None:
         """A step was scheduled and is about to compute."""
