@@ -19,7 +19,7 @@ import logging
 
 import torch
 
-from kvferry.common import faults
+from kvferry.common import faults, received_kv
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine_setup import (
@@ -39,7 +39,6 @@ from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import kv_cache_layout
-from kvferry.common.received_kv import ReceivedKV
 from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
@@ -50,7 +49,7 @@ from kvferry.common.structured.matcher import ConstraintState
 log = logging.getLogger("kvferry.engine")
 
 
-class LLMEngine(ReceivedKV):
+class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, connector: KVConnector | None = None):
         self.config = config = config or EngineConfig()
         self.connector = connector = connector or KVConnector()
@@ -104,7 +103,8 @@ class LLMEngine(ReceivedKV):
         self.vocab_size = self.model_config.vocab_size
         self.grammars = GrammarCache(lambda: self.tokenizer, self.vocab_size, self.scheduler.eos_token_ids)
         self._ids = itertools.count()
-        # Every sequence held here, kept ones too. The name is ReceivedKV's, which a simulator's stand-in shares.
+        # Every sequence held here, kept ones too. The name is read by received_kv.admit_choices, on this engine or
+        # on the simulator's stand-in.
         self._live: dict[str, Sequence] = {}
         self.last_plan: StepPlan | None = None
         self.layer_groups = layer_groups(layout.num_layers)
@@ -207,6 +207,27 @@ class LLMEngine(ReceivedKV):
         self.release(request_id)
         return seq is not None or kept
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._live
+
+    def admit_prefilled(
+        self,
+        request_ids: list[str],
+        prompt_token_ids: list[int],
+        first_token_ids: list[int],
+        params: list[SamplingParams],
+        blocks: list[int],
+        resume_token_ids: list[int] = (),
+        held_blocks: list[int] = (),
+        grammar=None,
+    ) -> bool:
+        """The one way in for sequences whose prompt KV was computed elsewhere and placed into blocks (a decode
+        connector reserved them with received_kv.reserve): all of a transfer's choices join the running batch, or
+        none does (False: no room now; the caller still owns the blocks). See received_kv.admit_choices."""
+        return received_kv.admit_choices(
+            self, request_ids, prompt_token_ids, first_token_ids, params, blocks, resume_token_ids, held_blocks, grammar
+        )
+
     def forget(self, request_id: str) -> None:
         """Drop a sequence from the index, and with it all the engine kept for it; its blocks are not touched."""
         self._live.pop(request_id, None)
@@ -218,6 +239,11 @@ class LLMEngine(ReceivedKV):
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns an output for every sequence that got a token in it, or that the step's
         failure ended."""
+        released, failed = self.connector.get_finished()
+        for request_id in released:
+            self.release(request_id)
+        for request_id in failed:
+            self.abort(request_id)
         self.last_plan = plan = self.scheduler.schedule()  # what ran, for a worker's trace of the step
         if not plan.chunks:
             return []
@@ -225,13 +251,12 @@ class LLMEngine(ReceivedKV):
         try:
             if self.num_steps == self._injected_failing_step:
                 raise RuntimeError(f"{faults.ENV}: step {self.num_steps} fails, as a kernel error would")
-            self.connector.on_step_start(plan)
+            self.connector.on_scheduled(plan)
             sampled = self.runner.execute(plan, after_layer=self._layer_hook(plan))
             finished_seqs = self.scheduler.update(plan, sampled)
             finished = {id(s) for s in finished_seqs}
-            if self.connector.keeps_finished_blocks:  # at once: a failure below must not lose their blocks
-                for s in finished_seqs:
-                    s.kept = s.finish_reason != FinishReason.ABORT
+            for s in finished_seqs:  # at once: a failure below must not lose their blocks
+                s.kept = self.connector.request_finished(s)
         except FatalError:
             raise
         except Exception as exc:
@@ -271,7 +296,7 @@ class LLMEngine(ReceivedKV):
         def after_layer(layer: int) -> None:
             group = self._group_ending_at.get(layer + 1)
             if group is not None:
-                self.connector.layers_stored(plan, group)
+                self.connector.save_layers(plan, group)
 
         return after_layer
 

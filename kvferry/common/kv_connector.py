@@ -3,10 +3,14 @@
 Every role drives the same `LLMEngine.step()`. What a role adds to it sits behind this interface, in the
 spirit of vLLM V1's KV connector, in two halves:
 
-- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), what happens as a
-  step's prompts start (`on_step_start`), and what to keep when a sequence finishes (`keeps_finished_blocks`);
-- worker side: a group of layers of the step's KV has been stored (`layers_stored`), and received blocks are
-  placed into the cache (`place_blocks`).
+- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), its turn before each
+  step and the requests whose blocks go (`get_finished`), what a scheduled step means to it (`on_scheduled`), and whether a finished sequence keeps its blocks (`request_finished`; a role that
+  keeps any says so up front, `keeps_finished_blocks`, for the scheduler);
+- worker side: a group of layers of the step's KV has been stored (`save_layers`), and received blocks are
+  written into the cache (`load_blocks`).
+
+The role's loop talks to its connector through the connector's own methods (`on_message` and the like, see the
+prefill and decode connectors); the engine never does.
 
 The base class is the null connector of the offline engine: nothing is kept, nothing shipped, nothing held.
 A connector never touches a socket: a hook that has something to send queues it for the role's sender.
@@ -16,15 +20,18 @@ from __future__ import annotations
 
 import typing
 
+from kvferry.common.sequence import FinishReason
+
 if typing.TYPE_CHECKING:
     from kvferry.common.engine import LLMEngine
     from kvferry.common.scheduler import StepPlan
+    from kvferry.common.sequence import Sequence
 
 
 class KVConnector:
     # Scheduler side: a finished sequence keeps its blocks until `LLMEngine.release` (a prefill worker ships them).
     keeps_finished_blocks: bool = False
-    # Worker side: whether `layers_stored` wants each layer group of a step as it lands (costs a hook per layer).
+    # Worker side: whether `save_layers` wants each layer group of a step as it lands (costs a hook per layer).
     wants_layer_events: bool = False
 
     def bind(self, engine: LLMEngine) -> None:
@@ -37,14 +44,25 @@ class KVConnector:
         caller; none for the null connector."""
         return []
 
-    def on_step_start(self, plan: StepPlan) -> None:
+    def get_finished(self) -> tuple[list[str], list[str]]:
+        """Before each step (a step with nothing to schedule too): the connector's turn to act on what came in, and
+        the requests whose kept blocks go since the last call: (released: their transfer is done, so the engine
+        releases them; failed: ended by the connector, so the engine aborts them wherever they are)."""
+        return [], []
+
+    def on_scheduled(self, plan: StepPlan) -> None:
         """A step was scheduled and is about to compute."""
 
+    def request_finished(self, seq: Sequence) -> bool:
+        """A sequence finished in a step: whether its blocks stay (kept in the engine's index, Sequence.kept) until
+        `LLMEngine.release`. Only a connector with keeps_finished_blocks may say yes; an aborted one never keeps."""
+        return self.keeps_finished_blocks and seq.finish_reason != FinishReason.ABORT
+
     # -- worker side ------------------------------------------------------------------------------------------
-    def layers_stored(self, plan: StepPlan, layers: tuple[int, int]) -> None:
+    def save_layers(self, plan: StepPlan, layers: tuple[int, int]) -> None:
         """Layers [lo, hi) of the step's K/V are in the cache (only with wants_layer_events, and eager steps)."""
 
-    def place_blocks(self, block_ids: list[int], kv, layer_start: int) -> None:
+    def load_blocks(self, block_ids: list[int], kv, layer_start: int) -> None:
         """Write received K and V ([layers, blocks, block_size, 2, kvh, d]) of layers from layer_start into blocks
         that the engine allocated for a transfer."""
         self.engine.runner.write_blocks(block_ids, kv, (layer_start, layer_start + kv.shape[0]))

@@ -87,6 +87,7 @@ class Worker:
         if not self.links:
             raise KvferryError("a worker needs at least one gateway address (--gateway)")
         self.poller = zmq.Poller()
+        self.watched: dict = {}  # fd -> what reads it (watch)
         for link in self.links:
             self.poller.register(link.channel.socket, zmq.POLLIN)
         grammars = self.engine.grammars
@@ -342,11 +343,11 @@ class Worker:
         with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
         if sock == self.compiles.wake_fd:
             return  # the loop takes the finished compiles after every poll
-        role_socket = True  # also when reading it failed: nothing more to read there
-        # What it could pin on a request, it failed alone already; what escapes is a bug: the loop goes on.
-        with fails_alone(lambda exc: log.exception("%s: while reading a socket", self.worker_id)):
-            role_socket = self.read_role_socket(sock)
-        if role_socket:
+        on_ready = self.watched.get(sock)
+        if on_ready is not None:
+            # What it could pin on a request, it failed alone already; what escapes is a bug: the loop goes on.
+            with fails_alone(lambda exc: log.exception("%s: while reading a socket", self.worker_id)):
+                on_ready()
             return
         channel = self.channel_for(sock)
         while sock.poll(0):
@@ -360,9 +361,10 @@ class Worker:
                 elif (link := self.link_of(channel)) is not None:
                     self.on_register_reply(link, env.message)
 
-    def read_role_socket(self, sock) -> bool:
-        """A role's own file descriptors in the poller (the prefill worker's sender); True when sock was one."""
-        return False
+    def watch(self, fd: int, on_ready) -> None:
+        """Poll a file descriptor that its owner reads itself (a connector's wake-up pipe): on_ready() when readable."""
+        self.watched[fd] = on_ready
+        self.poller.register(fd, zmq.POLLIN)
 
     def on_message_failed(self, channel: Channel, env: p.Envelope, exc: Exception) -> None:
         """A message whose handling raised: logged, and when it came from a gateway about a request, that request

@@ -3,6 +3,7 @@ frees their blocks (kept ones too), and goes on serving the others as if nothing
 
 import pytest
 
+from kvferry.common import received_kv
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
 from kvferry.common.kv_connector import KVConnector
@@ -23,7 +24,7 @@ class RaisingConnector(KVConnector):
     def __init__(self, failing_steps):
         self.failing_steps = set(failing_steps)
 
-    def layers_stored(self, plan, layers):
+    def save_layers(self, plan, layers):
         if self.engine.num_steps in self.failing_steps:
             raise RuntimeError("a hook failed")
 
@@ -79,17 +80,17 @@ def test_admitting_received_kv_is_all_or_nothing(folder, monkeypatch):
     engine = LLMEngine(config(folder))
     prompt = list(range(40, 61))  # 21 tokens: 2 full blocks of 8 and a partial one
     layers = (0, engine.num_layers)
-    kv_blocks = engine.begin_prefilled(["c0", "c1"], prompt, [GREEDY, GREEDY])
-    engine.write_prefilled(kv_blocks, engine.read_kv(kv_blocks, layers))
+    kv_blocks = received_kv.reserve(engine, ["c0", "c1"], prompt, [GREEDY, GREEDY])
+    engine.connector.load_blocks(kv_blocks, engine.read_kv(kv_blocks, layers), 0)
     monkeypatch.setattr(engine.runner, "copy_block", lambda src, dst: (_ for _ in ()).throw(RuntimeError("copy")))
     with pytest.raises(RuntimeError, match="copy"):
-        engine.finish_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
+        engine.admit_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
     assert not engine.has_unfinished()
     engine.free_blocks(kv_blocks)
     assert engine.stats().num_free_blocks == engine.num_blocks
     monkeypatch.undo()  # and the same transfer admits whole afterwards
-    kv_blocks = engine.begin_prefilled(["c0", "c1"], prompt, [GREEDY, GREEDY])
-    assert engine.finish_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
+    kv_blocks = received_kv.reserve(engine, ["c0", "c1"], prompt, [GREEDY, GREEDY])
+    assert engine.admit_prefilled(["c0", "c1"], prompt, [5, 6], [GREEDY, GREEDY], kv_blocks)
     while engine.has_unfinished():
         engine.step()
     assert engine.stats().num_free_blocks == engine.num_blocks

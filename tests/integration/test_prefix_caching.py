@@ -83,6 +83,7 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
     only the rest, and the greedy tokens are those of one engine running the second turn alone."""
     import pytest
 
+    from kvferry.common import received_kv
     from kvferry.common.block_hash import block_hashes
     from kvferry.common.errors import InvalidRequest
     from kvferry.common.kv_connector import KVConnector
@@ -111,10 +112,11 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
 
     def place(rid, prompt, first_token, kv, held=()):
         """What a decode worker does with a transfer: allocate, write every layer, admit."""
-        blocks = decode.begin_prefilled([rid], prompt, [params], held_blocks=held)
+        blocks = received_kv.reserve(decode, [rid], prompt, [params], held_blocks=held)
         assert blocks is not None
-        decode.write_prefilled(blocks, kv)
-        assert decode.finish_prefilled([rid], prompt, [first_token], [params], blocks, held_blocks=held)
+        received_kv.check_layers(decode.runner.layout, blocks, kv, 0)
+        decode.connector.load_blocks(blocks, kv, 0)
+        assert decode.admit_prefilled([rid], prompt, [first_token], [params], blocks, held_blocks=held)
 
     def decode_all():
         outputs = {}
@@ -136,9 +138,9 @@ def test_a_transfer_that_leaves_out_blocks_the_decoder_holds_decodes_as_a_whole_
     # Held blocks that do not hold this prompt's start, or more than may be left out, are refused.
     other = [t + 1 for t in second]
     with pytest.raises(InvalidRequest, match="do not hold this prompt"):
-        decode.begin_prefilled(["x"], other, [params], held_blocks=held)
+        received_kv.reserve(decode, ["x"], other, [params], held_blocks=held)
     with pytest.raises(InvalidRequest, match="can be left out"):
-        decode.begin_prefilled(["x"], first[: 3 * BLOCK], [params], held_blocks=held)
+        received_kv.reserve(decode, ["x"], first[: 3 * BLOCK], [params], held_blocks=held)
     kv = prefill.read_kv(kept[3:], all_layers)
     assert kv.shape[1] == len(kept) - 3
     place("turn-2", second, token, kv, held)

@@ -54,21 +54,62 @@ def test_keys_are_typed_and_a_choice_knows_its_attempt():
 def test_prefill_record_walks_its_whole_life():
     record = prefill_record()
     assert record.state is PrefillState.QUEUED
-    record.start_computing()
+    record.start_computing(asked=False)
     assert record.state is PrefillState.COMPUTING and record.started_at > 0
-    record.start_shipping([(0, 11), (2, 12)])
-    assert record.state is PrefillState.SHIPPING
-    assert (record.choices, record.first_token_ids) == ([0, 2], [11, 12])
+    record.computed([(0, 11), (2, 12)], wait_s=0.1)  # nothing asked, nothing early: settled by the connector
+    assert record.state is PrefillState.COMPUTING
+    assert (record.choices, record.first_token_ids) == ([0, 2], [11, 12]) and record.ready_at > 0
+    record.settle(1, 4096)
+    assert record.state is PrefillState.DUE and (record.num_skipped_blocks, record.num_bytes) == (1, 4096)
     record.all_sent()
     assert record.state is PrefillState.AWAITING_ACK and record.num_sends == 1 and record.sent_at > 0
     record.send_again(0.5)  # no room at the decode worker: due again later
-    assert record.state is PrefillState.SHIPPING and record.sent_at == 0 and record.retry_at > 0
-    record.send_again(0.5)  # put off again before it went
+    assert record.state is PrefillState.DUE and record.sent_at == 0 and record.due_at > 0
+    record.settle(0, 8192)  # the decode worker let go of the blocks it held: every block, at once
+    assert record.state is PrefillState.DUE and record.due_at == 0 and record.num_skipped_blocks == 0
     record.all_sent()
     assert record.num_sends == 2
     record.parts = {0: "kv"}
     record.end()
     assert record.state is PrefillState.DONE and record.parts == {}
+
+
+def test_prefill_record_waits_for_the_held_answer_and_ships_early():
+    """The sub-states of a transfer are states: a KVQuery out (ASKING), its answer in (COMPUTING), groups sent
+    while computing (SENDING_EARLY), an answer to them during the compute (EARLY_ANSWERED), and a computed prompt
+    waiting for its KVHeld (AWAITING_HELD)."""
+    asking = prefill_record()
+    asking.start_computing(asked=True)
+    assert asking.state is PrefillState.ASKING
+    asking.computed([(0, 5)], wait_s=0.1)  # the answer is still due: the transfer waits for it, a while
+    assert asking.state is PrefillState.AWAITING_HELD and asking.due_at >= asking.ready_at + 0.1
+    asking.answered(2)
+    assert asking.state is PrefillState.AWAITING_HELD and asking.held_answer == 2
+    asking.settle(2, 1024)
+    assert asking.state is PrefillState.DUE
+
+    early = prefill_record()
+    early.start_computing(asked=True)
+    early.answered(3)
+    assert early.state is PrefillState.COMPUTING and early.held_answer == 3
+    early.start_early([0, 1], 3, 2048)
+    assert early.state is PrefillState.SENDING_EARLY and early.choices == [0, 1] and early.num_skipped_blocks == 3
+    early.sent_early(4)
+    assert early.early_layers == 4
+    ack = p.KVAck(False, "no free blocks", True, 2)
+    early.early_answered(ack)
+    assert early.state is PrefillState.EARLY_ANSWERED and early.early_answer is ack
+    early.computed([(1, 9)], wait_s=0.1)
+    assert early.state is PrefillState.EARLY_ANSWERED and early.choices == [1]
+    early.send_again(0.5)  # the first groups were not placed: the whole transfer again
+    assert early.state is PrefillState.DUE and early.early_answer is None
+
+    on_time = prefill_record()
+    on_time.start_computing(asked=False)
+    on_time.start_early([0], 0, 2048)
+    on_time.computed([(0, 7)], wait_s=0.1)
+    on_time.all_sent()  # the rest of its groups, the last with the first tokens
+    assert on_time.state is PrefillState.AWAITING_ACK
 
 
 @pytest.mark.parametrize("state", [s for s in PrefillState if s is not PrefillState.DONE])
@@ -81,12 +122,14 @@ def test_prefill_record_ends_from_every_live_state(state):
 
 def test_prefill_record_refuses_transitions_its_machine_lacks():
     record = prefill_record()
-    with pytest.raises(IllegalTransition, match="QUEUED -> SHIPPING"):
-        record.start_shipping([(0, 1)])
+    with pytest.raises(IllegalTransition, match="QUEUED -> DUE"):
+        record.settle(0, 0)
     with pytest.raises(IllegalTransition):
         record.all_sent()
+    with pytest.raises(IllegalTransition, match="QUEUED -> EARLY_ANSWERED"):
+        record.early_answered(p.KVAck(True, "", True, 2))
     record.end()
-    for transition in (record.start_computing, record.end, lambda: record.send_again(0)):
+    for transition in (lambda: record.start_computing(False), record.end, lambda: record.send_again(0)):
         with pytest.raises(IllegalTransition):
             transition()
     assert record.state is PrefillState.DONE

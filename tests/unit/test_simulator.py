@@ -148,9 +148,9 @@ def test_the_simulator_uses_the_workers_own_timings_and_loads_no_torch():
     """One definition (services/worker_timings.py): the worker loop, the prefill connector and the simulator hold the
     very same objects. In a fresh interpreter, since other tests' imports would hide torch in this one's modules."""
     from kvferry.services import worker, worker_timings
-    from kvferry.services.prefill import connector
+    from kvferry.services.prefill import connector, shipping  # shipping: the prefill connector's sending half
 
-    for user, name in ((connector, "RETRY_FULL_AFTER_S"), (connector, "GIVE_UP_TRANSFER_S"), (worker, "CACHE_SYNC_S")):
+    for user, name in ((shipping, "RETRY_FULL_AFTER_S"), (connector, "GIVE_UP_TRANSFER_S"), (worker, "CACHE_SYNC_S")):
         assert getattr(user, name) is getattr(worker_timings, name) is getattr(sim_module, name)
     code = "import sys, kvferry.tools.sim.cli, kvferry.tools.sim.simulator; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

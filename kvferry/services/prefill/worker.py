@@ -1,10 +1,10 @@
 """The prefill worker: computes prompts' KV into its paged cache, samples the first token of each choice, sends
-it to the gateway at once, then hands the prompt's blocks to its connector, which ships them straight to the
-chosen decode worker and frees them when that worker acknowledges.
+it to the gateway at once, then tells its connector which choices go on, and the connector ships the prompt's
+blocks straight to the chosen decode worker; the engine frees them when that worker acknowledges.
 
-Each request attempt is one PrefillAttempt record (services/prefill/record.py); the engine knows its sequence by
-the record's key. The loop is the shared Worker loop; a step is `engine.step()` with the PrefillConnector
-plugged in (services/prefill/connector.py), then the first tokens, then the transfers.
+The loop owns the gateway sockets and admits requests; the PrefillConnector (services/prefill/connector.py) owns
+each request attempt's record (PrefillAttempt) and everything about its transfer. A step reads: the engine's step
+(with the connector's hooks inside), the first tokens, the connector's failures told to their gateways.
 """
 
 import dataclasses
@@ -19,7 +19,6 @@ from kvferry.common.errors import InvalidRequest
 from kvferry.common.peer_address import check_peer_address
 from kvferry.common.sampling import for_choice
 from kvferry.services.prefill.connector import PrefillConnector
-from kvferry.services.prefill.kv_sender import KVSender
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker import MAX_CHOICES, Worker
@@ -31,33 +30,28 @@ class PrefillWorker(Worker):
     role = p.Role.PREFILL
 
     def __init__(self, config, gateway, worker_id=None, **kwargs):
-        self.records: dict[AttemptKey, PrefillAttempt] = {}
-        super().__init__(config, gateway, worker_id, connector=self._make_connector, **kwargs)
-        self.poller.register(self.sender.wake_fd, zmq.POLLIN)  # decode workers' answers, from the sender thread
+        def connector(worker_id: str) -> PrefillConnector:
+            return PrefillConnector(worker_id, zmq.Context.instance(), kwargs.get("curve"), tracing.tracer())
+
+        super().__init__(config, gateway, worker_id, connector=connector, **kwargs)
+        self.connector: PrefillConnector = self.engine.connector
+        self.watch(self.connector.wake_fd, self.connector.take_replies)  # decode workers' answers, from its sender
         self.num_prompts_prefilled = 0  # each prompt once, however many choices it has
-
-    def _make_connector(self, worker_id: str) -> PrefillConnector:
-        self.sender = KVSender(self.ctx, worker_id, self.curve)
-        return PrefillConnector(self.records, self.sender, worker_id, self.tracer, self.end_request)
-
-    @property
-    def connector(self) -> PrefillConnector:
-        return self.engine.connector
 
     # -- the loop's questions ---------------------------------------------------------------------------------
     def holds_requests(self) -> bool:
-        return bool(self.engine.has_unfinished() or self.records)
+        return self.engine.has_unfinished() or self.connector.holds_requests()
 
     def has_work(self) -> bool:
-        return self.engine.has_unfinished() or self.connector.next_transfer_due() <= time.monotonic()
+        return self.engine.has_unfinished() or self.connector.has_work()
 
     def idle_wait_ms(self) -> int:
         # Sleep until the next retry is due, not in a busy loop: the decode worker needs the core.
-        until_due = self.connector.next_transfer_due() - time.monotonic()
+        until_due = self.connector.next_due() - time.monotonic()
         return max(1, int(min(until_due, self.heartbeat_interval_s / 2) * 1000))
 
     def num_protocol_errors(self) -> int:
-        return super().num_protocol_errors() + self.sender.num_protocol_errors
+        return super().num_protocol_errors() + self.connector.num_protocol_errors
 
     def kv_counters(self) -> dict:
         c = self.connector
@@ -68,64 +62,55 @@ class PrefillWorker(Worker):
             num_kv_bytes_sent_early=c.num_kv_bytes_sent_early,
         )
 
-    def read_role_socket(self, sock) -> bool:
-        if sock != self.sender.wake_fd:
-            return False
-        self.connector.take_replies()
-        return True
-
     # -- messages from gateways -------------------------------------------------------------------------------
     def handle(self, channel, peer, env: p.Envelope) -> None:
         msg = env.message
         key = AttemptKey(env.request_id, getattr(msg, "attempt", 0))
         if isinstance(msg, p.PrefillRequest):
             link = self.link_of(channel)
-            if link is None or key in self.records:
+            if link is None or key in self.connector:
                 return  # not from a gateway, or a copy of one being served already
             constraint = msg.sampling.constraint
             grammar = self.compiles.ready(key, constraint) if constraint is not None else None
             compiling = constraint is not None and grammar is None
-            state = PrefillState.COMPILING if compiling else PrefillState.QUEUED  # COMPILING: see on_compiled
-            record = PrefillAttempt(key, link, msg, env.trace, state=state)
             try:
                 check_peer_address(msg.decode_address)
             except InvalidRequest as exc:  # the decode worker's fault, not the request's: the gateway moves it
-                self.end_request(record, f"decode worker {msg.decode_worker_id}: {exc}", 503, retry=True)
+                self.compiles.forget(key)
+                error = f"decode worker {msg.decode_worker_id}: {exc}"
+                self.send_failure(link, key.request_id, key.attempt, env.trace, error, code=503, retry=True)
                 return
-            if compiling:
-                self.records[key] = record
-                return
-            if constraint is not None:
-                self.trace_compile(key.request_id, env.trace, constraint)  # a cache hit
-            try:
-                self.admit(key, msg, grammar)
-            except InvalidRequest as exc:
-                self.end_request(record, str(exc), 400)
-                return
-            self.records[key] = record
+            if not compiling:
+                if constraint is not None:
+                    self.trace_compile(key.request_id, env.trace, constraint)  # a cache hit
+                try:
+                    self.admit(key, msg, grammar)
+                except InvalidRequest as exc:
+                    self.send_failure(link, key.request_id, key.attempt, env.trace, str(exc), code=400)
+                    return
+            state = PrefillState.COMPILING if compiling else PrefillState.QUEUED  # COMPILING: see on_compiled
+            self.connector.add(PrefillAttempt(key, link, msg, env.trace, state=state))
         elif isinstance(msg, p.Abort) and msg.choice < 0:  # the request ended (or left this worker)
             self.forget_request(key.request_id, key.attempt)
 
     def on_compiled(self, done) -> None:
-        record = self.records.get(done.owner)
+        record = self.connector.get(done.owner)
         if record is None or record.state is not PrefillState.COMPILING:
             return
         key = record.key
         self.trace_compile(key.request_id, record.trace, done.constraint, done.started_at, done.ended_at)
         if done.error:
-            self.end_request(record, done.error, 503 if done.retry else 400, retry=done.retry)
+            self.end_request(key, done.error, 503 if done.retry else 400, retry=done.retry)
             return
         try:
             self.admit(key, record.request, done.grammar)
         except InvalidRequest as exc:
-            self.end_request(record, str(exc), 400)
+            self.end_request(key, str(exc), 400)
             return
-        record.compiled()
+        self.connector.compiled(key)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
-        record = self.records.get(AttemptKey(request_id, attempt))
-        if record is not None:
-            self.end_request(record)
+        self.end_request(AttemptKey(request_id, attempt))
 
     def admit(self, key: AttemptKey, msg: p.PrefillRequest, grammar=None) -> None:
         """Check everything about the request that could fail later, then queue its prompt: a request that would
@@ -146,64 +131,59 @@ class PrefillWorker(Worker):
             msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids, grammar=grammar
         )
 
-    def end_request(self, record: PrefillAttempt, error: str = "", code: int = 500, retry: bool = False) -> None:
+    def end_request(self, key: AttemptKey, error: str = "", code: int = 500, retry: bool = False) -> None:
         """End an attempt here, for whatever reason: its sequence and blocks go, its record is done, and with an
         error its gateway is told."""
-        self.engine.abort(record.key)
-        self.compiles.forget(record.key)
-        if record.state is not PrefillState.DONE:
-            record.end()
-        self.records.pop(record.key, None)
-        if error:
-            key = record.key
-            self.send_failure(record.link, key.request_id, key.attempt, record.trace, error, code=code, retry=retry)
+        self.engine.abort(key)
+        self.compiles.forget(key)
+        self.connector.end(key, error, code, retry)
+        self.report_failures()
+
+    def report_failures(self) -> None:
+        for f in self.connector.take_failures():
+            self.send_failure(f.link, f.request_id, f.attempt, f.trace, f.error, code=f.code, retry=f.retry)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
-        self.connector.send_due_transfers()  # before a long compute: transfers whose held answer came meanwhile
-        if self.engine.has_unfinished():
-            started = time.time()
-            outputs = self.engine.step()
-            plan = self.engine.last_plan
-            if self.tracer.enabled and plan.chunks:
-                self.tracer.span(
-                    "prefill.step",
-                    started,
-                    time.time(),
-                    batch_size=len(plan.chunks),
-                    num_tokens=plan.num_tokens,
-                    rids=[c.seq.request_id.request_id for c in plan.chunks],
-                )
-            finished = []
-            for out in outputs:
-                record = self.records.get(out.request_id)
-                if record is None:
-                    continue
-                if out.error or record.error:
-                    self.end_request(record, f"the prefill step failed: {out.error or record.error}", 500)
-                    continue
-                try:
-                    finished.append((record, self.send_first_tokens(record, out)))
-                except Exception as exc:  # this request's fault or a bug: it alone fails
-                    log.exception("%s: first tokens", self.worker_id, extra={"request_id": out.request_id[0]})
-                    self.end_request(
-                        record, f"{type(exc).__name__}: {exc}", 400 if isinstance(exc, InvalidRequest) else 500
-                    )
-            self.connector.take_replies()  # the KVHeld answers that came during the compute
-            # Every first token of the step went out before the gathers that follow: TTFT waits only on the groups
-            # shipped during the compute.
-            for record, continuing in finished:
-                if record.state is PrefillState.DONE:
-                    continue
-                try:
-                    if not self.connector.start_transfer(record, self.engine.kept_block_ids(record.key), continuing):
-                        self.end_request(record)
-                except Exception as exc:  # this transfer alone fails
-                    log.exception("%s: starting a transfer", self.worker_id, extra={"request_id": record.key[0]})
-                    self.end_request(record, f"{type(exc).__name__}: {exc}", 500)
-        self.connector.send_due_transfers()
+        started = time.time()
+        outputs = self.engine.step()
+        self.trace_step(started)
+        self.send_first_tokens(outputs)
+        self.report_failures()
 
-    def send_first_tokens(self, record: PrefillAttempt, out) -> list[tuple[int, int]]:
+    def trace_step(self, started: float) -> None:
+        plan = self.engine.last_plan
+        if self.tracer.enabled and plan is not None and plan.chunks:
+            self.tracer.span(
+                "prefill.step",
+                started,
+                time.time(),
+                batch_size=len(plan.chunks),
+                num_tokens=plan.num_tokens,
+                rids=[c.seq.request_id.request_id for c in plan.chunks],
+            )
+
+    def send_first_tokens(self, outputs) -> None:
+        """Each prompt the step finished: its first tokens to its gateway, then, once every first token of the
+        step is out, its transfer's rest (TTFT waits only on the groups shipped during the compute)."""
+        computed = []
+        for out in outputs:
+            record = self.connector.get(out.request_id)
+            if record is None:
+                continue  # ended meanwhile (its failure, if any, is reported)
+            if out.error:
+                self.connector.end(record.key, f"the prefill step failed: {out.error}", 500)
+                continue
+            try:
+                computed.append((record.key, self.first_tokens_of(record, out)))
+            except Exception as exc:  # this request's fault or a bug: it alone fails
+                log.exception("%s: first tokens", self.worker_id, extra={"request_id": out.request_id[0]})
+                code = 400 if isinstance(exc, InvalidRequest) else 500
+                self.connector.end(record.key, f"{type(exc).__name__}: {exc}", code)
+        for key, continuing in computed:
+            self.connector.computed(key, continuing)
+
+    def first_tokens_of(self, record: PrefillAttempt, out) -> list[tuple[int, int]]:
         """Send a finished prompt's first token of each choice; returns the (choice, token) of the choices that go
         on decoding."""
         request, trace, done_at = record.request, record.trace, time.time()
@@ -248,5 +228,5 @@ class PrefillWorker(Worker):
         return continuing
 
     def close(self) -> None:
-        self.sender.close()
+        self.connector.close()
         super().close()

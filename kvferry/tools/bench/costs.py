@@ -11,7 +11,7 @@ KV pool and, on CUDA, its decode graphs are the workers'.
   no 1024-token compute to set up; it runs the same path as a chunked prompt's later chunk. Every chunk ends its
   prompt, so each samples its first token, as a prefill worker's last chunk of a prompt does.
 - A decode step: `batch` sequences at `context` tokens, admitted as a decode worker admits transferred ones
-  (`begin_prefilled`, `finish_prefilled`: no compute to set up), each with its own blocks.
+  (`received_kv.reserve`, `LLMEngine.admit_prefilled`: no compute to set up), each with its own blocks.
 
 What a step computes is read back from the plan the scheduler made (`engine.last_plan`), not assumed: tokens,
 sequences and attention pairs are those that ran. A point's time is the median of a few steps after a warm-up;
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from kvferry.common import received_kv
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
@@ -273,8 +274,8 @@ class StepBench:
         try:
             for _ in range(batch):
                 rid, prompt = self.request_id(), self.tokens(context - 1)
-                blocks = engine.begin_prefilled([rid], prompt, [params])
-                if blocks is None or not engine.finish_prefilled([rid], prompt, self.tokens(1), [params], blocks):
+                blocks = received_kv.reserve(engine, [rid], prompt, [params])
+                if blocks is None or not engine.admit_prefilled([rid], prompt, self.tokens(1), [params], blocks):
                     raise RuntimeError(f"no room for {batch} sequences of {context} tokens")
                 ids.append(rid)
 

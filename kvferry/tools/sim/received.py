@@ -1,21 +1,21 @@
-"""A simulated decode worker's admission of transferred KV: the real ReceivedKV, on a stand-in for the engine.
+"""A simulated decode worker's admission of transferred KV: the real received_kv, on a stand-in for the engine.
 
-ReceivedKV (common/received_kv.py) is the decode worker's own code for a transfer: `begin_prefilled` checks and
-allocates the blocks when the first layer group comes, `finish_prefilled` admits the choices (sharing the prompt's
-full blocks, a copy of its partial last block each) when the last one is in. It is a mixin of LLMEngine; this class
-gives it what it reads of the engine, with nothing to check (the capture's server checked the requests) and no
-tensors to copy.
+common/received_kv.py is the decode worker's own code for a transfer: `reserve` checks and allocates the blocks
+when the first layer group comes, `admit_choices` (the body of LLMEngine.admit_prefilled, the engine's one way in
+for received KV) admits the choices (sharing the prompt's full blocks, a copy of its partial last block each) when
+the last one is in. This class gives them what they read of an engine, with nothing to check (the capture's server
+checked the requests) and no tensors to copy.
 """
 
 import sys
 from types import SimpleNamespace
 
+from kvferry.common import received_kv
 from kvferry.common.block_manager import BlockManager
-from kvferry.common.received_kv import ReceivedKV
 from kvferry.common.scheduler import Scheduler
 
 
-class SimReceivedKV(ReceivedKV):
+class SimReceivedKV:
     vocab_size = sys.maxsize  # captured token ids are the model's own
     runner = SimpleNamespace(copy_block=lambda src, dst: None)  # the copy of a partial block: no data here
 
@@ -23,13 +23,24 @@ class SimReceivedKV(ReceivedKV):
         self.scheduler = scheduler
         self.block_manager: BlockManager = scheduler.block_manager
         self.max_model_len = scheduler.max_model_len
-        self._live: dict = {}  # request id -> its sequence, as the engine keeps them
+        self._live: dict = {}  # request id -> its sequence, as the engine keeps them (LLMEngine._live)
+
+    def reserve(self, *args) -> list[int] | None:
+        """received_kv.reserve on this stand-in (DecodeConnector.receive_kv's call)."""
+        return received_kv.reserve(self, *args)
+
+    def admit_prefilled(self, *args) -> bool:
+        """LLMEngine.admit_prefilled: received_kv.admit_choices on this stand-in."""
+        return received_kv.admit_choices(self, *args)
 
     def validate_prompt(self, token_ids) -> None:
         """Prompts longer than the worker takes are refused before they are routed (Simulator._arrive)."""
 
     def validate_params(self, params) -> None:
         pass
+
+    def has_request(self, request_id) -> bool:
+        return request_id in self._live
 
     def constraint_state(self, params, token_ids, grammar=None):
         return None  # constraints change which tokens come, not how many: the capture fixed that

@@ -12,9 +12,9 @@ The model's forward is replaced by the fitted cost model: a step ends its cost a
    leading blocks its prefix cache has (the KVQuery), which the transfer leaves out.
 3. The step that computes the last chunk ends: every choice has its first token (TTFT), and the gateway counts the
    prompt prefilled. Choices whose captured output is one token end there.
-4. The transfer: the decode worker's `begin_prefilled` allocates the blocks, or finds no room, and the sender tries
+4. The transfer: the decode worker's `received_kv.reserve` allocates the blocks, or finds no room, and the sender tries
    again every RETRY_FULL_AFTER_S. The KV takes `CostModel.transfer_seconds(blocks sent)` on the prefill worker's
-   sender, one transfer after another. Then `finish_prefilled` admits the choices, and the prefill worker frees its blocks.
+   sender, one transfer after another. Then `admit_prefilled` admits the choices, and the prefill worker frees its blocks.
 5. Each decode step gives each running choice one token, until it has its captured number (ignore_eos). Preemption
    when blocks run out, and the recompute after it, are the scheduler's own.
 
@@ -341,9 +341,7 @@ class Simulator:
             self._fail(flight, f"{d.worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s")
             return True
         try:
-            blocks = d.received.begin_prefilled(
-                flight.going_on, flight.prompt_token_ids, flight.params, (), flight.held
-            )
+            blocks = d.received.reserve(flight.going_on, flight.prompt_token_ids, flight.params, (), flight.held)
         except InvalidRequest as exc:  # more than the decode worker can ever hold
             self._fail(flight, f"{d.worker_id} refused the KV: {exc}")
             return True
@@ -361,7 +359,7 @@ class Simulator:
         d = flight.decode
         choices = flight.going_on
         first_tokens = [c.token_at(0) for c in choices]
-        if not d.received.finish_prefilled(
+        if not d.received.admit_prefilled(
             choices, flight.prompt_token_ids, first_tokens, flight.params, flight.blocks, (), flight.held
         ):
             d.block_manager.free(flight.blocks)  # DecodeAttempt.put_back: the held blocks stay held

@@ -2,7 +2,7 @@
 simulator keeps about its process (its threads, whether a step is running, the stats its heartbeats carry).
 
 The prefill worker's scheduler keeps a finished prompt's blocks (keep_finished_blocks, as PrefillConnector asks)
-until its decode worker takes the transfer; the decode worker's admits transfers through the real ReceivedKV.
+until its decode worker takes the transfer; the decode worker's admits transfers through the real common/received_kv.py.
 """
 
 import dataclasses
