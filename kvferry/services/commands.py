@@ -24,7 +24,7 @@ def cmd_gateway(args) -> int:
     return 0
 
 
-def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig, **kwargs) -> int:
+def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
     import signal
     import uuid
 
@@ -35,8 +35,8 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig, **kwarg
     worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
     # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
     # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
-    # of requests (found by `kvferry bench soak`; docs/benchmarks.md). 64 still holds every shape a decode batch cycles
-    # through. Both are read at the first matmul, so setting them here works.
+    # of requests (found by the soak, tests/e2e/soak.py; docs/benchmarks.md). 64 still holds every shape a decode
+    # batch cycles through. Both are read at the first matmul, so setting them here works.
     for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(cache, "64")
     observe(args, role, worker_id)  # before the worker: its channels take the tracer
@@ -51,13 +51,9 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig, **kwarg
         EngineConfig.from_args(args),
         config.gateway,
         worker_id,
-        stall_timeout_s=config.stall_timeout,
-        grammar_compile_timeout_s=config.grammar_compile_timeout,
-        grammar_cache_bytes=config.grammar_cache_bytes,
-        drain_timeout_s=process.drain_timeout,
+        worker_config=config,
+        process=process,
         curve=curve,
-        insecure=process.insecure,
-        **kwargs,
     )
     if health:
         health.worker = worker
@@ -90,9 +86,7 @@ def cmd_decode(args) -> int:
         check_exposed(config.kv_bind, "the decode worker's KV ingress", curve=bool(process.curve_keys))
     from kvferry.services.decode.worker import DecodeWorker
 
-    return _run_worker(
-        args, DecodeWorker, config, process, kv_bind=config.kv_bind, advertise_host=config.advertise_host
-    )
+    return _run_worker(args, DecodeWorker, config, process)
 
 
 def cmd_serve(args) -> int:

@@ -6,6 +6,7 @@ the gateway that sent it, and a KV transfer carries that name so the decode work
 """
 
 import logging
+from dataclasses import dataclass
 
 import zmq
 
@@ -81,3 +82,19 @@ def parse_gateways(text: str | list[str]) -> list[str]:
     """--gateway a,b or a list: each gateway's control address, in order, without repeats."""
     items = text.split(",") if isinstance(text, str) else text
     return list(dict.fromkeys(item.strip() for item in items if item.strip()))
+
+
+@dataclass
+class Failure:
+    """A request attempt failed on this worker, to be told to the gateway that sent it (Worker.report). code: the
+    HTTP status, else 400 when exc is the request's fault (InvalidRequest) and 500 when it is the worker's; retry:
+    whether the gateway may move the request to other workers."""
+
+    link: GatewayLink
+    request_id: str
+    attempt: int
+    trace: p.TraceContext | None
+    error: str
+    exc: Exception | None = None
+    code: int | None = None
+    retry: bool = False

@@ -30,12 +30,13 @@ from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, KvferryError
 from kvferry.common.model.loader import served_model_name
+from kvferry.common.process_config import ProcessConfig
 from kvferry.common.request_failure import fails_alone, failure_code
 from kvferry.common.startup_heap import freeze_startup_objects
-from kvferry.common.structured.grammars import DEFAULT_CACHE_BYTES
 from kvferry.common.transport import Channel
+from kvferry.common.worker_config import WorkerConfig
 from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
-from kvferry.services.gateway_link import GatewayLink, parse_gateways
+from kvferry.services.gateway_link import Failure, GatewayLink, parse_gateways
 from kvferry.services.worker_timings import CACHE_SYNC_S
 
 log = logging.getLogger("kvferry.worker")
@@ -64,14 +65,15 @@ class Worker:
         gateway: str | list[str],
         worker_id: str | None = None,
         connector=None,
-        stall_timeout_s: float = 30.0,
-        drain_timeout_s: float = 30.0,
+        worker_config: WorkerConfig | None = None,
+        process: ProcessConfig | None = None,
         curve: CurveKeys | None = None,
-        insecure: bool = False,
-        grammar_compile_timeout_s: float = 5.0,
-        grammar_cache_bytes: int = DEFAULT_CACHE_BYTES,
     ):
-        """connector: a callable that makes this role's KV connector from the worker id (None: the null one)."""
+        """connector: a callable that makes this role's KV connector from the worker id (None: the null one).
+        worker_config, process: this worker's settings and its process's (None: the defaults); curve: its keys, read
+        from process.curve_keys by the caller before the model loads."""
+        worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
+        insecure = process.insecure
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.instance_id = uuid.uuid4().hex[:12]  # this process's: a restart under the same worker id gets another
         self.ctx = zmq.Context.instance()
@@ -91,14 +93,14 @@ class Worker:
         for link in self.links:
             self.poller.register(link.channel.socket, zmq.POLLIN)
         grammars = self.engine.grammars
-        grammars.max_bytes = grammar_cache_bytes
+        grammars.max_bytes = worker_config.grammar_cache_bytes
         grammars.isolated = True  # compiles in a child process, which a compile's timeout kills
-        self.compiles = ConstraintCompiles(grammars, grammar_compile_timeout_s)
+        self.compiles = ConstraintCompiles(grammars, worker_config.grammar_compile_timeout)
         self.poller.register(self.compiles.wake_fd, zmq.POLLIN)
         self.heartbeat_interval_s = 1.0
         self.running = True
         self.latest_stats: p.WorkerStats | None = None
-        self.stall_timeout_s, self.drain_timeout_s = stall_timeout_s, drain_timeout_s
+        self.stall_timeout_s, self.drain_timeout_s = worker_config.stall_timeout, process.drain_timeout
         self.loop_at = time.monotonic()  # the step loop's latest turn, read by the heartbeat thread
         self.stop_requested = False  # set by SIGTERM: drain, then exit
         self.fault_spec = faults.from_env()
@@ -386,6 +388,9 @@ class Worker:
         log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
         failed = p.RequestFailed(p.shorten(error, MAX_ERROR_CHARS), code, attempt, retry=retry)
         link.channel.send(failed, request_id, trace)
+
+    def report(self, f: Failure) -> None:
+        self.send_failure(f.link, f.request_id, f.attempt, f.trace, f.error, f.exc, f.code, f.retry)
 
     def forget_request(self, request_id: str, attempt: int) -> None:
         """End whatever this worker holds for an attempt that failed."""

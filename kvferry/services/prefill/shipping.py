@@ -2,28 +2,13 @@
 each layer group gathered and queued for the sender thread (kept for resends), a resend, and a transfer's end."""
 
 import time
-from dataclasses import dataclass
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.model.kv_blocks import as_frames
-from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.prefill.kv_sender import Outgoing
 from kvferry.services.prefill.record import PrefillAttempt
 from kvferry.services.worker_timings import RETRY_FULL_AFTER_S
-
-
-@dataclass
-class Failure:
-    """A request attempt failed here: its gateway is told (Worker.send_failure's arguments)."""
-
-    link: GatewayLink
-    request_id: str
-    attempt: int
-    trace: p.TraceContext | None
-    error: str
-    code: int = 500
-    retry: bool = False
 
 
 class Shipping:

@@ -141,7 +141,7 @@ class PrefillWorker(Worker):
 
     def report_failures(self) -> None:
         for f in self.connector.take_failures():
-            self.send_failure(f.link, f.request_id, f.attempt, f.trace, f.error, code=f.code, retry=f.retry)
+            self.report(f)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
