@@ -270,7 +270,7 @@ class LLMEngine:
             seq = chunk.seq
             done = id(seq) in finished
             if seq.is_finished and not done:
-                continue  # aborted while the step ran (by a connector's hook)
+                continue  # ended while the step ran: not an output of it
             if seq.finish_reason == FinishReason.DEAD_END:  # the token it drew was not allowed: not an output
                 token_id, logprobs = None, None
             new_token_ids = [] if token_id is None else [token_id]

@@ -25,7 +25,7 @@ from kvferry.common.kv_connector import KVConnector
 from kvferry.common.request_failure import fails_alone, failure_text
 from kvferry.services.decode.receiving import Receiving
 from kvferry.services.decode.record import TOMBSTONE_S, DecodeAttempt, DecodeRecords, DecodeState
-from kvferry.services.gateway_link import GatewayLink
+from kvferry.services.gateway_link import Failure, GatewayLink
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker import MAX_CHOICES
 
@@ -43,20 +43,6 @@ class Reply:
     message: object
     request_id: str
     trace: p.TraceContext | None
-
-
-@dataclass
-class Failure:
-    """A request attempt failed here: its gateway is told (Worker.send_failure's arguments)."""
-
-    link: GatewayLink
-    request_id: str
-    attempt: int
-    trace: p.TraceContext | None
-    error: str
-    exc: Exception | None = None
-    code: int | None = None
-    retry: bool = False
 
 
 class DecodeConnector(Receiving, KVConnector):
@@ -146,6 +132,16 @@ class DecodeConnector(Receiving, KVConnector):
         """Handling an output raised: its request alone fails (500)."""
         log.exception("%s: an output", self.worker_id, extra={"request_id": record.key.request_id})
         self.fail(record, failure_text(exc))
+
+    def unsent(self, key: AttemptKey, link: GatewayLink, trace, exc: Exception) -> None:
+        """A choice's Tokens could not be sent: its request alone fails, and its gateway is told, even when those
+        were its last tokens (the record had ended)."""
+        log.exception("%s: sending tokens", self.worker_id, extra={"request_id": key.request_id})
+        record = self.records.get(key)
+        if record is not None:
+            self.end_record(record)
+        error = f"sending its tokens failed: {failure_text(exc)}"
+        self.outbox.append(Failure(link, key.request_id, key.attempt, trace, error, exc))
 
     def tidy(self) -> None:
         """Let go of what ran out: the records' queues give the expired ones (and those past a cap) without a walk

@@ -7,7 +7,6 @@ steps the engine, asks the connector where each output goes (`on_output`), and s
 say (`take_outbox`). Each choice runs as an engine sequence keyed by ChoiceKey.
 """
 
-import logging
 import time
 
 import zmq
@@ -18,12 +17,14 @@ from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.errors import KvferryError
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model_files import read_config, resolve_model
+from kvferry.common.process_config import ProcessConfig
+from kvferry.common.request_failure import fails_alone
 from kvferry.common.transport import Channel, limit_socket
+from kvferry.common.worker_config import WorkerConfig
 from kvferry.services.decode.connector import DecodeConnector, Reply
+from kvferry.services.gateway_link import GatewayLink
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker import Worker, advertised_host
-
-log = logging.getLogger("kvferry.decode")
 
 
 def max_kv_frame_bytes(engine) -> int:
@@ -49,10 +50,12 @@ class DecodeWorker(Worker):
         config,
         gateway,
         worker_id=None,
-        kv_bind: str = "tcp://127.0.0.1:0",
-        advertise_host: str | None = None,
+        worker_config: WorkerConfig | None = None,
+        process: ProcessConfig | None = None,
         **kwargs,
     ):
+        worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
+        kv_bind, advertise_host = worker_config.kv_bind, worker_config.advertise_host
         # Bound before the model loads (in Worker.__init__): a taken port fails at once.
         curve = kwargs.get("curve")
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
@@ -68,8 +71,11 @@ class DecodeWorker(Worker):
             curve.serve(sock)
         bind_zmq(sock, kv_bind, settings.label("kv_bind"))
         exposed_as = f"{worker_id or 'the decode worker'}'s KV ingress"
-        check_exposed(kv_bind, exposed_as, curve=curve is not None, insecure=kwargs.get("insecure", False))
-        super().__init__(config, gateway, worker_id, connector=lambda wid: DecodeConnector(wid, self.tracer), **kwargs)
+        check_exposed(kv_bind, exposed_as, curve=curve is not None, insecure=process.insecure)
+        connector = lambda wid: DecodeConnector(wid, self.tracer)  # noqa: E731
+        super().__init__(
+            config, gateway, worker_id, connector=connector, worker_config=worker_config, process=process, **kwargs
+        )
         self.connector: DecodeConnector = self.engine.connector
         self.connector.serve(self.link_named, self.compiles, self.trace_compile)
         if max_kv_frame_bytes(self.engine) > frame_limit:  # the bound's reasoning no longer holds: a bug
@@ -120,7 +126,7 @@ class DecodeWorker(Worker):
                 self.kv_in.send(item.message, item.request_id, item.trace, to=item.peer)
             else:
                 f = item
-                self.send_failure(f.link, f.request_id, f.attempt, f.trace, f.error, f.exc, f.code, f.retry)
+                self.report(f)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:
@@ -134,10 +140,15 @@ class DecodeWorker(Worker):
             for out in outputs:
                 sent = self.connector.on_output(out)
                 if sent is not None:
-                    link, tokens, trace = sent
-                    link.channel.send(tokens, out.request_id.request_id, trace)
+                    self.send_tokens(out.request_id.attempt_key, *sent)
         finally:
             self.flush()
+
+    def send_tokens(self, key: AttemptKey, link: GatewayLink, tokens: p.Tokens, trace) -> None:
+        """A choice's tokens to its gateway; a send that raises (a message past the protocol's bounds, a socket
+        error) fails its request alone, as its output's handling would."""
+        with fails_alone(lambda exc: self.connector.unsent(key, link, trace, exc)):
+            link.channel.send(tokens, key.request_id, trace)
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""

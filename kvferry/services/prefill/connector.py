@@ -24,10 +24,11 @@ from kvferry.common import protocol as p
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.request_failure import fails_alone, failure_text
+from kvferry.services.gateway_link import Failure
 from kvferry.services.prefill.kv_sender import KVSender
 from kvferry.services.prefill.record import COMPUTING_STATES, SHIPPING_STATES, PrefillAttempt, PrefillState
 from kvferry.services.prefill.replies import Replies
-from kvferry.services.prefill.shipping import Failure, Shipping
+from kvferry.services.prefill.shipping import Shipping
 from kvferry.services.request_keys import AttemptKey
 from kvferry.services.worker_timings import GIVE_UP_TRANSFER_S
 
@@ -92,7 +93,9 @@ class PrefillConnector(Replies, Shipping, KVConnector):
         record.end()
         self.failed.append(key)
         if error:
-            self.failures.append(Failure(record.link, key.request_id, key.attempt, record.trace, error, code, retry))
+            self.failures.append(
+                Failure(record.link, key.request_id, key.attempt, record.trace, error, code=code, retry=retry)
+            )
 
     def take_failures(self) -> list[Failure]:
         failures, self.failures = self.failures, []
@@ -194,8 +197,10 @@ class PrefillConnector(Replies, Shipping, KVConnector):
                 self.queue(record, p.Abort(attempt=record.request.attempt))  # drop the groups that came
             self.end(record.key)
             return
-        if record.state is S.ASKING:
-            self.take_replies()  # the KVHeld answer that came during the compute
+        if record.state in (S.ASKING, S.SENDING_EARLY):
+            # What came during the compute: the KVHeld answer, or the decode worker's KVAck to the early groups
+            # (placed, refused for good, or not placed: then the whole transfer goes again, not the rest of it).
+            self.take_replies()
         record.computed(continuing, HELD_ANSWER_WAIT_S)
         if record.state is S.EARLY_ANSWERED:
             answer = record.early_answer
