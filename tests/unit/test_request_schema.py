@@ -8,7 +8,7 @@ from kvferry.services.gateway import request_fields
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS
 from kvferry.services.gateway.request_parsing import ApiError, check_fields, parse_generation
-from kvferry.services.gateway.request_schema import INTEGER, Param
+from kvferry.services.gateway.request_schema import INTEGER, NUMBER, Param
 
 VOCAB = 1000
 LIMITS = GatewayConfig(max_tokens_limit=100, max_n=3, max_stop=2)
@@ -101,6 +101,32 @@ def test_adding_a_parameter_is_one_declaration(monkeypatch):
         error = refusal({"knob": 4}, COMPLETIONS)
         assert error.param == "knob" and error.message == "'knob' must be an integer from 1 to 3, got 4"
         assert refusal({"knob": 4}, CHAT).message == "unknown parameter 'knob'"
+    finally:
+        request_fields._built.cache_clear()
+
+
+def test_a_sampling_parameter_declared_once_reaches_the_engine(monkeypatch):
+    """A field named as one of SamplingParams' needs only its Param: taken away, min_p is an unknown field; declared
+    again in the builder alone, it is read, checked and handed to the engine's SamplingParams."""
+    plain = request_fields.BUILDERS[COMPLETIONS]
+
+    def without_min_p(limits: GatewayConfig):
+        schema = plain(limits)
+        return type(schema)({k: v for k, v in schema.params.items() if k != "min_p"}, ("prompt",))
+
+    def with_min_p_again(limits: GatewayConfig):
+        schema = without_min_p(limits)
+        return type(schema)({**schema.params, "min_p": Param(NUMBER, lo=0, hi=0.5, default=0.0)}, ("prompt",))
+
+    try:
+        monkeypatch.setitem(request_fields.BUILDERS, COMPLETIONS, without_min_p)
+        request_fields._built.cache_clear()
+        assert refusal({"min_p": 0.25}, COMPLETIONS).message == "unknown parameter 'min_p'"
+        assert parse({}, COMPLETIONS).params.min_p == 0.0  # the engine's own default, not a second list's
+        monkeypatch.setitem(request_fields.BUILDERS, COMPLETIONS, with_min_p_again)
+        request_fields._built.cache_clear()
+        assert parse({"min_p": 0.25}, COMPLETIONS).params.min_p == 0.25
+        assert refusal({"min_p": 0.75}, COMPLETIONS).param == "min_p"
     finally:
         request_fields._built.cache_clear()
 

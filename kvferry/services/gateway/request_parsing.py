@@ -6,6 +6,7 @@ client that asked for it would read a wrong answer otherwise. What is left here 
 the context length, max_tokens 0 only with echo, top_logprobs only with logprobs, stream_options only with stream.
 """
 
+import dataclasses
 from dataclasses import dataclass
 
 from kvferry.common.constraint import Constraint
@@ -16,20 +17,10 @@ from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS, schema_of
 
 # The request fields SamplingParams takes as they are, under the same names
-SAMPLING = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "ignore_eos",
-    "stop_token_ids",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "min_p",
-    "min_tokens",
-    "logit_bias",
-)
+# A body's field named as one of SamplingParams' goes to it as read (so a new sampling parameter is its Param in
+# request_fields.py, beside the engine's field); these are worked out from several fields instead.
+DERIVED = ("max_tokens", "logprobs", "prompt_logprobs", "constraint")
+SAMPLING = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in DERIVED)
 __all__ = ["ApiError", "Generation", "check_fields", "parse_generation"]  # ApiError: as before
 
 
@@ -103,7 +94,7 @@ def parse_generation(
     try:
         params = SamplingParams(
             max_tokens=max(1, max_tokens),
-            **{key: values[key] for key in SAMPLING},
+            **{key: values[key] for key in SAMPLING if key in values},
             logprobs=logprobs,
             prompt_logprobs=logprobs if echo else None,
             constraint=constraint,
