@@ -6,11 +6,11 @@ import http.server
 import json
 import subprocess
 import sys
-import threading
 
 import pytest
 
 from kvferry.common import capture
+from tests.local_http import serving
 
 
 class Completions(http.server.BaseHTTPRequestHandler):
@@ -35,11 +35,8 @@ class Completions(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Completions)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with serving(Completions) as base:
+        yield base
 
 
 def good(i: int, **fields) -> dict:

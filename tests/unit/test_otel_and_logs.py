@@ -5,13 +5,13 @@ import http.server
 import io
 import json
 import logging
-import threading
 
 import pytest
 
 from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.logs import JsonFormatter, request_id_var, setup_logging
+from tests.local_http import serving
 
 
 class Collector(http.server.BaseHTTPRequestHandler):
@@ -35,10 +35,7 @@ def test_spans_reach_an_otlp_collector_with_our_ids(tmp_path):
 
     from kvferry.common.otel import OtlpExporter
 
-    server = http.server.HTTPServer(("127.0.0.1", 0), Collector)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        endpoint = f"http://127.0.0.1:{server.server_port}"
+    with serving(Collector) as endpoint:
         exporter = OtlpExporter(endpoint, "kvferry-gateway", "gateway")
         tracer = tracing.Tracer(str(tmp_path), "gateway", "gateway", exporter=exporter)
         http_ctx = tracing.child_of(
@@ -48,8 +45,6 @@ def test_spans_reach_an_otlp_collector_with_our_ids(tmp_path):
         root = tracing.child_of(None)
         tracer.span("prefill", 100.1, 100.2, "cmpl-2", root)
         tracer.close()  # flushes the batch processor
-    finally:
-        server.shutdown()
     spans = {}
     for path, body in Collector.received:
         assert path == "/v1/traces"

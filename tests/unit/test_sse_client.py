@@ -12,6 +12,7 @@ import httpx
 import pytest
 
 from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
+from tests.local_http import serving
 
 CHUNKS = [
     {"choices": [{"index": 0, "text": "a", "finish_reason": None}]},
@@ -57,11 +58,8 @@ class Server(http.server.BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/v1/completions"
-    server.shutdown()
-    server.server_close()
+    with serving(Server) as base:
+        yield base + "/v1/completions"
 
 
 def run(url: str, prompt: str, take: int | None = None):
