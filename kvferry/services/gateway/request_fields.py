@@ -18,9 +18,13 @@ COMPLETIONS, CHAT = "CompletionRequest", "ChatCompletionRequest"
 TOKENIZE, DETOKENIZE = "TokenizeRequest", "DetokenizeRequest"
 
 
+_FIELDS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
+
+
 def schema_of(name: str, limits: GatewayConfig) -> Schema:
-    """The named request's schema under these limits (built once for each)."""
-    return _built(name, dataclasses.astuple(limits))
+    """The named request's schema under these limits (built once for each). Keyed by the limits' values, read
+    shallowly: dataclasses.astuple's deep copy cost more than reading a body through the schema."""
+    return _built(name, tuple(map(limits.__getattribute__, _FIELDS)))
 
 
 @functools.lru_cache(maxsize=32)
