@@ -39,6 +39,7 @@ from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import kv_cache_layout
+from kvferry.common.request_failure import failure_text
 from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
@@ -317,7 +318,7 @@ class LLMEngine:
                     [],
                     True,
                     FinishReason.ABORT,
-                    error=f"{type(exc).__name__}: {exc}",
+                    error=failure_text(exc),
                 )
             )
         return outputs

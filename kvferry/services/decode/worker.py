@@ -125,8 +125,7 @@ class DecodeWorker(Worker):
             if isinstance(item, Reply):
                 self.kv_in.send(item.message, item.request_id, item.trace, to=item.peer)
             else:
-                f = item
-                self.report(f)
+                self.report(item)
 
     # -- a step -----------------------------------------------------------------------------------------------
     def step(self) -> None:

@@ -222,7 +222,7 @@ class PrefillConnector(Replies, Shipping, KVConnector):
     def start_failed(self, record: PrefillAttempt, exc: Exception) -> None:
         """Starting a transfer raised: it alone fails (500)."""
         log.exception("%s: starting a transfer", self.worker_id, extra={"request_id": record.key.request_id})
-        self.end(record.key, f"{type(exc).__name__}: {exc}", 500)
+        self.end(record.key, failure_text(exc), 500)
 
     def send_if_due(self, record: PrefillAttempt, now: float) -> None:
         """Send a transfer whose time came: due, not acknowledged in time, or done waiting for its held answer; give

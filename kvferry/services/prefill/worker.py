@@ -17,6 +17,7 @@ from kvferry.common import protocol as p
 from kvferry.common import tracing
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.peer_address import check_peer_address
+from kvferry.common.request_failure import fails_alone, failure_code, failure_text
 from kvferry.common.sampling import for_choice
 from kvferry.services.prefill.connector import PrefillConnector
 from kvferry.services.prefill.record import PrefillAttempt, PrefillState
@@ -174,14 +175,15 @@ class PrefillWorker(Worker):
             if out.error:
                 self.connector.end(record.key, f"the prefill step failed: {out.error}", 500)
                 continue
-            try:
+            with fails_alone(lambda exc: self.first_tokens_failed(record, exc)):
                 computed.append((record.key, self.first_tokens_of(record, out)))
-            except Exception as exc:  # this request's fault or a bug: it alone fails
-                log.exception("%s: first tokens", self.worker_id, extra={"request_id": out.request_id[0]})
-                code = 400 if isinstance(exc, InvalidRequest) else 500
-                self.connector.end(record.key, f"{type(exc).__name__}: {exc}", code)
         for key, continuing in computed:
             self.connector.computed(key, continuing)
+
+    def first_tokens_failed(self, record: PrefillAttempt, exc: Exception) -> None:
+        """Sending a prompt's first tokens raised (the request's fault, or a bug): it alone fails."""
+        log.exception("%s: first tokens", self.worker_id, extra={"request_id": record.key.request_id})
+        self.connector.end(record.key, failure_text(exc), failure_code(exc))
 
     def first_tokens_of(self, record: PrefillAttempt, out) -> list[tuple[int, int]]:
         """Send a finished prompt's first token of each choice; returns the (choice, token) of the choices that go
