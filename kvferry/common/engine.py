@@ -1,16 +1,15 @@
 """The engine core: one `step()` (schedule, run the model, record the sampled tokens) for every role.
 
-Offline, with the null connector, it runs prefill and decode in one loop, in one process, and it is the oracle
-for the distributed pipeline: the same request with greedy sampling gives the same tokens through both. A
-prefill or decode worker drives the same step with its own KV connector (common/kv_connector.py) plugged in,
-and reaches the engine only through the public methods below.
+Offline, with the null connector, it runs prefill and decode in one process and is the oracle for the distributed
+pipeline: greedy sampling gives the same tokens through both. A prefill or decode worker plugs in its own KV connector
+(common/kv_connector.py) and reaches the engine only through its public methods.
 
-The engine holds one index of its sequences (`_live`, request id -> Sequence): waiting, running, or finished
-with their blocks kept for the connector (Sequence.kept) until release(). Everything kept for a request between
-steps is on its Sequence, so a request is forgotten by dropping it from the index.
+`_live` (request id -> Sequence) indexes every sequence: waiting, running, or finished with its blocks kept for the
+connector (Sequence.kept) until release(). All that is kept for a request is on its Sequence, so dropping it from the
+index forgets the request.
 
-A step's failure stays with that step's requests: an exception while computing or sampling it ends each of
-them with an error output, and the engine goes on. Only a FatalError (a broken device) ends the caller.
+A step's failure ends only that step's requests, each with an error output; only a FatalError (a broken device) ends
+the caller.
 """
 
 import functools
@@ -211,23 +210,10 @@ class LLMEngine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._live
 
-    def admit_prefilled(
-        self,
-        request_ids: list[str],
-        prompt_token_ids: list[int],
-        first_token_ids: list[int],
-        params: list[SamplingParams],
-        blocks: list[int],
-        resume_token_ids: list[int] = (),
-        held_blocks: list[int] = (),
-        grammar=None,
-    ) -> bool:
-        """The one way in for sequences whose prompt KV was computed elsewhere and placed into blocks (a decode
-        connector reserved them with received_kv.reserve): all of a transfer's choices join the running batch, or
-        none does (False: no room now; the caller still owns the blocks). See received_kv.admit_choices."""
-        return received_kv.admit_choices(
-            self, request_ids, prompt_token_ids, first_token_ids, params, blocks, resume_token_ids, held_blocks, grammar
-        )
+    # The one way in for sequences whose prompt KV was computed elsewhere and placed into blocks (a decode
+    # connector reserved them with received_kv.reserve): all of a transfer's choices join the running batch, or none
+    # does (False: no room now; the caller still owns the blocks).
+    admit_prefilled = received_kv.admit_choices
 
     def forget(self, request_id: str) -> None:
         """Drop a sequence from the index, and with it all the engine kept for it; its blocks are not touched."""
@@ -358,7 +344,7 @@ class LLMEngine:
         else:
             before = seq.output_token_ids[:-1]
             token, logprobs = out.new_token_ids[0], out.new_logprobs[0] if out.new_logprobs else None
-            reason = self.finish_reason(params, token, num_outputs, num_tokens, seq.constraint_state)
+            reason = self.scheduler.finish_reason(params, token, num_outputs, num_tokens, seq.constraint_state)
             firsts = [(token, logprobs, reason)]
         state = seq.constraint_state  # each choice's own, of the same grammar
         states = [state.again(before) if state is not None else None for _ in extra]
@@ -369,23 +355,17 @@ class LLMEngine:
                 firsts.append((-1, None, FinishReason.DEAD_END))
             else:
                 firsts.append(
-                    (token, logprobs, self.finish_reason(choice_params, token, num_outputs, num_tokens, state))
+                    (
+                        token,
+                        logprobs,
+                        self.scheduler.finish_reason(choice_params, token, num_outputs, num_tokens, state),
+                    )
                 )
         return firsts
 
     def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:
         seq = self._live.get(request_id)
         return list(seq.prompt_logprobs or ()) if seq is not None else []
-
-    def finish_reason(
-        self,
-        params: SamplingParams,
-        token_id: int,
-        num_output_tokens: int,
-        num_tokens: int,
-        constraint_state: ConstraintState | None = None,
-    ) -> FinishReason | None:
-        return self.scheduler.finish_reason(params, token_id, num_output_tokens, num_tokens, constraint_state)
 
     def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
         """The ids of the leading cached blocks that hold these hashes, referenced for the caller (free_blocks
