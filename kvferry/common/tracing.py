@@ -75,20 +75,26 @@ class NullTracer:
 
 
 class Tracer(NullTracer):
-    """Appends this process's trace lines to DIR/<process>-<pid>.jsonl; thread-safe."""
+    """Appends this process's trace lines to DIR/<process>-<pid>.jsonl (no file without a trace_dir: export only),
+    and exports spans to OpenTelemetry when an exporter is set; thread-safe."""
 
     enabled = True
 
-    def __init__(self, trace_dir: str, role: str, process: str, exporter=None):
-        os.makedirs(trace_dir, exist_ok=True)
+    def __init__(self, trace_dir: str | None, role: str, process: str, exporter=None):
         self.role, self.process, self.exporter = role, process, exporter
-        self.path = os.path.join(trace_dir, f"{process}-{os.getpid()}.jsonl")
-        self.file = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+        self.export_failed = False
+        self.file = None
+        if trace_dir:
+            os.makedirs(trace_dir, exist_ok=True)
+            self.path = os.path.join(trace_dir, f"{process}-{os.getpid()}.jsonl")
+            self.file = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
         self.lock = threading.Lock()
         self.flushed_at = time.monotonic()
         atexit.register(self.close)
 
     def _write(self, record: dict) -> None:
+        if self.file is None:
+            return
         line = json.dumps(record, separators=(",", ":")) + "\n"
         with self.lock:
             if self.file.closed:
@@ -109,7 +115,8 @@ class Tracer(NullTracer):
         header_bytes: int,
         payload_bytes: int = 0,
     ) -> None:
-        """One message sent ("send") or received ("recv")."""
+        """One message sent ("send") or received ("recv"). A message sent is exported as an instant span: the spans
+        it causes on the receiver name it as their parent."""
         now = time.time()
         self._write(
             {
@@ -129,7 +136,9 @@ class Tracer(NullTracer):
             }
         )
         if direction == "send":
-            export_message(self, kind, now, peer, request_id, ctx, header_bytes + payload_bytes)
+            self._export(
+                f"send {kind}", now, now, request_id, ctx, {"peer": peer, "bytes": header_bytes + payload_bytes}
+            )
 
     def span(
         self, name: str, start: float, end: float, request_id: str = "", ctx: TraceContext | None = None, **attrs
@@ -151,52 +160,26 @@ class Tracer(NullTracer):
         if attrs:
             record["attrs"] = attrs
         self._write(record)
-        export_span(self, name, start, end, request_id, ctx, attrs)
+        self._export(name, start, end, request_id, ctx, attrs)
+
+    def _export(self, name: str, start: float, end: float, request_id: str, ctx, attrs: dict) -> None:
+        """To OpenTelemetry, when an exporter is set; a failure there is logged, never raised into a worker's step."""
+        if self.exporter is None:
+            return
+        try:
+            self.exporter.export(name, start, end, request_id, ctx, attrs)
+        except Exception as exc:  # a malformed id from a peer, an SDK error
+            if not self.export_failed:
+                self.export_failed = True
+                log.warning("OpenTelemetry export failed (reported once): %s", exc)
 
     def close(self) -> None:
         with self.lock:
-            if not self.file.closed:
+            if self.file is not None and not self.file.closed:
                 self.file.close()
         if self.exporter is not None:
             self.exporter.shutdown()
             self.exporter = None
-
-
-class ExportOnlyTracer(NullTracer):
-    """OpenTelemetry export without a trace folder: spans go out, nothing is written here."""
-
-    enabled = True
-
-    def __init__(self, role: str, process: str, exporter):
-        self.role, self.process, self.exporter = role, process, exporter
-        atexit.register(self.close)
-
-    def message(self, direction, kind, peer, request_id, ctx, header_bytes, payload_bytes=0) -> None:
-        if direction == "send":
-            export_message(self, kind, time.time(), peer, request_id, ctx, header_bytes + payload_bytes)
-
-    def span(self, name, start, end, request_id="", ctx=None, **attrs) -> None:
-        export_span(self, name, start, end, request_id, ctx, attrs)
-
-    def close(self) -> None:
-        self.exporter.shutdown()
-
-
-def export_span(tracer, name: str, start: float, end: float, request_id: str, ctx, attrs: dict) -> None:
-    """To OpenTelemetry, when an exporter is set; a failure there is logged, never raised into a worker's step."""
-    if tracer.exporter is None:
-        return
-    try:
-        tracer.exporter.export(name, start, end, request_id, ctx, attrs)
-    except Exception as exc:  # a malformed id from a peer, an SDK error
-        if not getattr(tracer, "export_failed", False):
-            tracer.export_failed = True
-            log.warning("OpenTelemetry export failed (reported once): %s", exc)
-
-
-def export_message(tracer, kind: str, at: float, peer: str, request_id: str, ctx, num_bytes: int) -> None:
-    """A message sent, as an instant span: the spans it causes on the receiver name it as their parent."""
-    export_span(tracer, f"send {kind}", at, at, request_id, ctx, {"peer": peer, "bytes": num_bytes})
 
 
 _tracer: NullTracer = NullTracer()
@@ -215,10 +198,5 @@ def configure(role: str, process: str, trace_dir: str | None, otlp_endpoint: str
         from kvferry.common.otel import OtlpExporter  # only here: without an endpoint nothing is imported
 
         exporter = OtlpExporter(otlp_endpoint, f"kvferry-{role}", process)
-    if trace_dir:
-        _tracer = Tracer(trace_dir, role, process, exporter)
-    elif exporter is not None:
-        _tracer = ExportOnlyTracer(role, process, exporter)
-    else:
-        _tracer = NullTracer()
+    _tracer = Tracer(trace_dir, role, process, exporter) if trace_dir or exporter is not None else NullTracer()
     return _tracer
