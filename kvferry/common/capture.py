@@ -168,11 +168,8 @@ def located_records(
                         on_skip(str(exc))
 
 
-def read_records(paths: Iterable[str | Path], on_skip=None, max_line_bytes: int = MAX_LINE_BYTES) -> Iterator[Record]:
-    """Every readable record of the files and folders, in file order (located_records, without the places)."""
-    return (record for _, record in located_records(paths, on_skip, max_line_bytes))
-
-
 def load(paths: Iterable[str | Path], on_skip=None, max_line_bytes: int = MAX_LINE_BYTES) -> list[Record]:
-    """Every readable record, sorted by arrival."""
-    return sorted(read_records(paths, on_skip, max_line_bytes), key=lambda r: r.arrival_unix)
+    """Every readable record (located_records, without the places), sorted by arrival."""
+    return sorted(
+        (record for _, record in located_records(paths, on_skip, max_line_bytes)), key=lambda r: r.arrival_unix
+    )
