@@ -1,18 +1,15 @@
 """Wire messages: one small typed class per kind, a msgpack header and raw frames.
 
-A message on the wire is a ZeroMQ multipart message `[header, frame, frame, ...]`. The
-header is msgpack `[kind, version, request_id, trace, body]`; tensors never go inside it:
-each is a raw frame, described in the body (dtype, shape) and sent without copying.
+A message is a ZeroMQ multipart message `[header, frame, ...]`: the header is msgpack `[kind, version, request_id,
+trace, body]`, and each tensor is a raw frame (described in the body: dtype, shape) sent without copying. No pickle.
 
-Decoding is strict. Anything unexpected (unknown kind, other version, missing, extra or
-mistyped field, a frame count or size that does not match its description, an oversized
-header or frame) raises ProtocolError and nothing else. No pickle anywhere.
+Decoding is strict: anything unexpected (unknown kind, other version, missing, extra or mistyped field, a frame count
+or size unlike its description, an oversized header or frame) raises ProtocolError and nothing else.
 
-Sizes are bounded per kind: `max_header_bytes(kind)` is what that kind's largest legal content packs to (a whole
-context of tokens for a PrefillRequest or a KVTransfer, of logprobs for a FirstToken; a small fixed allowance for
-control messages). encode refuses what decode would (MessageTooLarge, naming the field), so an oversized message
-fails where it is made instead of vanishing at the receiver; sockets are capped at the same sizes
-(transport.limit_socket), so an oversized frame is not even buffered.
+Sizes are bounded per kind: `max_header_bytes(kind)` is what its largest legal content packs to (a whole context of
+tokens for a PrefillRequest or KVTransfer, of logprobs for a FirstToken; a small allowance for control messages).
+encode refuses what decode would (MessageTooLarge, naming the field), so an oversized message fails where it is made,
+not silently at the receiver; sockets are capped at the same sizes (transport.limit_socket).
 """
 
 import enum
@@ -210,11 +207,11 @@ class FirstToken:
 
 @dataclass
 class KVTransfer:
-    """One frame: the K and V of one group of layers, [num_layers, num_blocks, block_size, 2, num_kv_heads, head_dim]
-    (K and V of a token side by side, as the cache holds them). A transfer is one message per group, in layer order, all with the same fields but the layers and the
-    first tokens: groups sent while the prompt still computes carry no output_token_ids. The last group always
-    carries them, and its choices are those that go on decoding (a subset of the first group's; none left: the
-    sender aborts instead)."""
+    """One frame: the K and V of one group of layers, [layers, blocks, block_size, 2, kv_heads, head_dim] (K and V of
+    a token side by side, as the cache holds them). A transfer is one message per group, in layer order, alike but for
+    the layers and the first tokens: groups sent while the prompt still computes carry no output_token_ids. The last
+    always carries them, for the choices that go on decoding (a subset of the first group's; none left: the sender
+    aborts instead)."""
 
     KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
@@ -224,7 +221,7 @@ class KVTransfer:
     sampling: SamplingParams
     num_computed_tokens: int
     dtype: str
-    shape: list[int]  # of the one frame: [layers, blocks, block_size, 2 (K, V), kv_heads, head_dim]
+    shape: list[int]  # of the one frame
     deadline_s: float
     gather_s: float = 0.0  # time the prefill worker spent copying the blocks out after the prompt's compute
     sent_at: float = 0.0  # wall clock at send: the receiver times the hop (same-host clocks agree)
@@ -293,25 +290,8 @@ class RequestFailed:
     retry: bool = False  # the worker gave up on something another worker may do (a transfer nobody took)
 
 
-MESSAGES: dict[int, type] = {
-    cls.KIND: cls
-    for cls in (
-        Register,
-        RegisterReply,
-        Heartbeat,
-        PrefillRequest,
-        FirstToken,
-        KVTransfer,
-        KVAck,
-        Tokens,
-        Abort,
-        RequestFailed,
-        Deregister,
-        CacheUpdate,
-        KVQuery,
-        KVHeld,
-    )
-}
+# Every message class above, by its kind.
+MESSAGES: dict[int, type] = {cls.KIND: cls for cls in list(globals().values()) if hasattr(cls, "KIND")}
 FRAMED = {Kind.KV_TRANSFER: 1}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -452,18 +432,13 @@ def encode(message, request_id: str = "", trace: TraceContext | None = None, fra
     message decode would refuse for its size."""
     frames = list(frames or [])
     name = type(message).__name__
-    expected = FRAMED.get(message.KIND, 0)
-    if len(frames) != expected:
-        raise ProtocolError(f"{name} carries {expected} frames, got {len(frames)}")
+    _check_frames(message.KIND, frames, "frames")
     trace_wire, body = _to_wire(trace or TraceContext()), _to_wire(message)
     header = msgpack.packb([int(message.KIND), PROTOCOL_VERSION, request_id, trace_wire, body], use_bin_type=True)
     limit = max_header_bytes(message.KIND)
     if len(header) > limit:
         field = _largest_field({**body, "request_id": request_id, "trace": trace_wire})
         raise MessageTooLarge(name, len(header), limit, field)
-    for frame in frames:
-        if frame_bytes(frame) > MAX_FRAME_BYTES:
-            raise MessageTooLarge(f"{name}'s frame", frame_bytes(frame), MAX_FRAME_BYTES, "frames")
     return [header, *frames]
 
 
@@ -483,20 +458,16 @@ def _check(value, annotation, where: str):
             except ProtocolError:
                 pass
         raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
-    if origin is tuple:  # tuple[X, ...] or a fixed tuple[X, Y]; msgpack carries both as lists
+    if origin in (list, tuple):  # tuple[X, ...] or a fixed tuple[X, Y]: msgpack carries both as lists
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         args = typing.get_args(annotation)
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_check(v, args[0], f"{where}[]") for v in value)
+        if origin is list or args[1:] == (Ellipsis,):
+            items = [_check(v, args[0], f"{where}[]") for v in value]
+            return items if origin is list else tuple(items)
         if len(value) != len(args):
             raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
         return tuple(_check(v, a, f"{where}[]") for v, a in zip(value, args))
-    if origin is list:
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        (item,) = typing.get_args(annotation)
-        return [_check(v, item, f"{where}[]") for v in value]
     if hasattr(annotation, "__dataclass_fields__"):
         return _build(annotation, value, where)
     if annotation is float:
@@ -507,11 +478,7 @@ def _check(value, annotation, where: str):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
         return value
-    if annotation is bytes:
-        if type(value) is not bytes:
-            raise ProtocolError(f"{where}: expected bytes, got {type(value).__name__}")
-        return value
-    if annotation in (str, bool):
+    if annotation in (str, bool, bytes):
         if type(value) is not annotation:
             raise ProtocolError(f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
         return value
@@ -543,6 +510,15 @@ def _build(cls, body, where: str):
         return cls(**values)
     except InvalidRequest as exc:  # a type that validates itself (SamplingParams): out-of-range values
         raise ProtocolError(f"{where}: {exc}") from None
+
+
+def _check_frames(kind: int, frames: list, field: str = "") -> None:
+    name, expected = MESSAGES[kind].__name__, FRAMED.get(kind, 0)
+    if len(frames) != expected:
+        raise ProtocolError(f"{name} carries {expected} frames, got {len(frames)}")
+    for frame in frames:
+        if frame_bytes(frame) > MAX_FRAME_BYTES:
+            raise MessageTooLarge(f"{name}'s frame", frame_bytes(frame), MAX_FRAME_BYTES, field)
 
 
 def _check_size(kind, size: int) -> None:
@@ -579,13 +555,8 @@ def decode(parts: list) -> Envelope:
     cls = MESSAGES[kind]
     message = _build(cls, body, cls.__name__)
     frames = list(parts[1:])
-    expected = FRAMED.get(kind, 0)
-    if len(frames) != expected:
-        raise ProtocolError(f"{cls.__name__} carries {expected} frames, got {len(frames)}")
+    _check_frames(kind, frames)
     for frame in frames:
-        size = frame_bytes(frame)
-        if size > MAX_FRAME_BYTES:
-            raise MessageTooLarge(f"{cls.__name__}'s frame", size, MAX_FRAME_BYTES)
-        if kind == Kind.KV_TRANSFER and size != kv_frame_bytes(message):
-            raise ProtocolError(f"KV frame of {size} bytes, its header says {kv_frame_bytes(message)}")
+        if kind == Kind.KV_TRANSFER and frame_bytes(frame) != kv_frame_bytes(message):
+            raise ProtocolError(f"KV frame of {frame_bytes(frame)} bytes, its header says {kv_frame_bytes(message)}")
     return Envelope(message, request_id, _build(TraceContext, trace, "trace"), frames)
