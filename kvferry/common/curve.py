@@ -1,32 +1,25 @@
 """CurveZMQ: encryption and authentication for every ZeroMQ socket, turned on with --curve-keys DIR.
 
-Who serves whom, and so who holds which key:
-
     socket       served by (the server pair)   admits the client public keys in
     control      the gateway                   DIR/clients/     prefill and decode workers
     KV ingress   each decode worker            DIR/kv-clients/  prefill workers only: a decode key cannot send KV
 
-Prefill workers only connect. `kvferry keys DIR` writes a deployment's keys:
+`kvferry keys DIR` writes server.key(_secret) (the servers' pair: the gateway and decode workers share it, so changing
+it re-keys the deployment), prefill.key(_secret) and decode.key(_secret) (the roles' client pairs), and the admitted
+public keys clients/prefill.key, clients/decode.key, kv-clients/prefill.key. A worker presents DIR/NAME.key_secret,
+NAME being --curve-client (default: its role); `--client NAME --role ROLE` gives one worker a pair of its own, and
+`--revoke NAME` takes it out again (a server restarted after that refuses it). Each process needs only its own files
+(in Kubernetes, one Secret per role): the gateway server.key* and clients/; a prefill worker server.key and its pair;
+a decode worker server.key*, its pair and kv-clients/.
 
-    server.key, server.key_secret        the servers' pair (the public half: every process, to reach a server)
-    prefill.key, prefill.key_secret      the prefill workers' client pair
-    decode.key, decode.key_secret        the decode workers' client pair
-    clients/prefill.key, clients/decode.key, kv-clients/prefill.key    who is admitted where, and as which role
+An admitted key file records its role (`role = "prefill"` under its metadata; without it, prefill.key and decode.key
+are that role's). The authenticator names each admitted peer "ROLE:NAME" (the ZAP User-Id, which ZeroMQ hands the
+server with each message), and the gateway lets a key register only as its role, and only the key that registered a
+worker id speak for it (services/gateway/server.py).
 
-A worker presents DIR/NAME.key_secret, NAME being --curve-client (default: its role). `kvferry keys DIR --client NAME
---role ROLE` gives one worker a pair of its own, admitted where its role is; `kvferry keys DIR --revoke NAME` takes
-it out again, and a server restarted after that refuses it: nothing else is re-keyed. An admitted key file records
-its role (`role = "prefill"` under its metadata; without it, a file named prefill.key or decode.key is that role's):
-the authenticator names each admitted peer "ROLE:NAME" (the ZAP User-Id, which ZeroMQ hands the server with every
-message from that peer), and the gateway lets a key register only as its role, and only the key that registered a
-worker id speak for it while it lives (services/gateway/server.py). Each process needs only its
-own files (in Kubernetes, one Secret per role): the gateway server.key* and clients/; a prefill worker server.key
-and its pair; a decode worker server.key*, its pair and kv-clients/. The gateway and the decode workers share the
-server pair, so changing it means new keys for the whole deployment.
-
-It fails closed: a serving socket enforces a ZAP domain, so with no authenticator running it refuses every client;
-a secret key file that every user may read is refused at start. A failed handshake is logged on both sides: the
-authenticator names the refused peer's address and key, and a client's socket monitor says what to fix.
+It fails closed: a serving socket enforces a ZAP domain, so with no authenticator it refuses every client, and a
+secret key file that every user may read is refused at start. A failed handshake is logged on both sides, saying
+what to fix.
 """
 
 import itertools
