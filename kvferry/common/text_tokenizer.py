@@ -1,14 +1,12 @@
 """A model folder's tokenizer and chat template without transformers, and so without torch (the gateway's).
 
-tokenizer.json runs through the `tokenizers` library and the chat template through jinja2, set up step for
-step as transformers 5 sets up its generic TokenizersBackend (the class of tokenizer_class "TokenizersBackend"
-or "PreTrainedTokenizerFast", the default model's): the same tokens added in the same order, tokenizer.json's
-own post-processor (transformers drops tokenizer_config.json's add_bos_token and add_eos_token when there is a
-tokenizer.json), no truncation or padding, and the chat template in the same sandbox with the same globals and
-filters. A test holds the two to identical ids and strings on the default model's folder.
-
-Model-specific classes (LlamaTokenizer, Qwen2Tokenizer, ...) rebuild their pipeline from the vocabulary in
-transformers instead of using tokenizer.json's as saved; for those the gateway warns that the two may differ.
+It sets up tokenizer.json (through `tokenizers`) and the chat template (through jinja2) step for step as transformers
+5 sets up its generic TokenizersBackend (tokenizer_class "TokenizersBackend" or "PreTrainedTokenizerFast", the default
+model's): the same tokens added in the same order, tokenizer.json's own post-processor (transformers drops
+tokenizer_config.json's add_bos_token and add_eos_token beside a tokenizer.json), no truncation or padding, and the
+template in the same sandbox with the same globals and filters. A test holds the two to identical ids and strings.
+Model-specific classes (LlamaTokenizer, ...) rebuild their pipeline in transformers instead; for those the gateway
+warns that the two may differ.
 """
 
 import functools
@@ -230,18 +228,15 @@ def _environment():
     return env
 
 
-def _compile(template: str):
-    return _environment().from_string(template)
-
-
-@functools.lru_cache(maxsize=8)
-def _compiled_template(source: str):
-    return _compile(source)
+@functools.lru_cache(maxsize=16)
+def _compiled(source: str):
+    """A template compiled in the sandbox: the model's chat templates and the gateway's tool prompt."""
+    return _environment().from_string(source)
 
 
 def render_template(source: str, **variables) -> str:
     """Any Jinja template (the gateway's tool prompt) in the chat templates' sandbox, given plain data only."""
-    return _compiled_template(source).render(**_plain(variables))
+    return _compiled(source).render(**_plain(variables))
 
 
 class TextTokenizer:
@@ -276,7 +271,6 @@ class TextTokenizer:
             or bool(config.get("clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"))
         )
         self.chat_template = _chat_template(folder, config)
-        self._compiled: dict[str, object] = {}
 
     @property
     def bos_token(self) -> str | None:
@@ -357,10 +351,7 @@ class TextTokenizer:
         special tokens: the template writes its own."""
         if not messages:
             raise ValueError("Cannot apply chat template to an empty conversation. Provide at least one message.")
-        template = self._template(tools)
-        compiled = self._compiled.get(template)
-        if compiled is None:
-            compiled = self._compiled[template] = _compile(template)
+        compiled = _compiled(self._template(tools))
         chat = []
         for message in messages:
             if not isinstance(message, dict):
