@@ -94,22 +94,16 @@ def parse_names(text: str | Iterable[str]) -> tuple[str, ...]:
     return names
 
 
-def _parse_int(text: str | int) -> int:
-    if isinstance(text, int) and not isinstance(text, bool):
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"invalid int value: {text!r}") from None
+def _number(kind: type) -> Callable[[Any], Any]:
+    """int or float, with argparse's wording for text that is not one."""
 
+    def parse(text: Any) -> Any:
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"invalid {kind.__name__} value: {text!r}") from None
 
-def _parse_float(text: str | float) -> float:
-    if isinstance(text, int | float) and not isinstance(text, bool):
-        return float(text)
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"invalid float value: {text!r}") from None
+    return parse
 
 
 # A setting's kind: how its text becomes a value, and how a value goes back into the environment.
@@ -117,8 +111,8 @@ def _parse_float(text: str | float) -> float:
 STR, INT, FLOAT, SIZE, PATH, SWITCH, NAMES = "str", "int", "float", "size", "path", "switch", "names"
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     STR: str,
-    INT: _parse_int,
-    FLOAT: _parse_float,
+    INT: _number(int),
+    FLOAT: _number(float),
     SIZE: parse_size,
     PATH: str,
     SWITCH: parse_bool,

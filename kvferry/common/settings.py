@@ -1,16 +1,10 @@
-"""Every kvferry setting, walked from the config classes that declare them, each once: EngineConfig (config.py),
-GatewayConfig, WorkerConfig, ServeConfig and ProcessConfig. A field there is the setting: its name, type, default,
-bounds, help and the commands that take it (setting.py).
+"""Every kvferry setting, walked from the config classes that declare each once (EngineConfig, GatewayConfig,
+WorkerConfig, ServeConfig, ProcessConfig: a field is the setting, see setting.py).
 
-From them come each command's flags (`--max-num-seqs`), the environment variables (`KVFERRY_` plus the
-upper-case name, written nowhere else), what `kvferry serve` passes to its child processes, and the settings table
-in docs/operations.md. A flag overrides the environment, and the environment overrides the default. An empty
-variable counts as unset.
-
-To add a setting: add one field to its role's config class, read it from the config (or `args.<name>`), then run
-`make docs` (it writes the table into docs/operations.md).
-
-Standard library only: the gateway and the image's health check import this.
+From them come each command's flags (`--max-num-seqs`), the environment variables (`KVFERRY_` plus the upper-case
+name), what `kvferry serve` passes to its children, and the settings table in docs/operations.md. A flag overrides
+the environment, which overrides the default; an empty variable counts as unset. To add a setting, add a field to its
+role's config class and run `make docs`. Standard library only: the gateway and the image's health check import this.
 """
 
 import argparse
@@ -44,9 +38,7 @@ from kvferry.common.setting import (
     SERVE,
     SERVICES,
     SIZE,
-    STR,
     SWITCH,
-    WORKERS,
     EnvText,
     Setting,
     parse_names,
@@ -56,7 +48,7 @@ from kvferry.common.worker_config import WorkerConfig
 
 __all__ = [
     "BENCH", "COMMANDS", "DECODE", "ENGINE", "ENV_PREFIX", "FLOAT", "GATEWAY", "GENERATE", "INT", "NAMES", "PATH",
-    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "STR", "SWITCH", "WORKERS", "Setting", "SPEC", "get",
+    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "SWITCH", "Setting", "SPEC", "get",
     "env_name", "label", "default", "from_env", "for_command", "add_arguments", "child_environment",
     "apply_environment", "markdown_table", "write_docs", "docs_table_of", "main",
 ]  # fmt: skip
