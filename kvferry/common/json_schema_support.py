@@ -1,20 +1,17 @@
 """Which JSON Schemas the structured-output engine (xgrammar 0.2.9) enforces in full: a schema that asks for more is
 refused with the JSON path of what it cannot do, never compiled with parts of it silently dropped.
 
-Measured on xgrammar 0.2.9 by compiling schemas and feeding the matcher outputs that should pass and fail
-(docs/structured-output.md lists the results). Besides the keywords it ignores outright (allOf, not, if/then/else,
-uniqueItems, contains, patternProperties, dependent*, unevaluated*, unknown formats), it drops keywords in some
-combinations, and those combinations are refused here too:
+Measured by compiling schemas and matching outputs that should pass and fail (docs/structured-output.md). Besides
+the keywords it ignores outright (allOf, not, if/then/else, uniqueItems, contains, patternProperties, dependent*,
+unevaluated*, unknown formats), it drops keywords in some combinations, refused here too:
 - a keyword of one JSON type (minimum, maxLength, items, properties, ...) without a `type` naming that type;
 - the keywords beside a `$ref`, an `anyOf`/`oneOf`, or an `enum`/`const` (beside which only `type` is kept);
-- `format`, `pattern` and minLength/maxLength together in one string schema (only one of the three is kept);
+- two of `format`, `pattern` and minLength/maxLength in one string schema (only one is kept);
 - a `required` name not in `properties`; `multipleOf` on anything but integers;
-- a `oneOf` whose branches may overlap (the engine generates it as `anyOf`, so one output could match two).
-Some schemas it enforces are refused for their size: their compile would take seconds (the limits below).
-What the engine adds is fine: it generates no property that `properties` does not list unless additionalProperties
-allows it, and matches `pattern` against the whole string; such an output still validates.
-
-Standard library only: the gateway and the tests share it. It expects a schema that already passed its metaschema.
+- a `oneOf` whose branches may overlap (generated as `anyOf`, one output could match two).
+Schemas whose compile would take seconds are refused for their size (the limits below). What the engine adds (no
+unlisted property unless additionalProperties allows it; `pattern` matched against the whole string) still
+validates. Standard library only (the gateway and the tests share it); the schema has passed its metaschema.
 """
 
 import json
@@ -82,19 +79,17 @@ FALSE_ALLOWED = frozenset({"additionalProperties", "items"})  # where the engine
 MAX_REF_HOPS = 32  # a $ref chain longer than this is taken as a loop when oneOf branches are compared
 MAX_ONE_OF = 256  # branches of one oneOf: each pair is compared
 MAX_ENUM_VALUES = 1024  # of one enum: each value is an alternative of the grammar, and a oneOf compares them all
-# The engine's compile time grows about quadratically with an object's optional properties (those not in 'required';
-# docs/structured-output.md has the figures), so that a few thousand take a compile past any sensible timeout; required
-# ones cost little. Within these the compile stays well under a second.
+# The compile time grows about quadratically with an object's optional properties (not in 'required'), little with
+# required ones; within these it stays well under a second (docs/structured-output.md has the figures).
 MAX_OPTIONAL_PROPERTIES = 128  # of one object
 MAX_PROPERTIES = 2048  # of every object in the schema together, nested and in $defs too
-# Each enum or const value is an alternative the engine precomputes token masks for: about 250 bytes of compiled
-# grammar per character (a 105 KB enum held 26 MiB), so their characters together bound a grammar's memory.
+# Each enum or const value is an alternative the engine precomputes token masks for, each character costing compiled
+# grammar memory: their characters together bound it.
 MAX_VALUE_CHARS = 32_768  # of every enum and const value in the schema, as JSON text
-# The compile time grows faster than linearly with the length of a chain of $refs (a $ref to a schema that holds a
-# $ref, and so on): 1,000 links through anyOf took 1.3 s, 1,500 took 3.8 s. Real schemas nest a few levels.
+# The compile time grows faster than linearly with a chain of $refs (a $ref to a schema holding a $ref, and so on).
+# Real schemas nest a few levels.
 MAX_REF_DEPTH = 64
-# Groups nested in a pattern: Python's re (the metaschema's regex check) recurses on each, and real patterns nest a
-# few deep.
+# Groups nested in a pattern: Python's re (the metaschema's regex check) recurses on each; real ones nest a few.
 MAX_PATTERN_DEPTH = 64
 
 
