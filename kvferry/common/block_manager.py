@@ -1,14 +1,12 @@
 """The KV block pool: integer block ids, reference counts, a free list, and the prefix cache.
 
-Pure Python on purpose: the scheduler plans with it, and the model runner is the only
-place that turns block ids into tensor slots. Sharing (prefix reuse, parallel sampling)
-is a matter of ref counts.
+Pure Python on purpose: the scheduler plans with it, and the model runner is the only place that turns block ids
+into tensor slots. Sharing (prefix reuse, parallel sampling) is a matter of ref counts.
 
-Prefix caching: a full block whose KV is computed can be registered under its chained
-content hash (block_hash.py). When its last reference goes, it stays in the free list with
-its contents and its hash, so a later prompt with the same prefix takes it back instead of
-recomputing it. The free list is in LRU order; allocation takes the oldest free block and
-only then forgets the hash it held (eviction).
+Prefix caching: a full block whose KV is computed can be registered under its chained content hash (block_hash.py).
+When its last reference goes, it stays in the free list with its contents and hash, so a later prompt with the same
+prefix takes it back instead of recomputing it. The free list is in LRU order; allocation takes the oldest free block
+and only then forgets the hash it held (eviction).
 """
 
 from collections import OrderedDict

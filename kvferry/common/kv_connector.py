@@ -1,19 +1,16 @@
 """The seam between the one engine core and a worker's role: what differs between prefill, decode and offline.
 
-Every role drives the same `LLMEngine.step()`. What a role adds to it sits behind this interface, in the
-spirit of vLLM V1's KV connector, in two halves:
+Every role drives the same `LLMEngine.step()`; what a role adds sits behind this interface, after vLLM V1's KV
+connector, in two halves:
+- scheduler side: which leading blocks of a prompt are already here (`matched_blocks`), its turn before each step
+  and the requests whose blocks go (`get_finished`), a scheduled step (`on_scheduled`), and whether a finished
+  sequence keeps its blocks (`request_finished`; `keeps_finished_blocks` says up front that a role keeps any);
+- worker side: a group of layers of the step's KV is stored (`save_layers`), and received blocks are written into
+  the cache (`load_blocks`).
 
-- scheduler side: which leading blocks of a prompt are already there (`matched_blocks`), its turn before each
-  step and the requests whose blocks go (`get_finished`), what a scheduled step means to it (`on_scheduled`), and whether a finished sequence keeps its blocks (`request_finished`; a role that
-  keeps any says so up front, `keeps_finished_blocks`, for the scheduler);
-- worker side: a group of layers of the step's KV has been stored (`save_layers`), and received blocks are
-  written into the cache (`load_blocks`).
-
-The role's loop talks to its connector through the connector's own methods (`on_message` and the like, see the
-prefill and decode connectors); the engine never does.
-
-The base class is the null connector of the offline engine: nothing is kept, nothing shipped, nothing held.
-A connector never touches a socket: a hook that has something to send queues it for the role's sender.
+The role's loop talks to its connector through the connector's own methods; the engine never does. A connector never
+touches a socket: a hook with something to send queues it for the role's sender. The base class is the offline
+engine's null connector: nothing kept, shipped or held.
 """
 
 from __future__ import annotations

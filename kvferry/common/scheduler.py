@@ -1,20 +1,14 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-Pure and deterministic. It owns the waiting and running queues and the block manager,
-takes sampled tokens back through `update`, and never touches tensors.
+Pure and deterministic: it owns the waiting and running queues and the block manager, takes sampled tokens back
+through `update`, and never touches tensors. A step is either a prefill step (prompt chunks, at most
+`max_num_batched_tokens` tokens in all) or a decode step (one token for every running sequence). Prompts go first, so
+a new request joins the running batch at the next step; a sequence leaves it on the step it finishes.
 
-A step is either a prefill step (prompt chunks, at most `max_num_batched_tokens` tokens
-in all) or a decode step (one token for every running sequence). Prompts go first, so a
-new request joins the running batch at the next step; a sequence leaves the batch on the
-step it finishes.
-
-Chunked prefill: a prompt computes at most `long_prefill_threshold` tokens a step, and the
-rest of the budget goes to the prompts queued behind it, so one long prompt does not hold
-back the first token of the short ones. Without chunking a prompt is computed in one step
-(alone in it when it is longer than the budget), as servers without chunked prefill do.
-
-When a decode step runs out of blocks, the newest sequence is preempted: its blocks are freed
-and it is recomputed later as one longer prompt.
+Chunked prefill: a prompt computes at most `long_prefill_threshold` tokens a step, and the rest of the budget goes to
+the prompts behind it, so one long prompt does not hold back the short ones' first tokens. Without chunking a prompt
+is computed in one step (alone when it is longer than the budget). When a decode step runs out of blocks, the newest
+sequence is preempted: its blocks are freed and it is recomputed later as one longer prompt.
 """
 
 import bisect

@@ -1,10 +1,9 @@
 """The garbage collector once a process has started: what it built to serve (a model's modules and tensors' Python
-objects, the tokenizer, the web app), some 300,000 objects in a worker, is moved out of the collector's sight.
+objects, the tokenizer, the web app) is moved out of the collector's sight.
 
-Python's full collection walks every tracked object. In a worker with the default model loaded it took 90-100 ms
-(docs/benchmarks.md), and it comes now and then on its own, in the middle of a step: every stream on that worker
-stalls for it. Frozen, those objects are never walked again; a full collection then scans only what serving has
-allocated since, and takes about nothing.
+Python's full collection walks every tracked object, which in a worker with a model loaded takes tens of milliseconds
+(docs/benchmarks.md) and comes now and then in the middle of a step, stalling every stream. Frozen, those objects are
+never walked again: a full collection scans only what serving allocated since.
 """
 
 import gc

@@ -1,15 +1,12 @@
 """ZeroMQ plumbing for protocol messages: send, receive, trace, and count what cannot be decoded.
 
-ROUTER sockets prefix every message with the peer's identity frame; DEALER sockets do not.
-Raw frames (KV tensors) are sent with copy=False, so ZeroMQ reads the tensor's memory in
-place, and received with copy=False, so the receiver can view them without a copy.
+ROUTER sockets prefix every message with the peer's identity frame; DEALER sockets do not. Raw frames (KV tensors)
+go with copy=False both ways, so neither side copies the tensor's memory.
 
-Each message sent gets its own span id, a child of the context that caused it, and is
-recorded (with the receive on the other side) by the process's tracer when tracing is on.
-That span id is also the message's id: a receiver drops a message whose id it has just seen
-(a duplicate), so resending is always safe.
-
-The fault-injection hook (common/faults.py, for tests) makes send drop, duplicate and delay messages.
+Each message sent gets its own span id, a child of the context that caused it, which the process's tracer records
+(with the receive) when tracing is on. That span id is also the message's id: a receiver drops a message whose id it
+has just seen, so resending is always safe. The fault-injection hook (common/faults.py, for tests) makes send drop,
+duplicate and delay messages.
 """
 
 import asyncio
@@ -54,11 +51,8 @@ def peer_label(identity: bytes) -> str:
 
 
 class Channel:
-    """One socket with protocol-aware, traced send and receive.
-
-    pack/unpack do the encoding, decoding and tracing; send/recv add the blocking socket calls.
-    The gateway's asyncio socket uses pack/unpack around its own awaits.
-    """
+    """One socket with protocol-aware, traced send and receive: pack/unpack encode, decode and trace, send/recv add
+    the socket calls (the gateway's asyncio socket uses pack/unpack around its own awaits)."""
 
     def __init__(self, socket: zmq.Socket, name: str, peer_name: str = "", tracer=None):
         self.socket = socket

@@ -1,10 +1,9 @@
-"""A bound on the work one check of a request's content may do, counted in steps (not seconds: a busy machine must
-not turn a good request into a refusal), and proportional to the size of what it checks.
+"""A bound on the work one check of a request's content may do, in steps (not seconds: a busy machine must not turn
+a good request into a refusal), in proportion to the size of what it checks.
 
-A check that runs out raises WorkBudgetExceeded, which the caller turns into a 400 naming the field. Every
-CHECK_EVERY steps it also asks whether its request still wants the answer: a client that disconnected, a request
-past its deadline, or a gateway that is stopping ends the check there (WorkCancelled), so that no abandoned request
-holds a text thread. Standard library only: the gateway's checks and the tests share it.
+A check that runs out raises WorkBudgetExceeded, which the caller turns into a 400 naming the field. Every CHECK_EVERY
+steps it also asks whether its request still wants the answer: a client that left, a passed deadline or a stopping
+gateway ends it there (WorkCancelled), so no abandoned request holds a text thread. Standard library only.
 """
 
 import contextvars
@@ -12,10 +11,9 @@ import threading
 import time
 
 CHECK_EVERY = 1024  # steps between looks at the clock and at the request's cancellation
-# A check may take BASE_STEPS plus STEPS_PER_BYTE for each byte of its input. A schema's linear walk costs about one
-# step per 10 bytes, and a oneOf of 256 const branches (3 KB) 32,640 pairs: both far inside. What stays outside is
-# work that grows faster than the input (pairwise comparisons recursing into shared properties, $ref chains walked
-# again and again), which is what the budget is for.
+# A check may take BASE_STEPS plus STEPS_PER_BYTE for each byte of its input: far more than a linear walk or a oneOf
+# of 256 const branches needs. What it bounds is work that grows faster than the input (pairwise comparisons recursing
+# into shared properties, $ref chains walked again and again).
 BASE_STEPS = 200_000
 STEPS_PER_BYTE = 8
 

@@ -1,22 +1,16 @@
 """A trial compile of each new constraint in a child process, which a timeout can kill.
 
-xgrammar's compile cannot be interrupted: a thread that runs one past its time keeps a core, and every later
-compile waits behind it. So a worker first compiles a new constraint in a child process, waiting for its answer
-until the constraint's deadline, and past it kills the child, which frees the core (the next compile starts a fresh
-child). Only a constraint whose trial finished in time is compiled again in the worker, which then takes about as
-long, since a compile is deterministic.
+xgrammar's compile cannot be interrupted: a thread running one past its time keeps a core, and every later compile
+waits behind it. So a worker first compiles a new constraint in a child process, waits for its answer until the
+constraint's deadline, and past it kills the child (the next compile starts a fresh one). Only a constraint whose
+trial finished in time is compiled again in the worker, in about the same time, since a compile is deterministic.
 
-The grammar itself does not come back: xgrammar's only serialization is JSON whose size has little to do with the
-grammar's, and which can take far longer than the compile (a schema of 2,000 properties compiled in 0.3 s into 6 MB,
-and serialized in 56 s into 1 GB of JSON). Compiling twice costs each new constraint its compile time once more;
-repeats come from the cache.
+The grammar itself does not come back: xgrammar's only serialization is JSON, which can be far larger and take far
+longer than the compile itself. So each new constraint costs its compile twice (repeats come from the cache), and
+each child start costs xgrammar's and torch's import (seconds of a core), counted against no constraint's timeout.
 
-What it costs besides: the child imports xgrammar, and torch with it (about 3 s of a core and 270 MB of RSS, mostly
-shared libraries), once and again after each kill, counted against no constraint's timeout.
-
-The child is started by subprocess (a fork followed at once by an exec: safe beside torch's threads) and talks over
-two pipes of its own, in frames of a tag byte and a length. It ends when its request pipe closes, and with its
-parent.
+The child is started by subprocess (fork and exec at once: safe beside torch's threads) and talks over two pipes of
+its own, in frames of a tag byte and a length. It ends when its request pipe closes, and with its parent.
 """
 
 import ctypes

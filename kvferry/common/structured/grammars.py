@@ -1,19 +1,14 @@
 """Compiled grammars for structured-output constraints, cached by their canonical text.
 
-xgrammar compiles a constraint against the tokenizer's vocabulary into a grammar whose token masks are mostly
-precomputed; a compile takes milliseconds to seconds, so a worker compiles each (kind, spec) once, on a thread off
-its step loop (services/constraint_compiles.py), and keeps the result in an LRU bounded by count and by the bytes
-the grammars hold. A worker's cache first tries each new constraint in a child process (compile_process.py), which
-a timeout kills, and compiles it itself only once the trial finished in time; the offline engine's compiles in
-process alone. xgrammar is imported on the first constraint: a worker that never sees one
-does not pay its import.
+A compile takes milliseconds to seconds, so a worker compiles each (kind, spec) once, on a thread off its step loop
+(services/constraint_compiles.py), and keeps it in an LRU bounded by count and by the bytes the grammars hold (their
+token masks: a large enum's can be tens of MiB, docs/structured-output.md). One larger than the whole bound is served
+to the requests waiting for it, not kept. A worker first tries each new constraint in a child process that a timeout
+can kill (compile_process.py), and compiles it itself once the trial finished in time; the offline engine compiles in
+process. xgrammar is imported on the first constraint.
 
-A compiled grammar's size is not its text's: a 105 KB enum of 1,024 random 100-character strings holds about
-26 MiB of token masks, a schema of ordinary size tens of KiB. A grammar larger than the whole byte bound is
-served to the requests that wait for it, and not kept.
-
-Whitespace is constrained (JSON with fixed separators, and at most one whitespace character in a row inside a
-structural tag's JSON), so a bounded schema always finishes within a bounded number of tokens.
+Whitespace is constrained (JSON with fixed separators, at most one whitespace character in a row inside a structural
+tag's JSON), so a bounded schema always finishes within a bounded number of tokens.
 """
 
 import threading
@@ -43,8 +38,7 @@ class GrammarCache:
         isolated: bool = False,
     ):
         """load_tokenizer: transformers' tokenizer (None: the folder has none), called when the first constraint
-        comes. isolated: try each new constraint first in a child process, which a compile's timeout kills, and compile it
-        here once the trial passed (a worker's)."""
+        comes. isolated: trial-compile each new constraint in a child process first (a worker's)."""
         self._load_tokenizer, self._vocab_size, self._stop_token_ids = load_tokenizer, vocab_size, list(stop_token_ids)
         self._tokenizer_info = self._compiler = self._process = None
         self._compiled: OrderedDict[tuple[str, str], tuple[object, int]] = OrderedDict()  # -> (grammar, its bytes)
