@@ -1,10 +1,9 @@
 """What each field of a capture line may hold, checked before a reader trusts it.
 
-A capture file is read back by `kvferry replay`, `simulate` and `plan`, maybe long after and on another machine;
-a line may be cut off, edited by hand, or crafted. A value of the wrong type would otherwise surface as a traceback
-deep in a report, a negative or endless time as a replay that sleeps for ever, and a deeply nested body as a
-RecursionError when it is copied or sent. So every field is checked here, by type and range, and a line that
-fails is named by the reader and skipped. Standard library only: the gateway imports the format.
+A capture is read back by `kvferry replay`, `simulate` and `plan`, maybe long after and elsewhere, and a line may be
+cut off, edited or crafted: a wrong type would surface as a traceback deep in a report, a negative or endless time
+as a replay that sleeps for ever, a deeply nested body as a RecursionError. So every field is checked by type and
+range, and a line that fails is named and skipped. Standard library only: the gateway imports the format.
 """
 
 import math

@@ -1,12 +1,9 @@
 """Log set-up for every kvferry process: plain text by default, JSON lines with --log-format json.
 
-A log line about a request carries its id: pass extra={"request_id": rid}, or, in the gateway,
-set request_id_var for the request's task and every line logged inside it gets the id.
-
-A log line often quotes what a client sent (a model name, a `user`, an error about the prompt). The text format
-escapes every control character and Unicode line break in the whole line, traceback included, so that a value with
-a newline cannot forge a line of its own, nor a terminal escape repaint the reader's screen. The JSON format gets
-the same from json.dumps, which escapes them inside its strings.
+A line about a request carries its id: pass extra={"request_id": rid}, or, in the gateway, set request_id_var for
+the request's task. A line often quotes what a client sent, so the text format escapes every control character and
+Unicode line break in the whole line, traceback included: a value cannot forge a line of its own, nor a terminal
+escape repaint the reader's screen. json.dumps does the same inside the JSON format's strings.
 """
 
 import contextvars

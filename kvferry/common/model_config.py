@@ -1,14 +1,10 @@
-"""A model's architecture from its config.json, read without transformers.
+"""A model's architecture from its config.json, read without transformers (whose import and config object were most
+of a worker's start, docs/benchmarks.md).
 
-Importing transformers and building its config object took about 1.8 s of every worker's start on a 2-core
-machine, more than importing torch, to read a dozen numbers. ModelConfig reads them from the file with the
-defaults transformers' config class of each architecture fills in where the file is silent (model_files'
-CONFIG_DEFAULTS), so the model is built as transformers would configure it. A unit test holds every field to
-AutoConfig's on configs with fields left out or set, head_dim nulled, and both RoPE spellings; a null where
-transformers wants a value is refused, as transformers refuses it.
-
-Only a RoPE scaling other than the default needs transformers (its init functions take its config object):
-llama.rope_cos_sin loads AutoConfig then, from `path`.
+ModelConfig reads the numbers from the file with the defaults transformers' config class of each architecture fills
+in where the file is silent (model_files' CONFIG_DEFAULTS), so the model is built as transformers would configure it;
+a unit test holds every field to AutoConfig's. A null where transformers wants a value is refused, as there. Only a
+RoPE scaling other than the default needs transformers: llama.rope_cos_sin loads AutoConfig then, from `path`.
 """
 
 from dataclasses import dataclass

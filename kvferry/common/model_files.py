@@ -1,11 +1,9 @@
 """Finding a model's files: a Hugging Face folder, a .gguf file, or the embedded default.
 
-A GGUF file is converted once (de-quantized to safetensors, with the tokenizer beside it) into a cache
-folder, so that every later start reads plain safetensors instead of converting again. The cache folder is trusted
-only while it is this user's alone (kvferry.cache_trust); else the start stops with a ConfigError naming the path.
-
-Nothing here imports torch or transformers: the gateway locates the model and reads its config.json with this
-module, and never loads torch. Only the conversion needs them, and it runs in a child process.
+A GGUF file is converted once (de-quantized to safetensors, the tokenizer beside it) into a cache folder, trusted
+only while it is this user's alone (kvferry.cache_trust; else a ConfigError naming the path). Nothing here imports
+torch or transformers: the gateway locates the model and reads its config.json with this module. Only the
+conversion needs them, and it runs in a child process.
 """
 
 import contextlib

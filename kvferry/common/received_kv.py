@@ -1,13 +1,11 @@
-"""Admitting sequences whose prompt KV was computed elsewhere (a decode worker's side of a transfer), in three
-parts: `reserve` checks a transfer and allocates its blocks when its first layer group comes, `check_layers`
-checks each group before the connector places it, and `admit_choices` makes the choices sequences of the engine
+"""Admitting sequences whose prompt KV was computed elsewhere (a decode worker's side of a transfer): `reserve`
+checks a transfer and allocates its blocks when its first layer group comes, `check_layers` checks each group before
+the connector places it, and `admit_choices` (`LLMEngine.admit_prefilled`) makes the choices sequences of the engine
 once the last group is in.
 
-These are functions of an engine, not a part of it: the decode connector calls the first two on the engine it is
-plugged into, and the engine's one entry point for received KV, `LLMEngine.admit_prefilled`, is the third. The
-simulator (tools/sim/received.py) runs the same code on a stand-in engine. What they read of an engine:
-validate_prompt, validate_params, has_request, constraint_state, vocab_size, block_manager, scheduler, and, to
-admit, its index (`_live`), forget and runner.copy_block.
+Functions of an engine, not a part of it: the simulator (tools/sim/received.py) runs them on a stand-in. What they
+read of an engine: validate_prompt, validate_params, has_request, constraint_state, vocab_size, block_manager,
+scheduler, and, to admit, its index (`_live`), forget and runner.copy_block.
 """
 
 from kvferry.common.block_hash import block_hashes
