@@ -194,8 +194,7 @@ class _Walk:
         for leader, allowed in (("$ref", ()), ("anyOf", ()), ("oneOf", ()), ("enum", ("type",)), ("const", ("type",))):
             if leader not in schema:
                 continue
-            beside = [n for n in schema if n != leader and n not in ANNOTATIONS and n not in CONTAINERS]
-            beside = [n for n in beside if n not in allowed]
+            beside = [n for n in schema if n not in (leader, *allowed) and n not in ANNOTATIONS | CONTAINERS]
             if beside:
                 raise UnsupportedSchema(
                     path, f"{beside[0]!r} beside {leader!r} is not supported (the engine ignores one of them)"

@@ -12,6 +12,7 @@ sequence is preempted: its blocks are freed and it is recomputed later as one lo
 """
 
 import bisect
+import itertools
 from dataclasses import dataclass, field
 
 from kvferry.common.block_hash import block_hashes
@@ -80,7 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_computed_prompt_tokens = 0  # prompt tokens run through the model (recomputes included)
         self.num_cached_prompt_tokens = 0  # prompt tokens whose KV the prefix cache supplied
-        self._next_arrival = 0
+        self._arrivals = itertools.count()
         # A prefill worker keeps a finished prompt's blocks until a decode worker holds their copy,
         # then hands them back with `release`. Aborted sequences always free at once.
         self.keep_finished_blocks = keep_finished_blocks
@@ -98,8 +99,7 @@ class Scheduler:
         )
 
     def add(self, seq: Sequence) -> None:
-        seq.arrival = self._next_arrival
-        self._next_arrival += 1
+        seq.arrival = next(self._arrivals)
         self.waiting.append(seq)
 
     def _prefilled_blocks(self, num_tokens: int, num_choices: int) -> int:
@@ -129,8 +129,7 @@ class Scheduler:
         assert seq.num_uncomputed_tokens == 1 and not seq.block_table
         seq.block_table.extend(shared_blocks)
         self.block_manager.grow(seq.block_table, seq.num_tokens)
-        seq.arrival = self._next_arrival
-        self._next_arrival += 1
+        seq.arrival = next(self._arrivals)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)  # the newest arrival: running stays sorted
         self._register_full_blocks(seq)  # the caller writes their KV before anything can read it

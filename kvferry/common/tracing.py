@@ -62,7 +62,6 @@ class NullTracer:
     """Tracing off."""
 
     enabled = False
-    exporter = None
 
     def message(self, *args, **kwargs) -> None:
         pass
