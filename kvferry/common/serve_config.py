@@ -11,11 +11,10 @@ class ServeConfig:
     control_port: int = setting(
         5557, "the port on 127.0.0.1 where serve's workers register at its gateway", min=1, max=65535
     )
-    # On a small machine both workers take every core, and the decode worker runs at a lower priority: a prompt's
-    # prefill then has the cores while it lasts (its GEMMs are the machine's most efficient work, and its requests
-    # join the decode batch sooner), and decode takes what prefill leaves. std-32 over HTTP ran about 14%
-    # faster than with the cores split between them (docs/benchmarks.md), at the price of decode's pace while a
-    # burst of prompts is prefilled. decode_nice 0 shares the cores evenly.
+    # On a small machine both workers take every core and the decode worker runs at a lower priority: a prompt's
+    # prefill has the cores while it lasts (its GEMMs are the most efficient work, and its requests join the decode
+    # batch sooner). That beat splitting the cores (docs/benchmarks.md), at the price of decode's pace during a burst
+    # of prompts; decode_nice 0 shares them evenly.
     prefill_threads: int = setting(2, "torch threads of serve's prefill worker", min=1)
     decode_threads: int = setting(2, "torch threads of serve's decode worker", min=1)
     decode_nice: int = setting(
