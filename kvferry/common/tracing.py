@@ -117,23 +117,9 @@ class Tracer(NullTracer):
         """One message sent ("send") or received ("recv"). A message sent is exported as an instant span: the spans
         it causes on the receiver name it as their parent."""
         now = time.time()
-        self._write(
-            {
-                "ts": now,
-                "role": self.role,
-                "proc": self.process,
-                "pid": os.getpid(),
-                "ev": direction,
-                "kind": kind,
-                "peer": peer,
-                "rid": request_id,
-                "trace_id": ctx.trace_id,
-                "span_id": ctx.span_id,
-                "parent_id": ctx.parent_id,
-                "header_bytes": header_bytes,
-                "payload_bytes": payload_bytes,
-            }
-        )
+        record = self._record(direction, now, request_id, ctx)
+        record.update(kind=kind, peer=peer, header_bytes=header_bytes, payload_bytes=payload_bytes)
+        self._write(record)
         if direction == "send":
             self._export(
                 f"send {kind}", now, now, request_id, ctx, {"peer": peer, "bytes": header_bytes + payload_bytes}
@@ -144,22 +130,18 @@ class Tracer(NullTracer):
     ) -> None:
         """Work this process did from start to end (wall-clock seconds); a batch step lists its requests in
         attrs["rids"]. An instant event has start == end."""
-        record = {
-            "ts": start,
-            "dur": max(0.0, end - start),
-            "role": self.role,
-            "proc": self.process,
-            "pid": os.getpid(),
-            "ev": "span",
-            "name": name,
-            "rid": request_id,
-        }
-        if ctx is not None:
-            record.update(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_id=ctx.parent_id)
+        record = self._record("span", start, request_id, ctx)
+        record.update(dur=max(0.0, end - start), name=name)
         if attrs:
             record["attrs"] = attrs
         self._write(record)
         self._export(name, start, end, request_id, ctx, attrs)
+
+    def _record(self, event: str, ts: float, request_id: str, ctx: TraceContext | None) -> dict:
+        record = {"ts": ts, "role": self.role, "proc": self.process, "pid": os.getpid(), "ev": event, "rid": request_id}
+        if ctx is not None:
+            record.update(trace_id=ctx.trace_id, span_id=ctx.span_id, parent_id=ctx.parent_id)
+        return record
 
     def _export(self, name: str, start: float, end: float, request_id: str, ctx, attrs: dict) -> None:
         """To OpenTelemetry, when an exporter is set; a failure there is logged, never raised into a worker's step."""
