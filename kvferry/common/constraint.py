@@ -1,11 +1,9 @@
 """A structured-output constraint as it travels: what the output must match, as text, never a compiled object.
 
-The gateway turns a request's response_format, structured_outputs or tools into one Constraint (it has no
-xgrammar: it checks what it can, JSON syntax and the JSON Schema metaschema). Each worker compiles it with xgrammar
-(common/structured/), cached by (kind, spec), so `spec` is canonical: the gateway writes a JSON spec compactly, keys
-in the user's order (a schema's property order is the order the output follows).
-
-Standard library only: the gateway imports this.
+The gateway (which has no xgrammar, and checks JSON syntax and the JSON Schema metaschema) turns a request's
+response_format, structured_outputs or tools into one Constraint; each worker compiles it (common/structured/),
+cached by (kind, spec), so `spec` is canonical: compact JSON, keys in the user's order (a schema's property order is
+the output's). Standard library only: the gateway imports this.
 """
 
 from dataclasses import dataclass

@@ -1,19 +1,14 @@
-"""Fault injection for tests: KVFERRY_FAULTS makes the transport drop, duplicate and delay messages.
+"""Fault injection for tests: KVFERRY_FAULTS makes the transport drop, duplicate and delay messages, and a worker
+stall or fail, e.g. KVFERRY_FAULTS="drop=0.02,dup=0.02,delay_ms=5,seed=7". Unset, nothing here runs on the send path.
 
-    KVFERRY_FAULTS="drop=0.02,dup=0.02,delay_ms=5,seed=7"
-
-- drop: the chance that a sent message never leaves;
-- dup: the chance that it leaves twice (the receiver must ignore the copy);
+- drop, dup: the chance that a sent message never leaves, or leaves twice (the receiver must ignore the copy);
 - delay_ms: each message waits up to this long before it leaves;
 - seed: the same seed gives the same faults for the same sequence of sends on a channel;
-- stall_after_steps, stall_s: a worker's step loop sleeps stall_s once, after that many steps (a stuck engine
-  whose process stays alive);
-- fail_step: the engine's step of that number (counting from 1) raises inside its compute, as a kernel or sampler
-  error would (the step's requests fail; the process must live).
-- step_delay_ms: a worker's step loop sleeps this long after every step (a slow model: a test with the tiny model
-  can act while its streams are still going).
-
-Off by default: unset, nothing here runs on the send path.
+- stall_after_steps, stall_s: a worker's step loop sleeps stall_s once, after that many steps (a stuck engine in a
+  live process);
+- fail_step: the engine's step of that number (from 1) raises inside its compute, as a kernel error would (its
+  requests fail; the process must live);
+- step_delay_ms: a worker's step loop sleeps this long after every step (a slow model, for a tiny-model test).
 """
 
 import os

@@ -1,12 +1,9 @@
 """Message-level tracing: trace ids, W3C traceparent, and the per-process JSON-lines sink.
 
-Every message carries a TraceContext: the request's trace id, the message's own span id, and
-the span that caused it. With a trace folder set, each process appends one JSON line per
-message it sends or receives, and one per span of its own work (queueing, prefill, KV
-transfer, decode steps, detokenization, the HTTP response). `kvferry trace` reads them back.
-
-Tracing off costs a branch: the process-wide tracer is then a NullTracer whose methods do
-nothing, and hot paths test `tracer.enabled` before they build anything to record.
+Every message carries a TraceContext: the request's trace id, the message's own span id, and the span that caused
+it. With a trace folder set, each process appends one JSON line per message it sends or receives and per span of its
+own work; `kvferry trace` reads them back. Tracing off, the process's tracer is a NullTracer that does nothing, and
+hot paths test `tracer.enabled` before they build anything to record.
 """
 
 import atexit
