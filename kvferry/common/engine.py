@@ -354,13 +354,8 @@ class LLMEngine:
             if state is not None and not state.accept(token):
                 firsts.append((-1, None, FinishReason.DEAD_END))
             else:
-                firsts.append(
-                    (
-                        token,
-                        logprobs,
-                        self.scheduler.finish_reason(choice_params, token, num_outputs, num_tokens, state),
-                    )
-                )
+                reason = self.scheduler.finish_reason(choice_params, token, num_outputs, num_tokens, state)
+                firsts.append((token, logprobs, reason))
         return firsts
 
     def prompt_logprobs_of(self, request_id: str) -> list[TokenLogprobs | None]:

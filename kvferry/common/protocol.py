@@ -9,7 +9,8 @@ or size unlike its description, an oversized header or frame) raises ProtocolErr
 Sizes are bounded per kind: `max_header_bytes(kind)` is what its largest legal content packs to (a whole context of
 tokens for a PrefillRequest or KVTransfer, of logprobs for a FirstToken; a small allowance for control messages).
 encode refuses what decode would (MessageTooLarge, naming the field), so an oversized message fails where it is made,
-not silently at the receiver; sockets are capped at the same sizes (transport.limit_socket).
+not silently at the receiver; sockets are capped at the same sizes (transport.limit_socket), so it is not even
+buffered.
 """
 
 import enum
@@ -458,7 +459,7 @@ def _check(value, annotation, where: str):
             except ProtocolError:
                 pass
         raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
-    if origin in (list, tuple):  # tuple[X, ...] or a fixed tuple[X, Y]: msgpack carries both as lists
+    if origin in (list, tuple):  # list[X], tuple[X, ...] or a fixed tuple[X, Y]: msgpack carries all as lists
         if not isinstance(value, list):
             raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
         args = typing.get_args(annotation)
