@@ -23,8 +23,6 @@ _AND_GATEWAY = (*_ENGINE_AND_SERVE, GATEWAY)
 
 @settings_class(_ENGINE_AND_SERVE, "model and engine")
 class EngineConfig:
-    """One engine's settings."""
-
     model: str | None = setting(
         None,
         "Hugging Face folder or .gguf file; default: the embedded SmolLM2-135M-Instruct",

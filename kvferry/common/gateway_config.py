@@ -9,8 +9,6 @@ _GATEWAY_ONLY = (GATEWAY,)
 
 @settings_class((GATEWAY, SERVE), "gateway")
 class GatewayConfig:
-    """One gateway's settings."""
-
     host: str = setting("127.0.0.1", "the HTTP API's address (0.0.0.0: every interface)")
     port: int = setting(8000, "the HTTP API's port", min=0, max=65535)
     control: str = setting(

@@ -7,8 +7,6 @@ from kvferry.common.setting import COMMANDS, PATH, SERVICES, setting, settings_c
 
 @settings_class(SERVICES, "deadlines and overload")
 class ProcessConfig:
-    """One process's settings, beside its role's."""
-
     drain_timeout: float = setting(
         30,
         "on SIGTERM, stop taking new work and finish what is in flight for at most this long (a worker then "

@@ -6,8 +6,6 @@ from kvferry.common.setting import SERVE, setting, settings_class
 
 @settings_class((SERVE,), "gateway")
 class ServeConfig:
-    """What `kvferry serve` starts."""
-
     control_port: int = setting(
         5557, "the port on 127.0.0.1 where serve's workers register at its gateway", min=1, max=65535
     )

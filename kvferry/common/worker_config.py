@@ -9,8 +9,6 @@ _DECODE_ONLY = (DECODE,)
 
 @settings_class(WORKERS, "worker")
 class WorkerConfig:
-    """One worker's settings."""
-
     gateway: str = setting(
         "tcp://127.0.0.1:5557",
         "the gateway's control address; several, comma-separated, to serve gateways that share this worker",
