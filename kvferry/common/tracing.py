@@ -22,19 +22,11 @@ FLUSH_EVERY_S = 0.2  # a crashed process loses at most this much of its trace
 TRACEPARENT = re.compile(r"^([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f]{2})(-.*)?$")
 
 
-def new_trace_id() -> str:
-    return secrets.token_hex(16)
-
-
-def new_span_id() -> str:
-    return secrets.token_hex(8)
-
-
 def child_of(parent: TraceContext | None) -> TraceContext:
     """The context of a new span (or message) caused by parent; a new trace when there is none."""
-    if parent is None or not parent.trace_id:
-        return TraceContext(new_trace_id(), new_span_id(), "")
-    return TraceContext(parent.trace_id, new_span_id(), parent.span_id)
+    if parent is None or not parent.trace_id:  # W3C's sizes: 16-byte trace ids, 8-byte span ids
+        return TraceContext(secrets.token_hex(16), secrets.token_hex(8), "")
+    return TraceContext(parent.trace_id, secrets.token_hex(8), parent.span_id)
 
 
 def parse_traceparent(header: str | None) -> TraceContext | None:
