@@ -209,14 +209,6 @@ class _Walk:
             )
         if "const" in schema:
             values.append(schema["const"])
-        self._count_value_chars(values, path)
-        if "type" not in schema:
-            return
-        for value in values:
-            if not json_types(value) & types:
-                raise UnsupportedSchema(path, f"the value {_short(value)} does not match 'type' {schema['type']!r}")
-
-    def _count_value_chars(self, values: list, path: str) -> None:
         for value in values:
             self.num_value_chars += len(json.dumps(value, separators=(",", ":"), ensure_ascii=False))
             if self.num_value_chars > MAX_VALUE_CHARS:
@@ -225,6 +217,11 @@ class _Walk:
                     f"a schema whose enum and const values hold more than {MAX_VALUE_CHARS} characters together (as "
                     "JSON) is not supported: each character costs the engine memory in every worker",
                 )
+        if "type" not in schema:
+            return
+        for value in values:
+            if not json_types(value) & types:
+                raise UnsupportedSchema(path, f"the value {_short(value)} does not match 'type' {schema['type']!r}")
 
     def _numbers(self, schema: dict, path: str, types: set[str]) -> None:
         if "multipleOf" in schema:
