@@ -71,7 +71,7 @@ def add_bench_parser(sub) -> None:
 
     measure_parsers.add_parsers(bench)
     sim_check.add_parser(bench)
-    ab.add_parsers(bench)
+    ab.add_parser(bench)
     quantization.add_parser(bench)
 
     p = bench.add_parser("overload", help="Poisson arrivals at half and at twice the capacity: 429s, completions, TTFT")
