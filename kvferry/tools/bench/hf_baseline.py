@@ -174,3 +174,14 @@ def load_hf_model(engine):
     from kvferry.common.model_files import resolve_model
 
     return load_hf_model_dir(resolve_model(engine.config.model), engine.device, engine.dtype)
+
+
+def add_hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
+    """`--baseline hf`: transformers' continuous batching on the workload, against kvferry's best run."""
+    from kvferry.tools.bench.report import say
+
+    hf = report["hf"] = run_hf_continuous_batching(hf_model, requests)
+    hf["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / hf["output_tok_per_s"], 2)
+    if "floor" in report:
+        hf["fraction_of_floor"] = round(report["floor"]["floor_s"] / hf["elapsed_s"], 3)
+    say(args, "transformers continuous batching", hf)

@@ -8,12 +8,13 @@ nothing running, shows whether that work blocks the loop.
 """
 
 import asyncio
+import json
 import logging
 import threading
 import time
 
 from kvferry.common import settings
-from kvferry.tools.bench.stack import served_model
+from kvferry.tools.bench.stack import fresh_stack, served_model
 from kvferry.tools.percentiles import summary
 from kvferry.tools.sse_client import open_stream
 
@@ -117,3 +118,26 @@ def pathological(url: str, max_tokens: int, n: int, num_stops: int, stop_length:
         "probe_idle": idle.figures(),
         "probe_during_request": busy.figures(),
     }
+
+
+def cmd_bench_pathological(args) -> int:
+    count, length = default_stops()
+    stops = (args.stops or count, args.stop_length or length)
+    if args.url:
+        report = pathological(args.url, args.max_tokens, args.n, *stops)
+    else:
+        with fresh_stack(args.model) as (url, _):
+            report = pathological(url, args.max_tokens, args.n, *stops)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    r, idle, busy = report["request"], report["probe_idle"], report["probe_during_request"]
+    print(
+        f"request: max_tokens {r['max_tokens']}, n {r['n']}, {r['stop_strings']} stop strings of {r['stop_length']} "
+        f"characters: {r['duration_s']} s, {r['output_tokens']} tokens in {r['chunks']} chunks, {r['finish_reasons']}"
+    )
+    for label, p in (("idle", idle), ("during the request", busy)):
+        print(
+            f"/v1/models {label}: {p['probes']} probes, p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms, max {p['max_ms']} ms"
+        )
+    return 0

@@ -164,25 +164,22 @@ def workload_roofline(shape: roofline.ModelShape, limits: dict, requests: list[d
     )
 
 
-def quick_roofline(
-    model_dir,
-    device: torch.device,
-    dtype: torch.dtype,
-    requests: list[dict],
-    trials: int = 2,
-    quantization: str | None = None,
-) -> dict:
-    """The roofline beside another benchmark's figures (`bench engine`, `bench serve`), in a few seconds: the
-    workload's totals, and why a limit was not measured where one was not."""
+def add_quick_roofline(report: dict, args, model_dir, device: torch.device, dtype: torch.dtype, requests) -> None:
+    """The roofline beside `bench engine`'s and `bench serve`'s figures, in a few seconds (two trials of each
+    limit): the workload's totals, why a limit was not measured where one was not, and kvferry's share of it."""
     from kvferry.common.model_files import read_config
+    from kvferry.tools.bench.report import say
 
+    quantization = quantization_of(args)
     shape = model_shape(read_config(model_dir), dtype, quantization, device)
-    limits = measure(device, dtype, shape, trials, quantization)
-    result = rounded(workload_roofline(shape, limits, requests))
+    limits = measure(device, dtype, shape, 2, quantization)
+    r = report["roofline"] = rounded(workload_roofline(shape, limits, requests))
     for name, figures in limits.items():
         if "not_measured" in figures:
-            result[f"{name}_not_measured"] = figures["not_measured"]
-    return result
+            r[f"{name}_not_measured"] = figures["not_measured"]
+    if "total_s" in r:
+        report["kvferry"]["fraction_of_roofline"] = round(r["total_s"] / report["kvferry"]["elapsed_s"], 3)
+    say(args, "roofline", r)
 
 
 def rounded(result: dict) -> dict:

@@ -5,6 +5,7 @@ TPOT p50/p99 are drawn against the achieved throughput with `--plot FILE.png`.
 """
 
 import asyncio
+import json
 
 
 def sweep(url: str, model: str, requests_at, rates: list[float]) -> list[dict]:
@@ -49,3 +50,30 @@ def plot(points: list[dict], title: str, output: str) -> None:
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
+
+
+def sweep_command(args, model_name: str, vocab_size: int) -> int:
+    """bench serve's --sweep-rates, on a server already warmed up."""
+    from kvferry.tools.bench import workload
+
+    points = sweep(
+        args.url,
+        model_name,
+        lambda rate, seed: workload.generate(args.workload, vocab_size, rate=rate, seed=seed),
+        args.sweep_rates,
+    )
+    if args.plot:
+        plot(points, f"{args.workload} at {args.url}", args.plot)
+    if args.json:
+        print(json.dumps({"workload": args.workload, "url": args.url, "points": points}))
+        return 0
+    print(f"\n== {args.workload} over HTTP at {args.url}, one replay per rate ==")
+    print(f"{'rate/s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    for pt in points:
+        print(
+            f"{pt['rate']:>7} {pt['output_tok_per_s']:>7} {pt['ttft_p50_s']:>8}s {pt['ttft_p99_s']:>8}s "
+            f"{pt['tpot_p50_ms']:>7}ms {pt['tpot_p99_ms']:>7}ms"
+        )
+    if args.plot:
+        print(f"curve drawn to {args.plot}")
+    return 0
