@@ -1,17 +1,10 @@
-"""`kvferry bench step --measure breakdown`: where one engine step's time goes, part by part, each against its own roofline.
+"""`kvferry bench step --measure breakdown`: where one engine step's time goes, part by part, each against its roofline.
 
-A decode step at a full batch and a prefill chunk run through `engine.step()` with the model's parts wrapped
-from outside: each submodule's forward, and the functions the model looks up by name at call time (RoPE, the
-batch's attention, the runner's logits processing and sampling). A wrapper times its call less the wrapped calls
-inside it, so the parts do not overlap: the skip connections' adds run inside the norms (the layers carry the
-residual stream into them), a decoder layer's glue is what it does outside its attention, MLP and norms, and
-SiLU·mul what the MLP does outside its two GEMMs. The wrappers' own cost, calibrated on a no-op,
-is taken out of the part that made the wrapped call and shown as a part of its own. What the step spends
-outside every part is scheduling and Python. The CPU only: there an op is done when it returns, so the host's
-clock times it, and the rooflines are measured on the same cores.
-
-Where decode runs every layer in one C call (common/model/fused_decode.py says at which batches), the unwrapped step
-does so, and the wrapped one goes layer by layer, so that its parts can be timed.
+A decode step and a prefill chunk run through `engine.step()` with the model's submodules and the functions it looks
+up at call time (RoPE, attention, logits processing, sampling) wrapped from outside. Each wrapper times its call less
+the wrapped calls inside it, so parts do not overlap (the residual adds run inside the norms); the wrappers' own cost,
+calibrated on a no-op, is a part of its own, and what is left is scheduling and Python. The CPU only: there an op is
+done when it returns. The wrapped step goes layer by layer where the unwrapped one runs them in one C call.
 """
 
 import random
@@ -81,7 +74,7 @@ class Spans:
         return timed
 
     def parts(self, wrapper_s: float) -> dict[str, float]:
-        """Seconds per part, each less the wrappers' cost of the calls it made, and that cost as a part."""
+        """Seconds per part, each less the wrappers' cost of the calls it made; that cost as a part."""
         out = {p: max(0.0, self.own.get(p, 0.0) - self.nested.get(p, 0) * wrapper_s) for p in PARTS}
         out[WRAPPERS] = self.calls * wrapper_s
         return out
@@ -283,9 +276,9 @@ def measure(
     return report
 
 
-def text(report: dict) -> str:
+def text(report: dict, threads: int) -> str:
     lines = [
-        f"{report['threads']} threads; read bandwidth {report['read_gb_per_s']} GB/s; GEMM GFLOP/s through the "
+        f"{threads} threads; read bandwidth {report['read_gb_per_s']} GB/s; GEMM GFLOP/s through the "
         f"model's path, by shape (rows x in x out): {report['gemm_gflops']}; "
         f"a timing wrapper costs {report['wrapper_cost_us']} us"
     ]
