@@ -1,9 +1,6 @@
-"""The fp32 compute floor of a workload: the time a perfect engine would need.
-
-Each step costs only the dense forward of transformers' own model (weights pass, no
-attention work to speak of, no scheduling), in the ideal schedule: every prompt prefilled
-in 512-token chunks, then every unfinished request decoded in every step. Same method as
-the reference measurement the project was specified with.
+"""The fp32 compute floor of a workload: the time a perfect engine would need, as the reference measurement the
+project was specified with has it. Each step costs only transformers' own dense forward, in the ideal schedule:
+every prompt prefilled in 512-token chunks, then every unfinished request decoded in every step.
 """
 
 import time

@@ -22,15 +22,12 @@ def run_hf_continuous_batching(
     warmup: bool = True,
     stage=lambda name: None,
 ) -> dict:
-    """transformers' continuous batching (init_continuous_batching and its manager) on the requests, each to its
-    exact max_tokens. Its paged cache holds the requests all at once (sized to them, not to the device's memory,
-    which would make its warmup run attention over the whole device's worth of cache), at most max_batch_tokens
-    a step (kvferry's own default) and as many requests as there are. Every argument goes by a name this
-    transformers takes (its API moves between releases);
-    a generation thread that dies raises its own exception, and the whole run raises TimeoutError past
-    timeout_s. warmup: let the manager capture its CUDA graphs first, outside the timing, as kvferry's engine
-    captures its own before it serves (and as transformers' generate_batch does). stage: called with the name of
-    each step as it begins, for a caller that must say where a run was cut off."""
+    """transformers' continuous batching on the requests, each to its exact max_tokens, at most max_batch_tokens a
+    step (kvferry's default). Its paged cache is sized to the requests, not to the device: its warmup would run
+    attention over the whole device's worth. Arguments go by the names this transformers takes (its API moves
+    between releases). A dead generation thread raises its own exception; past timeout_s, TimeoutError. warmup:
+    capture its CUDA graphs outside the timing, as kvferry's engine does before it serves. stage(name): called as
+    each step begins, for a caller that must say where a run was cut off."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(

@@ -1,9 +1,8 @@
 """`kvferry bench overload`: the gateway at twice the rate it can sustain.
 
-First the capacity: a batch of requests sent at once gives the requests per second the stack
-completes. Then Poisson arrivals at half that rate (the sustainable baseline) and at twice it,
-each for the same time. Past --max-waiting the gateway answers 429 at once; the figures show
-that every request it accepts still completes, and how its TTFT compares with the baseline's.
+The capacity (requests per second, from 32 sent at once), then Poisson arrivals at half and at twice it. Past
+--max-waiting the gateway answers 429 at once: the figures show that every request it accepts still completes, and
+its TTFT against the sustainable rate's.
 """
 
 import asyncio

@@ -1,10 +1,6 @@
-"""`kvferry bench pathological`: one request made to cost the gateway the most text work it allows, while a probe
-asks for /v1/models every 50 ms.
-
-The request wants a long output (ignore_eos), several choices, and as many stop strings of the longest allowed length
-as the gateway takes, none of which can match. Every token of every choice is detokenized and matched against the stop
-strings on the gateway's event loop, which also answers the probe: the probe's latency, against its latency with
-nothing running, shows whether that work blocks the loop.
+"""`kvferry bench pathological`: one request made to cost the gateway the most text work it allows (a long output,
+several choices, the most and longest stop strings, none matching), while a probe asks for /v1/models every 50 ms.
+Both run on the gateway's event loop: the probe's latency against its idle one shows whether that work blocks it.
 """
 
 import asyncio

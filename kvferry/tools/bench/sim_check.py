@@ -1,12 +1,9 @@
 """`kvferry bench simulator`: the simulator's predictions against real stacks on this machine.
 
-For each shape (P prefill and D decode workers) and each workload (std-32 all at once, and std-32 at a Poisson
-rate), it starts a fresh stack with --capture-dir, warms it up, runs the workload over HTTP, and stops it. The
-capture's workload lines (the warm-up's left out) then go through `kvferry simulate` with the given cost model and
-the stack's own placement: the same threads per worker on this machine's cores. Measured and predicted TTFT and
-inter-token latency are printed side by side, both as the gateway sees them. The gateway and this load generator
-share the cores with the workers: the CPU they used during the workload, over its duration, is given to the
-simulator as background threads.
+For each shape (P prefill, D decode workers) and workload (std-32 all at once and at a Poisson rate), a fresh stack
+captures the workload (the warm-up left out), and `kvferry simulate` replays the capture with the given cost model
+and the stack's placement. TTFT and inter-token latency, as the gateway sees them, are printed side by side. The
+CPU the gateway and this load generator used beside the workers goes to the simulator as background threads.
 """
 
 import asyncio

@@ -1,8 +1,5 @@
-"""`kvferry bench serve --sweep-rates R1,R2,...`: the latency-throughput curve of a running server.
-
-The workload is replayed once per request rate (Poisson arrivals, the same seeded requests), and TTFT and
-TPOT p50/p99 are drawn against the achieved throughput with `--plot FILE.png`.
-"""
+"""`kvferry bench serve --sweep-rates R1,R2,...`: the workload replayed once per Poisson rate, TTFT and TPOT p50/p99
+against the rate (`--plot FILE.png` draws them)."""
 
 import asyncio
 import json
