@@ -21,6 +21,7 @@ from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
+from kvferry.tools.bench.step import abort_all, random_prompt, start_decoding
 
 PARTS = (
     *limits.GEMM_PARTS.values(),
@@ -141,11 +142,6 @@ class Wrapped:
             setattr(owner, name, original)
 
 
-def _random_prompt(rng: random.Random, engine, length: int) -> list[int]:
-    low, high = (256, engine.vocab_size - 256) if engine.vocab_size > 1024 else (3, engine.vocab_size)  # no specials
-    return [rng.randrange(low, high) for _ in range(length)]
-
-
 def _shape(plan) -> dict:
     """What a step computes, read as it is planned: a chunk's figures change once the step has run."""
     cached = [c.seq.num_computed_tokens for c in plan.chunks]
@@ -242,14 +238,13 @@ def measure(
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def add_prompt():
-        engine.add_request(_random_prompt(rng, engine, chunk), one)
+        engine.add_request(random_prompt(rng, engine.vocab_size, chunk), one)
 
     plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
     with Wrapped(engine, spans):
         totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
     if shape["tokens"] != chunk:
-        for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
-            engine.abort(seq.request_id)
+        abort_all(engine)
         raise ConfigError(
             f"a {chunk}-token prompt ran in steps of {shape['tokens']} tokens: raise --long-prefill-threshold and "
             "--max-num-batched-tokens to at least --chunk"
@@ -257,18 +252,14 @@ def measure(
     report["prefill"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
 
     params = SamplingParams(max_tokens=2 * (warmup + steps) + 8, temperature=0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(_random_prompt(rng, engine, context), params)
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()  # the prompts
+    start_decoding(engine, rng, batch, context, params)
     try:
         plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
         with Wrapped(engine, spans):
             totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
         assert shape["sequences"] == shape["tokens"] == batch, "the decode batch did not stay whole"
     finally:
-        for seq in list(engine.scheduler.running):
-            engine.abort(seq.request_id)
+        abort_all(engine)
     report["decode"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
     fused = runner.model.fused_decode
     report["decode"]["unwrapped_in_one_call"] = fused is not None and batch <= fused.loop.max_rows

@@ -29,6 +29,7 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench.contention import measure_contention
+from kvferry.tools.bench.step import random_prompt
 from kvferry.tools.sim.cost_model import CostModel, StepCost, ThreadCosts, attention_pairs
 
 WARMUP_BELOW_S = 0.25  # a point's first step warms up (and is dropped) when shorter; a longer one counts
@@ -178,15 +179,13 @@ class StepBench:
     def __init__(self, engine, design: Design, seed: int = 0):
         self.engine, self.design = engine, design
         self.rng = random.Random(seed)
-        vocab = engine.vocab_size
-        self.low, self.high = (256, vocab - 256) if vocab > 1024 else (3, vocab)  # clear of the special tokens
         self.greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.held: list[int] = []
         self.prefix: list[int] = []
         self._ids = 0
 
     def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.low, self.high) for _ in range(n)]
+        return random_prompt(self.rng, self.engine.vocab_size, n)
 
     def request_id(self) -> str:
         self._ids += 1
