@@ -90,8 +90,7 @@ def cmd_bench_ab(args) -> int:
     name = args.workload or feature.workload
     vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
-    # Warm-up requests share nothing with the workload: its first prompts find an empty cache.
-    warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
+    warmup = workload.warmup(vocab_size, max_tokens=4)
     sides = {"off": [], "on": []}
     for i in range(args.repeat):
         for side in ("off", "on"):

@@ -135,7 +135,7 @@ def cmd_bench_serve(args) -> int:
     model_name = served_model(args.url)
     model_dir = resolve_model(args.model)
     vocab_size = ModelConfig.load(model_dir).vocab_size
-    warmup = workload.generate("std-32", vocab_size, seed=99)[:2]  # shares no prefix with the workload
+    warmup = workload.warmup(vocab_size)
     asyncio.run(replay(args.url, model_name, warmup))
     if args.sweep_rates:
         from kvferry.tools.bench.sweep import sweep_command

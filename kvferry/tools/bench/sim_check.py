@@ -21,7 +21,6 @@ from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
 
-WARMUP_REQUESTS = 2  # bench serve's warm-up: the first lines of every capture
 BACKGROUND_FILE = "background.json"  # beside a kept capture: the gateway's and the load generator's CPU share
 
 
@@ -53,7 +52,7 @@ def _capture(shape: tuple[int, int], requests: list[dict], warmup: list[dict], f
         asyncio.run(replay(url, model, requests))
         after, elapsed = _cpu_s(procs[0].pid), time.perf_counter() - started
         background = (after[0] - before[0] + after[1] - before[1]) / elapsed
-    records = capture.load([raw])[WARMUP_REQUESTS:]  # written by the stopped gateway, every line flushed
+    records = capture.load([raw])[len(warmup) :]  # the warm-up's left out; every line flushed by the stopped gateway
     kept = folder / "workload"
     kept.mkdir()
     (kept / f"{capture.FILE_PREFIX}workload{capture.FILE_SUFFIX}").write_text("".join(r.to_line() for r in records))
@@ -99,7 +98,7 @@ def cmd_bench_simulator(args) -> int:
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     workloads = {"std-32": workload.generate("std-32", vocab_size)}
     workloads[f"poisson-{args.rate:g}"] = workload.generate("std-32", vocab_size, rate=args.rate, seed=1)
-    warmup = workload.generate("std-32", vocab_size, seed=99)[:WARMUP_REQUESTS]  # shares no prefix with them
+    warmup = workload.warmup(vocab_size)
     root = Path(args.captured or args.keep or tempfile.mkdtemp(prefix="kvferry-simcheck-"))
     rows = []
     for shape in shapes:

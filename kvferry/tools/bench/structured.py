@@ -98,7 +98,7 @@ def run(args) -> int:
     name = args.workload or "std-32"
     vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
-    warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
+    warmup = workload.warmup(vocab_size, max_tokens=4)
     report = {"feature": "structured-output", "workload": name, "rounds": args.repeat, **compile_times(args.model)}
     served = {"off": [], "on": []}
     # Without prefix caching: both sides replay the same prompts, and the later ones would find them cached.

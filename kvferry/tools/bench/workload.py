@@ -87,9 +87,14 @@ def _single_stream(rng: random.Random, vocab_size: int, rate: float) -> list[dic
     return [_request("single-stream", _tokens(rng, vocab_size, 128), 64, 0.0)]
 
 
+def warmup(vocab_size: int, max_tokens: int | None = None) -> list[dict]:
+    """Two requests that share no prefix with any workload: warming up must not fill the prefix cache for it."""
+    requests = generate("std-32", vocab_size, seed=99)[:2]
+    return requests if max_tokens is None else [dict(r, max_tokens=max_tokens) for r in requests]
+
+
 def warmup_prompt(vocab_size: int) -> list[int]:
-    """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
-    return generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
+    return warmup(vocab_size)[0]["prompt_token_ids"]
 
 
 SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line, "single-stream": _single_stream}
