@@ -57,10 +57,8 @@ def run_side(args, feature: Feature, requests: list[dict], warmup: list[dict], o
     """One side's replay on a stack of its own: bench serve's figures, the prefill workers' counters over the
     workload ("prefill"), and for an observer turned on what it wrote ("written": lines and bytes)."""
     folder = tempfile.mkdtemp(prefix=f"kvferry-{feature.setting}-") if feature.observer and on else None
-    if feature.observer:
-        env = {settings.env_name(feature.setting): folder} if folder else {}
-    else:
-        env = {} if on else {settings.env_name(feature.setting): "1"}
+    value = folder if feature.observer else (None if on else "1")
+    env = {settings.env_name(feature.setting): value} if value else {}
     threads = {"prefill_threads": args.prefill_threads, "decode_threads": args.decode_threads or feature.decode_threads}
     try:
         with fresh_stack(args.model, env, **threads) as (url, _):

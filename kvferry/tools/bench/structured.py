@@ -103,10 +103,8 @@ def run(args) -> int:
     served = {"off": [], "on": []}
     # Without prefix caching: both sides replay the same prompts, and the later ones would find them cached.
     env = {settings.env_name("no_prefix_caching"): "1"}
-    with fresh_stack(args.model, env, prefill_threads=args.prefill_threads, decode_threads=args.decode_threads) as (
-        url,
-        _,
-    ):
+    threads = {"prefill_threads": args.prefill_threads, "decode_threads": args.decode_threads}
+    with fresh_stack(args.model, env, **threads) as (url, _):
         model = served_model(url)
         asyncio.run(replay(url, model, warmup))
         # A schema the workers have not seen (another maxItems: another text), then the same one again, on the
