@@ -21,7 +21,7 @@ from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
-from kvferry.tools.bench.step import abort_all, random_prompt, start_decoding
+from kvferry.tools.bench.workload import abort_all, random_prompt, start_decoding
 
 PARTS = (
     *limits.GEMM_PARTS.values(),

@@ -29,7 +29,7 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench.contention import measure_contention
-from kvferry.tools.bench.step import random_prompt
+from kvferry.tools.bench.workload import random_prompt
 from kvferry.tools.sim.cost_model import CostModel, StepCost, ThreadCosts, attention_pairs
 
 WARMUP_BELOW_S = 0.25  # a point's first step warms up (and is dropped) when shorter; a longer one counts

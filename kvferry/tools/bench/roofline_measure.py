@@ -182,8 +182,8 @@ def rounded(result: dict) -> dict:
     return {k: round(v, 1 if k.endswith("tok_per_s") else 3) if isinstance(v, float) else v for k, v in result.items()}
 
 
-def measure_workload(args, build_engine) -> tuple[dict, str]:
-    """The limits, the workload's roofline, and with --engine the workload run through build_engine(args)."""
+def measure_workload(args, run_engine) -> tuple[dict, str]:
+    """The limits, the workload's roofline, and with --engine run_engine(requests)'s figures set against it."""
     from kvferry.common.engine_setup import resolve_dtype
     from kvferry.common.model_files import read_config, resolve_model
 
@@ -207,11 +207,7 @@ def measure_workload(args, build_engine) -> tuple[dict, str]:
     report["roofline"] = rounded(workload_roofline(shape, report["limits"], requests))
     measured = args.measured_tok_s
     if args.engine:
-        from kvferry.tools.bench.offline import run_engine
-
-        engine = build_engine(args)
-        engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
-        measured = report["engine_tok_per_s"] = run_engine(engine, requests)["output_tok_per_s"]
+        measured = report["engine_tok_per_s"] = run_engine(requests)["output_tok_per_s"]
     if measured and "total_s" in report["roofline"]:
         report["fraction_of_roofline"] = measured / report["roofline"]["output_tok_per_s"]
     return report, _text(report, measured)

@@ -140,7 +140,11 @@ def cmd_bench_serve(args) -> int:
     if args.sweep_rates:
         from kvferry.tools.bench.sweep import sweep_command
 
-        return sweep_command(args, model_name, vocab_size)
+        def replay_at(rate: float, seed: int) -> dict:
+            requests = workload.generate(args.workload, vocab_size, rate=rate, seed=seed)
+            return asyncio.run(replay(args.url, model_name, requests))
+
+        return sweep_command(args, replay_at)
     requests = workload.generate(args.workload, vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
     hf_model = hf_baseline.load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None

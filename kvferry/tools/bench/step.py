@@ -17,6 +17,7 @@ import torch
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.bench import workload
 
 
 class Clock:
@@ -67,29 +68,10 @@ class TimedModel:
         return self.clock.call(self.model.compute_logits, hidden)
 
 
-def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:
-    """Token ids clear of the special tokens at both ends of a real vocabulary (of a test model's small one: 0-2)."""
-    low, high = (256, vocab_size - 256) if vocab_size > 1024 else (3, vocab_size)
-    return [rng.randrange(low, high) for _ in range(length)]
-
-
-def start_decoding(engine, rng: random.Random, batch: int, context: int, params: SamplingParams) -> None:
-    """batch prompts of context random tokens, prefilled: from the next step on, every sequence decodes."""
-    for _ in range(batch):
-        engine.add_request(random_prompt(rng, engine.vocab_size, context), params)
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()
-
-
-def abort_all(engine) -> None:
-    for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
-        engine.abort(seq.request_id)
-
-
 def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constraint=None) -> dict:
     """constraint: one every sequence is held to (bench ab --feature structured-output)."""
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, constraint=constraint)
-    start_decoding(engine, random.Random(0), batch, context, params)
+    workload.start_decoding(engine, random.Random(0), batch, context, params)
     runner = engine.runner
     clock = Clock(torch.device(runner.device))
     runner.model = TimedModel(runner.model, clock)
@@ -110,7 +92,7 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constr
         runner.model = runner.model.model
         if graphs is not None:
             del graphs.run  # the instance attribute: the method again
-        abort_all(engine)
+        workload.abort_all(engine)
     totals, models = totals[2:], models[2:]  # the first steps warm up
     overhead = [t - m for t, m in zip(totals, models)]
     step, outside = statistics.median(totals), statistics.median(overhead)
@@ -193,9 +175,15 @@ def cmd_bench_step(args) -> int:
             users = ", ".join(m for m, (_, d) in MEASURES.items() if option in d)
             raise ConfigError(f"{flag} does not apply to --measure {args.measure} (it goes with --measure {users})")
     if run is None:
+        from kvferry.tools.bench.offline import run_engine
         from kvferry.tools.bench.roofline_measure import measure_workload
 
-        report, text = measure_workload(args, _engine)
+        def run_workload(requests: list[dict]) -> dict:
+            engine = _engine(args)
+            engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
+            return run_engine(engine, requests)
+
+        report, text = measure_workload(args, run_workload)
     else:
         engine = _engine(args)
         report, text = run(engine, args)

@@ -1,18 +1,15 @@
 """`kvferry bench serve --sweep-rates R1,R2,...`: the workload replayed once per Poisson rate, TTFT and TPOT p50/p99
 against the rate (`--plot FILE.png` draws them)."""
 
-import asyncio
 import json
 
 
-def sweep(url: str, model: str, requests_at, rates: list[float]) -> list[dict]:
-    """requests_at(rate, seed) -> the workload at that rate; one replay each, lowest rate first. Each rate gets
-    its own seed: replaying the same prompts would find them in the server's prefix cache."""
-    from kvferry.tools.bench.serve import replay
-
+def sweep(replay_at, rates: list[float]) -> list[dict]:
+    """replay_at(rate, seed) -> bench serve's figures of the workload at that rate; one replay each, lowest rate
+    first. Each rate gets its own seed: replaying the same prompts would find them in the server's prefix cache."""
     points = []
     for i, rate in enumerate(sorted(rates)):
-        result = asyncio.run(replay(url, model, requests_at(rate, i + 1)))
+        result = replay_at(rate, i + 1)
         points.append({"rate": rate, **{k: v for k, v in result.items() if k != "groups"}})
     return points
 
@@ -49,16 +46,9 @@ def plot(points: list[dict], title: str, output: str) -> None:
     plt.close(fig)
 
 
-def sweep_command(args, model_name: str, vocab_size: int) -> int:
+def sweep_command(args, replay_at) -> int:
     """bench serve's --sweep-rates, on a server already warmed up."""
-    from kvferry.tools.bench import workload
-
-    points = sweep(
-        args.url,
-        model_name,
-        lambda rate, seed: workload.generate(args.workload, vocab_size, rate=rate, seed=seed),
-        args.sweep_rates,
-    )
+    points = sweep(replay_at, args.sweep_rates)
     if args.plot:
         plot(points, f"{args.workload} at {args.url}", args.plot)
     if args.json:

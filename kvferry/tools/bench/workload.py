@@ -1,4 +1,5 @@
-"""The benchmark workloads, seeded so that every tool replays the same requests.
+"""The benchmark workloads, seeded so that every tool replays the same requests, and the random decode batch the
+in-process step measures start from.
 
 std-*: request for request the reference generator the project was specified with (tests/unit/
 test_workload_and_floor.py holds this). The scenarios that measure one feature each: shared-prefix (prefix caching:
@@ -95,6 +96,26 @@ def warmup(vocab_size: int, max_tokens: int | None = None) -> list[dict]:
 
 def warmup_prompt(vocab_size: int) -> list[int]:
     return warmup(vocab_size)[0]["prompt_token_ids"]
+
+
+def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    """Token ids clear of the special tokens at both ends of a real vocabulary (of a test model's small one: 0-2)."""
+    low, high = (256, vocab_size - 256) if vocab_size > 1024 else (3, vocab_size)
+    return [rng.randrange(low, high) for _ in range(length)]
+
+
+def start_decoding(engine, rng: random.Random, batch: int, context: int, params) -> None:
+    """In process: batch prompts of context random tokens through the engine, prefilled: from its next step on,
+    every sequence decodes."""
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, engine.vocab_size, context), params)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+
+
+def abort_all(engine) -> None:
+    for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
+        engine.abort(seq.request_id)
 
 
 SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line, "single-stream": _single_stream}
