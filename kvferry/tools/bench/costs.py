@@ -278,22 +278,14 @@ class StepBench:
 def measure_transfer(engine, design: Design, threads: int, progress) -> list[dict]:
     """bench transfer's kv path at each block count, in the workers' layer groups: seconds from the first gather
     to the acknowledgement."""
-    from kvferry.common.model.kv_blocks import LAYER_GROUPS
     from kvferry.tools.bench import transfer
 
     torch.set_num_threads(threads)
     layout = engine.runner.layout
+    shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
     out = []
     for num_blocks in design.transfer_blocks:
-        r = transfer.measure(
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            layout.block_size,
-            num_blocks,
-            design.transfer_rounds,
-            LAYER_GROUPS,
-        )
+        r = transfer.measure(*shape, num_blocks, design.transfer_rounds)
         out.append({"num_blocks": num_blocks, "seconds": r["kv_ms"] / 1000, "mib": r["mib"]})
         progress(f"transfer {num_blocks} blocks ({r['mib']} MiB): {r['kv_ms']} ms")
     return out
@@ -320,7 +312,6 @@ def fit_costs(
     from kvferry.common.model_files import served_model_name
 
     progress = progress or (lambda line: None)
-    started = time.perf_counter()
     bench = StepBench(engine, design)
     points, skipped = [], []
     threads_before = torch.get_num_threads()
@@ -404,7 +395,6 @@ def fit_costs(
             "quantization": engine.config.quantization or "none",
         },
         "torch": torch.__version__,
-        "run_s": round(time.perf_counter() - started, 1),
     }
     model = CostModel(
         threads=costs,
