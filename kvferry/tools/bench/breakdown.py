@@ -7,6 +7,7 @@ calibrated on a no-op, is a part of its own, and what is left is scheduling and 
 done when it returns. The wrapped step goes layer by layer where the unwrapped one runs them in one C call.
 """
 
+import contextlib
 import random
 import statistics
 import time
@@ -107,38 +108,34 @@ def wrapper_cost(calls: int = 5000) -> float:
     return max(0.0, (min(totals) - best_seconds(plain, trials=5, min_s=0.005)) / calls)
 
 
-class Wrapped:
+@contextlib.contextmanager
+def wrapped(engine, spans: Spans):
     """The engine's model parts wrapped while inside the block, as they were after it."""
-
-    def __init__(self, engine, spans: Spans):
-        self.engine, self.spans = engine, spans
-
-    def __enter__(self):
-        model, spans = self.engine.runner.model, self.spans
-        self.fused_decode, model.fused_decode = model.fused_decode, None  # the parts run one by one, to be timed
-        self.modules = []
-        gemms = {id(m): part for part, m in limits.gemm_layers(model)}
-        for m in model.modules():
-            part = gemms.get(id(m)) or MODULE_PARTS.get(type(m))
-            if part is not None:
-                m.forward = spans.wrap(part, m.forward)
-                self.modules.append(m)
-        self.functions = [
-            (llama, "apply_rope", "RoPE"),
-            (attention.PagedBatch, "attend", "attention"),
-            (runner_module, "process_logits", "sampling"),
-            (runner_module, "sample", "sampling"),
-        ]
-        self.originals = [getattr(owner, name) for owner, name, _ in self.functions]
-        for owner, name, part in self.functions:
-            setattr(owner, name, spans.wrap(part, getattr(owner, name)))
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.runner.model.fused_decode = self.fused_decode
-        for m in self.modules:
+    model = engine.runner.model
+    fused_decode, model.fused_decode = model.fused_decode, None  # the parts run one by one, to be timed
+    gemms = {id(m): part for part, m in limits.gemm_layers(model)}
+    modules = []
+    for m in model.modules():
+        part = gemms.get(id(m)) or MODULE_PARTS.get(type(m))
+        if part is not None:
+            m.forward = spans.wrap(part, m.forward)
+            modules.append(m)
+    functions = [
+        (llama, "apply_rope", "RoPE"),
+        (attention.PagedBatch, "attend", "attention"),
+        (runner_module, "process_logits", "sampling"),
+        (runner_module, "sample", "sampling"),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in functions]
+    for (owner, name, part), original in zip(functions, originals):
+        setattr(owner, name, spans.wrap(part, original))
+    try:
+        yield
+    finally:
+        model.fused_decode = fused_decode
+        for m in modules:
             del m.forward  # the instance attribute: the class's forward again
-        for (owner, name, _), original in zip(self.functions, self.originals):
+        for (owner, name, _), original in zip(functions, originals):
             setattr(owner, name, original)
 
 
@@ -241,7 +238,7 @@ def measure(
         engine.add_request(random_prompt(rng, engine.vocab_size, chunk), one)
 
     plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
-    with Wrapped(engine, spans):
+    with wrapped(engine, spans):
         totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
     if shape["tokens"] != chunk:
         abort_all(engine)
@@ -255,7 +252,7 @@ def measure(
     start_decoding(engine, rng, batch, context, params)
     try:
         plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
-        with Wrapped(engine, spans):
+        with wrapped(engine, spans):
             totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
         assert shape["sequences"] == shape["tokens"] == batch, "the decode batch did not stay whole"
     finally:
