@@ -1,8 +1,7 @@
 """The one percentile definition of every tool's figures (bench, replay, the simulator), and the summary they print.
 
-A percentile interpolates linearly between the two sorted values around its position (n - 1) * q / 100, as numpy's
-default does: the definition every benchmark printed with np.percentile, and the one the simulator sizes pools by
-(sim/slo.certainly_over relies on it). Measured and predicted figures are therefore read the same way.
+Linear interpolation at (n - 1) * q / 100, numpy's default: what the benchmarks printed with np.percentile, and what
+sim/slo.certainly_over relies on, so that measured and predicted figures read the same way.
 """
 
 import math
@@ -11,8 +10,7 @@ QUANTILES = (50, 90, 99)
 
 
 def percentile(sorted_values: list[float], q: float) -> float | None:
-    """The q-th percentile (0 <= q <= 100) of values already sorted, interpolated linearly; None without values.
-    q 100 is the largest value."""
+    """The q-th percentile (0 <= q <= 100) of values already sorted; None without values."""
     if not sorted_values:
         return None
     h = (len(sorted_values) - 1) * q / 100
@@ -25,7 +23,7 @@ def summary(
     values, quantiles=QUANTILES, scale: float = 1.0, digits: int | None = None, key: str = "{}"
 ) -> dict[str, float | None]:
     """Each percentile of values (in any order) times scale, rounded to digits (None: not rounded), under the key
-    key.format("p50") ("max" for q 100, which is the largest value); each is None without values."""
+    key.format("p50") ("max" for q 100)."""
     ordered = sorted(values)
     out = {}
     for q in quantiles:

@@ -1,12 +1,6 @@
-"""The one client of the tools for a streamed OpenAI-style response (/v1/completions, /v1/chat/completions): the
-server-sent events' JSON chunks, each timed from the moment the request went out.
-
-    async with open_stream(client, url + "/v1/completions", body) as stream:
-        async for chunk in stream.chunks():
-            ...  # chunk.at_s, chunk.data, chunk.error
-
-A refused request (any status but 200) raises Refused as the block opens. Leaving the block, however early, closes
-the connection: to the server, a client that went away, whose request it aborts.
+"""The tools' one client for a streamed OpenAI-style response: the server-sent events' JSON chunks, each timed from
+the moment the request went out. A refused request (any status but 200) raises Refused as the block opens; leaving
+the block, however early, closes the connection, and the server aborts the request.
 """
 
 import json
@@ -31,8 +25,7 @@ class Chunk:
 
 
 class Refused(Exception):
-    """The server answered with a status other than 200: its status, headers, error message (the body's
-    error.message where it has one) and the seconds it took to answer."""
+    """The server answered with a status other than 200, after answered_s seconds."""
 
     def __init__(self, status: int, headers, message: str, answered_s: float):
         super().__init__(f"HTTP {status}: {message}")
@@ -45,7 +38,6 @@ class Stream:
         self.readers: list = []  # the chunks() iterators handed out: closed with the stream
 
     def elapsed_s(self) -> float:
-        """Seconds since the request went out."""
         return time.perf_counter() - self.sent
 
     def chunks(self) -> AsyncIterator[Chunk]:
@@ -61,8 +53,7 @@ class Stream:
 
 @asynccontextmanager
 async def open_stream(client, url: str, body: dict) -> AsyncIterator[Stream]:
-    """POST body to url on client (an httpx.AsyncClient) and stream the answer; raises Refused for a status but
-    200, after reading the whole refusal."""
+    """POST body to url on client (an httpx.AsyncClient) and stream the answer."""
     sent = time.perf_counter()
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:

@@ -1,6 +1,6 @@
 """`kvferry bench ab`: the A/B loop on real fresh stacks (a tiny model with the default's tokenizer), once for a
-feature that hangs on a switch (prefix caching: the on side computes far fewer prompt tokens) and once, under its
-earlier name `bench tracing`, for an observer (the on side writes trace lines, the off side none)."""
+feature that hangs on a switch (prefix caching: the on side computes far fewer prompt tokens) and once for an
+observer (tracing: the on side writes trace lines, the off side none)."""
 
 import json
 import os
@@ -39,8 +39,8 @@ def test_prefix_caching_on_computes_fewer_prompt_tokens_over_the_shared_prefix_w
     assert report["ttft_p50_speedup"] == round(report["off"]["ttft_p50_s"] / report["on"]["ttft_p50_s"], 2)
 
 
-def test_bench_tracing_is_the_ab_loop_for_the_tracing_observer(tiny):
-    report = bench("tracing", "--model", tiny)
+def test_the_ab_loop_for_the_tracing_observer(tiny):
+    report = bench("ab", "--feature", "tracing", "--model", tiny)
     assert report["workload"] == "std-32"
     assert len(report["off_tok_per_s"]) == len(report["on_tok_per_s"]) == 1
     assert report["lines"] > 0 and report["bytes"] > 0

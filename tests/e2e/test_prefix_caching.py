@@ -64,7 +64,7 @@ def test_shared_prefix_routes_to_its_cache_and_matches_the_engine(make_stack):
 
 
 def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
-    """What `kvferry bench serve/feature` read: the replay's per-group latencies and token counts over real HTTP,
+    """What `kvferry bench serve` and `bench ab` read: the replay's per-group latencies and token counts over real HTTP,
     and the prefill workers' computed and cached prompt tokens from /v1/workers."""
     import asyncio
 

@@ -1,14 +1,17 @@
-"""`kvferry bench ab`'s earlier names: `bench feature --feature X`, `bench tracing` and `bench capture` parse to the
-same command and feature as `bench ab --feature X` (the loop itself: tests/e2e/test_bench_ab.py)."""
+"""`kvferry bench ab --feature X` is the one A/B command: every feature parses to it, and the per-feature names it
+replaced (`bench feature`, `bench tracing`, `bench capture`) are gone (the loop itself: tests/e2e/test_bench_ab.py)."""
 
+import pytest
+
+from kvferry.tools.bench.ab import FEATURES, ONE_STACK, cmd_bench_ab
 from kvferry.tools.cli import build_parser
 
 
-def test_the_earlier_names_are_the_ab_command():
+def test_every_feature_is_the_ab_command():
     parse = build_parser().parse_args
-    for feature in ("tracing", "capture"):
-        ab = parse(["bench", "ab", "--feature", feature])
-        for argv in (["bench", "feature", "--feature", feature], ["bench", feature]):
-            old = parse(argv)
-            assert (old.func, old.feature, old.decode_threads) == (ab.func, feature, None)
-    assert parse(["bench", "feature", "--feature", "prefix-caching"]).func is ab.func
+    for feature in (*FEATURES, *ONE_STACK):
+        args = parse(["bench", "ab", "--feature", feature])
+        assert (args.func, args.feature, args.decode_threads) == (cmd_bench_ab, feature, None)
+    for argv in (["bench", "feature", "--feature", "tracing"], ["bench", "tracing"], ["bench", "capture"]):
+        with pytest.raises(SystemExit):
+            parse(argv)

@@ -1,12 +1,9 @@
 """`kvferry bench ab --feature NAME`: one feature off against on, each side on a fresh stack (a gateway, 1 prefill and
 1 decode worker) over the workload that measures it.
 
-Rounds alternate off and on, so that a slow spell on a shared machine hits both sides. Each side warms up with two
-short requests that share no prefix with the workload, then replays it; the best run of each side is compared
-(ab_reports.py): for prefix caching and chunked prefill their TTFT, throughput and prompt tokens computed, for
-tracing and capture what the observer costs in throughput and what it writes. Structured output runs both sides
-on one stack instead (structured.py). `bench feature`, `bench tracing` and `bench capture` are this command under
-their earlier names.
+Rounds alternate off and on, so that a slow spell on a shared machine hits both sides; each side warms up with two
+short requests that share no prefix with the workload. ab_reports.py compares the best run of each side. Structured
+output runs both sides on one stack instead (structured.py).
 """
 
 import asyncio
@@ -40,22 +37,13 @@ FEATURES = {
 ONE_STACK = {"structured-output": structured.run}  # every request constrained to a JSON schema, or none
 
 
-def add_parsers(bench) -> None:
+def add_parser(bench) -> None:
     p = bench.add_parser(
         "ab",
-        aliases=["feature"],
         help="a feature off against on, on fresh stacks: prefix caching (shared-prefix workload), chunked prefill "
         "(head-of-line), tracing and capture (std-32); structured output (std-32, on one stack)",
     )
     p.add_argument("--feature", required=True, choices=sorted(FEATURES) + sorted(ONE_STACK))
-    _add_arguments(p)
-    for name, what in (("tracing", "message tracing"), ("capture", "traffic capture")):
-        p = bench.add_parser(name, help=f"std-32 over HTTP with {what} off and on (bench ab --feature {name})")
-        p.set_defaults(feature=name)
-        _add_arguments(p)
-
-
-def _add_arguments(p) -> None:
     p.add_argument("--workload", default=None, choices=workload.NAMES, help="default: the feature's own")
     p.add_argument("--model", default=None)
     p.add_argument("--repeat", type=int, default=2, help="rounds of (off, on)")
@@ -69,10 +57,8 @@ def run_side(args, feature: Feature, requests: list[dict], warmup: list[dict], o
     """One side's replay on a stack of its own: bench serve's figures, the prefill workers' counters over the
     workload ("prefill"), and for an observer turned on what it wrote ("written": lines and bytes)."""
     folder = tempfile.mkdtemp(prefix=f"kvferry-{feature.setting}-") if feature.observer and on else None
-    if feature.observer:
-        env = {settings.env_name(feature.setting): folder} if folder else {}
-    else:
-        env = {} if on else {settings.env_name(feature.setting): "1"}
+    value = folder if feature.observer else (None if on else "1")
+    env = {settings.env_name(feature.setting): value} if value else {}
     threads = {"prefill_threads": args.prefill_threads, "decode_threads": args.decode_threads or feature.decode_threads}
     try:
         with fresh_stack(args.model, env, **threads) as (url, _):
@@ -102,8 +88,7 @@ def cmd_bench_ab(args) -> int:
     name = args.workload or feature.workload
     vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
-    # Warm-up requests share nothing with the workload: its first prompts find an empty cache.
-    warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
+    warmup = workload.warmup(vocab_size, max_tokens=4)
     sides = {"off": [], "on": []}
     for i in range(args.repeat):
         for side in ("off", "on"):

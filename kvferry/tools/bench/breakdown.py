@@ -1,19 +1,13 @@
-"""`kvferry bench step --measure breakdown`: where one engine step's time goes, part by part, each against its own roofline.
+"""`kvferry bench step --measure breakdown`: where one engine step's time goes, part by part, each against its roofline.
 
-A decode step at a full batch and a prefill chunk run through `engine.step()` with the model's parts wrapped
-from outside: each submodule's forward, and the functions the model looks up by name at call time (RoPE, the
-batch's attention, the runner's logits processing and sampling). A wrapper times its call less the wrapped calls
-inside it, so the parts do not overlap: the skip connections' adds run inside the norms (the layers carry the
-residual stream into them), a decoder layer's glue is what it does outside its attention, MLP and norms, and
-SiLU·mul what the MLP does outside its two GEMMs. The wrappers' own cost, calibrated on a no-op,
-is taken out of the part that made the wrapped call and shown as a part of its own. What the step spends
-outside every part is scheduling and Python. The CPU only: there an op is done when it returns, so the host's
-clock times it, and the rooflines are measured on the same cores.
-
-Where decode runs every layer in one C call (common/model/fused_decode.py says at which batches), the unwrapped step
-does so, and the wrapped one goes layer by layer, so that its parts can be timed.
+A decode step and a prefill chunk run through `engine.step()` with the model's submodules and the functions it looks
+up at call time (RoPE, attention, logits processing, sampling) wrapped from outside. Each wrapper times its call less
+the wrapped calls inside it, so parts do not overlap (the residual adds run inside the norms); the wrappers' own cost,
+calibrated on a no-op, is a part of its own, and what is left is scheduling and Python. The CPU only: there an op is
+done when it returns. The wrapped step goes layer by layer where the unwrapped one runs them in one C call.
 """
 
+import contextlib
 import random
 import statistics
 import time
@@ -28,6 +22,7 @@ from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
+from kvferry.tools.bench.workload import abort_all, random_prompt, start_decoding
 
 PARTS = (
     *limits.GEMM_PARTS.values(),
@@ -81,7 +76,7 @@ class Spans:
         return timed
 
     def parts(self, wrapper_s: float) -> dict[str, float]:
-        """Seconds per part, each less the wrappers' cost of the calls it made, and that cost as a part."""
+        """Seconds per part, each less the wrappers' cost of the calls it made; that cost as a part."""
         out = {p: max(0.0, self.own.get(p, 0.0) - self.nested.get(p, 0) * wrapper_s) for p in PARTS}
         out[WRAPPERS] = self.calls * wrapper_s
         return out
@@ -113,44 +108,35 @@ def wrapper_cost(calls: int = 5000) -> float:
     return max(0.0, (min(totals) - best_seconds(plain, trials=5, min_s=0.005)) / calls)
 
 
-class Wrapped:
+@contextlib.contextmanager
+def wrapped(engine, spans: Spans):
     """The engine's model parts wrapped while inside the block, as they were after it."""
-
-    def __init__(self, engine, spans: Spans):
-        self.engine, self.spans = engine, spans
-
-    def __enter__(self):
-        model, spans = self.engine.runner.model, self.spans
-        self.fused_decode, model.fused_decode = model.fused_decode, None  # the parts run one by one, to be timed
-        self.modules = []
-        gemms = {id(m): part for part, m in limits.gemm_layers(model)}
-        for m in model.modules():
-            part = gemms.get(id(m)) or MODULE_PARTS.get(type(m))
-            if part is not None:
-                m.forward = spans.wrap(part, m.forward)
-                self.modules.append(m)
-        self.functions = [
-            (llama, "apply_rope", "RoPE"),
-            (attention.PagedBatch, "attend", "attention"),
-            (runner_module, "process_logits", "sampling"),
-            (runner_module, "sample", "sampling"),
-        ]
-        self.originals = [getattr(owner, name) for owner, name, _ in self.functions]
-        for owner, name, part in self.functions:
-            setattr(owner, name, spans.wrap(part, getattr(owner, name)))
-        return self
-
-    def __exit__(self, *exc):
-        self.engine.runner.model.fused_decode = self.fused_decode
-        for m in self.modules:
+    model = engine.runner.model
+    fused_decode, model.fused_decode = model.fused_decode, None  # the parts run one by one, to be timed
+    gemms = {id(m): part for part, m in limits.gemm_layers(model)}
+    modules = []
+    for m in model.modules():
+        part = gemms.get(id(m)) or MODULE_PARTS.get(type(m))
+        if part is not None:
+            m.forward = spans.wrap(part, m.forward)
+            modules.append(m)
+    functions = [
+        (llama, "apply_rope", "RoPE"),
+        (attention.PagedBatch, "attend", "attention"),
+        (runner_module, "process_logits", "sampling"),
+        (runner_module, "sample", "sampling"),
+    ]
+    originals = [getattr(owner, name) for owner, name, _ in functions]
+    for (owner, name, part), original in zip(functions, originals):
+        setattr(owner, name, spans.wrap(part, original))
+    try:
+        yield
+    finally:
+        model.fused_decode = fused_decode
+        for m in modules:
             del m.forward  # the instance attribute: the class's forward again
-        for (owner, name, _), original in zip(self.functions, self.originals):
+        for (owner, name, _), original in zip(functions, originals):
             setattr(owner, name, original)
-
-
-def _random_prompt(rng: random.Random, engine, length: int) -> list[int]:
-    low, high = (256, engine.vocab_size - 256) if engine.vocab_size > 1024 else (3, engine.vocab_size)  # no specials
-    return [rng.randrange(low, high) for _ in range(length)]
 
 
 def _shape(plan) -> dict:
@@ -249,14 +235,13 @@ def measure(
     one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
 
     def add_prompt():
-        engine.add_request(_random_prompt(rng, engine, chunk), one)
+        engine.add_request(random_prompt(rng, engine.vocab_size, chunk), one)
 
     plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
-    with Wrapped(engine, spans):
+    with wrapped(engine, spans):
         totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, add_prompt)
     if shape["tokens"] != chunk:
-        for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
-            engine.abort(seq.request_id)
+        abort_all(engine)
         raise ConfigError(
             f"a {chunk}-token prompt ran in steps of {shape['tokens']} tokens: raise --long-prefill-threshold and "
             "--max-num-batched-tokens to at least --chunk"
@@ -264,18 +249,14 @@ def measure(
     report["prefill"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
 
     params = SamplingParams(max_tokens=2 * (warmup + steps) + 8, temperature=0, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(_random_prompt(rng, engine, context), params)
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()  # the prompts
+    start_decoding(engine, rng, batch, context, params)
     try:
         plain, _, _ = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
-        with Wrapped(engine, spans):
+        with wrapped(engine, spans):
             totals, parts, shape = _timed_steps(engine, spans, wrapper_s, warmup + steps, lambda: None)
         assert shape["sequences"] == shape["tokens"] == batch, "the decode batch did not stay whole"
     finally:
-        for seq in list(engine.scheduler.running):
-            engine.abort(seq.request_id)
+        abort_all(engine)
     report["decode"] = _summary(totals[warmup:], parts[warmup:], plain[warmup:], shape, runner.model, machine)
     fused = runner.model.fused_decode
     report["decode"]["unwrapped_in_one_call"] = fused is not None and batch <= fused.loop.max_rows
@@ -283,9 +264,9 @@ def measure(
     return report
 
 
-def text(report: dict) -> str:
+def text(report: dict, threads: int) -> str:
     lines = [
-        f"{report['threads']} threads; read bandwidth {report['read_gb_per_s']} GB/s; GEMM GFLOP/s through the "
+        f"{threads} threads; read bandwidth {report['read_gb_per_s']} GB/s; GEMM GFLOP/s through the "
         f"model's path, by shape (rows x in x out): {report['gemm_gflops']}; "
         f"a timing wrapper costs {report['wrapper_cost_us']} us"
     ]

@@ -1,11 +1,9 @@
-"""`bench breakdown`'s rooflines: this machine's GEMM rate and read bandwidth, measured in the same invocation
-with `bench roofline`'s tools (roofline_measure.py), and the least time each part of a step could take on them.
+"""`--measure breakdown`'s rooflines: the least time each part of a step could take at this machine's GEMM rate and
+read bandwidth, measured in the same run with roofline_measure.py's tools.
 
-A GEMM's roofline is the larger of its FLOPs at the rate a packed GEMM of the same shape reaches (the same
-oneDNN path as the model's, cpu_linear.py, with its weight hot in the cache) and the bytes it must read and
-write at the measured read bandwidth. An elementwise part's roofline is the bytes it must move, once, at that
-bandwidth: what a fused kernel could reach. Attention's is the larger of its FLOPs at the best GEMM rate
-measured and its K/V bytes at the bandwidth.
+A GEMM's is the larger of its FLOPs at the rate the model's path reaches at its shape and its bytes at the bandwidth;
+an elementwise part's, its bytes moved once (what a fused kernel could reach); attention's, the larger of its FLOPs
+at the best GEMM rate measured and its K/V bytes.
 """
 
 from dataclasses import dataclass, field
@@ -35,8 +33,7 @@ class Machine:
 
     @torch.inference_mode()
     def gemm_rate(self, rows: int, in_features: int, out_features: int) -> float:
-        """FLOP/s of a GEMM of this shape through the model's path (`bench roofline`'s): packed for oneDNN where
-        the model packs, int8 where it is quantized, else a plain fp GEMM."""
+        """FLOP/s of a GEMM of this shape through the model's path (roofline_measure.gemm_path)."""
         shape = (rows, in_features, out_features)
         if shape not in self.gemm_flops_per_s:
             gemm = gemm_path(torch.device("cpu"), self.dtype, in_features, out_features, self.quantization)

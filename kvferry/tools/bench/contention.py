@@ -1,9 +1,8 @@
-"""How much a worker's steps slow down when processes share the machine's cores: the cost model's contention.
+"""The cost model's contention: how much a worker's steps slow down beside busy processes on the same cores.
 
-For each pair of thread counts (the worker's own, a competitor's), a decode step and a prefill step are timed
-alone, then beside one and two busy processes of the competitor's width (torch multiplying matrices without
-pause). Each load (busy threads per core: the worker's and the competitors' over the machine's cores) keeps the
-mean slowdown of the two steps; the simulator interpolates between the loads.
+For each pair of thread counts (the worker's, a competitor's), a decode and a prefill step are timed alone, then
+beside one and two processes multiplying matrices without pause. Each load (busy threads per core) keeps the mean
+slowdown of the two steps; the simulator interpolates between the loads.
 """
 
 import subprocess

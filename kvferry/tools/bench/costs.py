@@ -1,33 +1,18 @@
 """`kvferry bench costs`: fit the simulator's cost model (tools/sim/cost_model.py) on this machine.
 
-For each torch thread count, steps are timed whole through the in-process engine, `engine.step()`, as a worker
-drives it: the scheduler's planning, the runner's tensors, the forward, the logits, greedy sampling (the
-benchmark workloads' own) and the scheduler's update. The engine is built from the same settings as a worker
-(the BENCH flags: --model, --kv-cache-memory, --max-num-batched-tokens and the rest), so its chunking, its
-KV pool and, on CUDA, its decode graphs are the workers'.
+At each torch thread count, whole `engine.step()` calls are timed on an engine built from the workers' settings (the
+BENCH flags), so its chunking, KV pool and decode graphs are theirs. A prefill point's context comes from a prefix
+held in the cache (no compute to set it up) and every chunk ends its prompt, so each samples, as a prefill worker's
+last chunk does; a decode point's sequences are admitted as transferred ones are. What a step computed is read
+from the scheduler's plan, not assumed. Each StepCost is fitted by non-negative least squares on the relative error,
+so a bigger step is never predicted faster; a decode step's tokens are its sequences, so per_seq_s carries both.
+The KV transfer is timed with `bench transfer`'s machinery and fitted as fixed + per block.
 
-- A prefill step: `seqs` prompts of tokens / seqs new tokens each, after `offset` tokens of context. The context
-  comes from the prefix cache (one prefix, computed once and held for the run), so a chunk at offset 1024 costs
-  no 1024-token compute to set up; it runs the same path as a chunked prompt's later chunk. Every chunk ends its
-  prompt, so each samples its first token, as a prefill worker's last chunk of a prompt does.
-- A decode step: `batch` sequences at `context` tokens, admitted as a decode worker admits transferred ones
-  (`received_kv.reserve`, `LLMEngine.admit_prefilled`: no compute to set up), each with its own blocks.
-
-What a step computes is read back from the plan the scheduler made (`engine.last_plan`), not assumed: tokens,
-sequences and attention pairs are those that ran. A point's time is the median of a few steps after a warm-up;
-a point whose steps are long takes fewer (see `Design`). Points that the KV pool or max_model_len cannot hold
-are skipped and listed.
-
-Each StepCost is fitted by non-negative least squares on the relative error (each point weighted by 1 / its
-time): every coefficient is >= 0, so a bigger step is never predicted faster. A decode step has one token per
-sequence, so its tokens and sequences are the same figure: its per_token_s is 0 and per_seq_s carries both.
-The KV transfer is timed with `bench transfer`'s machinery (the workers' gather, Channel, layer groups and a
-sink process that places the blocks and acknowledges), for a few block counts, and fitted as fixed + per block.
-
-Not in a step's time: the worker loop around it (polling, heartbeat snapshots, sending tokens to the gateway),
-and a prefill worker's gathers of early layer groups inside the step (they belong to the transfer's cost).
+Not in a step's time: the worker loop around it, and a prefill worker's gathers of early layer groups inside the
+step (the transfer's cost).
 """
 
+import dataclasses
 import datetime
 import os
 import platform
@@ -35,7 +20,6 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -45,12 +29,13 @@ from kvferry.common.block_hash import block_hashes
 from kvferry.common.config import EngineConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench.contention import measure_contention
+from kvferry.tools.bench.workload import random_prompt
 from kvferry.tools.sim.cost_model import CostModel, StepCost, ThreadCosts, attention_pairs
 
 WARMUP_BELOW_S = 0.25  # a point's first step warms up (and is dropped) when shorter; a longer one counts
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Design:
     """The points measured at each thread count, and how long each may take."""
 
@@ -73,14 +58,13 @@ QUICK = Design(
     decode_batches=(1, 4, 16),
     decode_contexts=(16, 64),
     transfer_blocks=(2, 8),
-    repeats=3,
     decode_repeats=3,
     point_budget_s=0.3,
     transfer_rounds=3,
 )
 
 
-@dataclass
+@dataclasses.dataclass
 class Point:
     """One measured step: what it computed, its median time, and (after the fit) what the model says."""
 
@@ -100,12 +84,12 @@ class Point:
         return (self.fitted_s - self.seconds) / self.seconds
 
 
-@dataclass
+@dataclasses.dataclass
 class Fit:
     model: CostModel
     points: list[Point]
-    transfers: list[dict] = field(default_factory=list)  # num_blocks, seconds, fitted_s
-    skipped: list[str] = field(default_factory=list)
+    transfers: list[dict] = dataclasses.field(default_factory=list)  # num_blocks, seconds, fitted_s
+    skipped: list[str] = dataclasses.field(default_factory=list)
 
 
 # -- fitting -------------------------------------------------------------------------------------------------
@@ -195,15 +179,13 @@ class StepBench:
     def __init__(self, engine, design: Design, seed: int = 0):
         self.engine, self.design = engine, design
         self.rng = random.Random(seed)
-        vocab = engine.vocab_size
-        self.low, self.high = (256, vocab - 256) if vocab > 1024 else (3, vocab)  # clear of the special tokens
         self.greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.held: list[int] = []
         self.prefix: list[int] = []
         self._ids = 0
 
     def tokens(self, n: int) -> list[int]:
-        return [self.rng.randrange(self.low, self.high) for _ in range(n)]
+        return random_prompt(self.rng, self.engine.vocab_size, n)
 
     def request_id(self) -> str:
         self._ids += 1
@@ -296,22 +278,14 @@ class StepBench:
 def measure_transfer(engine, design: Design, threads: int, progress) -> list[dict]:
     """bench transfer's kv path at each block count, in the workers' layer groups: seconds from the first gather
     to the acknowledgement."""
-    from kvferry.common.model.kv_blocks import LAYER_GROUPS
     from kvferry.tools.bench import transfer
 
     torch.set_num_threads(threads)
     layout = engine.runner.layout
+    shape = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size)
     out = []
     for num_blocks in design.transfer_blocks:
-        r = transfer.measure(
-            layout.num_layers,
-            layout.num_kv_heads,
-            layout.head_dim,
-            layout.block_size,
-            num_blocks,
-            design.transfer_rounds,
-            LAYER_GROUPS,
-        )
+        r = transfer.measure(*shape, num_blocks, design.transfer_rounds)
         out.append({"num_blocks": num_blocks, "seconds": r["kv_ms"] / 1000, "mib": r["mib"]})
         progress(f"transfer {num_blocks} blocks ({r['mib']} MiB): {r['kv_ms']} ms")
     return out
@@ -338,7 +312,6 @@ def fit_costs(
     from kvferry.common.model_files import served_model_name
 
     progress = progress or (lambda line: None)
-    started = time.perf_counter()
     bench = StepBench(engine, design)
     points, skipped = [], []
     threads_before = torch.get_num_threads()
@@ -403,11 +376,7 @@ def fit_costs(
         "not_in_steps": "the worker loop around a step (polling, sending outputs); a prefill worker's early "
         "layer-group gathers (in the transfer's cost)",
         "design": {
-            "prefill_tokens": list(design.prefill_tokens),
-            "prefill_offsets": list(design.prefill_offsets),
-            "prefill_seqs": list(design.prefill_seqs),
-            "decode_batches": list(design.decode_batches),
-            "decode_contexts": list(design.decode_contexts),
+            **{name: list(v) for name, v in dataclasses.asdict(design).items() if isinstance(v, tuple)},
             "transfer_blocks": list(design.transfer_blocks) if transfers else [],
         },
         "skipped": skipped,
@@ -426,7 +395,6 @@ def fit_costs(
             "quantization": engine.config.quantization or "none",
         },
         "torch": torch.__version__,
-        "run_s": round(time.perf_counter() - started, 1),
     }
     model = CostModel(
         threads=costs,

@@ -1,9 +1,6 @@
-"""The fp32 compute floor of a workload: the time a perfect engine would need.
-
-Each step costs only the dense forward of transformers' own model (weights pass, no
-attention work to speak of, no scheduling), in the ideal schedule: every prompt prefilled
-in 512-token chunks, then every unfinished request decoded in every step. Same method as
-the reference measurement the project was specified with.
+"""The fp32 compute floor of a workload: the time a perfect engine would need, as the reference measurement the
+project was specified with has it. Each step costs only transformers' own dense forward, in the ideal schedule:
+every prompt prefilled in 512-token chunks, then every unfinished request decoded in every step.
 """
 
 import time
@@ -63,3 +60,33 @@ def floor_from_costs(costs: dict[int, float], requests: list[dict]) -> dict:
 
 def measure_floor(hf_model, requests: list[dict]) -> dict:
     return floor_from_costs(step_costs(hf_model), requests)
+
+
+def alternate_with_floor(args, label: str, run_once, hf_model, requests: list[dict], report: dict, baseline_once=None):
+    """Run the workload (and baseline_once, another server, when given) and measure the floor in alternation,
+    keeping the best of each: on a shared machine a slow spell then hits every side rather than one.
+    run_once(round) replays workload.for_round's requests: a later round must not find the earlier rounds'
+    prompts in the prefix cache."""
+    from kvferry.tools.bench.report import say
+
+    runs, floors, baselines = [], [], []
+    for i in range(args.repeat):
+        runs.append(run_once(i))
+        say(args, f"{label} run {i + 1}", runs[-1])
+        if baseline_once is not None:
+            baselines.append(baseline_once(i))
+            say(args, f"baseline run {i + 1}", baselines[-1])
+        if not args.no_floor:
+            floors.append(measure_floor(hf_model, requests))
+            say(args, f"floor run {i + 1}", floors[-1])
+    report["kvferry"] = dict(min(runs, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in runs])
+    if floors:
+        report["floor"] = dict(min(floors, key=lambda f: f["floor_s"]), runs_s=[f["floor_s"] for f in floors])
+        report["kvferry"]["fraction_of_floor"] = round(report["floor"]["floor_s"] / report["kvferry"]["elapsed_s"], 3)
+    if baselines:
+        best = report["baseline"] = dict(
+            min(baselines, key=lambda r: r["elapsed_s"]), runs_s=[r["elapsed_s"] for r in baselines]
+        )
+        report["kvferry"]["speedup_vs_baseline"] = round(best["elapsed_s"] / report["kvferry"]["elapsed_s"], 3)
+        if floors:
+            best["fraction_of_floor"] = round(report["floor"]["floor_s"] / best["elapsed_s"], 3)

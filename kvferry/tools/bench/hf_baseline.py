@@ -22,15 +22,12 @@ def run_hf_continuous_batching(
     warmup: bool = True,
     stage=lambda name: None,
 ) -> dict:
-    """transformers' continuous batching (init_continuous_batching and its manager) on the requests, each to its
-    exact max_tokens. Its paged cache holds the requests all at once (sized to them, not to the device's memory,
-    which would make its warmup run attention over the whole device's worth of cache), at most max_batch_tokens
-    a step (kvferry's own default) and as many requests as there are. Every argument goes by a name this
-    transformers takes (its API moves between releases);
-    a generation thread that dies raises its own exception, and the whole run raises TimeoutError past
-    timeout_s. warmup: let the manager capture its CUDA graphs first, outside the timing, as kvferry's engine
-    captures its own before it serves (and as transformers' generate_batch does). stage: called with the name of
-    each step as it begins, for a caller that must say where a run was cut off."""
+    """transformers' continuous batching on the requests, each to its exact max_tokens, at most max_batch_tokens a
+    step (kvferry's default). Its paged cache is sized to the requests, not to the device: its warmup would run
+    attention over the whole device's worth. Arguments go by the names this transformers takes (its API moves
+    between releases). A dead generation thread raises its own exception; past timeout_s, TimeoutError. warmup:
+    capture its CUDA graphs outside the timing, as kvferry's engine does before it serves. stage(name): called as
+    each step begins, for a caller that must say where a run was cut off."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(
@@ -174,3 +171,14 @@ def load_hf_model(engine):
     from kvferry.common.model_files import resolve_model
 
     return load_hf_model_dir(resolve_model(engine.config.model), engine.device, engine.dtype)
+
+
+def add_hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
+    """`--baseline hf`: transformers' continuous batching on the workload, against kvferry's best run."""
+    from kvferry.tools.bench.report import say
+
+    hf = report["hf"] = run_hf_continuous_batching(hf_model, requests)
+    hf["kvferry_speedup"] = round(report["kvferry"]["output_tok_per_s"] / hf["output_tok_per_s"], 2)
+    if "floor" in report:
+        hf["fraction_of_floor"] = round(report["floor"]["floor_s"] / hf["elapsed_s"], 3)
+    say(args, "transformers continuous batching", hf)

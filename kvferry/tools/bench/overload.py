@@ -1,16 +1,17 @@
 """`kvferry bench overload`: the gateway at twice the rate it can sustain.
 
-First the capacity: a batch of requests sent at once gives the requests per second the stack
-completes. Then Poisson arrivals at half that rate (the sustainable baseline) and at twice it,
-each for the same time. Past --max-waiting the gateway answers 429 at once; the figures show
-that every request it accepts still completes, and how its TTFT compares with the baseline's.
+The capacity (requests per second, from 32 sent at once), then Poisson arrivals at half and at twice it. Past
+--max-waiting the gateway answers 429 at once: the figures show that every request it accepts still completes, and
+its TTFT against the sustainable rate's.
 """
 
 import asyncio
+import json
 import random
 import time
 
-from kvferry.tools.bench.stack import served_model
+from kvferry.common import settings
+from kvferry.tools.bench.stack import fresh_stack, served_model
 from kvferry.tools.percentiles import summary
 from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
 
@@ -81,3 +82,22 @@ def overload(url: str, duration_s: float = 60.0, seed: int = 0) -> dict:
         results, elapsed = asyncio.run(_run(url, model, _requests(rng, capacity * factor, duration_s)))
         report[label] = dict(_figures(results, elapsed), rate_per_s=round(capacity * factor, 3))
     return report
+
+
+def cmd_bench_overload(args) -> int:
+    with fresh_stack(args.model, {settings.env_name("max_waiting"): str(args.max_waiting)}) as (url, _):
+        report = overload(url, args.duration)
+    report["max_waiting"] = args.max_waiting
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    print(f"capacity {report['capacity_per_s']} requests/s (32 sent at once); --max-waiting {args.max_waiting}")
+    for label in ("half", "double"):
+        r = report[label]
+        print(
+            f"at {r['rate_per_s']}/s ({label}): sent {r['sent']}, completed {r['completed']}, 429 "
+            f"{r['refused_429']} (answered in p99 {r['refusal_answered_p99_ms']} ms, Retry-After on all: "
+            f"{r['retry_after_on_every_429']}), errors {r['errors']}; TTFT p50/p99/max {r['ttft_p50_s']}/"
+            f"{r['ttft_p99_s']}/{r['ttft_max_s']} s"
+        )
+    return 0

@@ -1,14 +1,8 @@
-"""Paging overhead (`bench step --measure paging`, and a line of `bench engine`): one decode step on the paged
-cache against the same step on contiguous caches.
-
-All run the same model; only the attention's cache differs. Two contiguous baselines:
-- plain: each layer's cache is one [batch, kv_heads, len, head_dim] tensor that grows by
-  concatenation every step, as transformers' default cache does. The overhead figure.
-- preallocated: one [batch, kv_heads, max_len, head_dim] buffer per layer, attended through a
-  view with no copy and no mask. An idealised best case: it only works here because all 32
-  sequences sit at the same position, which a continuous batch never guarantees.
-On the CPU the paged step gathers each layer's blocks once (one copy of the context), which is
-what separates it from the preallocated case; on CUDA the Triton kernel reads blocks in place.
+"""Paging overhead (`bench step --measure paging`, and a line of `bench engine`): one decode step of the same model
+on the paged cache against contiguous ones: plain, a cache grown by concatenation every step as transformers' default
+cache is (the overhead figure), and preallocated, attended through a view with no copy: an idealised best case that
+works only because every sequence sits at the same position, which a continuous batch never guarantees. On the CPU
+the paged step gathers each layer's blocks once, which is what separates it from the preallocated case.
 """
 
 import random

@@ -1,19 +1,16 @@
-"""`kvferry bench pathological`: one request made to cost the gateway the most text work it allows, while a probe
-asks for /v1/models every 50 ms.
-
-The request wants a long output (ignore_eos), several choices, and as many stop strings of the longest allowed length
-as the gateway takes, none of which can match. Every token of every choice is detokenized and matched against the stop
-strings on the gateway's event loop, which also answers the probe: the probe's latency, against its latency with
-nothing running, shows whether that work blocks the loop.
+"""`kvferry bench pathological`: one request made to cost the gateway the most text work it allows (a long output,
+several choices, the most and longest stop strings, none matching), while a probe asks for /v1/models every 50 ms.
+Both run on the gateway's event loop: the probe's latency against its idle one shows whether that work blocks it.
 """
 
 import asyncio
+import json
 import logging
 import threading
 import time
 
 from kvferry.common import settings
-from kvferry.tools.bench.stack import served_model
+from kvferry.tools.bench.stack import fresh_stack, served_model
 from kvferry.tools.percentiles import summary
 from kvferry.tools.sse_client import open_stream
 
@@ -117,3 +114,26 @@ def pathological(url: str, max_tokens: int, n: int, num_stops: int, stop_length:
         "probe_idle": idle.figures(),
         "probe_during_request": busy.figures(),
     }
+
+
+def cmd_bench_pathological(args) -> int:
+    count, length = default_stops()
+    stops = (args.stops or count, args.stop_length or length)
+    if args.url:
+        report = pathological(args.url, args.max_tokens, args.n, *stops)
+    else:
+        with fresh_stack(args.model) as (url, _):
+            report = pathological(url, args.max_tokens, args.n, *stops)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    r, idle, busy = report["request"], report["probe_idle"], report["probe_during_request"]
+    print(
+        f"request: max_tokens {r['max_tokens']}, n {r['n']}, {r['stop_strings']} stop strings of {r['stop_length']} "
+        f"characters: {r['duration_s']} s, {r['output_tokens']} tokens in {r['chunks']} chunks, {r['finish_reasons']}"
+    )
+    for label, p in (("idle", idle), ("during the request", busy)):
+        print(
+            f"/v1/models {label}: {p['probes']} probes, p50 {p['p50_ms']} ms, p99 {p['p99_ms']} ms, max {p['max_ms']} ms"
+        )
+    return 0

@@ -1,13 +1,8 @@
 """`kvferry bench quantization`: int8 against the unquantized model, in one process.
 
-Accuracy, on text neither side was tuned or calibrated on (Python's reference documentation,
-topics other than the calibration ones):
-- the mean absolute difference of each next token's logprob (teacher-forced);
-- top-1 agreement: the share of positions where both pick the same most likely next token;
-- greedy agreement: chat prompts decoded greedily by both, the share of output tokens equal up to
-  the first difference, and the share of outputs equal throughout.
-Speed: the std-32 workload through each engine in alternation, best of --repeat, with the fp32
-compute floor measured in the same run.
+Accuracy on text neither side was calibrated on (Python's reference documentation, other topics than calibration's):
+each next token's logprob difference and top-1 agreement (teacher-forced), and greedy chat outputs' agreement up to
+the first difference. Speed: std-32 through each engine in alternation, best of --repeat, beside the fp32 floor.
 """
 
 import json

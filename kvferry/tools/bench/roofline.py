@@ -1,9 +1,6 @@
-"""The roofline of a workload: the least time the hardware allows, from measured limits and the model's shape.
-
-Pure arithmetic, no timing (roofline_measure.py measures the limits). The schedule is the floor's (floor.py):
-every prompt prefilled in PREFILL_CHUNK-token chunks, then every unfinished request decoded in every step. Each
-step takes the larger of its compute time (its FLOPs at the GEMM rate measured for its row count) and its memory
-time (every weight read once, plus the KV the step attends to, at the measured read bandwidth).
+"""The roofline of a workload: the least time the hardware allows, from measured limits (roofline_measure.py) and
+the model's shape, in the floor's schedule (floor.py). Each step takes the larger of its FLOPs at the GEMM rate of its
+row count and its bytes (every weight once, plus the KV it attends to) at the read bandwidth.
 """
 
 from dataclasses import dataclass
@@ -130,9 +127,8 @@ def roofline(
     peak_rate: float | None,
     bandwidth: float | None,
 ) -> dict:
-    """Seconds of each step at the larger of its compute and memory time. Rates in FLOP/s, bandwidth in bytes/s.
-    A limit not measured (None) is left out of every step, which makes the roofline a looser lower bound: the
-    result says which; with neither, there is nothing to compute."""
+    """Rates in FLOP/s, bandwidth in bytes/s. A limit not measured (None) is left out, which makes the roofline a
+    looser lower bound (the result says which); with neither, there is nothing to compute."""
     compute_known = bool(decode_rates) and peak_rate is not None
     if not compute_known and bandwidth is None:
         return {"cannot_compute": "neither the GEMM rate nor the read bandwidth was measured"}

@@ -1,11 +1,8 @@
-"""`kvferry bench step --measure roofline`: this machine's limits measured, and the roofline of a workload worked out from them.
+"""`kvferry bench step --measure roofline`: this machine's limits, and a workload's roofline worked out from them.
 
-The GEMM rate goes through the path the model's linears take: on the CPU, fp32 weights packed for oneDNN
-(common/model/cpu_linear.py); on CUDA, torch.matmul in the model's dtype. It is measured at the model's
-hidden -> intermediate shape, with PREFILL_CHUNK rows (the large shape, used for prefill) and with each decode
-batch size. The read bandwidth is a sum over a tensor several times the last-level cache. Best of a few trials
-each: on a shared machine the best trial is the one least disturbed. A measurement that cannot run here says why
-instead, and the rest goes on.
+The GEMM rate goes through the model's own path at its hidden -> intermediate shape, with PREFILL_CHUNK rows and
+each decode batch size; the read bandwidth is a sum over a tensor several times the last-level cache. Each is the
+best of a few trials (on a shared machine, the least disturbed). A measurement that cannot run here says why.
 """
 
 import time
@@ -31,9 +28,8 @@ def _cuda_missing(device: torch.device) -> str | None:
 
 
 def best_seconds(run, sync=lambda: None, trials: int = 3, min_s: float = 0.05) -> float:
-    """Seconds of one run, best of trials (on a shared machine the least disturbed one); each trial repeats it for
-    at least min_s, so that short runs are not lost in the clock's and the call's own cost. `--measure
-    breakdown` times its limits with it too."""
+    """Seconds of one run, best of trials; each trial repeats it for at least min_s, so that a short run is not lost
+    in the clock's and the call's own cost."""
     run()
     sync()
     repeats, best = 1, float("inf")
@@ -57,8 +53,8 @@ def quantization_of(args) -> str | None:
 
 
 def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, device: torch.device):
-    """The model's shape with the bytes its weights take on this path: int8 weights are a byte each, and each
-    output channel also reads its fp32 scale and, on the CPU, its half-precision outlier columns (int8_linear.py)."""
+    """The model's shape with the bytes its weights take on this path: int8 weights are a byte each, plus each
+    output channel's fp32 scale and, on the CPU, its outlier columns (int8_linear.py)."""
     dtype_bytes = torch.finfo(dtype).bits // 8
     if quantization != "int8":
         return roofline.ModelShape.from_config(config, dtype_bytes)
@@ -164,34 +160,30 @@ def workload_roofline(shape: roofline.ModelShape, limits: dict, requests: list[d
     )
 
 
-def quick_roofline(
-    model_dir,
-    device: torch.device,
-    dtype: torch.dtype,
-    requests: list[dict],
-    trials: int = 2,
-    quantization: str | None = None,
-) -> dict:
-    """The roofline beside another benchmark's figures (`bench engine`, `bench serve`), in a few seconds: the
-    workload's totals, and why a limit was not measured where one was not."""
+def add_quick_roofline(report: dict, args, model_dir, device: torch.device, dtype: torch.dtype, requests) -> None:
+    """The roofline beside `bench engine`'s and `bench serve`'s figures, in a few seconds (two trials of each
+    limit): the workload's totals, why a limit was not measured where one was not, and kvferry's share of it."""
     from kvferry.common.model_files import read_config
+    from kvferry.tools.bench.report import say
 
+    quantization = quantization_of(args)
     shape = model_shape(read_config(model_dir), dtype, quantization, device)
-    limits = measure(device, dtype, shape, trials, quantization)
-    result = rounded(workload_roofline(shape, limits, requests))
+    limits = measure(device, dtype, shape, 2, quantization)
+    r = report["roofline"] = rounded(workload_roofline(shape, limits, requests))
     for name, figures in limits.items():
         if "not_measured" in figures:
-            result[f"{name}_not_measured"] = figures["not_measured"]
-    return result
+            r[f"{name}_not_measured"] = figures["not_measured"]
+    if "total_s" in r:
+        report["kvferry"]["fraction_of_roofline"] = round(r["total_s"] / report["kvferry"]["elapsed_s"], 3)
+    say(args, "roofline", r)
 
 
 def rounded(result: dict) -> dict:
     return {k: round(v, 1 if k.endswith("tok_per_s") else 3) if isinstance(v, float) else v for k, v in result.items()}
 
 
-def measure_workload(args, build_engine) -> tuple[dict, str]:
-    """`bench step --measure roofline`: the limits, the workload's roofline, and with --engine the workload run
-    through the engine build_engine(args) makes, set against it."""
+def measure_workload(args, run_engine) -> tuple[dict, str]:
+    """The limits, the workload's roofline, and with --engine run_engine(requests)'s figures set against it."""
     from kvferry.common.engine_setup import resolve_dtype
     from kvferry.common.model_files import read_config, resolve_model
 
@@ -215,11 +207,7 @@ def measure_workload(args, build_engine) -> tuple[dict, str]:
     report["roofline"] = rounded(workload_roofline(shape, report["limits"], requests))
     measured = args.measured_tok_s
     if args.engine:
-        from kvferry.tools.bench.offline import run_engine
-
-        engine = build_engine(args)
-        engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
-        measured = report["engine_tok_per_s"] = run_engine(engine, requests)["output_tok_per_s"]
+        measured = report["engine_tok_per_s"] = run_engine(requests)["output_tok_per_s"]
     if measured and "total_s" in report["roofline"]:
         report["fraction_of_roofline"] = measured / report["roofline"]["output_tok_per_s"]
     return report, _text(report, measured)

@@ -116,3 +116,107 @@ def counters_delta(before: dict | None, after: dict | None) -> dict | None:
         "cached_share": round(cached / max(1, computed + cached), 4),
         "kv_bytes_saved_share": round(skipped / max(1, sent + skipped), 4),
     }
+
+
+def cmd_bench_serve(args) -> int:
+    import torch
+
+    from kvferry.common import settings
+    from kvferry.common.engine_setup import resolve_device, resolve_dtype
+    from kvferry.common.model_config import ModelConfig
+    from kvferry.common.model_files import resolve_model
+    from kvferry.tools.bench import hf_baseline, workload
+    from kvferry.tools.bench.floor import alternate_with_floor
+    from kvferry.tools.bench.report import against_the_floor, say
+    from kvferry.tools.bench.roofline_measure import add_quick_roofline
+    from kvferry.tools.bench.stack import served_model
+
+    torch.set_num_threads(args.threads)
+    model_name = served_model(args.url)
+    model_dir = resolve_model(args.model)
+    vocab_size = ModelConfig.load(model_dir).vocab_size
+    warmup = workload.warmup(vocab_size)
+    asyncio.run(replay(args.url, model_name, warmup))
+    if args.sweep_rates:
+        from kvferry.tools.bench.sweep import sweep_command
+
+        def replay_at(rate: float, seed: int) -> dict:
+            requests = workload.generate(args.workload, vocab_size, rate=rate, seed=seed)
+            return asyncio.run(replay(args.url, model_name, requests))
+
+        return sweep_command(args, replay_at)
+    requests = workload.generate(args.workload, vocab_size, rate=args.rate)
+    report = {"workload": args.workload, "rate": args.rate, "url": args.url}
+    hf_model = hf_baseline.load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
+
+    def run_once(rnd: int) -> dict:
+        return asyncio.run(replay(args.url, model_name, workload.for_round(requests, rnd, vocab_size)))
+
+    baseline_once = None
+    if args.baseline_url:
+        baseline_model = served_model(args.baseline_url)
+        asyncio.run(replay(args.baseline_url, baseline_model, warmup))
+
+        def baseline_once(rnd: int) -> dict:
+            return asyncio.run(replay(args.baseline_url, baseline_model, workload.for_round(requests, rnd, vocab_size)))
+
+    before = prefill_counters(args.url)  # kvferry's own counters; other servers have none
+    alternate_with_floor(args, "serve", run_once, hf_model, requests, report, baseline_once)
+    if not args.no_roofline:
+        device = resolve_device(settings.from_env("device"))  # as the floor's model: a stack started here runs there
+        args.quantization = served_quantization(args.url)  # the roofline of the weights the stack reads
+        dtype = resolve_dtype(settings.from_env("dtype"), device)
+        add_quick_roofline(report, args, model_dir, device, dtype, requests)
+    report["prefill_all_runs"] = counters_delta(
+        before, prefill_counters(args.url, (before or {}).get("prompts_prefilled", 0) + args.repeat * len(requests))
+    )
+    # One 512-token prompt alone: its KV transfer against the time it took to reach decode.
+    prompt_512 = [t for r in requests for t in r["prompt_token_ids"]][:512]
+    probe_request = {"id": "probe-512", "prompt_token_ids": prompt_512, "max_tokens": 2, "arrival_s": 0.0}
+    probe = asyncio.run(replay(args.url, model_name, [probe_request]))
+    report["probe_512"] = {
+        "ttft_s": probe["ttft_p50_s"],
+        "kv_transfer_ms": probe["kv_transfer_p50_ms"],
+        "transfer_share": round(probe["kv_transfer_p50_ms"] / 1000 / probe["ttft_p50_s"], 4),
+    }
+    say(args, "512-token prompt", report["probe_512"])
+    if args.baseline == "hf":
+        hf_baseline.add_hf_baseline(args, hf_model, requests, report)
+    if args.json:
+        print(json.dumps(report))
+        return 0
+    k = report["kvferry"]
+    print(f"\n== {args.workload} over HTTP at {args.url} (rate {args.rate or 'all at once'}) ==")
+    print(
+        f"output tok/s {k['output_tok_per_s']}, requests/s {k['requests_per_s']} ({k['elapsed_s']} s; runs "
+        f"{k['runs_s']} s)"
+    )
+    print(
+        f"TTFT p50/p99 {k['ttft_p50_s']}/{k['ttft_p99_s']} s, TPOT p50/p99 {k['tpot_p50_ms']}/{k['tpot_p99_ms']} "
+        f"ms, KV transfer per request p50/p99 {k['kv_transfer_p50_ms']}/{k['kv_transfer_p99_ms']} ms"
+    )
+    for g, figures in k.get("groups", {}).items():
+        print(f"{g} prompts: TTFT p50/p99 {figures['ttft_p50_s']}/{figures['ttft_p99_s']} s")
+    if report["prefill_all_runs"]:
+        c = report["prefill_all_runs"]
+        print(
+            f"prefill workers over the {args.repeat} runs: {c['prompts_prefilled']} prompts, "
+            f"{c['prompt_tokens_computed']} prompt tokens computed, {c['prompt_tokens_cached']} from the cache "
+            f"({c['cached_share']:.1%}); KV shipped {c['kv_bytes_sent'] / 2**20:.0f} MiB, "
+            f"{c['kv_bytes_skipped'] / 2**20:.0f} MiB left out as held by decode ({c['kv_bytes_saved_share']:.1%})"
+        )
+    print("\n".join(against_the_floor(report)))
+    if "baseline" in report:
+        b = report["baseline"]
+        extra = f", {b['fraction_of_floor']:.0%} of the floor" if "fraction_of_floor" in b else ""
+        print(
+            f"baseline {args.baseline_url}: {b['output_tok_per_s']} tok/s (runs {b['runs_s']} s; TTFT p50/p99 "
+            f"{b['ttft_p50_s']}/{b['ttft_p99_s']} s, TPOT p50/p99 {b['tpot_p50_ms']}/{b['tpot_p99_ms']} ms{extra}); "
+            f"the stack is {k['speedup_vs_baseline']}x"
+        )
+    pr = report["probe_512"]
+    print(
+        f"512-token prompt: {pr['ttft_s']} s to its first token, KV transfer {pr['kv_transfer_ms']} ms "
+        f"(+{pr['transfer_share']:.1%} on its way to decode)"
+    )
+    return 0

@@ -1,12 +1,9 @@
 """`kvferry bench simulator`: the simulator's predictions against real stacks on this machine.
 
-For each shape (P prefill and D decode workers) and each workload (std-32 all at once, and std-32 at a Poisson
-rate), it starts a fresh stack with --capture-dir, warms it up, runs the workload over HTTP, and stops it. The
-capture's workload lines (the warm-up's left out) then go through `kvferry simulate` with the given cost model and
-the stack's own placement: the same threads per worker on this machine's cores. Measured and predicted TTFT and
-inter-token latency are printed side by side, both as the gateway sees them. The gateway and this load generator
-share the cores with the workers: the CPU they used during the workload, over its duration, is given to the
-simulator as background threads.
+For each shape (P prefill, D decode workers) and workload (std-32 all at once and at a Poisson rate), a fresh stack
+captures the workload (the warm-up left out), and `kvferry simulate` replays the capture with the given cost model
+and the stack's placement. TTFT and inter-token latency, as the gateway sees them, are printed side by side. The
+CPU the gateway and this load generator used beside the workers goes to the simulator as background threads.
 """
 
 import asyncio
@@ -24,7 +21,6 @@ from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import replay
 from kvferry.tools.bench.stack import fresh_stack, served_model
 
-WARMUP_REQUESTS = 2  # bench serve's warm-up: the first lines of every capture
 BACKGROUND_FILE = "background.json"  # beside a kept capture: the gateway's and the load generator's CPU share
 
 
@@ -56,7 +52,7 @@ def _capture(shape: tuple[int, int], requests: list[dict], warmup: list[dict], f
         asyncio.run(replay(url, model, requests))
         after, elapsed = _cpu_s(procs[0].pid), time.perf_counter() - started
         background = (after[0] - before[0] + after[1] - before[1]) / elapsed
-    records = capture.load([raw])[WARMUP_REQUESTS:]  # written by the stopped gateway, every line flushed
+    records = capture.load([raw])[len(warmup) :]  # the warm-up's left out; every line flushed by the stopped gateway
     kept = folder / "workload"
     kept.mkdir()
     (kept / f"{capture.FILE_PREFIX}workload{capture.FILE_SUFFIX}").write_text("".join(r.to_line() for r in records))
@@ -102,7 +98,7 @@ def cmd_bench_simulator(args) -> int:
     shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes.split(",")]
     workloads = {"std-32": workload.generate("std-32", vocab_size)}
     workloads[f"poisson-{args.rate:g}"] = workload.generate("std-32", vocab_size, rate=args.rate, seed=1)
-    warmup = workload.generate("std-32", vocab_size, seed=99)[:WARMUP_REQUESTS]  # shares no prefix with them
+    warmup = workload.warmup(vocab_size)
     root = Path(args.captured or args.keep or tempfile.mkdtemp(prefix="kvferry-simcheck-"))
     rows = []
     for shape in shapes:

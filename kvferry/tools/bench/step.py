@@ -1,15 +1,9 @@
-"""`kvferry bench step`: the engine's step measured in process, one --measure at a time.
+"""`kvferry bench step`: the engine's step measured in process, one --measure at a time: split (here), breakdown
+(breakdown.py), paging (paging.py), roofline (roofline_measure.py).
 
-- split (the default): one decode step at batch 32 through the engine, and how much of it is not the model.
-- breakdown: a decode step and a prefill chunk part by part, each against its roofline (breakdown.py).
-- paging: a decode step on the paged cache against contiguous caches (paging.py).
-- roofline: this machine's GEMM rate and read bandwidth, and a workload's roofline (roofline_measure.py).
-
-The split: 32 sequences with 256-token prompts are prefilled, then decode steps are timed whole (`engine.step()`:
-scheduling, building the step's tensors, the forward, sampling, bookkeeping) and, inside them, the model's
-forward and logits alone: the eager forward, or the decode graph's run (its input copies and the replay). On
-CUDA the model's part is timed with CUDA events, since a launch or a replay returns before the work is done.
-What is left is the step's overhead.
+The split: 32 sequences with 256-token prompts are prefilled, then decode steps are timed whole (`engine.step()`)
+and, inside them, the model's forward and logits alone (the eager forward, or the decode graph's run); the rest is
+the step's overhead.
 """
 
 import json
@@ -23,6 +17,7 @@ import torch
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.bench import workload
 
 
 class Clock:
@@ -75,13 +70,8 @@ class TimedModel:
 
 def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constraint=None) -> dict:
     """constraint: one every sequence is held to (bench ab --feature structured-output)."""
-    rng = random.Random(0)
     params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True, constraint=constraint)
-    low, high = (256, engine.vocab_size - 256) if engine.vocab_size > 1024 else (3, engine.vocab_size)  # no specials
-    for _ in range(batch):
-        engine.add_request([rng.randrange(low, high) for _ in range(context)], params)
-    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
-        engine.step()  # the prompts
+    workload.start_decoding(engine, random.Random(0), batch, context, params)
     runner = engine.runner
     clock = Clock(torch.device(runner.device))
     runner.model = TimedModel(runner.model, clock)
@@ -102,8 +92,7 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constr
         runner.model = runner.model.model
         if graphs is not None:
             del graphs.run  # the instance attribute: the method again
-        for seq in list(engine.scheduler.running):
-            engine.abort(seq.request_id)
+        workload.abort_all(engine)
     totals, models = totals[2:], models[2:]  # the first steps warm up
     overhead = [t - m for t, m in zip(totals, models)]
     step, outside = statistics.median(totals), statistics.median(overhead)
@@ -118,17 +107,8 @@ def measure(engine, batch: int = 32, context: int = 256, steps: int = 20, constr
     }
 
 
-def _engine(args):
-    from kvferry.common.engine import LLMEngine
-
-    config = EngineConfig.from_args(args)
-    config.num_threads = config.num_threads or 2
-    return LLMEngine(config)
-
-
-def _split(args) -> tuple[dict, str]:
-    engine = _engine(args)
-    report = {"threads": torch.get_num_threads(), **measure(engine, args.batch, args.context, args.steps)}
+def _split(engine, args) -> tuple[dict, str]:
+    report = measure(engine, args.batch, args.context, args.steps)
     if args.profile:
         import cProfile
         import pstats
@@ -139,49 +119,44 @@ def _split(args) -> tuple[dict, str]:
         profiler.disable()
         pstats.Stats(profiler, stream=sys.stderr).sort_stats("tottime").print_stats(25)
     return report, (
-        f"\n== decode step, batch {report['batch']}, context {report['context']}, {report['threads']} threads "
+        f"\n== decode step, batch {report['batch']}, context {report['context']}, {torch.get_num_threads()} threads "
         f"(medians of {report['steps']}) ==\n"
         f"step {report['step_ms']} ms: model forward and logits {report['model_ms']} ms, the rest "
         f"{report['outside_model_ms']} ms ({report['outside_share']:.1%} of the step)"
     )
 
 
-def _breakdown(args) -> tuple[dict, str]:
+def _breakdown(engine, args) -> tuple[dict, str]:
     from kvferry.tools.bench import breakdown
 
-    engine = _engine(args)
-    report = {
-        "threads": torch.get_num_threads(),
-        **breakdown.measure(engine, args.batch, args.context, args.chunk, args.steps),
-    }
-    return report, breakdown.text(report)
+    report = breakdown.measure(engine, args.batch, args.context, args.chunk, args.steps)
+    return report, breakdown.text(report, torch.get_num_threads())
 
 
-def _paging(args) -> tuple[dict, str]:
+def _paging(engine, args) -> tuple[dict, str]:
     from kvferry.tools.bench import paging
 
-    engine = _engine(args)
-    report = {
-        "threads": torch.get_num_threads(),
-        **paging.paging_overhead(engine, args.batch, args.context, args.steps),
-    }
+    report = paging.paging_overhead(engine, args.batch, args.context, args.steps)
     return report, paging.text(report)
 
 
-def _roofline(args) -> tuple[dict, str]:
-    from kvferry.tools.bench.roofline_measure import measure_workload
-
-    return measure_workload(args, _engine)
-
-
-# --measure -> (what it runs, its defaults; an option absent here is refused with it)
+# --measure -> (what it runs on the engine, its defaults; an option absent here is refused with it). roofline
+# builds an engine only with --engine, after measuring the limits.
 MEASURES = {
     "split": (_split, {"batch": 32, "context": 256, "steps": 20, "profile": False}),
     "breakdown": (_breakdown, {"batch": 32, "context": 256, "steps": 6, "chunk": 512}),
     "paging": (_paging, {"batch": 32, "context": 256, "steps": 10}),
-    "roofline": (_roofline, {"workload": "std-32", "trials": 3, "measured_tok_s": None, "engine": False}),
+    "roofline": (None, {"workload": "std-32", "trials": 3, "measured_tok_s": None, "engine": False}),
 }
 OPTIONS = ("batch", "context", "steps", "chunk", "profile", "workload", "trials", "measured_tok_s", "engine")
+
+
+def _engine(args):
+    from kvferry.common.engine import LLMEngine
+
+    config = EngineConfig.from_args(args)
+    config.num_threads = config.num_threads or 2
+    return LLMEngine(config)
 
 
 def cmd_bench_step(args) -> int:
@@ -199,6 +174,19 @@ def cmd_bench_step(args) -> int:
             flag = "--" + option.replace("_", "-")
             users = ", ".join(m for m, (_, d) in MEASURES.items() if option in d)
             raise ConfigError(f"{flag} does not apply to --measure {args.measure} (it goes with --measure {users})")
-    report, text = run(args)
+    if run is None:
+        from kvferry.tools.bench.offline import run_engine
+        from kvferry.tools.bench.roofline_measure import measure_workload
+
+        def run_workload(requests: list[dict]) -> dict:
+            engine = _engine(args)
+            engine.generate([workload.warmup_prompt(engine.vocab_size)], None)
+            return run_engine(engine, requests)
+
+        report, text = measure_workload(args, run_workload)
+    else:
+        engine = _engine(args)
+        report, text = run(engine, args)
+        report = {"threads": torch.get_num_threads(), **report}
     print(json.dumps({"measure": args.measure, **report}) if args.json else text)
     return 0

@@ -1,14 +1,10 @@
-"""`kvferry bench ab --feature structured-output`: std-32 with every request constrained to a mid-size JSON
-schema, against the same requests unconstrained, on one stack, in one invocation.
+"""`kvferry bench ab --feature structured-output`: std-32 with every request held to a mid-size JSON schema, against
+the same requests unconstrained, on one stack, rounds alternating.
 
-The schema asks for at least 40 records, which no std-32 request (256 tokens at most) can finish, so both sides
-generate the same tokens' count; time per output token and throughput are reported per round (rounds alternate off
-and on, so that a slow spell on a shared machine hits both). How the served batches form differs from run to run,
-so the decode step at batch 32 itself is timed in process after the stack stops (bench step's measure, 32 prompts
-of 256 tokens), unconstrained and with every sequence held to the schema in alternate rounds: what constraining
-costs a step (filling each row's mask and applying it). Also measured: a cold compile and a
-cache hit in process, and the first token of a request whose schema the workers see for the first time, against
-the next one's.
+The schema asks for at least 40 records, more than any std-32 output holds, so both sides generate as many tokens.
+How served batches form differs between runs, so the decode step at batch 32 is also timed in process after the
+stack stops, with and without the constraint. Also: a cold compile against a cache hit, and the first token of a
+schema the workers have not seen against the next one's.
 """
 
 import asyncio
@@ -81,8 +77,7 @@ def first_token_s(url: str, model: str, request: dict, extra_body: dict) -> floa
 
 
 def decode_step_ms(args, constraint: Constraint, rounds: int) -> dict:
-    """The engine's decode step at batch 32 in this process (bench step's measure: 32 prompts of 256 tokens),
-    unconstrained and with every sequence held to the constraint, in alternate rounds: each side's median."""
+    """bench step's decode step at batch 32, unconstrained and constrained in alternate rounds: each side's median."""
     from kvferry.common.config import EngineConfig
     from kvferry.common.engine import LLMEngine
     from kvferry.tools.bench.step import measure
@@ -103,15 +98,13 @@ def run(args) -> int:
     name = args.workload or "std-32"
     vocab_size = ModelConfig.load(resolve_model(args.model)).vocab_size
     requests = workload.generate(name, vocab_size)
-    warmup = [dict(r, max_tokens=4, arrival_s=0.0) for r in workload.generate("std-32", vocab_size, seed=99)[:2]]
+    warmup = workload.warmup(vocab_size, max_tokens=4)
     report = {"feature": "structured-output", "workload": name, "rounds": args.repeat, **compile_times(args.model)}
     served = {"off": [], "on": []}
     # Without prefix caching: both sides replay the same prompts, and the later ones would find them cached.
     env = {settings.env_name("no_prefix_caching"): "1"}
-    with fresh_stack(args.model, env, prefill_threads=args.prefill_threads, decode_threads=args.decode_threads) as (
-        url,
-        _,
-    ):
+    threads = {"prefill_threads": args.prefill_threads, "decode_threads": args.decode_threads}
+    with fresh_stack(args.model, env, **threads) as (url, _):
         model = served_model(url)
         asyncio.run(replay(url, model, warmup))
         # A schema the workers have not seen (another maxItems: another text), then the same one again, on the

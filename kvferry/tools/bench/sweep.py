@@ -1,20 +1,15 @@
-"""`kvferry bench serve --sweep-rates R1,R2,...`: the latency-throughput curve of a running server.
+"""`kvferry bench serve --sweep-rates R1,R2,...`: the workload replayed once per Poisson rate, TTFT and TPOT p50/p99
+against the rate (`--plot FILE.png` draws them)."""
 
-The workload is replayed once per request rate (Poisson arrivals, the same seeded requests), and TTFT and
-TPOT p50/p99 are drawn against the achieved throughput with `--plot FILE.png`.
-"""
-
-import asyncio
+import json
 
 
-def sweep(url: str, model: str, requests_at, rates: list[float]) -> list[dict]:
-    """requests_at(rate, seed) -> the workload at that rate; one replay each, lowest rate first. Each rate gets
-    its own seed: replaying the same prompts would find them in the server's prefix cache."""
-    from kvferry.tools.bench.serve import replay
-
+def sweep(replay_at, rates: list[float]) -> list[dict]:
+    """replay_at(rate, seed) -> bench serve's figures of the workload at that rate; one replay each, lowest rate
+    first. Each rate gets its own seed: replaying the same prompts would find them in the server's prefix cache."""
     points = []
     for i, rate in enumerate(sorted(rates)):
-        result = asyncio.run(replay(url, model, requests_at(rate, i + 1)))
+        result = replay_at(rate, i + 1)
         points.append({"rate": rate, **{k: v for k, v in result.items() if k != "groups"}})
     return points
 
@@ -49,3 +44,23 @@ def plot(points: list[dict], title: str, output: str) -> None:
     fig.tight_layout()
     fig.savefig(output, dpi=110)
     plt.close(fig)
+
+
+def sweep_command(args, replay_at) -> int:
+    """bench serve's --sweep-rates, on a server already warmed up."""
+    points = sweep(replay_at, args.sweep_rates)
+    if args.plot:
+        plot(points, f"{args.workload} at {args.url}", args.plot)
+    if args.json:
+        print(json.dumps({"workload": args.workload, "url": args.url, "points": points}))
+        return 0
+    print(f"\n== {args.workload} over HTTP at {args.url}, one replay per rate ==")
+    print(f"{'rate/s':>7} {'tok/s':>7} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}")
+    for pt in points:
+        print(
+            f"{pt['rate']:>7} {pt['output_tok_per_s']:>7} {pt['ttft_p50_s']:>8}s {pt['ttft_p99_s']:>8}s "
+            f"{pt['tpot_p50_ms']:>7}ms {pt['tpot_p99_ms']:>7}ms"
+        )
+    if args.plot:
+        print(f"curve drawn to {args.plot}")
+    return 0

@@ -1,11 +1,9 @@
-"""`kvferry bench transfer`: a prompt's KV transfer against raw ZeroMQ over the same transport, in one run.
+"""`kvferry bench transfer`: a prompt's KV transfer against raw ZeroMQ over the same TCP loopback, in one run.
 
-A sink process binds a ROUTER socket on 127.0.0.1 TCP, as a decode worker's KV ingress does. Rounds alternate:
-- kv: the workers' path. A KVTransfer per layer group through a Channel, each group gathered out of a paged
-  cache while the one before is on the wire; the sink decodes each, views its frames as tensors and places
-  them into its own blocks (other ids, other order), and acknowledges the last.
-- raw: the same number of bytes as one preallocated frame, acknowledged on arrival.
-Each figure is the time from the send (the gather included) to the acknowledgement.
+A sink process binds a ROUTER socket, as a decode worker's KV ingress does. Rounds alternate the workers' path (a
+KVTransfer per layer group, each gathered from a paged cache while the one before is on the wire, placed into the
+sink's own blocks) and raw (as many bytes in one preallocated frame). Each figure runs from the send, the gather
+included, to the acknowledgement.
 """
 
 import json

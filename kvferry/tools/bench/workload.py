@@ -1,17 +1,10 @@
-"""The benchmark workloads, seeded so that every tool replays the same requests.
+"""The benchmark workloads, seeded so that every tool replays the same requests, and the random decode batch the
+in-process step measures start from.
 
-std-*: request for request the same as the reference generator the project was specified with
-(tests/unit/test_workload_and_floor.py checks the reference's recorded totals and checksums everywhere, and
-request for request against ../shared where it is present): log-uniform prompt and output lengths,
-token ids clear of the special tokens at both ends of the vocabulary, Poisson arrivals.
-
-Scenarios that one feature is measured by:
-- shared-prefix: 32 requests behind one 400-token system prompt, each with 50 to 100 tokens of its own
-  and 50 to 100 output tokens (prefix caching);
-- head-of-line: one 4,000-token prompt, then 16 prompts of 64 tokens arriving 0.3 s later, group "short",
-  whose TTFT the long one must not hold back (chunked prefill);
-- single-stream: one request alone, 128 prompt tokens and 64 output tokens (guidellm's one-stream run): its
-  TPOT is the inter-token latency, and its roofline the time to read the weights once per token.
+std-*: request for request the reference generator the project was specified with (tests/unit/
+test_workload_and_floor.py holds this). The scenarios that measure one feature each: shared-prefix (prefix caching:
+32 requests behind one 400-token system prompt), head-of-line (chunked prefill: a 4,000-token prompt, then 16 short
+ones whose TTFT it must not hold back), single-stream (one request alone: its TPOT is the inter-token latency).
 """
 
 import math
@@ -38,18 +31,10 @@ def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, s
     requests = []
     for i in range(num_requests):
         # The draw order (prompt length, prompt tokens, arrival gap, output length) is part of the contract.
-        prompt_len = _log_uniform(rng, prompt_lo, prompt_hi)
-        prompt = [rng.randrange(256, vocab_size - 256) for _ in range(prompt_len)]
+        prompt = _tokens(rng, vocab_size, _log_uniform(rng, prompt_lo, prompt_hi))
         if rate > 0:
             arrival += rng.expovariate(rate)
-        requests.append(
-            {
-                "id": f"{name}-{i}",
-                "prompt_token_ids": prompt,
-                "max_tokens": _log_uniform(rng, output_lo, output_hi),
-                "arrival_s": round(arrival, 6),
-            }
-        )
+        requests.append(_request(f"{name}-{i}", prompt, _log_uniform(rng, output_lo, output_hi), arrival))
     return requests
 
 
@@ -71,6 +56,16 @@ def _tokens(rng: random.Random, vocab_size: int, n: int) -> list[int]:
     return [rng.randrange(256, vocab_size - 256) for _ in range(n)]
 
 
+def _request(request_id: str, prompt: list[int], max_tokens: int, arrival_s: float, **group) -> dict:
+    return {
+        "id": request_id,
+        "prompt_token_ids": prompt,
+        "max_tokens": max_tokens,
+        "arrival_s": round(arrival_s, 6),
+        **group,
+    }
+
+
 def _shared_prefix(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
     system = _tokens(rng, vocab_size, 400)
     requests, arrival = [], 0.0
@@ -78,49 +73,49 @@ def _shared_prefix(rng: random.Random, vocab_size: int, rate: float) -> list[dic
         if rate > 0:
             arrival += rng.expovariate(rate)
         own = _tokens(rng, vocab_size, rng.randint(50, 100))
-        requests.append(
-            {
-                "id": f"shared-prefix-{i}",
-                "prompt_token_ids": system + own,
-                "max_tokens": rng.randint(50, 100),
-                "arrival_s": round(arrival, 6),
-            }
-        )
+        requests.append(_request(f"shared-prefix-{i}", system + own, rng.randint(50, 100), arrival))
     return requests
 
 
 def _head_of_line(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
-    requests = [
-        {
-            "id": "head-of-line-long",
-            "prompt_token_ids": _tokens(rng, vocab_size, 4000),
-            "max_tokens": 16,
-            "arrival_s": 0.0,
-            "group": "long",
-        }
-    ]
+    requests = [_request("head-of-line-long", _tokens(rng, vocab_size, 4000), 16, 0.0, group="long")]
     for i in range(16):  # a little apart, as requests come, once the long prompt is under way
-        requests.append(
-            {
-                "id": f"head-of-line-{i}",
-                "prompt_token_ids": _tokens(rng, vocab_size, 64),
-                "max_tokens": 16,
-                "arrival_s": round(0.3 + 0.01 * i, 6),
-                "group": "short",
-            }
-        )
+        requests.append(_request(f"head-of-line-{i}", _tokens(rng, vocab_size, 64), 16, 0.3 + 0.01 * i, group="short"))
     return requests
 
 
 def _single_stream(rng: random.Random, vocab_size: int, rate: float) -> list[dict]:
-    return [
-        {"id": "single-stream", "prompt_token_ids": _tokens(rng, vocab_size, 128), "max_tokens": 64, "arrival_s": 0.0}
-    ]
+    return [_request("single-stream", _tokens(rng, vocab_size, 128), 64, 0.0)]
+
+
+def warmup(vocab_size: int, max_tokens: int | None = None) -> list[dict]:
+    """Two requests that share no prefix with any workload: warming up must not fill the prefix cache for it."""
+    requests = generate("std-32", vocab_size, seed=99)[:2]
+    return requests if max_tokens is None else [dict(r, max_tokens=max_tokens) for r in requests]
 
 
 def warmup_prompt(vocab_size: int) -> list[int]:
-    """A prompt that shares no prefix with the workload: warming up must not fill the prefix cache for it."""
-    return generate("std-32", vocab_size, seed=99)[0]["prompt_token_ids"]
+    return warmup(vocab_size)[0]["prompt_token_ids"]
+
+
+def random_prompt(rng: random.Random, vocab_size: int, length: int) -> list[int]:
+    """Token ids clear of the special tokens at both ends of a real vocabulary (of a test model's small one: 0-2)."""
+    low, high = (256, vocab_size - 256) if vocab_size > 1024 else (3, vocab_size)
+    return [rng.randrange(low, high) for _ in range(length)]
+
+
+def start_decoding(engine, rng: random.Random, batch: int, context: int, params) -> None:
+    """In process: batch prompts of context random tokens through the engine, prefilled: from its next step on,
+    every sequence decodes."""
+    for _ in range(batch):
+        engine.add_request(random_prompt(rng, engine.vocab_size, context), params)
+    while engine.scheduler.waiting or any(s.num_uncomputed_tokens > 1 for s in engine.scheduler.running):
+        engine.step()
+
+
+def abort_all(engine) -> None:
+    for seq in [*engine.scheduler.waiting, *engine.scheduler.running]:
+        engine.abort(seq.request_id)
 
 
 SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line, "single-stream": _single_stream}

@@ -1,9 +1,6 @@
-"""A replay's report: which deterministic outputs differ from the capture and where, the latency distributions side
-by side, and the errors.
-
-Only greedy (temperature 0) and seeded requests have one right output to compare against; sampled ones without a
-seed count in the latencies alone. A difference is placed at the first character where the texts part and, where
-the server returned token ids, at the first token.
+"""A replay's report: which deterministic outputs differ from the capture and where (first character, first token),
+the latencies side by side, and the errors. Only greedy and seeded requests have one right output; sampled ones
+count in the latencies alone.
 """
 
 from kvferry.common.capture import Record
@@ -46,7 +43,7 @@ def differences(record: Record, answer: Replayed) -> list[dict]:
 
 
 def latencies(ttft: list, itl: list, e2e: list) -> dict:
-    """p50, p90 and p99 of each, in seconds to the microsecond, as the simulator's are interpolated."""
+    """p50, p90 and p99 of each, in seconds to the microsecond."""
     return {"ttft_s": summary(ttft, digits=6), "itl_s": summary(itl, digits=6), "e2e_s": summary(e2e, digits=6)}
 
 

@@ -1,8 +1,6 @@
-"""Sending captured requests again: each at its captured offset (scaled), streamed, timed token by token.
-
-Every request goes out streamed, whatever it was captured as, so that its first token and the gaps between tokens
-can be timed; a stream's text and tokens are those of the whole response. It asks for the output's token ids
-(vLLM's and kvferry's `return_token_ids`) unless told not to, so that a difference is placed at a token too.
+"""Sending captured requests again, each at its captured offset (scaled). Every request goes out streamed, whatever
+it was captured as, so that its tokens can be timed, and asks for the output's token ids (`return_token_ids`, vLLM's
+and kvferry's) unless told not to, so that a difference is placed at a token too.
 """
 
 import asyncio
@@ -20,8 +18,6 @@ CONNECT_TIMEOUT_S = 5.0
 
 @dataclass
 class Replayed:
-    """What the server answered to one captured request."""
-
     status: int = 0
     error: str = ""
     output_text: dict[int, str] = field(default_factory=dict)  # per choice index
