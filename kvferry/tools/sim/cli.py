@@ -148,32 +148,21 @@ def _setting(args, name: str):
     return s.from_env() if value is None else value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(kind, low, strict: bool = False):
+    """An argparse type: a kind (int, float) at least low, or more than low where strict."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (value > low if strict else value >= low):  # "not": a NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {'more than' if strict else 'at least'} {low}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
+_positive_int, _non_negative_int = _bounded(int, 1), _bounded(int, 0)
+_positive_float, _non_negative_float = _bounded(float, 0, strict=True), _bounded(float, 0)
 
 
 def _inputs(args):

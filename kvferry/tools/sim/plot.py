@@ -1,6 +1,5 @@
-"""`kvferry simulate --plot`: a simulation's report as a PNG: each request's queueing and TTFT, its mean inter-token
-gap and its e2e latency against its arrival, and each decode worker's KV usage over time. matplotlib is optional:
-without it the caller says how to get it."""
+"""`kvferry simulate --plot`: latencies by arrival and each decode worker's KV usage over time, as a PNG
+(matplotlib is optional)."""
 
 from kvferry.tools.sim.report import Report
 

@@ -1,8 +1,6 @@
 """A simulated worker: the real Scheduler and BlockManager, built as the real worker builds them, plus what the
-simulator keeps about its process (its threads, whether a step is running, the stats its heartbeats carry).
-
-The prefill worker's scheduler keeps a finished prompt's blocks (keep_finished_blocks, as PrefillConnector asks)
-until its decode worker takes the transfer; the decode worker's admits transfers through the real common/received_kv.py.
+simulator keeps about its process (threads, the running step, the stats its heartbeats carry). A prefill worker
+keeps a finished prompt's blocks (keep_finished_blocks, as PrefillConnector asks) until the transfer is taken.
 """
 
 import dataclasses
@@ -71,9 +69,7 @@ class SimWorker:
         )
 
     def step_seconds(self, plan: StepPlan) -> float:
-        """The plan's time alone on its threads, from the fitted costs: tokens, sequences, attention pairs (each new
-        token against the tokens before it and itself: cost_model.attention_pairs) and context tokens read (each
-        chunk's computed and new tokens). Written out rather than through attention_pairs: this runs every step."""
+        """The plan's time alone on its threads. cost_model.attention_pairs is written out: this runs every step."""
         chunks = plan.chunks
         if plan.is_prefill:
             pairs = context = 0
@@ -88,8 +84,8 @@ class SimWorker:
         return self.costs.decode.seconds(len(chunks), len(chunks), context, context)
 
     def stats(self, with_queue: bool = True) -> p.WorkerStats:
-        """LLMEngine.stats as the heartbeat carries it. with_queue False leaves out the queued prompt tokens (a walk
-        over the waiting prompts) where no routing decision reads them."""
+        """LLMEngine.stats as the heartbeat carries it; with_queue False skips the walk over the waiting prompts
+        where no routing decision reads their tokens."""
         sch, bm = self.scheduler, self.block_manager
         return p.WorkerStats(
             num_free_blocks=bm.num_free_blocks,
