@@ -1,5 +1,6 @@
 """`kvferry trace list|show|export|plot`: read a trace folder written with --trace-dir."""
 
+import json
 import sys
 
 from kvferry.tools.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order, request_of
@@ -142,12 +143,13 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kvferry.tools.trace.chrome import chrome_trace, write_json
+    from kvferry.tools.trace.chrome import chrome_trace
 
     traces = _load(args.trace_dir)
     document = chrome_trace(traces)
     try:
-        write_json(document, args.chrome)
+        with open(args.chrome, "w", encoding="utf-8") as f:
+            json.dump(document, f, separators=(",", ":"))
     except OSError as exc:
         raise TraceError(f"cannot write {args.chrome}: {exc.strerror}") from None
     num_flows = sum(1 for e in document["traceEvents"] if e["ph"] == "s")
