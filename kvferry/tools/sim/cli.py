@@ -12,7 +12,6 @@ import sys
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, KvferryError
-from kvferry.common.serve_config import ServeConfig
 from kvferry.tools.sim import workload as workloads
 from kvferry.tools.sim.cost_model import CostModel
 from kvferry.tools.sim.plan import Planner
@@ -21,7 +20,8 @@ from kvferry.tools.sim.simulator import SimOptions, Simulator
 from kvferry.tools.sim.slo import SLO
 from kvferry.tools.sim.worker_config import Placement, WorkerConfig
 
-# The settings a simulated worker is built from (the model's, for the size of a KV block), and the gateway's bound.
+# The settings a simulated worker is built from (the model's, for the size of a KV block); serve's threads, and the
+# gateway's bound.
 ENGINE_SETTINGS = (
     "model",
     "device",
@@ -35,7 +35,7 @@ ENGINE_SETTINGS = (
     "no_chunked_prefill",
     "long_prefill_threshold",
 )
-GATEWAY_SETTINGS = ("heartbeat_interval", "max_waiting")
+STACK_SETTINGS = ("prefill_threads", "decode_threads", "heartbeat_interval", "max_waiting")
 
 
 def add_sim_parsers(sub) -> None:
@@ -71,22 +71,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or folders (--capture-dir)")
     p.add_argument("--costs", required=True, metavar="FILE", help="the cost model from `kvferry bench costs`")
     p.add_argument(
-        "--prefill-threads",
-        type=_positive_int,
-        default=None,
-        metavar="T",
-        help="torch threads of each prefill worker (default: serve's, "
-        f"{settings.env_name('prefill_threads')} or {ServeConfig.prefill_threads})",
-    )
-    p.add_argument(
-        "--decode-threads",
-        type=_positive_int,
-        default=None,
-        metavar="T",
-        help="torch threads of each decode worker (default: serve's, "
-        f"{settings.env_name('decode_threads')} or {ServeConfig.decode_threads})",
-    )
-    p.add_argument(
         "--cores",
         type=_non_negative_int,
         default=os.cpu_count() or 1,
@@ -111,15 +95,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-blocks",
         type=_positive_int,
-        default=None,
         metavar="N",
         help="KV blocks of each worker (default: --kv-cache-memory over the model's block size)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     group = p.add_argument_group(
-        f"the workers' and the gateway's settings, as they read them (each also from {settings.ENV_PREFIX}<NAME>)"
+        f"the stack's settings, as its processes read them (each also from {settings.ENV_PREFIX}<NAME>)"
     )
-    for name in ENGINE_SETTINGS + GATEWAY_SETTINGS:
+    for name in ENGINE_SETTINGS + STACK_SETTINGS:
         _add_setting(group, settings.get(name))
 
 
@@ -193,8 +176,8 @@ def _inputs(args):
         )
     placement = Placement(
         cores=args.cores,
-        prefill_threads=args.prefill_threads or _setting(args, "prefill_threads"),
-        decode_threads=args.decode_threads or _setting(args, "decode_threads"),
+        prefill_threads=_setting(args, "prefill_threads"),
+        decode_threads=_setting(args, "decode_threads"),
         background_threads=args.background_threads,
     )
     options = SimOptions(
@@ -213,11 +196,7 @@ def cmd_simulate(args) -> int:
         report = Simulator(work, costs, config, placement, args.prefill, args.decode, options).run()
     except ConfigError as exc:
         raise KvferryError(str(exc)) from None
-    if args.json:
-        json.dump(report.to_json(), sys.stdout, separators=(",", ":"))
-        print()
-    else:
-        print(report.text(per_request=args.per_request))
+    print(json.dumps(report.to_json(), separators=(",", ":")) if args.json else report.text(args.per_request))
     if args.plot:
         try:
             plot_report(report, args.plot)
@@ -233,9 +212,5 @@ def cmd_plan(args) -> int:
     work, costs, config, placement, options = _inputs(args)
     slo = SLO(args.ttft_p90, args.itl_p90)
     result = Planner(work, costs, config, placement, slo, args.max_workers, options).run()
-    if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
-        print()
-    else:
-        print(result.text())
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.text())
     return 0 if result.found else 1

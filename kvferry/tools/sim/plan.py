@@ -21,6 +21,7 @@ from kvferry.tools.sim.workload import Workload
 RUNNERS_UP = 3
 MAX_RATE_SCALE = 64.0
 RATE_PRECISION = 1.05  # the breaking load's bounds end this close (their ratio)
+SHAPE_FIGURES = ("ttft", "itl", "e2e", "output_tokens_per_s", "stopped_early")  # of its summary, in its JSON
 
 
 @dataclass
@@ -36,20 +37,9 @@ class ShapeResult:
         return not self.missed
 
     def to_json(self) -> dict:
-        s = self.summary
-        return {
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "workers": self.prefill + self.decode,
-            "threads": self.threads,
-            "passed": self.passed,
-            "missed": self.missed,
-            "ttft": s["ttft"],
-            "itl": s["itl"],
-            "e2e": s["e2e"],
-            "output_tokens_per_s": s["output_tokens_per_s"],
-            "stopped_early": s["stopped_early"],
-        }
+        shape = {"prefill": self.prefill, "decode": self.decode, "workers": self.prefill + self.decode}
+        verdict = {"threads": self.threads, "passed": self.passed, "missed": self.missed}
+        return shape | verdict | {key: self.summary[key] for key in SHAPE_FIGURES}
 
     def label(self) -> str:
         return f"{self.prefill}P+{self.decode}D"

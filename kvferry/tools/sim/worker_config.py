@@ -4,7 +4,7 @@ block count from the model's block size in bytes (bytes_per_block); --num-blocks
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
@@ -42,16 +42,8 @@ class WorkerConfig:
                 num_blocks = config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config)
             if max_model_len is None:
                 max_model_len = max_model_len_of(model_config)
-        return cls(
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_threshold=config.long_prefill_threshold,
-        )
+        same = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("num_blocks", "max_model_len")}
+        return cls(num_blocks=num_blocks, max_model_len=max_model_len, **same)
 
 
 def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -> int:
