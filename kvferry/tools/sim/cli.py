@@ -5,6 +5,7 @@ simulated worker is configured like the real one it stands for.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -15,7 +16,7 @@ from kvferry.common.errors import ConfigError, KvferryError
 from kvferry.tools.sim import workload as workloads
 from kvferry.tools.sim.cost_model import CostModel
 from kvferry.tools.sim.plan import Planner
-from kvferry.tools.sim.plot import have_matplotlib, plot_report
+from kvferry.tools.sim.plot import plot_report
 from kvferry.tools.sim.simulator import SimOptions, Simulator
 from kvferry.tools.sim.slo import SLO
 from kvferry.tools.sim.worker_config import Placement, WorkerConfig
@@ -189,7 +190,7 @@ def _inputs(args):
 
 
 def cmd_simulate(args) -> int:
-    if args.plot and not have_matplotlib():
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise KvferryError("--plot needs matplotlib, which is not installed: pip install matplotlib")
     work, costs, config, placement, options = _inputs(args)
     try:

@@ -4,14 +4,6 @@
 from kvferry.tools.sim.report import Report
 
 
-def have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def plot_report(report: Report, output: str) -> None:
     import matplotlib
 
