@@ -133,16 +133,8 @@ def build_report(sim) -> Report:
             shares = [u for _, u in samples] or [0.0]
             workers[worker.worker_id].update(kv_peak=max(shares), kv_mean=sum(shares) / len(shares))
     placement, config = sim.placement, sim.config
-    shape = {
-        "prefill": len(sim.prefill_workers),
-        "decode": len(sim.decode_workers),
-        "prefill_threads": placement.prefill_threads,
-        "decode_threads": placement.decode_threads,
-        "cores": placement.cores,
-        "background_threads": placement.background_threads,
-        "rate_scale": sim.options.rate_scale,
-        "worker": dataclasses.asdict(config),
-    }
+    shape = {"prefill": len(sim.prefill_workers), "decode": len(sim.decode_workers), **dataclasses.asdict(placement)}
+    shape.update(rate_scale=sim.options.rate_scale, worker=dataclasses.asdict(config))
     notes = []
     for role, threads in (("prefill", placement.prefill_threads), ("decode", placement.decode_threads)):
         if threads not in sim.costs.threads:

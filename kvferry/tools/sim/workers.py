@@ -56,7 +56,6 @@ class SimWorker:
         return self.role == p.Role.PREFILL
 
     def register_message(self) -> p.Register:
-        config = self.scheduler
         return p.Register(
             role=int(self.role),
             worker_id=self.worker_id,
@@ -64,7 +63,7 @@ class SimWorker:
             dtype=SIM_DTYPE,
             block_size=self.block_manager.block_size,
             num_blocks=self.block_manager.num_blocks,
-            max_model_len=config.max_model_len,
+            max_model_len=self.scheduler.max_model_len,
             kv_address=f"sim://{self.worker_id}" if self.role == p.Role.DECODE else "",
         )
 
