@@ -175,7 +175,10 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
         finally:
             _kill_group(proc)  # whatever the part left running
     seconds = round(time.monotonic() - started, 1)
-    found = _read_result(result_path)
+    try:
+        found = json.loads(result_path.read_text())
+    except (OSError, ValueError):  # the part died before it wrote, or mid-write
+        found = {}
     entry = {
         "name": part.name,
         "what": part.what,
@@ -211,13 +214,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
                 pass
             time.sleep(0.5)
     proc.wait()
-
-
-def _read_result(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _output_tail(log_path: Path, offset: int, failed: bool) -> str:

@@ -95,16 +95,11 @@ class PlanResult:
         c = self.chosen
         lines = [f"cheapest shape meeting {want}: {c.label()} ({c.threads} threads)", _figures(c)]
         if self.breaking_rate_scale is not None:
-            rate = self.breaking_rate_scale * self.capture_requests_per_s
+            load = f"x the captured load ({self.breaking_rate_scale * self.capture_requests_per_s:.2f} requests/s)"
             if self.breaks_below_max:
-                lines.append(
-                    f"  it meets them up to about {self.breaking_rate_scale:.2f}x the captured load "
-                    f"({rate:.2f} requests/s), not beyond"
-                )
+                lines.append(f"  it meets them up to about {self.breaking_rate_scale:.2f}{load}, not beyond")
             else:
-                lines.append(
-                    f"  it still meets them at {self.max_rate_scale:g}x the captured load ({rate:.2f} requests/s)"
-                )
+                lines.append(f"  it still meets them at {self.max_rate_scale:g}{load}")
         for r in self.runners_up:
             lines += [f"runner-up: {r.label()} ({r.threads} threads)", _figures(r)]
         return "\n".join(lines)
@@ -163,7 +158,9 @@ class Planner:
         return ShapeResult(prefill, decode, threads, missed, report.summary)
 
     def run(self) -> PlanResult:
-        result = PlanResult(self.slo, self.max_workers, _requests_per_s(self.workload))
+        requests = self.workload.requests  # their mean arrival rate: 0 when all arrived at once
+        span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
+        result = PlanResult(self.slo, self.max_workers, (len(requests) - 1) / span if span > 0 else 0.0)
         for prefill, decode in self.shapes():
             shape = self.simulate(prefill, decode)
             result.tried.append(shape)
@@ -227,10 +224,3 @@ class Planner:
                 f"each objective is met by some shape of {self.max_workers} workers, but no shape meets both"
             )
         result.best = best
-
-
-def _requests_per_s(workload: Workload) -> float:
-    """The capture's mean arrival rate (0 when every request arrived at once)."""
-    requests = workload.requests
-    span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
-    return (len(requests) - 1) / span if span > 0 else 0.0

@@ -77,9 +77,7 @@ class SimWorker:
                 pairs += n * before + n * (n + 1) // 2
                 context += before + n
             return self.costs.prefill.seconds(plan.num_tokens, len(chunks), pairs, context)
-        context = len(chunks)  # one new token each: its pairs are its context
-        for c in chunks:
-            context += c.seq.num_computed_tokens
+        context = len(chunks) + sum(c.seq.num_computed_tokens for c in chunks)  # one new token each: pairs = context
         return self.costs.decode.seconds(len(chunks), len(chunks), context, context)
 
     def stats(self, with_queue: bool = True) -> p.WorkerStats:

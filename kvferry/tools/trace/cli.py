@@ -99,13 +99,6 @@ def describe(r: dict, traces: TraceSet) -> tuple[str, str, str, str]:
     return name, detail[:48], size, duration
 
 
-def batch_mates(step: dict, request_id: str) -> list[str]:
-    """The other requests that rode in a batch step with this one, in the step's order."""
-    mates = dict.fromkeys(request_of(rid) for rid in step.get("attrs", {}).get("rids", ()))
-    mates.pop(request_id, None)
-    return list(mates)
-
-
 def abbreviated(request_id: str) -> str:
     """The part of an id that tells requests apart: 'cmpl-3f9a0c...' -> '3f9a0c'."""
     return request_id.rsplit("-", 1)[-1][:6]
@@ -130,8 +123,9 @@ def cmd_show(args) -> int:
         what, detail, size, latency = describe(r, traces)
         print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
         if r.get("name") in BATCH_SPANS:  # who shared the step: what a slow step's time was spent on
-            mates = batch_mates(r, args.request_id)
-            print(f"{'':>10}  {'':<18} {'':<22} with {len(mates)}: {mates_line(mates, args.verbose) or '-'}")
+            mates = dict.fromkeys(request_of(rid) for rid in r.get("attrs", {}).get("rids", ()))  # in step order
+            mates.pop(args.request_id, None)
+            print(f"{'':>10}  {'':<18} {'':<22} with {len(mates)}: {mates_line(list(mates), args.verbose) or '-'}")
     steps = [r for r in events if r.get("name") == "decode.step"]
     sizes = [size for r in steps if isinstance(size := r.get("attrs", {}).get("batch_size"), int)]
     if sizes:

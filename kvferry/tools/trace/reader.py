@@ -44,7 +44,8 @@ class TraceSet:
             if request_of(r.get("rid", "")) == request_id
             or any(request_of(x) == request_id for x in r.get("attrs", {}).get("rids", ()))
         ]
-        return sorted(mine, key=causal_key)
+        # At equal times a send sorts before its receive, and a span's start before the messages it caused.
+        return sorted(mine, key=lambda r: (r["t"], {"span": 0, "send": 1, "recv": 2}[r["ev"]]))
 
     def requests(self) -> list["RequestSummary"]:
         by_rid: dict[str, list[dict]] = defaultdict(list)
@@ -111,11 +112,6 @@ def request_of(flight_id: str) -> str:
 def process_order(proc: str):
     """Gateway first, then prefill, then decode workers: the way a request travels."""
     return next((i for i, role in enumerate(("gateway", "prefill", "decode")) if proc.startswith(role)), 3), proc
-
-
-def causal_key(r: dict):
-    # At equal times a send sorts before its receive, and a span's start before the messages it caused.
-    return r["t"], {"span": 0, "send": 1, "recv": 2}[r["ev"]]
 
 
 def _valid(record) -> bool:
