@@ -37,7 +37,6 @@ ALLOWED = {
 @dataclass(eq=False, slots=True)
 class SimChoice:
     flight: "SimFlight"
-    index: int
     output_token_ids: list[int]  # as captured: their count is the length generated
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # between its tokens, in order
@@ -135,8 +134,7 @@ class SimRequest:
     @property
     def first_token_at(self) -> float | None:
         """The earliest first token of its prompts: the first event its client got."""
-        times = [f.first_token_at for f in self.flights if f.first_token_at is not None]
-        return min(times) if times else None
+        return min((f.first_token_at for f in self.flights if f.first_token_at is not None), default=None)
 
     @property
     def ttft(self) -> float | None:

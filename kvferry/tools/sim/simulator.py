@@ -129,7 +129,7 @@ class Simulator:
         request.num_open_flights = len(spec.prompts)
         for prompt, outputs in zip(spec.prompts, spec.outputs):
             flight = SimFlight(request, prompt, block_hashes(prompt, self.block_size))
-            flight.choices = [SimChoice(flight, c, ids) for c, ids in enumerate(outputs)]
+            flight.choices = [SimChoice(flight, ids) for ids in outputs]
             request.flights.append(flight)
             self._route(flight)
 

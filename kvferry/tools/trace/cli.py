@@ -1,5 +1,6 @@
 """`kvferry trace list|show|export|plot`: read a trace folder written with --trace-dir."""
 
+import argparse
 import json
 import sys
 
@@ -11,21 +12,19 @@ MATES_SHOWN = 8  # batch mates named on a step's line without --verbose
 def add_trace_parser(sub) -> None:
     p = sub.add_parser("trace", help="read message traces written with --trace-dir")
     tsub = p.add_subparsers(dest="trace_command", required=True)
-    q = tsub.add_parser("list", help="the traced requests, with latency and token counts")
-    q.add_argument("trace_dir")
+    folder = argparse.ArgumentParser(add_help=False)  # what every subcommand takes first
+    folder.add_argument("trace_dir")
+    one = argparse.ArgumentParser(add_help=False, parents=[folder])
+    one.add_argument("request_id")
+    q = tsub.add_parser("list", parents=[folder], help="the traced requests, with latency and token counts")
     q.set_defaults(func=cmd_list)
-    q = tsub.add_parser("show", help="one request's timeline across the gateway, prefill and decode processes")
-    q.add_argument("trace_dir")
-    q.add_argument("request_id")
+    q = tsub.add_parser("show", parents=[one], help="one request's timeline across the gateway and the workers")
     q.add_argument("--verbose", action="store_true", help="name every batch mate of each step in full")
     q.set_defaults(func=cmd_show)
-    q = tsub.add_parser("export", help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
-    q.add_argument("trace_dir")
+    q = tsub.add_parser("export", parents=[folder], help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
     q.add_argument("--chrome", required=True, metavar="OUT_JSON")
     q.set_defaults(func=cmd_export)
-    q = tsub.add_parser("plot", help="draw one request's timeline as a picture")
-    q.add_argument("trace_dir")
-    q.add_argument("request_id")
+    q = tsub.add_parser("plot", parents=[one], help="draw one request's timeline as a picture")
     q.add_argument("-o", "--output", required=True, metavar="OUT_PNG")
     q.set_defaults(func=cmd_plot)
 
