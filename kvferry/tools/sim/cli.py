@@ -21,8 +21,7 @@ from kvferry.tools.sim.simulator import SimOptions, Simulator
 from kvferry.tools.sim.slo import SLO
 from kvferry.tools.sim.worker_config import Placement, WorkerConfig
 
-# The settings a simulated worker is built from (the model's, for the size of a KV block); serve's threads, and the
-# gateway's bound.
+# The settings a simulated worker is built from (the model's, for the size of a KV block).
 ENGINE_SETTINGS = (
     "model",
     "device",
@@ -36,6 +35,7 @@ ENGINE_SETTINGS = (
     "no_chunked_prefill",
     "long_prefill_threshold",
 )
+# serve's threads for each worker, and the gateway's heartbeats and bound.
 STACK_SETTINGS = ("prefill_threads", "decode_threads", "heartbeat_interval", "max_waiting")
 
 
