@@ -78,10 +78,6 @@ class Placement:
     background_threads: float = 0.0
 
     def __post_init__(self):
-        if self.background_threads < 0:
-            raise ConfigError(f"background threads must be at least 0, got {self.background_threads}")
-        if self.cores < 0:
-            raise ConfigError(f"cores must be at least 0 (0: each worker has its own), got {self.cores}")
-        for name in ("prefill_threads", "decode_threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name, low in (("cores", 0), ("prefill_threads", 1), ("decode_threads", 1), ("background_threads", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name} must be at least {low}, got {getattr(self, name)}")
