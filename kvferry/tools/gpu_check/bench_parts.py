@@ -71,7 +71,6 @@ def _junit_counts(path) -> dict:
         return {}
     cases = list(root.iter("testcase"))
     failed = [c for c in cases if c.find("failure") is not None or c.find("error") is not None]
-    failing = [f"{c.get('name')}" for c in failed]
     skipped = sum(c.find("skipped") is not None for c in cases)
     first_failure = None
     if failed:
@@ -81,10 +80,10 @@ def _junit_counts(path) -> dict:
         first_failure = f"{failed[0].get('classname')}.{failed[0].get('name')}:\n{excerpt(text, 1200)}"
     return {
         "total": len(cases),
-        "passed": len(cases) - len(failing) - skipped,
-        "failed": len(failing),
+        "passed": len(cases) - len(failed) - skipped,
+        "failed": len(failed),
         "skipped": skipped,
-        "failing": failing[:30],
+        "failing": [f"{c.get('name')}" for c in failed[:30]],
         "first_failure": first_failure,
         "seconds": round(sum(float(c.get("time") or 0) for c in cases), 1),
     }

@@ -15,14 +15,11 @@ MIXED = {"prompt_lens": [5, 23, 61, 97, 130], "max_tokens": [48, 9, 30, 41, 17]}
 DRY_UNIFORM = {"prompt_lens": [12] * 4, "max_tokens": [8] * 4}
 DRY_MIXED = {"prompt_lens": [3, 9, 20], "max_tokens": [8, 3, 6]}
 GRAPH_MAX_NUM_SEQS = 8  # captured sizes 1, 2, 4, 8: enough for these batches; each size compiles its own kernels
-# Graphs and eager do not run the same arithmetic, so greedy tokens may part at a near tie, where the top two
-# logits are closer than their rounding: (1) the split-KV count follows the block table's width, which is the
-# batch's longest context in eager and the engine's whole max_model_len in the graphs; (2) a padded batch runs
-# its matrix products on more rows, and cuBLAS may pick another kernel (another summation order) for them.
-# fp32 removes (1): at max_model_len 256 both sides run one split (MIN_SPLIT_TOKENS), the same attention. The
-# tokens must then be equal but at a near tie: a first difference where eager's logprob of its token is over
-# FP32_MARGIN above its logprob of the graphs' token (or that token is not in eager's top LOGPROBS) fails. bf16 runs the width the
-# engine serves with (graphs split-KV, eager not): its agreement and margins are measured, not judged.
+# Graphs and eager do not run the same arithmetic (docs/operations.md, "Graphs against eager"): the split-KV count
+# follows the block table's width (the batch's longest context in eager, max_model_len in the graphs), and a padded
+# batch may get another cuBLAS kernel. fp32 at max_model_len 256 runs one split on both sides, so its tokens may part
+# only at a near tie: a first difference where eager's logprob of its token is over FP32_MARGIN above that of the
+# graphs' token (or that token is not in eager's top LOGPROBS) fails. bf16's agreement is measured, not judged.
 FP32_MAX_MODEL_LEN = 256
 FP32_MARGIN = 1e-3
 LOGPROBS = 5

@@ -1,9 +1,7 @@
-"""Runs the GPU check's parts in order, each in a process group of its own under its own timeout, plus the
-time the parts before it left unused; the whole run ends within BUDGET_S of the script's start.
-
-A part that fails or times out is recorded with what says why (its error, the first traceback in its output
-and the end of that output), its whole process group (a stack's gateway and workers too) is killed, and the
-next part runs. The report is rewritten after every part.
+"""Runs the GPU check's parts in order, each in a process group of its own under its own timeout plus the time
+the parts before it left unused; the whole run ends within BUDGET_S of the script's start. A part that fails or
+times out is recorded with its error, its first traceback and the end of its output; its whole process group is
+killed and the next part runs. The report is rewritten after every part.
 Exit status: 0 when every part passed, 1 when one failed, 2 when there is no usable GPU.
 """
 
@@ -19,10 +17,10 @@ import time
 from pathlib import Path
 
 from kvferry.tools.gpu_check import part as part_module
+from kvferry.tools.gpu_check.part import SOURCE_ROOT
 from kvferry.tools.gpu_check.parts import BUDGET_S, DRY_RUN_ENV, DRY_RUN_SLOWDOWN, STARTED_ENV, Part, by_name
 from kvferry.tools.gpu_check.report import Report
 
-SOURCE_ROOT = Path(__file__).resolve().parents[3]
 OUTPUT_TAIL_CHARS = 3000
 REMOVE_ENV = "KVFERRY_GPU_CHECK_REMOVE"  # a folder scripts/gpu_check.sh leaves to the driver to remove
 TRACEBACK_CHARS = 2000  # of a failed part's first traceback, in its output_tail
@@ -62,7 +60,7 @@ def run(args) -> int:
     log_path.write_text("")
     env = part_environment(work, Path(args.prepared), dry_run)
     deadline = time.monotonic() + _seconds_left(BUDGET_S * slowdown)
-    previous = _on_signals(_raise_interrupted)
+    previous = {sig: signal.signal(sig, _raise_interrupted) for sig in (signal.SIGTERM, signal.SIGINT)}
     note, no_gpu, no_model = None, False, False
     try:
         for i, part in enumerate(parts, 1):
@@ -95,7 +93,8 @@ def run(args) -> int:
     except Interrupted:
         note = "interrupted by a signal: the parts after the one running then were not run"
     finally:
-        _on_signals(previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
         report.finish(note)
         if not args.keep_workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -176,7 +175,10 @@ def run_part(part: Part, timeout: float, env: dict, work: Path, log_path: Path) 
         finally:
             _kill_group(proc)  # whatever the part left running
     seconds = round(time.monotonic() - started, 1)
-    found = _read_result(result_path)
+    try:
+        found = json.loads(result_path.read_text())
+    except (OSError, ValueError):  # the part died before it wrote, or mid-write
+        found = {}
     entry = {
         "name": part.name,
         "what": part.what,
@@ -212,13 +214,6 @@ def _kill_group(proc: subprocess.Popen) -> None:
                 pass
             time.sleep(0.5)
     proc.wait()
-
-
-def _read_result(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def _output_tail(log_path: Path, offset: int, failed: bool) -> str:
@@ -269,11 +264,3 @@ def _skipped(part: Part, why: str) -> dict:
 
 def _raise_interrupted(*_):
     raise Interrupted
-
-
-def _on_signals(handler):
-    """Install handler for SIGTERM and SIGINT; returns what was there before (a dict to pass back)."""
-    if not isinstance(handler, dict):
-        handler = {signal.SIGTERM: handler, signal.SIGINT: handler}
-    previous = {sig: signal.signal(sig, h) for sig, h in handler.items()}
-    return {sig: signal.SIG_DFL if h is None else h for sig, h in previous.items()}  # None: not set from Python

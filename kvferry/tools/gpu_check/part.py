@@ -1,7 +1,5 @@
-"""What a part of the GPU check works with, in its own process (run_part.py): its Context, and PartFailed.
-
-The part's findings go to the file RESULT_ENV names, rewritten at every finding, so that the driver still
-has what a part found before it was killed at its timeout.
+"""What a part of the GPU check works with, in its own process (run_part.py): its Context, and PartFailed. Its
+findings are rewritten to the file RESULT_ENV names at each one: the driver still has them after a timeout.
 """
 
 import json
@@ -13,6 +11,7 @@ import time
 from pathlib import Path
 
 from kvferry.tools.gpu_check.parts import DRY_RUN_ENV
+from kvferry.tools.gpu_check.report import write_whole
 
 RESULT_ENV = "KVFERRY_GPU_CHECK_RESULT"
 WORK_ENV = "KVFERRY_GPU_CHECK_WORK"
@@ -52,17 +51,14 @@ class Context:
 
     def _write(self, ok, error) -> None:
         data = {"ok": ok, "error": error, "summary": self.summary, "findings": self.findings}
-        tmp = self.result_path.with_name(self.result_path.name + ".tmp")
-        tmp.write_text(json.dumps(data, default=str))
-        os.replace(tmp, self.result_path)
+        write_whole(self.result_path, json.dumps(data, default=str))
 
     @staticmethod
     def kvferry(*args: str) -> list[str]:
         return [sys.executable, "-m", "kvferry.tools.cli", *map(str, args)]
 
     def run_json(self, argv: list[str], env: dict | None = None) -> tuple[dict, str]:
-        """Run a command that prints one JSON object on stdout; returns it and the command's stderr (which goes
-        to the log as it comes)."""
+        """Run a command that prints one JSON object on stdout; returns it and the command's stderr (logged)."""
         stdout: list[str] = []
         returncode, stderr = stream(argv, env, stdout)
         what = " ".join(argv[3:])
@@ -84,9 +80,9 @@ def excerpt(output: str, limit: int = FAILED_OUTPUT_CHARS) -> str:
 
 
 def stream(argv: list[str], env: dict | None = None, stdout: list[str] | None = None) -> tuple[int, str]:
-    """Run a command with its output copied to this part's log line by line as it comes (a part killed
-    mid-command still leaves it there); returns its exit status and that output. stdout: a list to collect
-    the command's stdout in apart (it is then copied to the log at the end), or None to log it with the rest."""
+    """Run a command, its output copied to this part's log line by line (a part killed mid-command still leaves
+    it there); returns its exit status and that output. stdout: a list to collect stdout in apart (logged at the
+    end), or None to log it with the rest."""
     print("gpu-check: $ " + " ".join(map(str, argv)), file=sys.stderr, flush=True)
     proc = subprocess.Popen(
         argv,

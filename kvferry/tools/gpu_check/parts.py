@@ -1,11 +1,9 @@
 """The GPU check's parts, in the order they run, with the time each may take on one H100.
 
-The whole run, the script's own set-up included, ends within BUDGET_S of the moment scripts/gpu_check.sh
-started (STARTED_ENV), well inside one device call (10 minutes) and a session's 15. The timeouts are the times
-measured on an H100 (2026-12-06) with a margin of a fifth or more. They add up to less than BUDGET_S, so
-that a part that hangs does not take the parts after it down with it; a part also gets the time the parts
-before it left unused, and every timeout is clipped to what is left. Each part's code is a function,
-"module:function", that takes a part.Context; it runs in a process of its own (run_part.py).
+The whole run ends within BUDGET_S of scripts/gpu_check.sh's start (STARTED_ENV), inside one device call. The
+timeouts are the times measured on an H100 with a margin of a fifth or more, and add up to less than BUDGET_S, so
+that a part that hangs leaves the later ones their time. A part's code is a function, "module:function", that
+takes a part.Context and runs in a process of its own (run_part.py).
 """
 
 from dataclasses import dataclass
@@ -44,9 +42,8 @@ PARTS = (
         f"{HERE}.bench_parts:hf_baseline",
     ),
 )
-# From the script's start to the driver's last part's end. The parts' timeouts add up to 430 s: the script's
-# set-up (the wheels, a first import of torch) may take 20 s before the driver starts without shortening
-# any part, and killing the last part's processes and writing the report take a few seconds more.
+# From the script's start to the last part's end: the parts' 430 s, the script's set-up (the wheels, a first
+# import of torch: up to 20 s), and a few seconds to kill the last part's processes and write the report.
 BUDGET_S = 450
 STARTED_ENV = "KVFERRY_GPU_CHECK_STARTED"  # when scripts/gpu_check.sh started, in seconds since the epoch
 DRY_RUN_ENV = "KVFERRY_GPU_CHECK_ALLOW_CPU"  # for testing the check itself on a CPU machine: measures nothing

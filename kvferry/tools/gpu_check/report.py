@@ -55,8 +55,8 @@ class Report:
 
     def write(self) -> None:
         self.data["elapsed_s"] = round(time.monotonic() - self._started, 1)
-        _replace(self.out / "report.json", json.dumps(self.data, indent=1, default=str) + "\n")
-        _replace(self.out / "report.txt", self.text())
+        write_whole(self.out / "report.json", json.dumps(self.data, indent=1, default=str) + "\n")
+        write_whole(self.out / "report.txt", self.text())
 
     def text(self) -> str:
         d = self.data
@@ -91,7 +91,7 @@ def _cut(text: str) -> str:
     return text if len(text) <= DETAIL_CHARS else "..." + text[-DETAIL_CHARS:]
 
 
-def _replace(path: Path, text: str) -> None:
+def write_whole(path: Path, text: str) -> None:
     """Write whole or not at all: a reader (or a run killed mid-write) never sees half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)

@@ -5,6 +5,7 @@ simulated worker is configured like the real one it stands for.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
@@ -12,16 +13,15 @@ import sys
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError, KvferryError
-from kvferry.common.serve_config import ServeConfig
 from kvferry.tools.sim import workload as workloads
 from kvferry.tools.sim.cost_model import CostModel
 from kvferry.tools.sim.plan import Planner
-from kvferry.tools.sim.plot import have_matplotlib, plot_report
+from kvferry.tools.sim.plot import plot_report
 from kvferry.tools.sim.simulator import SimOptions, Simulator
 from kvferry.tools.sim.slo import SLO
 from kvferry.tools.sim.worker_config import Placement, WorkerConfig
 
-# The settings a simulated worker is built from (the model's, for the size of a KV block), and the gateway's bound.
+# The settings a simulated worker is built from (the model's, for the size of a KV block).
 ENGINE_SETTINGS = (
     "model",
     "device",
@@ -35,7 +35,8 @@ ENGINE_SETTINGS = (
     "no_chunked_prefill",
     "long_prefill_threshold",
 )
-GATEWAY_SETTINGS = ("heartbeat_interval", "max_waiting")
+# serve's threads for each worker, and the gateway's heartbeats and bound.
+STACK_SETTINGS = ("prefill_threads", "decode_threads", "heartbeat_interval", "max_waiting")
 
 
 def add_sim_parsers(sub) -> None:
@@ -71,22 +72,6 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("captures", nargs="+", metavar="CAPTURE", help="capture files or folders (--capture-dir)")
     p.add_argument("--costs", required=True, metavar="FILE", help="the cost model from `kvferry bench costs`")
     p.add_argument(
-        "--prefill-threads",
-        type=_positive_int,
-        default=None,
-        metavar="T",
-        help="torch threads of each prefill worker (default: serve's, "
-        f"{settings.env_name('prefill_threads')} or {ServeConfig.prefill_threads})",
-    )
-    p.add_argument(
-        "--decode-threads",
-        type=_positive_int,
-        default=None,
-        metavar="T",
-        help="torch threads of each decode worker (default: serve's, "
-        f"{settings.env_name('decode_threads')} or {ServeConfig.decode_threads})",
-    )
-    p.add_argument(
         "--cores",
         type=_non_negative_int,
         default=os.cpu_count() or 1,
@@ -111,15 +96,14 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--num-blocks",
         type=_positive_int,
-        default=None,
         metavar="N",
         help="KV blocks of each worker (default: --kv-cache-memory over the model's block size)",
     )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     group = p.add_argument_group(
-        f"the workers' and the gateway's settings, as they read them (each also from {settings.ENV_PREFIX}<NAME>)"
+        f"the stack's settings, as its processes read them (each also from {settings.ENV_PREFIX}<NAME>)"
     )
-    for name in ENGINE_SETTINGS + GATEWAY_SETTINGS:
+    for name in ENGINE_SETTINGS + STACK_SETTINGS:
         _add_setting(group, settings.get(name))
 
 
@@ -148,32 +132,21 @@ def _setting(args, name: str):
     return s.from_env() if value is None else value
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _bounded(kind, low, strict: bool = False):
+    """An argparse type: a kind (int, float) at least low, or more than low where strict."""
+
+    def parse(text: str):
+        value = kind(text)
+        if not (value > low if strict else value >= low):  # "not": a NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {'more than' if strict else 'at least'} {low}, got {value}")
+        return value
+
+    parse.__name__ = kind.__name__  # argparse names it in "invalid int value"
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0, got {value}")
-    return value
+_positive_int, _non_negative_int = _bounded(int, 1), _bounded(int, 0)
+_positive_float, _non_negative_float = _bounded(float, 0, strict=True), _bounded(float, 0)
 
 
 def _inputs(args):
@@ -204,8 +177,8 @@ def _inputs(args):
         )
     placement = Placement(
         cores=args.cores,
-        prefill_threads=args.prefill_threads or _setting(args, "prefill_threads"),
-        decode_threads=args.decode_threads or _setting(args, "decode_threads"),
+        prefill_threads=_setting(args, "prefill_threads"),
+        decode_threads=_setting(args, "decode_threads"),
         background_threads=args.background_threads,
     )
     options = SimOptions(
@@ -217,18 +190,14 @@ def _inputs(args):
 
 
 def cmd_simulate(args) -> int:
-    if args.plot and not have_matplotlib():
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise KvferryError("--plot needs matplotlib, which is not installed: pip install matplotlib")
     work, costs, config, placement, options = _inputs(args)
     try:
         report = Simulator(work, costs, config, placement, args.prefill, args.decode, options).run()
     except ConfigError as exc:
         raise KvferryError(str(exc)) from None
-    if args.json:
-        json.dump(report.to_json(), sys.stdout, separators=(",", ":"))
-        print()
-    else:
-        print(report.text(per_request=args.per_request))
+    print(json.dumps(report.to_json(), separators=(",", ":")) if args.json else report.text(args.per_request))
     if args.plot:
         try:
             plot_report(report, args.plot)
@@ -244,9 +213,5 @@ def cmd_plan(args) -> int:
     work, costs, config, placement, options = _inputs(args)
     slo = SLO(args.ttft_p90, args.itl_p90)
     result = Planner(work, costs, config, placement, slo, args.max_workers, options).run()
-    if args.json:
-        json.dump(result.to_json(), sys.stdout, indent=2)
-        print()
-    else:
-        print(result.text())
+    print(json.dumps(result.to_json(), indent=2) if args.json else result.text())
     return 0 if result.found else 1

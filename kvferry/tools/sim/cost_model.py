@@ -1,23 +1,16 @@
 """What a step costs on the machine being planned for: fitted by `kvferry bench costs`, read by the simulator.
 
-A step's time is linear in what it computes: a fixed part (the dispatch of every layer's ops, the Python around
-the step), a part per new token (the weight GEMMs), a part per sequence (sampling, the decode attention's launch),
-a part per attention pair (each new token against each token before it, itself included) and a part per context
-token the attention reads (the CPU's paged attention gathers each sequence's whole context in every layer, so a
-short chunk late in a long prompt costs more than its pairs say). Prefill steps and
-decode steps are fitted apart: they take different paths through the model (chunked prompts with the prefill
-kernel; one token per sequence, graphs where captured). Each is fitted per torch thread count, because on a
-shared machine the placement decides how many cores a worker really gets. A KV transfer costs a fixed part plus
-a part per block, measured with the workers' own sender and receiver.
+A step's time is linear in a fixed part (every layer's dispatch, the Python around the step), tokens (the GEMMs),
+sequences (sampling, attention launches), attention pairs and context tokens read (the CPU's paged attention
+gathers each sequence's whole context in every layer, so a late short chunk costs more than its pairs say).
+Prefill and decode steps take different paths through the model and are fitted apart, per torch thread count,
+since on a shared machine the placement decides how many cores a worker really gets. A KV transfer costs a fixed
+part plus a part per block.
 
-Processes that share a machine slow each other once their busy threads pass its cores. A fair share of the cores
-would slow a step by busy threads over cores. Multi-threaded processes lose far more, and not in proportion: each
-parallel region waits for its slowest thread, and a thread that waits spins on a core another process needs. So
-the slowdown is measured, for each pair of the worker's own thread count and the widest other busy process's, at
-a few loads (busy threads per core) by running steps beside busy processes of that width, and interpolated
-between them (1 up to one busy thread per core; the fair share, busy per core, where nothing was measured).
-
-Saved as a small JSON file (`save`, `load`), with the machine and the model it was measured on.
+Past one busy thread per core, processes slow each other by more than a fair share (each parallel region waits
+for its slowest thread, and a waiting thread spins on a core another process needs), so the slowdown is measured
+per (own threads, widest other busy process's threads) at a few loads and interpolated; where nothing was
+measured it is the fair share, busy threads per core.
 """
 
 import json
@@ -82,12 +75,12 @@ class CostModel:
     contention: dict[str, list[list[float]]] = field(default_factory=dict)
     version: int = COST_MODEL_VERSION
 
+    def nearest_threads(self, threads: int) -> int:
+        """The thread count measured nearest to this one (the fewer, on a tie)."""
+        return min(self.threads, key=lambda t: (abs(t - threads), t))
+
     def costs(self, threads: int) -> ThreadCosts:
-        """The costs at this thread count, or at the nearest one measured (the fewer, on a tie)."""
-        if threads in self.threads:
-            return self.threads[threads]
-        nearest = min(self.threads, key=lambda t: (abs(t - threads), t))
-        return self.threads[nearest]
+        return self.threads[self.nearest_threads(threads)]
 
     def step_seconds(self, prefill: bool, threads: int, tokens: int, seqs: int, pairs: int, context: int = 0) -> float:
         costs = self.costs(threads)

@@ -1,14 +1,12 @@
-"""One simulated request's life, and the times the report reads from it.
-
-A request is one flight per prompt, each routed on its own (as the gateway's Flight is); a flight's choices share
-its prompt's prefill and transfer, then decode as a sequence each.
+"""One simulated request's life, and the times the report reads: a flight per prompt, routed on its own (as the
+gateway's Flight is), whose choices share its prefill and transfer, then decode as a sequence each.
 
     QUEUED ──start──▶ PREFILLING ──first_tokens──▶ SHIPPING ──admitted──▶ DECODING ──end──▶ DONE
                                       └────────── end (every choice ended at its first token) ──────▶ DONE
     end(error): refused at arrival, or a transfer no decode worker could take, from any state
 
-The scheduler's sequences carry these records as their request ids (the real decode worker's are ChoiceKeys, not
-strings, too), so a step's chunk leads to its flight or choice without a lookup.
+The scheduler's sequences carry these records as their request ids (the real decode worker's are not strings
+either), so a step's chunk leads to its flight or choice without a lookup.
 """
 
 import enum
@@ -39,7 +37,6 @@ ALLOWED = {
 @dataclass(eq=False, slots=True)
 class SimChoice:
     flight: "SimFlight"
-    index: int
     output_token_ids: list[int]  # as captured: their count is the length generated
     last_token_at: float = 0.0
     gaps: list[float] = field(default_factory=list)  # between its tokens, in order
@@ -81,8 +78,7 @@ class SimFlight:
         self.started_at = now
 
     def first_tokens(self, now: float, params: list, ends) -> list[SimChoice]:
-        """The prompt is computed: every choice has its first token. params: each choice's SamplingParams; ends(choice,
-        its params): whether its first token ends it. Returns the choices that go on decoding."""
+        """Every choice has its first token; ends(choice, its params): whether that ends it. Returns the rest."""
         self._move(S.SHIPPING)
         self.first_token_at = now
         self.going_on, self.params = [], []
@@ -138,8 +134,7 @@ class SimRequest:
     @property
     def first_token_at(self) -> float | None:
         """The earliest first token of its prompts: the first event its client got."""
-        times = [f.first_token_at for f in self.flights if f.first_token_at is not None]
-        return min(times) if times else None
+        return min((f.first_token_at for f in self.flights if f.first_token_at is not None), default=None)
 
     @property
     def ttft(self) -> float | None:

@@ -1,19 +1,11 @@
 """`kvferry plan`: the cheapest pool shape (P prefill, D decode workers) whose simulation meets both latency
 objectives, the runners-up, and the load at which the chosen one stops meeting them.
 
-The search simulates the capture on every shape with P + D <= max_workers, cheapest first: fewer workers, then
-fewer threads in all, then fewer prefill workers. The first shape that meets both p90s is chosen, and the next
-cheapest that meet them (up to RUNNERS_UP) follow it. A run stops as soon as a p90 certainly misses its bound
-(SimOptions.stop_on), so the shapes that fail cost little.
-
-There is no pruning. Adding a prefill worker cannot fix a decode-bound shape on its own machine, but on a shared
-machine it takes cores from the decode workers, and a shape that fails proves nothing about a larger one.
-
-The breaking load is found by bisection on the rate scale (arrivals that many times closer together), between the
-capture's own rate and MAX_RATE_SCALE times it, geometric, until the bounds are within 5% of each other.
-
-When no shape meets both objectives, the largest shapes (P + D = max_workers) run again to the end. The best p90s
-they reach name the objective that binds; if each is met by some shape but never both by one, the report says so.
+Shapes with P + D <= max_workers run cheapest first, each stopping as soon as a p90 certainly misses its bound.
+None is pruned: on a shared machine one more prefill worker takes cores from the decode workers, so a shape that
+fails proves nothing about a larger one. The breaking load is a geometric bisection of the rate scale between the
+capture's own and MAX_RATE_SCALE times it. When no shape meets both, the largest shapes run to the end and the
+best p90s they reach name the objective that binds.
 """
 
 import dataclasses
@@ -29,6 +21,7 @@ from kvferry.tools.sim.workload import Workload
 RUNNERS_UP = 3
 MAX_RATE_SCALE = 64.0
 RATE_PRECISION = 1.05  # the breaking load's bounds end this close (their ratio)
+SHAPE_FIGURES = ("ttft", "itl", "e2e", "output_tokens_per_s", "stopped_early")  # of its summary, in its JSON
 
 
 @dataclass
@@ -44,20 +37,9 @@ class ShapeResult:
         return not self.missed
 
     def to_json(self) -> dict:
-        s = self.summary
-        return {
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "workers": self.prefill + self.decode,
-            "threads": self.threads,
-            "passed": self.passed,
-            "missed": self.missed,
-            "ttft": s["ttft"],
-            "itl": s["itl"],
-            "e2e": s["e2e"],
-            "output_tokens_per_s": s["output_tokens_per_s"],
-            "stopped_early": s["stopped_early"],
-        }
+        shape = {"prefill": self.prefill, "decode": self.decode, "workers": self.prefill + self.decode}
+        verdict = {"threads": self.threads, "passed": self.passed, "missed": self.missed}
+        return shape | verdict | {key: self.summary[key] for key in SHAPE_FIGURES}
 
     def label(self) -> str:
         return f"{self.prefill}P+{self.decode}D"
@@ -113,16 +95,11 @@ class PlanResult:
         c = self.chosen
         lines = [f"cheapest shape meeting {want}: {c.label()} ({c.threads} threads)", _figures(c)]
         if self.breaking_rate_scale is not None:
-            rate = self.breaking_rate_scale * self.capture_requests_per_s
+            load = f"x the captured load ({self.breaking_rate_scale * self.capture_requests_per_s:.2f} requests/s)"
             if self.breaks_below_max:
-                lines.append(
-                    f"  it meets them up to about {self.breaking_rate_scale:.2f}x the captured load "
-                    f"({rate:.2f} requests/s), not beyond"
-                )
+                lines.append(f"  it meets them up to about {self.breaking_rate_scale:.2f}{load}, not beyond")
             else:
-                lines.append(
-                    f"  it still meets them at {self.max_rate_scale:g}x the captured load ({rate:.2f} requests/s)"
-                )
+                lines.append(f"  it still meets them at {self.max_rate_scale:g}{load}")
         for r in self.runners_up:
             lines += [f"runner-up: {r.label()} ({r.threads} threads)", _figures(r)]
         return "\n".join(lines)
@@ -181,7 +158,9 @@ class Planner:
         return ShapeResult(prefill, decode, threads, missed, report.summary)
 
     def run(self) -> PlanResult:
-        result = PlanResult(self.slo, self.max_workers, _requests_per_s(self.workload))
+        requests = self.workload.requests  # their mean arrival rate: 0 when all arrived at once
+        span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
+        result = PlanResult(self.slo, self.max_workers, (len(requests) - 1) / span if span > 0 else 0.0)
         for prefill, decode in self.shapes():
             shape = self.simulate(prefill, decode)
             result.tried.append(shape)
@@ -200,8 +179,6 @@ class Planner:
         return result
 
     def _breaking_load(self, result: PlanResult) -> None:
-        """Bisect the rate scale (relative to the base one) between a scale that meets the objectives and one that
-        does not."""
         c, base = result.chosen, self.options.rate_scale
         result.max_rate_scale = base * MAX_RATE_SCALE
         if self.simulate(c.prefill, c.decode, base * MAX_RATE_SCALE).passed:
@@ -219,13 +196,11 @@ class Planner:
     def _binding(self, result: PlanResult) -> None:
         """Why no shape meets them: the best p90s reached by the largest shapes, run to the end, and by the others
         whose runs went to the end anyway."""
-        largest = [(p, self.max_workers - p) for p in range(1, self.max_workers)]
+        largest = [self.simulate(p, self.max_workers - p, stop=False) for p in range(1, self.max_workers)]
         if not largest:
             result.binding.append(f"--max-workers {self.max_workers} leaves no room for one prefill and one decode")
             return
-        complete = [r for r in result.tried if not r.summary["stopped_early"]]
-        runs = [self.simulate(p, d, stop=False) for p, d in largest]
-        largest_runs, runs = runs, runs + complete
+        runs = largest + [r for r in result.tried if not r.summary["stopped_early"]]
         best = {}
         for key, name, bound in (("ttft", "TTFT", self.slo.ttft_p90_s), ("itl", "ITL", self.slo.itl_p90_s)):
             reached = [r for r in runs if r.summary[key]["p90"] is not None]
@@ -239,8 +214,7 @@ class Planner:
                 result.binding.append(
                     f"{name}: the best {name} p90 reachable is {value:.3f} s ({top.label()}) > {bound:g} s"
                 )
-        refusing = [r for r in largest_runs if r.summary["refused"] or r.summary["failed"]]
-        if len(refusing) == len(largest_runs):
+        if all(r.summary["refused"] or r.summary["failed"] for r in largest):
             result.binding.append(
                 "every shape of the most workers refuses or fails requests (the gateway's --max-waiting, or a "
                 "transfer no decode worker takes)"
@@ -250,10 +224,3 @@ class Planner:
                 f"each objective is met by some shape of {self.max_workers} workers, but no shape meets both"
             )
         result.best = best
-
-
-def _requests_per_s(workload: Workload) -> float:
-    """The capture's mean arrival rate (0 when every request arrived at once)."""
-    requests = workload.requests
-    span = requests[-1].arrival_s - requests[0].arrival_s if len(requests) > 1 else 0.0
-    return (len(requests) - 1) / span if span > 0 else 0.0

@@ -1,16 +1,7 @@
-"""`kvferry simulate --plot`: a simulation's report as a PNG: each request's queueing and TTFT, its mean inter-token
-gap and its e2e latency against its arrival, and each decode worker's KV usage over time. matplotlib is optional:
-without it the caller says how to get it."""
+"""`kvferry simulate --plot`: latencies by arrival and each decode worker's KV usage over time, as a PNG
+(matplotlib is optional)."""
 
 from kvferry.tools.sim.report import Report
-
-
-def have_matplotlib() -> bool:
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def plot_report(report: Report, output: str) -> None:

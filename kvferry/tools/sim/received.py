@@ -1,10 +1,6 @@
-"""A simulated decode worker's admission of transferred KV: the real received_kv, on a stand-in for the engine.
-
-common/received_kv.py is the decode worker's own code for a transfer: `reserve` checks and allocates the blocks
-when the first layer group comes, `admit_choices` (the body of LLMEngine.admit_prefilled, the engine's one way in
-for received KV) admits the choices (sharing the prompt's full blocks, a copy of its partial last block each) when
-the last one is in. This class gives them what they read of an engine, with nothing to check (the capture's server
-checked the requests) and no tensors to copy.
+"""A simulated decode worker's admission of transferred KV: the real common/received_kv.py (`reserve` when the
+first layer group comes, `admit_choices` when the last is in) on a stand-in for the engine, with nothing to check
+(the capture's server checked the requests) and no tensors to copy.
 """
 
 import sys
@@ -25,16 +21,14 @@ class SimReceivedKV:
         self.max_model_len = scheduler.max_model_len
         self._live: dict = {}  # request id -> its sequence, as the engine keeps them (LLMEngine._live)
 
-    def reserve(self, *args) -> list[int] | None:
-        """received_kv.reserve on this stand-in (DecodeConnector.receive_kv's call)."""
+    def reserve(self, *args) -> list[int] | None:  # as DecodeConnector.receive_kv calls it
         return received_kv.reserve(self, *args)
 
-    def admit_prefilled(self, *args) -> bool:
-        """LLMEngine.admit_prefilled: received_kv.admit_choices on this stand-in."""
+    def admit_prefilled(self, *args) -> bool:  # as LLMEngine.admit_prefilled does
         return received_kv.admit_choices(self, *args)
 
     def validate_prompt(self, token_ids) -> None:
-        """Prompts longer than the worker takes are refused before they are routed (Simulator._arrive)."""
+        """Too long a prompt is refused before it is routed (Simulator._arrive)."""
 
     def validate_params(self, params) -> None:
         pass
@@ -52,8 +46,7 @@ class SimReceivedKV:
         self._live.pop(request_id, None)
 
     def hold_prefix(self, block_hashes: list[bytes]) -> list[int]:
-        """LLMEngine.hold_prefix: the leading cached blocks holding these hashes, referenced for the caller (a
-        KVQuery's answer)."""
+        """LLMEngine.hold_prefix: the leading cached blocks of these hashes, referenced for the caller."""
         bm = self.block_manager
         ids = bm.match_prefix(block_hashes[: bm.num_blocks_for(self.max_model_len)])
         bm.take_cached(ids)

@@ -1,9 +1,7 @@
-"""What a simulation found: per request (TTFT, inter-token gaps, e2e, queueing, preemptions), their distributions,
-the decode workers' KV usage over time, and throughput; as text for people and as JSON for scripts.
+"""What a simulation found, as text and as JSON: per request, the distributions, KV usage over time, throughput.
 
-ITL percentiles are over every gap between two tokens of a choice, of all requests pooled (the gateway's
-histogram counts them so); the first gap includes the KV transfer. Refused and failed requests have no latency:
-they are counted apart.
+ITL percentiles pool every gap between two tokens of a choice, of all requests, as the gateway's histogram does;
+the first gap includes the KV transfer. Refused and failed requests have no latency: they are counted apart.
 """
 
 import dataclasses
@@ -21,11 +19,10 @@ class Report:
     workers: dict[str, dict] = field(default_factory=dict)  # steps and busy share of each
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self, per_request: bool = True) -> dict:
+    def to_json(self) -> dict:
         out = {"shape": self.shape, "summary": self.summary, "workers": self.workers, "notes": self.notes}
         out["kv_usage"] = {w: [[round(t, 4), round(u, 4)] for t, u in samples] for w, samples in self.kv_usage.items()}
-        if per_request:
-            out["requests"] = [{**r, "itl_s": [round(g, 6) for g in r["itl_s"]]} for r in self.requests]
+        out["requests"] = [{**r, "itl_s": [round(g, 6) for g in r["itl_s"]]} for r in self.requests]
         return out
 
     def text(self, per_request: bool = False) -> str:
@@ -73,9 +70,8 @@ def _cell(value, width: int = 10) -> str:
 
 def build_report(sim) -> Report:
     """The report of a finished (or early stopped) Simulator."""
-    rows, ttft, itl, e2e, queue = [], [], [], [], []
-    num_tokens = num_served = num_preemptions = 0
-    first_arrival = last_end = None
+    rows, ttft, itl, e2e, queue, ends = [], [], [], [], [], []
+    num_tokens = 0
     for r in sim.requests:
         gaps = r.gaps
         row = {
@@ -93,8 +89,6 @@ def build_report(sim) -> Report:
             "error": r.error,
         }
         rows.append(row)
-        first_arrival = r.arrival if first_arrival is None else first_arrival
-        num_preemptions += row["preemptions"]
         if r.error:
             continue
         if r.ttft is not None:
@@ -102,11 +96,11 @@ def build_report(sim) -> Report:
             queue.append(r.queue)
         itl.extend(gaps)
         if r.e2e is not None:
-            num_served += 1
-            num_tokens += row["output_tokens"]
+            num_tokens += r.num_output_tokens
             e2e.append(r.e2e)
-            last_end = r.finished_at if last_end is None else max(last_end, r.finished_at)
-    duration = (last_end - first_arrival) if last_end is not None else 0.0
+            ends.append(r.finished_at)
+    duration = max(ends) - sim.requests[0].arrival if ends else 0.0  # requests are in arrival order
+    num_served = len(e2e)
     w = sim.workload
     summary = {
         "requests": len(w.requests),
@@ -121,7 +115,7 @@ def build_report(sim) -> Report:
         "itl": distribution(itl),
         "e2e": distribution(e2e),
         "queue": distribution(queue),
-        "preemptions": num_preemptions,
+        "preemptions": sum(row["preemptions"] for row in rows),
         "output_tokens": num_tokens,
         "duration_s": duration,
         "output_tokens_per_s": num_tokens / duration if duration > 0 else 0.0,
@@ -139,20 +133,12 @@ def build_report(sim) -> Report:
             shares = [u for _, u in samples] or [0.0]
             workers[worker.worker_id].update(kv_peak=max(shares), kv_mean=sum(shares) / len(shares))
     placement, config = sim.placement, sim.config
-    shape = {
-        "prefill": len(sim.prefill_workers),
-        "decode": len(sim.decode_workers),
-        "prefill_threads": placement.prefill_threads,
-        "decode_threads": placement.decode_threads,
-        "cores": placement.cores,
-        "background_threads": placement.background_threads,
-        "rate_scale": sim.options.rate_scale,
-        "worker": dataclasses.asdict(config),
-    }
+    shape = {"prefill": len(sim.prefill_workers), "decode": len(sim.decode_workers), **dataclasses.asdict(placement)}
+    shape.update(rate_scale=sim.options.rate_scale, worker=dataclasses.asdict(config))
     notes = []
     for role, threads in (("prefill", placement.prefill_threads), ("decode", placement.decode_threads)):
         if threads not in sim.costs.threads:
-            used = min(sim.costs.threads, key=lambda t: (abs(t - threads), t))
+            used = sim.costs.nearest_threads(threads)
             notes.append(f"the cost model has no figures for {threads} threads: the {role} workers use {used}'s")
     if sim.stopped:
         notes.append(f"stopped early: {sim.stopped}")

@@ -1,35 +1,11 @@
 """The offline simulator: captured arrivals through P prefill and D decode workers, in virtual time.
 
-Every worker is the real Scheduler and BlockManager (workers.py), and the gateway's real Registry routes to them,
-told of their stats by heartbeats every heartbeat interval, so it routes on figures as stale as the real gateway's.
-The model's forward is replaced by the fitted cost model: a step ends its cost after it starts. A request's life:
-
-1. It arrives at its captured time divided by rate_scale. The gateway refuses it (429) when max_waiting flights
-   wait for their first token, or (400) when a prompt is longer than the workers take. Each prompt is a flight,
-   routed by `Registry.pick_prefill` (cache-aware, least queued work) and `pick_decode` (most free blocks), and
-   counted against both by `Registry.assign`.
-2. Its prefill worker's scheduler runs the prompt in chunks. As its first chunk starts, the decode worker holds the
-   leading blocks its prefix cache has (the KVQuery), which the transfer leaves out.
-3. The step that computes the last chunk ends: every choice has its first token (TTFT), and the gateway counts the
-   prompt prefilled. Choices whose captured output is one token end there.
-4. The transfer: the decode worker's `received_kv.reserve` allocates the blocks, or finds no room, and the sender tries
-   again every RETRY_FULL_AFTER_S. The KV takes `CostModel.transfer_seconds(blocks sent)` on the prefill worker's
-   sender, one transfer after another. Then `admit_prefilled` admits the choices, and the prefill worker frees its blocks.
-5. Each decode step gives each running choice one token, until it has its captured number (ignore_eos). Preemption
-   when blocks run out, and the recompute after it, are the scheduler's own.
-
-Contention: when a step starts while the threads of the processes whose steps run (its own included) exceed the
-machine's cores, it takes busy threads / cores times longer. This is an approximation. The slowdown is fixed when
-the step starts, so a step that starts alone stays fast when others start during it. The gateway and the KV sender
-threads take no cores, and a process waiting for work takes none either.
-
-What is simplified: messages take no time (a token reaches the client when its step ends), and a transfer goes
-whole after the prompt's last step. The real one ships its early layer groups during that step, so the cost
-model's transfer time is what a transfer adds after the step. Transfers waiting for room are retried first come,
-first served, at the retry period of the first. Nothing fails, moves or times out, except transfers that no decode
-worker takes within GIVE_UP_TRANSFER_S. Constraints, penalties and logprobs are not modelled: they change which
-tokens come, and the capture already says how many.
-The worker's timings are its own (services/worker_timings.py), which load nothing.
+The workers are the real Scheduler and BlockManager (workers.py), routed to by the gateway's real Registry on the
+stale stats their heartbeats carry; a step lasts what the fitted cost model says (docs/architecture.md, "Simulation
+and planning", walks a request's life). Contention is approximate: a step's slowdown is set when the running set
+changes, and the gateway, KV senders and idle processes take no cores. Left out: message latency, a transfer's
+overlap with the prompt's last step (the fitted transfer time is what it adds after), timeouts other than
+GIVE_UP_TRANSFER_S, and constraints, penalties and logprobs (they change which tokens come, not how many).
 """
 
 import collections
@@ -83,6 +59,7 @@ class Simulator:
         if not options.rate_scale > 0:
             raise ConfigError(f"the rate scale must be positive, got {options.rate_scale}")
         self.workload, self.costs, self.config, self.placement = workload, costs, config, placement
+        self.block_size = config.block_size
         self.registry = Registry(
             heartbeat_interval_s=options.heartbeat_interval_s, expected_block_size=config.block_size
         )
@@ -133,13 +110,9 @@ class Simulator:
         return build_report(self)
 
     def _push(self, at: float, handler, argument, work: bool = True) -> None:
-        """work: an event that can change a worker or a request (all but heartbeats)."""
+        """work: any event but a heartbeat."""
         heapq.heappush(self.events, (at, next(self._order), handler, argument, work))
         self.num_pending += work
-
-    @property
-    def block_size(self) -> int:
-        return self.config.block_size
 
     # -- the gateway ------------------------------------------------------------------------------------------
     def _arrive(self, spec) -> None:
@@ -156,7 +129,7 @@ class Simulator:
         request.num_open_flights = len(spec.prompts)
         for prompt, outputs in zip(spec.prompts, spec.outputs):
             flight = SimFlight(request, prompt, block_hashes(prompt, self.block_size))
-            flight.choices = [SimChoice(flight, c, ids) for c, ids in enumerate(outputs)]
+            flight.choices = [SimChoice(flight, ids) for ids in outputs]
             request.flights.append(flight)
             self._route(flight)
 
@@ -194,8 +167,8 @@ class Simulator:
         self._push(self.now + self.options.heartbeat_interval_s, self._heartbeat, w, work=False)
 
     def _stuck(self) -> None:
-        """Requests are open, and nothing but heartbeats will happen: a worker that could step was not started (the
-        real loop keeps trying). Start them; if none has a step, the simulation cannot finish: a bug, said so."""
+        """Requests are open and only heartbeats are left: start any worker that can step (the real loop keeps
+        trying); if none can, the simulation cannot finish, which is a bug."""
         for w in self.workers.values():
             self._kick(w)
         if self.num_pending == 0:
@@ -240,9 +213,8 @@ class Simulator:
         self._share_cores()
 
     def _share_cores(self) -> None:
-        """The running steps changed: each step progresses at its old pace until now, then at the pace the new
-        set of running workers allows (the cost model's slowdown past the cores), and its end is moved to match.
-        The end events pushed before are left on the heap, stale: _step_done tells them by their version."""
+        """The running steps changed: each goes on at the pace the new set allows, its end moved to match (the old
+        end events stay on the heap, told apart by their version)."""
         busy_threads = sum(r.threads for r in self.running) + self.placement.background_threads
         widths = collections.Counter(r.threads for r in self.running)
         for r in self.running:
@@ -303,8 +275,7 @@ class Simulator:
 
     # -- prefill to decode ------------------------------------------------------------------------------------
     def _hold_cached_blocks(self, flight: SimFlight) -> None:
-        """The KVQuery: the decode worker holds the prompt's leading blocks its prefix cache has, from now until
-        the transfer, which leaves them out."""
+        """The KVQuery: the decode worker holds the prompt's leading cached blocks until the transfer skips them."""
         d = flight.decode
         if d.block_manager.enable_caching:
             num = d.block_manager.num_cacheable_blocks(len(flight.prompt_token_ids))
@@ -379,8 +350,7 @@ class Simulator:
         self._retry_transfers_soon(flight.decode)
 
     def _retry_transfers_soon(self, d: SimWorker) -> None:
-        """The first waiting transfer is tried again at its sender's next retry time: a step that ended may have
-        freed room. Only one retry is pending per decode worker; the rest wait behind it."""
+        """Try the first waiting transfer again at its sender's next retry time (one retry pending per worker)."""
         if d.retry_pending or not d.waiting_transfers:
             return
         head = d.waiting_transfers[0]
@@ -399,13 +369,11 @@ class Simulator:
             d.waiting_transfers.popleft()
 
     def _release_prefill(self, flight: SimFlight) -> None:
-        """The prefill worker lets go of the prompt's blocks (the decode worker acknowledged, or nothing goes)."""
-        w = flight.prefill
-        w.scheduler.release(flight.prefill_seq)
-        self._kick(w)
+        flight.prefill.scheduler.release(flight.prefill_seq)
+        self._kick(flight.prefill)
 
     def _let_go(self, flight: SimFlight) -> None:
-        """Nothing ships: the prefill worker's blocks and the decode worker's held ones are freed."""
+        """Nothing ships: free the prefill worker's blocks and the decode worker's held ones."""
         self._release_prefill(flight)
         if flight.held:
             flight.decode.block_manager.free(flight.held)

@@ -1,9 +1,6 @@
 """The latency objectives the planner sizes pools for (p90 of TTFT and of inter-token gaps), and the distributions
-a simulation reports.
-
-Percentiles interpolate linearly between the sorted values (tools/percentiles.py). That makes it possible to know
-that a p90 exceeds its bound before a run ends: once enough values are over it (`certainly_over`), nothing that
-comes later can bring the p90 back under, so a simulation the planner runs can stop early.
+a simulation reports. Percentiles interpolate between sorted values (tools/percentiles.py), so once enough values
+are over a bound (`certainly_over`), nothing later brings the p90 back under: a planner's run can stop early.
 """
 
 import math

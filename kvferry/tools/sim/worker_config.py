@@ -1,14 +1,10 @@
-"""How each simulated worker is configured, from the same settings a real worker reads, and where its threads run.
-
-A real worker builds its Scheduler and BlockManager from an EngineConfig (common/engine.py); the simulated ones are
-built from the same EngineConfig, so a setting changed for the stack (--max-num-seqs, --kv-cache-memory, ...) is
-changed for the simulation by the same flag or KVFERRY_ variable. The one figure a worker learns from its model is
-the size of a KV block in bytes, which turns --kv-cache-memory into a block count: it is worked out from the
-model's config.json by the runner's own KVCacheLayout and dtype resolution, or given directly with --num-blocks.
+"""A simulated worker's Scheduler and BlockManager settings, from the EngineConfig a real worker reads (the same
+flags and KVFERRY_ variables), and where its threads run. Torch loads only where --kv-cache-memory must become a
+block count from the model's block size in bytes (bytes_per_block); --num-blocks skips it.
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
@@ -18,8 +14,7 @@ from kvferry.common.serve_config import ServeConfig
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """What one simulated worker's Scheduler and BlockManager are built from (the fields they take); each default is
-    its EngineConfig field's."""
+    """What a simulated worker's Scheduler and BlockManager take; each default is its EngineConfig field's."""
 
     num_blocks: int
     max_model_len: int
@@ -39,8 +34,7 @@ class WorkerConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, num_blocks: int | None = None) -> "WorkerConfig":
-        """The worker a real one with this EngineConfig would be. num_blocks: given, or from --kv-cache-memory and
-        the model's block size in bytes (which reads the model's config.json)."""
+        """The worker a real one with this EngineConfig would be; num_blocks None: from --kv-cache-memory."""
         max_model_len = config.max_model_len
         if num_blocks is None or max_model_len is None:
             model_config = read_config(resolve_model(config.model))
@@ -48,22 +42,13 @@ class WorkerConfig:
                 num_blocks = config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config)
             if max_model_len is None:
                 max_model_len = max_model_len_of(model_config)
-        return cls(
-            num_blocks=num_blocks,
-            max_model_len=max_model_len,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_prefix_caching=config.enable_prefix_caching,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_threshold=config.long_prefill_threshold,
-        )
+        same = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("num_blocks", "max_model_len")}
+        return cls(num_blocks=num_blocks, max_model_len=max_model_len, **same)
 
 
 def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -> int:
-    """K and V of one block in every layer, as a real worker sizes them: runner.KVCacheLayout, with the engine's own
-    dtype resolution (so --device auto means CUDA where this machine has it). Loads torch. A named --device is taken
-    as named, present or not, so that a GPU deployment can be planned on a machine without one."""
+    """K and V of one block in every layer, as runner.KVCacheLayout sizes them with the engine's dtype resolution.
+    Loads torch. A named --device is taken as named, present or not: a GPU deployment can be planned without one."""
     import torch
 
     from kvferry.common.engine_setup import resolve_device, resolve_dtype
@@ -83,8 +68,8 @@ def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -
 
 @dataclass(frozen=True)
 class Placement:
-    """The machine's cores and each process's torch threads: what decides how much the workers slow each other.
-    cores 0: each worker has cores of its own (a cluster's pods, a GPU each), so none slows another."""
+    """The machine's cores and each process's torch threads, which decide how much the workers slow each other.
+    cores 0: each worker has cores of its own (a cluster's pods, a GPU each)."""
 
     cores: int = os.cpu_count() or 1
     prefill_threads: int = ServeConfig.prefill_threads
@@ -93,10 +78,6 @@ class Placement:
     background_threads: float = 0.0
 
     def __post_init__(self):
-        if self.background_threads < 0:
-            raise ConfigError(f"background threads must be at least 0, got {self.background_threads}")
-        if self.cores < 0:
-            raise ConfigError(f"cores must be at least 0 (0: each worker has its own), got {self.cores}")
-        for name in ("prefill_threads", "decode_threads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be at least 1, got {getattr(self, name)}")
+        for name, low in (("cores", 0), ("prefill_threads", 1), ("decode_threads", 1), ("background_threads", 0)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{name} must be at least {low}, got {getattr(self, name)}")

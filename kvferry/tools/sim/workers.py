@@ -1,8 +1,6 @@
 """A simulated worker: the real Scheduler and BlockManager, built as the real worker builds them, plus what the
-simulator keeps about its process (its threads, whether a step is running, the stats its heartbeats carry).
-
-The prefill worker's scheduler keeps a finished prompt's blocks (keep_finished_blocks, as PrefillConnector asks)
-until its decode worker takes the transfer; the decode worker's admits transfers through the real common/received_kv.py.
+simulator keeps about its process (threads, the running step, the stats its heartbeats carry). A prefill worker
+keeps a finished prompt's blocks (keep_finished_blocks, as PrefillConnector asks) until the transfer is taken.
 """
 
 import dataclasses
@@ -58,7 +56,6 @@ class SimWorker:
         return self.role == p.Role.PREFILL
 
     def register_message(self) -> p.Register:
-        config = self.scheduler
         return p.Register(
             role=int(self.role),
             worker_id=self.worker_id,
@@ -66,14 +63,12 @@ class SimWorker:
             dtype=SIM_DTYPE,
             block_size=self.block_manager.block_size,
             num_blocks=self.block_manager.num_blocks,
-            max_model_len=config.max_model_len,
+            max_model_len=self.scheduler.max_model_len,
             kv_address=f"sim://{self.worker_id}" if self.role == p.Role.DECODE else "",
         )
 
     def step_seconds(self, plan: StepPlan) -> float:
-        """The plan's time alone on its threads, from the fitted costs: tokens, sequences, attention pairs (each new
-        token against the tokens before it and itself: cost_model.attention_pairs) and context tokens read (each
-        chunk's computed and new tokens). Written out rather than through attention_pairs: this runs every step."""
+        """The plan's time alone on its threads. cost_model.attention_pairs is written out: this runs every step."""
         chunks = plan.chunks
         if plan.is_prefill:
             pairs = context = 0
@@ -82,14 +77,12 @@ class SimWorker:
                 pairs += n * before + n * (n + 1) // 2
                 context += before + n
             return self.costs.prefill.seconds(plan.num_tokens, len(chunks), pairs, context)
-        context = len(chunks)  # one new token each: its pairs are its context
-        for c in chunks:
-            context += c.seq.num_computed_tokens
+        context = len(chunks) + sum(c.seq.num_computed_tokens for c in chunks)  # one new token each: pairs = context
         return self.costs.decode.seconds(len(chunks), len(chunks), context, context)
 
     def stats(self, with_queue: bool = True) -> p.WorkerStats:
-        """LLMEngine.stats as the heartbeat carries it. with_queue False leaves out the queued prompt tokens (a walk
-        over the waiting prompts) where no routing decision reads them."""
+        """LLMEngine.stats as the heartbeat carries it; with_queue False skips the walk over the waiting prompts
+        where no routing decision reads their tokens."""
         sch, bm = self.scheduler, self.block_manager
         return p.WorkerStats(
             num_free_blocks=bm.num_free_blocks,

@@ -1,15 +1,12 @@
-"""What the simulator replays: a capture's requests as arrivals, prompts and each choice's output tokens.
-
-Only what decides the scheduling is kept: when a request arrived (spaced by the wall clock, the one clock several
-gateways' files share), its prompts' token ids (prefix caching and routing hash them) and each choice's output
-token ids, whose count is the length the simulation generates (as with ignore_eos: the capture already says where
-each choice stopped). A request that did not succeed (status other than 200) or carries no prompt token ids has
-nothing to replay: it is counted, not simulated.
+"""What the simulator replays: a capture's requests as arrivals (by the wall clock, the one clock several gateways'
+files share), prompt token ids (routing and prefix caching hash them) and each choice's output token ids, whose
+count is the length generated (as with ignore_eos). A request not ok (status other than 200) or without prompt token
+ids is counted, not replayed.
 """
 
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common import capture
@@ -22,10 +19,6 @@ class RequestSpec:
     prompts: list[list[int]]  # one token id list per prompt: each is a flight of its own at the gateway
     outputs: list[list[list[int]]]  # per prompt, per choice: the output token ids the capture holds
 
-    @property
-    def num_output_tokens(self) -> int:
-        return sum(max(1, len(ids)) for choices in self.outputs for ids in choices)
-
 
 @dataclass
 class Workload:
@@ -33,11 +26,10 @@ class Workload:
     num_not_ok: int = 0  # status other than 200: failed or refused when captured
     num_without_prompt: int = 0  # no prompt token ids recorded
     num_malformed: int = 0  # lines that could not be read
-    warnings: list[str] = field(default_factory=list)
 
     @property
     def num_gaps(self) -> int:
-        """Inter-token gaps the replay has if every request is served: each choice's tokens but its first."""
+        """Inter-token gaps if every request is served: each choice's tokens but its first."""
         return sum(max(1, len(ids)) - 1 for r in self.requests for choices in r.outputs for ids in choices)
 
 
@@ -74,16 +66,11 @@ def _choices_per_prompt(record: capture.Record, num_prompts: int) -> int:
 def load(paths: Iterable[str | Path], warn=None) -> Workload:
     """The capture files' (or folders') requests in arrival order. Each unreadable line is named (FILE:LINE: why)
     through warn, by default on stderr, and skipped."""
+    warn = warn or (lambda message: print(f"warning: {message}", file=sys.stderr))
     skipped: list[str] = []
 
     def on_skip(message: str) -> None:
         skipped.append(message)
-        (warn or _warn_stderr)(f"{message}; skipped")
+        warn(f"{message}; skipped")
 
-    workload = from_records(capture.load(paths, on_skip), num_malformed=len(skipped))
-    workload.warnings = skipped
-    return workload
-
-
-def _warn_stderr(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    return from_records(capture.load(paths, on_skip), num_malformed=len(skipped))

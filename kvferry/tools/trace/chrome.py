@@ -1,12 +1,9 @@
 """Chrome trace-event JSON of a whole trace folder, for Perfetto (ui.perfetto.dev) or chrome://tracing.
 
-One process lane per service. Inside it, batch steps share a "steps" track, each request has a
-track of its own (its spans and messages), and messages with no request (registration,
-heartbeats) go on a "control" track. Every message whose both ends were traced becomes a flow
-arrow from the send to the receive.
+A process lane per service; in it, batch steps share a "steps" track, each request has a track of its own, and
+messages of no request (registration, heartbeats) go on a "control" track. Every message whose both ends were
+traced becomes a flow arrow from the send to the receive.
 """
-
-import json
 
 from kvferry.tools.trace.reader import BATCH_SPANS, TraceSet
 
@@ -31,61 +28,37 @@ def chrome_trace(traces: TraceSet) -> dict:
             return CONTROL_TID
         return request_tids.setdefault(rid, CONTROL_TID + 1 + len(request_tids))
 
+    def meta(pid: int, tid: int, what: str, **args) -> dict:
+        return {"ph": "M", "name": what, "pid": pid, "tid": tid, "args": args}
+
     events = []
     for proc, pid in pids.items():
-        events.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": proc}})
-        events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": {"sort_index": pid}})
+        events += [meta(pid, 0, "process_name", name=proc), meta(pid, 0, "process_sort_index", sort_index=pid)]
         for tid, name in ((STEPS_TID, "steps"), (CONTROL_TID, "control")):
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}})
+            events.append(meta(pid, tid, "thread_name", name=name))
     for r in sorted(traces.records, key=lambda r: r["t"]):
         pid, tid = pids[r["proc"]], tid_of(r)
         if tid > CONTROL_TID and (pid, tid) not in named:
             named.add((pid, tid))
-            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": r["rid"]}})
+            events.append(meta(pid, tid, "thread_name", name=r["rid"]))
+        event = {"ph": "X", "pid": pid, "tid": tid, "ts": us(r["t"])}
         if r["ev"] == "span":
             args = {"request_id": r.get("rid", ""), **r.get("attrs", {})}
-            events.append(
-                {
-                    "ph": "X",
-                    "name": r.get("name", "?"),
-                    "cat": "span",
-                    "pid": pid,
-                    "tid": tid,
-                    "ts": us(r["t"]),
-                    "dur": round(r["dur"] * 1e6, 3),
-                    "args": args,
-                }
-            )
+            event.update(name=r.get("name", "?"), cat="span", dur=round(r["dur"] * 1e6, 3), args=args)
         else:
-            events.append(
-                {
-                    "ph": "X",
-                    "name": f"{r['ev']} {r.get('kind', '?')}",
-                    "cat": "message",
-                    "pid": pid,
-                    "tid": tid,
-                    "ts": us(r["t"]),
-                    "dur": MESSAGE_US,
-                    "args": {
-                        "request_id": r.get("rid", ""),
-                        "peer": r.get("peer", ""),
-                        "bytes": r.get("header_bytes", 0) + r.get("payload_bytes", 0),
-                        "span_id": r.get("span_id", ""),
-                        "trace_id": r.get("trace_id", ""),
-                    },
-                }
-            )
+            args = {
+                "request_id": r.get("rid", ""),
+                "peer": r.get("peer", ""),
+                "bytes": r.get("header_bytes", 0) + r.get("payload_bytes", 0),
+                "span_id": r.get("span_id", ""),
+                "trace_id": r.get("trace_id", ""),
+            }
+            event.update(name=f"{r['ev']} {r.get('kind', '?')}", cat="message", dur=MESSAGE_US, args=args)
+        events.append(event)
     for flow_id, (send, recv) in enumerate(traces.message_pairs(), start=1):
         for r, phase in ((send, "s"), (recv, "f")):
-            event = {
-                "ph": phase,
-                "id": flow_id,
-                "name": r.get("kind", "?"),
-                "cat": "message",
-                "pid": pids[r["proc"]],
-                "tid": tid_of(r),
-                "ts": us(r["t"]),
-            }
+            event = {"ph": phase, "id": flow_id, "name": r.get("kind", "?"), "cat": "message"}
+            event.update(pid=pids[r["proc"]], tid=tid_of(r), ts=us(r["t"]))
             if phase == "f":
                 event["bp"] = "e"  # bind to the receive slice that encloses this point
             events.append(event)
@@ -94,8 +67,3 @@ def chrome_trace(traces: TraceSet) -> dict:
         "displayTimeUnit": "ms",
         "otherData": {"clock_offsets_ms": {p: round(o * 1000, 3) for p, o in traces.offsets.items()}},
     }
-
-
-def write_json(document: dict, path: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(document, f, separators=(",", ":"))

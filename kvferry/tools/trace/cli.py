@@ -1,5 +1,7 @@
 """`kvferry trace list|show|export|plot`: read a trace folder written with --trace-dir."""
 
+import argparse
+import json
 import sys
 
 from kvferry.tools.trace.reader import BATCH_SPANS, TraceError, TraceSet, load, process_order, request_of
@@ -10,21 +12,19 @@ MATES_SHOWN = 8  # batch mates named on a step's line without --verbose
 def add_trace_parser(sub) -> None:
     p = sub.add_parser("trace", help="read message traces written with --trace-dir")
     tsub = p.add_subparsers(dest="trace_command", required=True)
-    q = tsub.add_parser("list", help="the traced requests, with latency and token counts")
-    q.add_argument("trace_dir")
+    folder = argparse.ArgumentParser(add_help=False)  # what every subcommand takes first
+    folder.add_argument("trace_dir")
+    one = argparse.ArgumentParser(add_help=False, parents=[folder])
+    one.add_argument("request_id")
+    q = tsub.add_parser("list", parents=[folder], help="the traced requests, with latency and token counts")
     q.set_defaults(func=cmd_list)
-    q = tsub.add_parser("show", help="one request's timeline across the gateway, prefill and decode processes")
-    q.add_argument("trace_dir")
-    q.add_argument("request_id")
+    q = tsub.add_parser("show", parents=[one], help="one request's timeline across the gateway and the workers")
     q.add_argument("--verbose", action="store_true", help="name every batch mate of each step in full")
     q.set_defaults(func=cmd_show)
-    q = tsub.add_parser("export", help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
-    q.add_argument("trace_dir")
+    q = tsub.add_parser("export", parents=[folder], help="Chrome trace-event JSON (open it in https://ui.perfetto.dev)")
     q.add_argument("--chrome", required=True, metavar="OUT_JSON")
     q.set_defaults(func=cmd_export)
-    q = tsub.add_parser("plot", help="draw one request's timeline as a picture")
-    q.add_argument("trace_dir")
-    q.add_argument("request_id")
+    q = tsub.add_parser("plot", parents=[one], help="draw one request's timeline as a picture")
     q.add_argument("-o", "--output", required=True, metavar="OUT_PNG")
     q.set_defaults(func=cmd_plot)
 
@@ -98,13 +98,6 @@ def describe(r: dict, traces: TraceSet) -> tuple[str, str, str, str]:
     return name, detail[:48], size, duration
 
 
-def batch_mates(step: dict, request_id: str) -> list[str]:
-    """The other requests that rode in a batch step with this one, in the step's order."""
-    mates = dict.fromkeys(request_of(rid) for rid in step.get("attrs", {}).get("rids", ()))
-    mates.pop(request_id, None)
-    return list(mates)
-
-
 def abbreviated(request_id: str) -> str:
     """The part of an id that tells requests apart: 'cmpl-3f9a0c...' -> '3f9a0c'."""
     return request_id.rsplit("-", 1)[-1][:6]
@@ -129,8 +122,9 @@ def cmd_show(args) -> int:
         what, detail, size, latency = describe(r, traces)
         print(f"{(r['t'] - t0) * 1000:>10.3f}  {r['proc']:<18} {what:<22} {detail:<48} {size:>9}  {latency}")
         if r.get("name") in BATCH_SPANS:  # who shared the step: what a slow step's time was spent on
-            mates = batch_mates(r, args.request_id)
-            print(f"{'':>10}  {'':<18} {'':<22} with {len(mates)}: {mates_line(mates, args.verbose) or '-'}")
+            mates = dict.fromkeys(request_of(rid) for rid in r.get("attrs", {}).get("rids", ()))  # in step order
+            mates.pop(args.request_id, None)
+            print(f"{'':>10}  {'':<18} {'':<22} with {len(mates)}: {mates_line(list(mates), args.verbose) or '-'}")
     steps = [r for r in events if r.get("name") == "decode.step"]
     sizes = [size for r in steps if isinstance(size := r.get("attrs", {}).get("batch_size"), int)]
     if sizes:
@@ -142,12 +136,13 @@ def cmd_show(args) -> int:
 
 
 def cmd_export(args) -> int:
-    from kvferry.tools.trace.chrome import chrome_trace, write_json
+    from kvferry.tools.trace.chrome import chrome_trace
 
     traces = _load(args.trace_dir)
     document = chrome_trace(traces)
     try:
-        write_json(document, args.chrome)
+        with open(args.chrome, "w", encoding="utf-8") as f:
+            json.dump(document, f, separators=(",", ":"))
     except OSError as exc:
         raise TraceError(f"cannot write {args.chrome}: {exc.strerror}") from None
     num_flows = sum(1 for e in document["traceEvents"] if e["ph"] == "s")

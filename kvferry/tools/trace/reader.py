@@ -1,10 +1,8 @@
 """Reading a trace folder back: every process's JSON lines, clocks reconciled, grouped by request.
 
-Processes on different machines have different clocks. A message's receive can never come before
-its send, so each process's offset from the reference process (the gateway) is bounded by the
-messages it exchanged with processes already placed; when no offset of 0 keeps every send
-before its receive, the clock looks skewed: the offset is estimated (NTP-style, from the
-fastest message each way), applied, and reported.
+A receive never comes before its send, so the messages a process exchanged with those already placed bound its
+clock's offset from the reference (the gateway). Where an offset of 0 breaks that bound, the clock is skewed: the
+offset is estimated NTP-style from the fastest message each way, applied, and reported.
 """
 
 import glob
@@ -46,7 +44,8 @@ class TraceSet:
             if request_of(r.get("rid", "")) == request_id
             or any(request_of(x) == request_id for x in r.get("attrs", {}).get("rids", ()))
         ]
-        return sorted(mine, key=causal_key)
+        # At equal times a send sorts before its receive, and a span's start before the messages it caused.
+        return sorted(mine, key=lambda r: (r["t"], {"span": 0, "send": 1, "recv": 2}[r["ev"]]))
 
     def requests(self) -> list["RequestSummary"]:
         by_rid: dict[str, list[dict]] = defaultdict(list)
@@ -112,15 +111,7 @@ def request_of(flight_id: str) -> str:
 
 def process_order(proc: str):
     """Gateway first, then prefill, then decode workers: the way a request travels."""
-    rank = (
-        0 if proc.startswith("gateway") else 1 if proc.startswith("prefill") else 2 if proc.startswith("decode") else 3
-    )
-    return rank, proc
-
-
-def causal_key(r: dict):
-    # At equal times a send sorts before its receive, and a span's start before the messages it caused.
-    return r["t"], {"span": 0, "send": 1, "recv": 2}[r["ev"]]
+    return next((i for i, role in enumerate(("gateway", "prefill", "decode")) if proc.startswith(role)), 3), proc
 
 
 def _valid(record) -> bool:
