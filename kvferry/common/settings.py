@@ -245,7 +245,10 @@ def write_docs(path: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvferry.common.settings", description="the settings table: print it, write it into the docs, or check the docs' copy")
+    parser = argparse.ArgumentParser(
+        prog="python -m kvferry.common.settings",
+        description="the settings table: print it, write it into the docs, or check the docs' copy",
+    )
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--write-docs", metavar="MARKDOWN", help="write the settings table between its markers")
     action.add_argument("--check-docs", metavar="MARKDOWN", help="exit 1 when the table there is out of date")
