@@ -32,7 +32,7 @@ from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
 from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
-from kvferry.services.gateway.api_error import error_response
+from kvferry.services.gateway.api_error import ApiError, error_response
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
@@ -41,7 +41,7 @@ from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
-from kvferry.services.gateway.request_parsing import ApiError, Generation, check_fields, parse_generation
+from kvferry.services.gateway.request_parsing import Generation, check_fields, parse_generations
 from kvferry.services.gateway.request_trace import RequestTrace
 from kvferry.services.gateway.response_consumer import ResponseConsumer
 from kvferry.services.gateway.response_size import check_response_size
@@ -246,12 +246,9 @@ class Api:
             tools, constraint = await rules
             prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
             calls = tools is not None and tools.calls_allowed
-            generations = [
-                parse_generation(
-                    body, chat, ids, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
-                )
-                for ids in prompts
-            ]
+            generations = parse_generations(
+                body, chat, prompts, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
+            )
             generation = generations[0]
             self._check_fanout(len(prompts), generation.n)
             check_response_size(generations, chat, body, self.config)

@@ -5,7 +5,7 @@ tool_call_id it answers. Each error is a 400 naming the message (`messages[2].to
 
 import json
 
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.responses import text_of
 
 

@@ -6,7 +6,7 @@ came from, so that a worker's compile error names it too.
 
 from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint
 from kvferry.common.json_schema_support import MAX_ENUM_VALUES, MAX_VALUE_CHARS
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 from kvferry.services.gateway.tools import NAME, Tools, tool_constraint
 

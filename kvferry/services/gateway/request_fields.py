@@ -94,7 +94,7 @@ def completions(limits: GatewayConfig) -> Schema:
     params = {
         "prompt": Param(spec=other_fields.prompt(limits.max_prompts)),  # checked by Api.prompt_ids
         **_sampling(limits),
-        # 0 only with echo: the prompt's logprobs alone (parse_generation); the limit after the context's
+        # 0 only with echo: the prompt's logprobs alone (parse_generations); the limit after the context's
         "max_tokens": Param(INTEGER, lo=0, hi=limits.max_tokens_limit, check_hi=False, default=None),
         "logprobs": Param(INTEGER, lo=0, hi=MAX_LOGPROBS),
         "echo": Param(BOOLEAN, default=False),

@@ -1,9 +1,9 @@
 """From an OpenAI-style JSON body to what the gateway generates: the prompt, SamplingParams and the response's options.
 
-The body is read through its endpoint's schema (request_fields.py): every field is checked there, and every error
-names its field (`param`) as OpenAI's do. A field kvferry does not know, or knows but does not honour, is refused: a
-client that asked for it would read a wrong answer otherwise. What is left here is what one field alone cannot say:
-the context length, max_tokens 0 only with echo, top_logprobs only with logprobs, stream_options only with stream.
+The body is read through its endpoint's schema (request_fields.py), where every field is checked and every error
+names its field (`param`). A field kvferry does not know, or knows but does not honour, is refused: a client that
+asked for it would read a wrong answer otherwise. Left here is what no one field says: the context length, max_tokens
+0 only with echo, top_logprobs only with logprobs, stream_options only with stream.
 """
 
 import dataclasses
@@ -15,13 +15,12 @@ from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS, schema_of
+from kvferry.services.gateway.request_schema import Schema
 
-# The request fields SamplingParams takes as they are, under the same names
 # A body's field named as one of SamplingParams' goes to it as read (so a new sampling parameter is its Param in
 # request_fields.py, beside the engine's field); these are worked out from several fields instead.
 DERIVED = ("max_tokens", "logprobs", "prompt_logprobs", "constraint")
 SAMPLING = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name not in DERIVED)
-__all__ = ["ApiError", "Generation", "check_fields", "parse_generation"]  # ApiError: as before
 
 
 @dataclass
@@ -46,20 +45,33 @@ def check_fields(body: dict, chat: bool) -> None:
     schema_of(CHAT if chat else COMPLETIONS, GatewayConfig()).check_names(body)
 
 
-def parse_generation(
+def parse_generations(
     body: dict,
     chat: bool,
-    prompt_ids: list[int],
+    prompts: list[list[int]],
     max_model_len: int,
     vocab_size: int,
     limits: GatewayConfig,
     constraint: Constraint | None = None,
     tool_calls: bool = False,
-) -> Generation:
-    """limits: the gateway's settings, which bound what a request may ask for; constraint: what the output must match
-    (constraints.py reads it from the body); tool_calls: parse the output's tool calls."""
+) -> list[Generation]:
+    """One Generation per prompt, the body read once. limits: the gateway's settings, which bound what a request may
+    ask for; constraint: what the output must match (constraints.py reads it from the body); tool_calls: parse the
+    output's tool calls."""
     schema = schema_of(CHAT if chat else COMPLETIONS, limits)
     values = schema.read(body, vocab_size)
+    return [_generation(values, schema, chat, ids, max_model_len, constraint, tool_calls) for ids in prompts]
+
+
+def _generation(
+    values: dict,
+    schema: Schema,
+    chat: bool,
+    prompt_ids: list[int],
+    max_model_len: int,
+    constraint: Constraint | None,
+    tool_calls: bool,
+) -> Generation:
     num_prompt = len(prompt_ids)
     if num_prompt >= max_model_len:
         raise ApiError(

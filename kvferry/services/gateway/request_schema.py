@@ -31,7 +31,7 @@ MAX_SHOWN = 100  # characters of a client's field name that an error repeats
 class Param:
     """One field. type: one of the above, or "" for a field whose value another module checks (prompt, messages,
     tools, the output constraints): then spec says what it is. lo/hi: inclusive bounds (above_lo: lo itself is
-    not); check_hi=False leaves hi to parse_generation, which checks it after the context length (that error says
+    not); check_hi=False leaves hi to parse_generations, which checks it after the context length (that error says
     more). only: a field kvferry knows and does not honour, accepted only with a value that asks for nothing.
     read(name, value, vocab_size): a compound field's own check, whose result is the field's value. fields: a
     nested object's own schema. spec: its OpenAPI schema where type and bounds do not say it all."""

@@ -11,7 +11,8 @@ chunk, which carries its echoed prompt: for a stream only the echoed prompts cou
 
 from kvferry.common import settings
 from kvferry.common.gateway_config import GatewayConfig
-from kvferry.services.gateway.request_parsing import ApiError, Generation
+from kvferry.services.gateway.api_error import ApiError
+from kvferry.services.gateway.request_parsing import Generation
 
 
 def num_logprob_entries(generations: list[Generation]) -> int:

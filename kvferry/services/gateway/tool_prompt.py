@@ -15,8 +15,8 @@ from pathlib import Path
 from kvferry.common import settings
 from kvferry.common.errors import ConfigError
 from kvferry.common.text_tokenizer import render_template
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.chat_messages import call_arguments
-from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.tools import CALL_BEGIN, CALL_END, Tools
 
 # Variables: tools (the request's, as sent), tool_choice ("auto", "required" or {"type": "function", "function":
