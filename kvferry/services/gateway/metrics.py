@@ -1,8 +1,6 @@
-"""Prometheus metrics of the gateway, `GET /metrics`: its own request figures, plus what workers heartbeat.
-
-Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_first_token_seconds`).
-Worker figures are read from the registry at scrape time, so a worker that leaves leaves the
-output with it.
+"""Prometheus metrics of the gateway, `GET /metrics`: its own request figures, plus what workers heartbeat. Names
+follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_first_token_seconds`). Worker figures are read
+from the registry at scrape time, so a worker that leaves leaves the output with it.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -74,10 +72,7 @@ class WorkerFigures:
         )
         errors.add_metric(["gateway"], self.core.control.num_protocol_errors)
         for w in workers:
-            labels = [w.worker_id, p.Role(w.role).name.lower()]
-            stats = w.stats
-            if stats is None:
-                continue
+            labels, stats = [w.worker_id, w.role.name.lower()], w.stats
             gauges["num_requests_running"].add_metric(labels, stats.num_running)
             gauges["num_requests_waiting"].add_metric(labels, stats.num_waiting)
             gauges["queued_prompt_tokens"].add_metric(labels, w.num_queued_prompt_tokens)
