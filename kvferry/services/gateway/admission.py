@@ -11,6 +11,8 @@ same 429 before any of it is read. A lone request is always let in, whatever its
 size (the Guards' --max-body-size bounds it), so that a budget below that size refuses no request forever.
 """
 
+import contextlib
+
 from starlette.requests import Request
 
 from kvferry.common import settings
@@ -41,15 +43,29 @@ class Admission:
         max_waiting = self.max_waiting
         if max_waiting and self.num_unanswered >= max_waiting:
             # Refused at once, not queued until it times out: the client backs off and comes back.
-            return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")
+            message = f"too many requests waiting ({max_waiting}); retry shortly"
+            return ApiError(429, message, kind="rate_limit_error", headers=RETRY_AFTER)
         if not self.bytes_fit(num_bytes):
             return ApiError(
                 429,
                 f"too many request bytes waiting ({self.num_unanswered_bytes} let in, {num_bytes} more asked, at most "
                 f"{self.max_waiting_bytes}: {settings.label('max_waiting_bytes')}); retry shortly",
                 kind="rate_limit_error",
+                headers=RETRY_AFTER,
             )
         return None
+
+    @contextlib.contextmanager
+    def let_in(self, num_bytes: int):
+        """The request let in (admit) until the block ends, when it is answered; its 429 raised if it may not be."""
+        refused = self.refusal(num_bytes)
+        if refused is not None:
+            raise refused
+        self.admit(num_bytes)
+        try:
+            yield
+        finally:
+            self.release(num_bytes)
 
     def reserve_bytes(self, num_bytes: int) -> bool:
         """Hold num_bytes for a body being read, unless that passes the byte bound while other bytes are held (a lone

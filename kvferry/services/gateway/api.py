@@ -31,7 +31,7 @@ from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
-from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
+from kvferry.services.gateway.admission import Admission, body_bytes
 from kvferry.services.gateway.api_error import ApiError, error_response
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
@@ -110,8 +110,8 @@ class Api:
     def routes(self) -> list[Route]:
         t = self.tokenizer_routes
         return [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._serve, chat=False), methods=["POST"]),
+            Route("/v1/chat/completions", functools.partial(self._serve, chat=True), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/tokenize", t.tokenize, methods=["POST"]),
             Route("/detokenize", t.detokenize, methods=["POST"]),
@@ -209,12 +209,6 @@ class Api:
         return JSONResponse(openapi_spec(VERSION, self.config))
 
     # -- generation ----------------------------------------------------------------------------------------
-    async def completions(self, request: Request):
-        return await self._serve(request, chat=False)
-
-    async def chat_completions(self, request: Request):
-        return await self._serve(request, chat=True)
-
     async def _serve(self, request: Request, chat: bool):
         arrived_at, arrived_monotonic = time.time(), time.monotonic()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the one id, on every message and log line
@@ -224,68 +218,61 @@ class Api:
         path = request.url.path
         capture = self.capture.request(rid, ctx.trace_id, self.model_name, path, arrived_at) if self.capture else None
         trace = RequestTrace(self.metrics, rid, ctx, path, arrived_at, capture)
-        if self.core.draining:
-            error = ApiError(503, "the server is shutting down", kind="service_unavailable")
-            trace.finish(503, error=error.message)
-            return error_response(error, headers)
-        num_bytes = body_bytes(request)
-        refused = self.admission.refusal(num_bytes)
-        if refused is not None:
-            trace.finish(429, error=refused.message)
-            return error_response(refused, {**headers, **RETRY_AFTER})
-        self.admission.admit(num_bytes)
-        if capture is not None:
-            capture.num_body_bytes = num_bytes
         try:
-            body = await self.json_body(request)
-            if capture is not None:
-                capture.record.body = body
-            deadline = arrived_monotonic + self.core.deadlines.request_s
-            checked = any(body.get(name) is not None for name in CHECKED_FIELDS)
-            rules = self.checks_off_loop(request, deadline, self.output_rules, body, chat, checks=checked)
-            tools, constraint = await rules
-            prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
-            calls = tools is not None and tools.calls_allowed
-            generations = parse_generations(
-                body, chat, prompts, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
-            )
-            generation = generations[0]
-            self._check_fanout(len(prompts), generation.n)
-            check_response_size(generations, chat, body, self.config)
-            shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
-            choices = Choices(generations, self.tokenizer, self.token_text, chat)
-            choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
-            # Routing errors surface with the first event, before any byte is sent.
-            flights = capture.flights if capture is not None else None
-            events, first = await self._unless_client_leaves(
-                request, self._start(prompts, generations, rid, ctx, flights)
-            )
-            response = ResponseConsumer(self, events, first, choices, shape, trace)
-            await response.check_first()
-            trace.admitted(sum(len(ids) for ids in prompts), generation.n, constraint.kind if constraint else "")
-            if capture is not None:
-                capture.record.prompt_token_ids = prompts
-                capture.choices = choices
-        except ApiError as exc:
-            trace.finish(exc.status, error=exc.message)
-            return error_response(exc, headers)
-        except NoWorkers as exc:
-            error = ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
-            trace.finish(503, error=error.message)
-            return error_response(error, headers)
-        except MessageTooLarge as exc:  # past the wire's bound for its kind: refused before it reaches a worker
-            param = exc.field.rsplit(".", 1)[-1].replace("prompt_token_ids", "prompt") or None
-            error = ApiError(400, f"the request is too large to send to a worker: {exc}", param)
-            trace.finish(400, error=error.message)
+            if self.core.draining:
+                raise ApiError(503, "the server is shutting down", kind="service_unavailable")
+            num_bytes = body_bytes(request)
+            with self.admission.let_in(num_bytes):  # until its first event
+                if capture is not None:
+                    capture.num_body_bytes = num_bytes
+                response = await self._start(
+                    request, chat, rid, ctx, arrived_monotonic + self.core.deadlines.request_s, trace
+                )
+        except (ApiError, NoWorkers, MessageTooLarge) as exc:
+            error = _refusal(exc)
+            trace.finish(error.status, error=error.message)
             return error_response(error, headers)
         except ClientDisconnect:  # the client left: whatever it had started ended on every worker
             trace.finish(499)
             return Response(status_code=499)  # nobody reads it
-        finally:
-            self.admission.release(num_bytes)
         return await response.respond(request, headers)
 
-    async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
+    async def _start(self, request: Request, chat: bool, rid: str, ctx, deadline: float, trace: RequestTrace):
+        """Parse and route the request: its ResponseConsumer, holding its first event (a routing error surfaces
+        with it, before any byte is sent)."""
+        body = await self.json_body(request)
+        capture = trace.capture
+        if capture is not None:
+            capture.record.body = body
+        checked = any(body.get(name) is not None for name in CHECKED_FIELDS)
+        tools, constraint = await self.checks_off_loop(request, deadline, self.output_rules, body, chat, checks=checked)
+        prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
+        calls = tools is not None and tools.calls_allowed
+        generations = parse_generations(
+            body, chat, prompts, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
+        )
+        n, most = generations[0].n, max(self.config.max_n, self.config.max_prompts)
+        if len(prompts) * n > most:  # each choice is a sequence on a decode worker: --max-n or --max-prompts, not both
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {most} per request",
+                "n",
+            )
+        check_response_size(generations, chat, body, self.config)
+        shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
+        choices = Choices(generations, self.tokenizer, self.token_text, chat)
+        choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
+        flights = capture.flights if capture is not None else None
+        events, first = await self._unless_client_leaves(request, self._route(prompts, generations, rid, ctx, flights))
+        response = ResponseConsumer(self, events, first, choices, shape, trace)
+        await response.check_first()
+        trace.admitted(sum(len(ids) for ids in prompts), n, constraint.kind if constraint else "")
+        if capture is not None:
+            capture.record.prompt_token_ids = prompts
+            capture.choices = choices
+        return response
+
+    async def _route(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
         """Route every prompt: the request's events, and the first of them. flights: a list that gets each prompt's
         Flight, for the capture."""
         if len(prompts) == 1:
@@ -298,27 +285,16 @@ class Api:
             events = fanout.merged(streams, await fanout.start(streams), generations[0].n)
         return events, await events.__anext__()
 
-    def _check_fanout(self, num_prompts: int, n: int) -> None:
-        """Every choice is a sequence on a decode worker: one request may ask for as many as --max-n or
-        --max-prompts allow alone, not their product."""
-        most = max(self.config.max_n, self.config.max_prompts)
-        if num_prompts * n > most:
-            raise ApiError(
-                400, f"{num_prompts} prompts with n={n} make {num_prompts * n} choices; at most {most} per request", "n"
-            )
-
     async def admitted(self, request: Request, handler):
         """handler(request)'s response, the request let in (and held until it answers) as a generation is: for the
         tokenizer routes, which parse a body too."""
-        num_bytes = body_bytes(request)
-        refused = self.admission.refusal(num_bytes)
-        if refused is not None:
-            return error_response(refused, RETRY_AFTER)
-        self.admission.admit(num_bytes)
         try:
-            return await handler(request)
-        finally:
-            self.admission.release(num_bytes)
+            with self.admission.let_in(body_bytes(request)):
+                return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)  # nobody reads it
 
     async def off_loop(self, fn, *args, checks: bool = False):
         """fn(*args) on a text thread (checks: a check thread), in the request's context (its id on every log
@@ -423,6 +399,16 @@ class Api:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary", param)
         return ids
+
+
+def _refusal(exc: Exception) -> ApiError:
+    """What the client reads of a request refused before its first byte."""
+    if isinstance(exc, NoWorkers):
+        return ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
+    if isinstance(exc, MessageTooLarge):  # past the wire's bound for its kind: refused before it reaches a worker
+        param = exc.field.rsplit(".", 1)[-1].replace("prompt_token_ids", "prompt") or None
+        return ApiError(400, f"the request is too large to send to a worker: {exc}", param)
+    return exc
 
 
 async def client_disconnects(receive) -> None:
