@@ -8,7 +8,7 @@ from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint
 from kvferry.common.json_schema_support import MAX_ENUM_VALUES, MAX_VALUE_CHARS
 from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
-from kvferry.services.gateway.tools import NAME, Tools, tool_constraint
+from kvferry.services.gateway.tools import Tools, check_keys, check_named, tool_constraint
 
 ANY_OBJECT = '{"type":"object"}'
 STRUCTURED_KINDS = {"json": JSON, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR}
@@ -76,23 +76,15 @@ def _response_format(value) -> Constraint:
             "'response_format' must be an object whose 'type' is text, json_object or json_schema",
             "response_format",
         )
-    extra = sorted(set(value) - ({"type", "json_schema"} if value["type"] == "json_schema" else {"type"}))
-    if extra:
-        raise ApiError(400, f"unknown field {extra[0]!r} in 'response_format'", f"response_format.{extra[0]}")
+    check_keys(value, {"type", "json_schema"} if value["type"] == "json_schema" else {"type"}, "response_format")
     if value["type"] == "json_object":
         return Constraint(JSON, ANY_OBJECT, "response_format")
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise ApiError(400, f"'{where}' must be an object with 'name' and 'schema'", where)
-    extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
-    if extra:
-        raise ApiError(400, f"unknown field {extra[0]!r} in '{where}'", f"{where}.{extra[0]}")
-    if not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"]):
-        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, kind in (("description", str), ("strict", bool)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    check_keys(spec, JSON_SCHEMA_KEYS, where)
+    check_named(spec, where)
     if not isinstance(spec.get("schema"), dict):
         raise ApiError(400, f"'{where}.schema' must be a JSON Schema object", f"{where}.schema")
     return Constraint(JSON, checked_schema(spec["schema"], f"{where}.schema"), f"{where}.schema")

@@ -115,7 +115,8 @@ class ResponseConsumer:
         so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
         try:
             if shape.has_role_chunk:
-                first_chunks = [shape.delta_choice(s.index, "", None, None, first_chunk=True) for s in choices.states]
+                role = {"role": "assistant", "content": ""}
+                first_chunks = [shape.delta_choice(s.index, "", None, None, piece=role) for s in choices.states]
                 yield sse(shape.chunk(first_chunks, so_far()))
             async for event, delta, heavy in self._deltas():
                 # At least one chunk per token event, even when the text is held back: clients time tokens by

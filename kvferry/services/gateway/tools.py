@@ -130,20 +130,10 @@ def _parameters_field(i: int) -> str:
 def _function(tool, where: str) -> tuple[str, dict]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise ApiError(400, f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', where)
-    extra = set(tool) - {"type", "function"}
-    if extra:
-        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
-    function = tool["function"]
-    where += ".function"
-    extra = set(function) - FUNCTION_KEYS
-    if extra:
-        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
-    name = function.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, kind in (("description", str), ("strict", bool)):
-        if function.get(key) is not None and not isinstance(function[key], kind):
-            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    check_keys(tool, {"type", "function"}, where)
+    function, where = tool["function"], f"{where}.function"
+    check_keys(function, FUNCTION_KEYS, where)
+    name = check_named(function, where)
     schema = function.get("parameters")
     if schema is None:
         return name, dict(NO_PARAMETERS)
@@ -162,6 +152,23 @@ def _function(tool, where: str) -> tuple[str, dict]:
             path,
         )
     return name, schema
+
+
+def check_keys(value: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise ApiError(400, f"unknown field {extra[0]!r} in '{where}'", f"{where}.{extra[0]}")
+
+
+def check_named(spec: dict, where: str) -> str:
+    """The name of a function (or of a response_format's schema), and its optional description and strict, checked."""
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    return name
 
 
 def _tool_choice(choice, parameters: dict) -> tuple[str, str | None]:
