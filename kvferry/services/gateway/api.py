@@ -1,11 +1,9 @@
 """The OpenAI-compatible HTTP API (Starlette): completions, chat completions, models, tokenizer, health, workers,
 metrics and the OpenAPI description.
 
-What a client sends is bounded before it costs anything: the body is JSON nested at most MAX_JSON_DEPTH deep, with
-integers within 64 bits and strings that are Unicode text (json_body.parse_json_body); the prompts have at most
---max-prompt-chars characters together, checked before tokenizing; and one request asks for at most
-max(--max-n, --max-prompts) choices, prompts times n. Parsing and tokenizing run on a few threads of their own, so
-that a large prompt never holds up the event loop, and a client that disconnects ends its request on every worker.
+What a client sends is bounded before it costs anything (json_body.py, --max-prompt-chars before tokenizing, at most
+max(--max-n, --max-prompts) choices). Parsing and tokenizing run on threads of their own, so that a large prompt never
+holds up the event loop; a client that disconnects ends its request on every worker.
 """
 
 import asyncio
@@ -53,12 +51,10 @@ from kvferry.services.gateway.tools import Tools, parse_tools
 
 log = logging.getLogger("kvferry.gateway")
 VERSION = "0.1.0"
-# Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
-# few: each encode is one core's work, and more at once would only queue on the cores.
+# Parsing bodies and tokenizing prompts: a few threads, as each encode is one core's work.
 TEXT_THREADS = 4
-# A schema's or tools' checks may take up to their work budget (common/work_budget.py), about a second of the GIL at
-# the largest: they run on threads of their own, fewer than the text threads, so that a few large ones at once hold
-# up only each other, never the parsing and tokenizing of every other request.
+# A schema's or tools' checks (up to their work budget, common/work_budget.py): threads of their own, so that a few
+# large ones hold up only each other, never every other request's parsing and tokenizing.
 CHECK_THREADS = 2
 # All of a request's checks together: as many steps as the largest schema's own, twice over (the tools' schemas
 # together, and a response_format beside them, are each within MAX_CONSTRAINT_BYTES).
@@ -80,18 +76,14 @@ class Api:
         loaded_at: float | None = None,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        config: the gateway's settings: what one request may ask for, how many may wait (Admission), the API key
-        (default: their defaults); loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
+        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.created = int(time.time() if loaded_at is None else loaded_at)
         self.config = config = config or GatewayConfig()
-        self.api_key = config.api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
-        # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
-        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound. Both bounds live there alone.
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
@@ -128,7 +120,7 @@ class Api:
         json_paths = frozenset(route.path for route in routes if "POST" in route.methods)  # every POST takes JSON
         guards = Middleware(
             Guards,
-            api_key=self.api_key,
+            api_key=self.config.api_key,
             max_body_bytes=self.config.max_body_size,
             json_paths=json_paths,
             admission=self.admission,

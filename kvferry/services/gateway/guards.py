@@ -1,16 +1,10 @@
 """What every request passes before a route (pure ASGI middleware): the API key, the body's type and its size.
 
-With an API key, every route but an allow-list (/health, /metrics, /version, /openapi.json) needs
-`Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. Every kind of
-connection passes the same check, WebSockets included (refused before they are accepted, which a server answers
-with 403); only lifespan, which is the server's own, passes as it is.
-
-A POST to a route that reads a JSON body must say so: `application/json` (with parameters such as charset) or
-`application/*+json`. Any other type, or none, gets 415 before the body is read. Without this a web page could post
-a form or text/plain to a gateway on localhost without asking the browser's CORS preflight first.
-
-A body over the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one
-(which is then handed on whole, with its Content-Length).
+With an API key, every route but an allow-list needs `Authorization: Bearer KEY`, compared in constant time, so a
+route added later is closed by default; every kind of connection but lifespan is checked, WebSockets included. A POST
+with a JSON body must say so (`application/json` or `application/*+json`) or get 415 before it is read: else a web
+page could post a form to a gateway on localhost without the browser's CORS preflight. A body over the limit gets 413
+before the route reads it, by its Content-Length or by counting a chunked one (then handed on whole, with its length).
 """
 
 import hmac

@@ -1,10 +1,7 @@
-"""One request's events, from the first, into its choices and the client's response: whole (one JSON body once every
-choice is done) or streamed (server-sent events as they come).
-
-Both read the events through one loop (ResponseConsumer._deltas): a worker's error ends it, each event goes into its
-choice, and a choice that ended early (a stop string) is aborted on its worker while the others go on. Whatever way
-the response ends, the request's events are closed (what still runs is aborted on its workers) and its trace is
-finished once: 200, the worker's error, or 499 for a client that left.
+"""One request's events into its choices and the client's response: whole (one JSON body once every choice is done)
+or streamed (server-sent events as they come), both through one loop (ResponseConsumer._deltas). A choice that ended
+early (a stop string) is aborted on its worker while the others go on. However the response ends, what still runs is
+aborted on its workers and the trace is finished once: 200, the worker's error, or 499 for a client that left.
 """
 
 import functools

@@ -1,16 +1,11 @@
 """Chat's tools, tool_choice and parallel_tool_calls: checked, and turned into the structural tag that constrains
-the output to calls in kvferry's one format:
+the output to calls in kvferry's one format, `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`, ARGS
+following the function's parameter schema. "auto" lets the model write text and constrains a call once it writes
+`<tool_call>`; "required" allows only calls (at least one); a named function allows that one. Without
+parallel_tool_calls the output ends after the first call.
 
-    <tool_call>
-    {"name": "NAME", "arguments": ARGS}
-    </tool_call>
-
-where ARGS follows the function's parameter schema. "auto" lets the model write text and constrains a call once it
-writes `<tool_call>`; "required" allows only calls (at least one), separated by newlines; a named function allows
-that one call. Without parallel_tool_calls the output ends after the first call.
-
-The checks run cheapest first: every tool's shape, then the parameter schemas' size together (the tag holds them all),
-and only then each schema's metaschema and support walks, so that a large body of many tools is refused at once.
+The checks run cheapest first (every tool's shape, the parameter schemas' size together, then each schema's walks),
+so that a large body of many tools is refused at once.
 """
 
 import re
