@@ -105,8 +105,9 @@ class Api:
             Route("/v1/completions", functools.partial(self._serve, chat=False), methods=["POST"]),
             Route("/v1/chat/completions", functools.partial(self._serve, chat=True), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/tokenize", t.tokenize, methods=["POST"]),
-            Route("/detokenize", t.detokenize, methods=["POST"]),
+            # Let in as a generation is (admitted): they parse a body too.
+            Route("/tokenize", functools.partial(self.admitted, handler=t.tokenize), methods=["POST"]),
+            Route("/detokenize", functools.partial(self.admitted, handler=t.detokenize), methods=["POST"]),
             Route("/tokenizer_info", t.tokenizer_info, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -278,8 +279,7 @@ class Api:
         return events, await events.__anext__()
 
     async def admitted(self, request: Request, handler):
-        """handler(request)'s response, the request let in (and held until it answers) as a generation is: for the
-        tokenizer routes, which parse a body too."""
+        """handler(request)'s response, the request let in (and held until it answers) as a generation is."""
         try:
             with self.admission.let_in(body_bytes(request)):
                 return await handler(request)

@@ -1,7 +1,6 @@
-"""A request's one output constraint, from whichever field asks for it: OpenAI's response_format, vLLM's
-structured_outputs (json, regex, choice, grammar, json_object) or its older guided_json/_regex/_choice/_grammar, or
-chat's tools. At most one of them may; each error is a 400 naming its field, and a Constraint names the field it
-came from, so that a worker's compile error names it too.
+"""A request's one output constraint, from whichever field asks for it (at most one may): OpenAI's response_format,
+vLLM's structured_outputs or older guided_*, or chat's tools. A Constraint names its field, so that a worker's compile
+error names it too.
 """
 
 from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint

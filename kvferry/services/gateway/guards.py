@@ -11,13 +11,14 @@ import hmac
 import json
 
 from kvferry.services.gateway.admission import Admission
+from kvferry.services.gateway.api_error import ApiError
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
 WEBSOCKET_POLICY_VIOLATION = 1008
 
 
 def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
-    return status, json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+    return status, json.dumps(ApiError(status, message, None, code, kind).body()).encode()
 
 
 def is_json(content_type: bytes | None) -> bool:

@@ -1,8 +1,5 @@
-"""One HTTP request's observation at the gateway: its metrics, its spans and its closing log line.
-
-The API calls it as the request moves: each event from the workers, each detokenization, then
-finish. It turns that into the Prometheus histograms and counters and, with tracing on, into
-the request's `http`, `detokenize` and `finish` spans.
+"""One HTTP request's observation at the gateway, as the API reports each event, detokenization and its finish: the
+Prometheus figures, its closing log line and, with tracing on, its `arrival`, `http`, `detokenize` and `finish` spans.
 """
 
 import logging

@@ -1,11 +1,6 @@
-"""The tokenizer over HTTP, as vLLM serves it: /tokenize, /detokenize and /tokenizer_info; and the tokenizing the
-completion routes share with them.
-
-lm-evaluation-harness's `local-completions` finds these and then tokenizes through the server
-instead of downloading the tokenizer.
-
-Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-chars, checked first. A request is let
-in as a generation is (Api.admitted): within --max-waiting and --max-waiting-bytes until it has its reply.
+"""The tokenizer over HTTP, as vLLM serves it (lm-evaluation-harness's `local-completions` tokenizes through it):
+/tokenize, /detokenize and /tokenizer_info; and the tokenizing the completion routes share with them. Tokenizing runs
+on the API's text threads, within --max-prompt-chars, checked first; a request is let in as a generation is.
 """
 
 import time
@@ -61,12 +56,6 @@ class TokenizerRoutes:
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     async def tokenize(self, request: Request) -> JSONResponse:
-        return await self.api.admitted(request, self._tokenize)
-
-    async def detokenize(self, request: Request) -> JSONResponse:
-        return await self.api.admitted(request, self._detokenize)
-
-    async def _tokenize(self, request: Request) -> JSONResponse:
         body = await self.api.json_body(request)
         values = schema_of(TOKENIZE, self.api.config).read(body, self.api.vocab_size)
         if "messages" in body:
@@ -84,7 +73,7 @@ class TokenizerRoutes:
             {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids, "token_strs": None}
         )
 
-    async def _detokenize(self, request: Request) -> JSONResponse:
+    async def detokenize(self, request: Request) -> JSONResponse:
         most, vocab_size = self.api.model_max_len, self.api.vocab_size  # no prompt nor completion is longer
         tokens = (await self.api.json_body(request)).get("tokens")
         if isinstance(tokens, list) and len(tokens) > most:
