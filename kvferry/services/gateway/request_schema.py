@@ -136,17 +136,3 @@ class Schema:
         for name in self.required:  # a required field is never null
             out["properties"][name].pop("nullable", None)
         return out
-
-
-def field(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
-    """One field read where no Schema reads the body (a tool's checks, a tokenizer route's), checked."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
-        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(400, f"'{name}' must be a finite number", name)
-    if check is not None and not check(value):
-        raise ApiError(400, f"'{name}' is out of range: {value!r}", name)
-    return value

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, STRUCTURAL_TAG, Constraint
 from kvferry.services.gateway.api_error import ApiError
-from kvferry.services.gateway.request_schema import field
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 
 MAX_TOOLS = 128
@@ -45,7 +44,10 @@ class Tools:
 
 def parse_tools(body: dict) -> Tools | None:
     """A chat request's tools; None when it has none (and tool_choice, if given, is "none")."""
-    tools = field(body, "tools", (list,), [])
+    tools = body.get("tools")  # checked here: no Schema has read the body yet
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be list", "tools")
+    tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise ApiError(400, f"at most {MAX_TOOLS} tools per request", "tools")
     parameters = {}
@@ -57,11 +59,13 @@ def parse_tools(body: dict) -> Tools | None:
     _check_size_together(list(parameters.values()))
     for i, schema in enumerate(parameters.values()):
         checked_schema(schema, _parameters_field(i))
-    parallel = field(body, "parallel_tool_calls", (bool,), True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be bool", "parallel_tool_calls")
     choice, named = _tool_choice(body.get("tool_choice"), parameters)
     if not tools:
         return None
-    return Tools(tools, parameters, choice, named, parallel)
+    return Tools(tools, parameters, choice, named, parallel is not False)
 
 
 def tool_constraint(tools: Tools) -> Constraint | None:
