@@ -17,8 +17,7 @@ class RequestTrace:
         self.capture = capture  # a CapturedRequest with --capture-dir, else None
         self.tracer = tracing.tracer()
         self.arrived_at = arrived_at
-        self.last_token_at = 0.0
-        self.last_token_at_by_choice: dict[int, float] = {}  # inter-token latency is per choice
+        self.last_token_at: dict[int, float] = {}  # per choice, as inter-token latency is
         self.num_prompt = self.num_out = 0
         self.n = 1
         self.finished = False
@@ -45,7 +44,7 @@ class RequestTrace:
         now, n = time.time(), len(event.token_ids)
         if not n:
             return
-        previous = self.last_token_at_by_choice.get(event.choice)
+        previous = self.last_token_at.get(event.choice)
         gap = (now - previous) / n if previous is not None else None  # each of the n tokens waited this long
         if self.capture is not None:
             self.capture.tokens(event.choice, event.token_ids, now - self.arrived_at, gap)
@@ -53,18 +52,17 @@ class RequestTrace:
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
         first = event.first_token
-        if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
+        if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at:
             m.queue.observe(first.queue_s)  # each prompt's first token: one prefill per prompt of a batch
             m.prefill.observe(first.prefill_s)
         if gap is not None:
             for _ in range(n):
                 m.itl.observe(gap)
-        self.last_token_at_by_choice[event.choice] = now
+        self.last_token_at[event.choice] = now
         decoded = event.decode_tokens
         if decoded is not None and decoded.kv_transfer_bytes:
             m.kv_time.observe(decoded.kv_transfer_s)
             m.kv_bytes.observe(decoded.kv_transfer_bytes)
-        self.last_token_at = now
         self.num_out += n
         m.generation_tokens.inc(n)
 

@@ -58,7 +58,8 @@ class ResponseConsumer:
         while True:
             if event.error:
                 raise worker_error(event)
-            self.kv_transfer_s = max(self.kv_transfer_s, kv_hop_s(event))
+            if event.decode_tokens is not None:  # a choice's first tokens from decode report their KV's transfer
+                self.kv_transfer_s = max(self.kv_transfer_s, event.decode_tokens.kv_transfer_s)
             heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
             delta = await self._apply(event, heavy)
             if delta is not None:
@@ -148,9 +149,3 @@ def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, hea
     whole = shape.whole(choices.whole(shape), use)
     whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
     return JSONResponse(whole, headers=headers)
-
-
-def kv_hop_s(event) -> float:
-    """The KV transfer time a decode worker reported with a choice's first tokens (0 for any other event)."""
-    decoded = event.decode_tokens
-    return decoded.kv_transfer_s if decoded is not None else 0.0
