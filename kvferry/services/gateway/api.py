@@ -296,10 +296,9 @@ class Api:
         return await asyncio.get_running_loop().run_in_executor(threads, run)
 
     async def checks_off_loop(self, request: Request, deadline: float, fn, *args, checks: bool = False):
-        """fn(*args), work on the request's content, off the loop (checks: on a check thread, for a schema's or
-        tools' checks). Their work budgets (common/work_budget.py) stop them at their next look once nobody wants
-        the answer: the client left (ClientDisconnect here), the deadline (time.monotonic()) passed (504), or the
-        gateway stops (503)."""
+        """off_loop(fn, *args) under the request's work budget (common/work_budget.py), which stops it at its next look
+        once nobody wants the answer: the client left (ClientDisconnect), the deadline passed (504), the gateway stops
+        (503)."""
         work = RequestWork(deadline, REQUEST_CHECK_STEPS)
         token = current_request.set(work)  # the task below, and so the thread, run in a copy of this context
         self.running_checks.add(work)

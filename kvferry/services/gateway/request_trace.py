@@ -27,17 +27,12 @@ class RequestTrace:
         output's constraint, "" for none."""
         self.num_prompt, self.n = num_prompt, n
         self.metrics.prompt_tokens.inc(num_prompt)
+        at = self.arrived_at
+        self._child_span("arrival", at, at, path=self.path, prompt_tokens=num_prompt, constraint=constraint)
+
+    def _child_span(self, name: str, start: float, end: float, **attrs) -> None:
         if self.tracer.enabled:
-            self.tracer.span(
-                "arrival",
-                self.arrived_at,
-                self.arrived_at,
-                self.request_id,
-                tracing.child_of(self.ctx),
-                path=self.path,
-                prompt_tokens=num_prompt,
-                constraint=constraint,
-            )
+            self.tracer.span(name, start, end, self.request_id, tracing.child_of(self.ctx), **attrs)
 
     def tokens(self, event) -> None:
         """A worker's event with tokens arrived."""
@@ -67,10 +62,7 @@ class RequestTrace:
         m.generation_tokens.inc(n)
 
     def detokenized(self, started: float, num_tokens: int) -> None:
-        if self.tracer.enabled:
-            self.tracer.span(
-                "detokenize", started, time.time(), self.request_id, tracing.child_of(self.ctx), num_tokens=num_tokens
-            )
+        self._child_span("detokenize", started, time.time(), num_tokens=num_tokens)
 
     def finish(self, status: int, reason: str | None = None, error: str | None = None) -> None:
         """The response is complete (reason; with n choices, theirs joined by commas), failed (error), or the client
@@ -100,4 +92,4 @@ class RequestTrace:
             }
             # http first: a reader that sees `finish` in a file then sees the http span too.
             self.tracer.span("http", self.arrived_at, now, self.request_id, self.ctx, **attrs)
-            self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)
+            self._child_span("finish", now, now, **attrs)

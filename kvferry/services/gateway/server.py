@@ -159,9 +159,8 @@ class GatewayCore:
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
                 await self._register_reply(p.UNKNOWN_WORKER, peer, env.trace)
         elif isinstance(msg, p.CacheUpdate):
-            worker = self.registry.workers.get(msg.worker_id)
-            # (A worker the gateway dropped learns so from its next heartbeat.)
-            if worker is not None and not self._spoofed(msg, peer, user_id, worker):
+            # (A worker the gateway dropped learns so from its next heartbeat: the registry ignores its update.)
+            if not self._spoofed(msg, peer, user_id, self.registry.workers.get(msg.worker_id)):
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
