@@ -42,21 +42,17 @@ def structured(kind: str, value, name: str) -> Constraint:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ApiError(400, f"'{name}' must be a non-empty list of strings", name)
-        _check_choices(value, name)
+        # The bounds of an enum's values: each is an alternative the engine precomputes masks for.
+        if len(value) > MAX_ENUM_VALUES:
+            raise ApiError(400, f"'{name}' has {len(value)} choices; at most {MAX_ENUM_VALUES}", name)
+        num_chars = sum(map(len, value))
+        if num_chars > MAX_VALUE_CHARS:
+            raise ApiError(400, f"'{name}' holds {num_chars} characters in all; at most {MAX_VALUE_CHARS}", name)
         return Constraint(CHOICE, canonical(value, name), name)
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"'{name}' must be a non-empty string", name)
     check_size(value, name)
     return Constraint(STRUCTURED_KINDS[kind], value, name)
-
-
-def _check_choices(choices: list[str], name: str) -> None:
-    """The bounds of an enum (choices are its values): each is an alternative the engine precomputes masks for."""
-    if len(choices) > MAX_ENUM_VALUES:
-        raise ApiError(400, f"'{name}' has {len(choices)} choices; at most {MAX_ENUM_VALUES}", name)
-    num_chars = sum(map(len, choices))
-    if num_chars > MAX_VALUE_CHARS:
-        raise ApiError(400, f"'{name}' holds {num_chars} characters in all; at most {MAX_VALUE_CHARS}", name)
 
 
 def _asks(name: str, value) -> bool:
