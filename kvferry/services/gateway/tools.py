@@ -73,26 +73,14 @@ def tool_constraint(tools: Tools) -> Constraint | None:
     if not tools.calls_allowed:
         return None
     tags = {name: _tag(name, schema) for name, schema in tools.parameters.items()}
+    required, every = tools.choice == "required", list(tags.values())
+    ends = {"at_least_one": required, "stop_after_first": not tools.parallel}
     if tools.named is not None:
         form, name = tags[tools.named], "tool_choice"
-    elif tools.choice == "required":
-        form = {
-            "type": "tags_with_separator",
-            "tags": list(tags.values()),
-            "separator": "\n",
-            "at_least_one": True,
-            "stop_after_first": not tools.parallel,
-        }
-        name = "tool_choice"
-    else:
-        form = {
-            "type": "triggered_tags",
-            "triggers": [CALL_BEGIN],
-            "tags": list(tags.values()),
-            "at_least_one": False,
-            "stop_after_first": not tools.parallel,
-        }
-        name = "tools"
+    elif required:  # only calls, separated by newlines
+        form, name = {"type": "tags_with_separator", "tags": every, "separator": "\n", **ends}, "tool_choice"
+    else:  # text, until the model writes <tool_call>
+        form, name = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": every, **ends}, "tools"
     return Constraint(STRUCTURAL_TAG, canonical({"type": "structural_tag", "format": form}, name), name)
 
 
