@@ -15,7 +15,6 @@ from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import SamplingParams
 from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS, schema_of
-from kvferry.services.gateway.request_schema import Schema
 
 # A body's field named as one of SamplingParams' goes to it as read (so a new sampling parameter is its Param in
 # request_fields.py, beside the engine's field); these are worked out from several fields instead.
@@ -60,73 +59,66 @@ def parse_generations(
     output's tool calls."""
     schema = schema_of(CHAT if chat else COMPLETIONS, limits)
     values = schema.read(body, vocab_size)
-    return [_generation(values, schema, chat, ids, max_model_len, constraint, tool_calls) for ids in prompts]
-
-
-def _generation(
-    values: dict,
-    schema: Schema,
-    chat: bool,
-    prompt_ids: list[int],
-    max_model_len: int,
-    constraint: Constraint | None,
-    tool_calls: bool,
-) -> Generation:
-    num_prompt = len(prompt_ids)
-    if num_prompt >= max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
-            f"has {num_prompt} tokens, leaving none to generate.",
-            "messages" if chat else "prompt",
-            "context_length_exceeded",
-        )
     echo = values.get("echo", False)  # completions only
     name = "max_completion_tokens" if values.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens, most = values[name], schema.params[name].hi
-    if max_tokens is not None and max_tokens < 1 and not echo:
-        raise ApiError(400, f"'{name}' must be an integer of at least 1 (0 only with echo)", name)
-    if max_tokens is None:
-        max_tokens = min(max_model_len - num_prompt, most) if chat else 16
-    if num_prompt + max_tokens > max_model_len:
-        raise ApiError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
-            f"{max_tokens} for the completion).",
-            name,
-            "context_length_exceeded",
+    most, options = schema.params[name].hi, values["stream_options"] or {}
+    generations = []
+    for prompt_ids in prompts:
+        num_prompt = len(prompt_ids)
+        if num_prompt >= max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, your prompt "
+                f"has {num_prompt} tokens, leaving none to generate.",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
+        max_tokens = values[name]
+        if max_tokens is not None and max_tokens < 1 and not echo:
+            raise ApiError(400, f"'{name}' must be an integer of at least 1 (0 only with echo)", name)
+        if max_tokens is None:
+            max_tokens = min(max_model_len - num_prompt, most) if chat else 16
+        if num_prompt + max_tokens > max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you "
+                f"requested {num_prompt + max_tokens} tokens ({num_prompt} in the prompt, "
+                f"{max_tokens} for the completion).",
+                name,
+                "context_length_exceeded",
+            )
+        if max_tokens > most:
+            raise ApiError(400, f"'{name}' may be at most {most} on this server", name)
+        if values["stream_options"] is not None and not values["stream"]:
+            raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
+        logprobs = _logprobs(values, chat)
+        try:
+            params = SamplingParams(
+                max_tokens=max(1, max_tokens),
+                **{key: values[key] for key in SAMPLING if key in values},
+                logprobs=logprobs,
+                prompt_logprobs=logprobs if echo else None,
+                constraint=constraint,
+            )
+        except InvalidRequest as exc:  # what no one field says: min_tokens past max_tokens
+            raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
+        generations.append(
+            Generation(
+                prompt_ids,
+                params,
+                values["stop"] or [],
+                values["stream"],
+                bool(options.get("include_usage")),
+                values["n"],
+                echo,
+                logprobs,
+                prompt_only=echo and max_tokens == 0,
+                tool_calls=tool_calls,
+                return_token_ids=values["return_token_ids"],
+                continuous_usage=bool(options.get("continuous_usage_stats")),
+            )
         )
-    if max_tokens > most:
-        raise ApiError(400, f"'{name}' may be at most {most} on this server", name)
-    if values["stream_options"] is not None and not values["stream"]:
-        raise ApiError(400, "'stream_options' is only allowed with stream=true", "stream_options")
-    options = values["stream_options"] or {}
-    logprobs = _logprobs(values, chat)
-    try:
-        params = SamplingParams(
-            max_tokens=max(1, max_tokens),
-            **{key: values[key] for key in SAMPLING if key in values},
-            logprobs=logprobs,
-            prompt_logprobs=logprobs if echo else None,
-            constraint=constraint,
-        )
-    except InvalidRequest as exc:  # what no one field says: min_tokens past max_tokens
-        raise ApiError(400, str(exc), str(exc).split(" ")[0]) from None
-    return Generation(
-        prompt_ids,
-        params,
-        values["stop"] or [],
-        values["stream"],
-        bool(options.get("include_usage")),
-        values["n"],
-        echo,
-        logprobs,
-        prompt_only=echo and max_tokens == 0,
-        tool_calls=tool_calls,
-        return_token_ids=values["return_token_ids"],
-        continuous_usage=bool(options.get("continuous_usage_stats")),
-    )
+    return generations
 
 
 def _logprobs(values: dict, chat: bool) -> int | None:
