@@ -154,15 +154,8 @@ class Api:
     # -- simple routes -------------------------------------------------------------------------------------
     async def models(self, request: Request) -> JSONResponse:
         """The one model under each of its names, as vLLM lists them; created: when the gateway loaded it."""
-        max_model_len = self.max_model_len
-        card = lambda name: {  # noqa: E731
-            "id": name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "kvferry",
-            "max_model_len": max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card(name) for name in self.model_names]})
+        card = {"object": "model", "created": self.created, "owned_by": "kvferry", "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [{"id": name, **card} for name in self.model_names]})
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": VERSION})

@@ -123,13 +123,11 @@ class CompletionLogprobs:
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
-            if entry is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(entry.logprob)
-            top = {self.token_text(i): v for i, v in zip(entry.top_ids, entry.top_logprobs)}
-            top.setdefault(text, entry.logprob)  # OpenAI's top_logprobs always hold the chosen token
+            top = None
+            if entry is not None:
+                top = {self.token_text(i): v for i, v in zip(entry.top_ids, entry.top_logprobs)}
+                top.setdefault(text, entry.logprob)  # OpenAI's top_logprobs always hold the chosen token
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
             out["top_logprobs"].append(top)
         return out
 
