@@ -27,7 +27,7 @@ from kvferry.common.json_schema_support import (
 )
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.common.work_budget import WorkBudget
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.schema_checks import checked_schema
 
 pytestmark = pytest.mark.slow  # seconds of work: `make check` leaves it to `make test`

@@ -15,8 +15,8 @@ from kvferry.common.json_schema_support import (
     check_supported,
 )
 from kvferry.common.work_budget import CHECK_EVERY, RequestWork, WorkBudget, WorkCancelled, current_request
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.constraints import structured
-from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.schema_checks import checked_schema
 
 GUARD_S = 60  # only a guard against a hang: what is asserted are counts and outcomes

@@ -9,14 +9,15 @@ from starlette.testclient import TestClient
 
 from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_STOP_TOKEN_IDS
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.guards import Guards
-from kvferry.services.gateway.request_parsing import ApiError, parse_generation
+from kvferry.services.gateway.request_parsing import parse_generations
 
 
 def parse(body, chat=False, num_prompt=5, max_model_len=64):
-    return parse_generation(
-        body, chat, list(range(num_prompt)), max_model_len, 1000, GatewayConfig(max_tokens_limit=100)
-    )
+    return parse_generations(
+        body, chat, [list(range(num_prompt))], max_model_len, 1000, GatewayConfig(max_tokens_limit=100)
+    )[0]
 
 
 def test_a_prompt_that_fills_the_context_is_refused_before_any_default():
@@ -48,14 +49,14 @@ def test_the_largest_max_tokens_is_a_limit_but_the_context_comes_first():
 
 def refused(body, limits=None) -> ApiError:
     with pytest.raises(ApiError) as caught:
-        parse_generation(body, False, [1, 2, 3], 64, 1000, limits or GatewayConfig(max_tokens_limit=100))
+        parse_generations(body, False, [[1, 2, 3]], 64, 1000, limits or GatewayConfig(max_tokens_limit=100))
     assert caught.value.status == 400
     return caught.value
 
 
 def test_stop_strings_are_bounded_in_length_each_and_together():
     limits = GatewayConfig(max_tokens_limit=100, max_stop=4, max_stop_length=10, max_stop_chars=25)
-    ok = lambda stop: parse_generation({"stop": stop}, False, [1, 2, 3], 64, 1000, limits).stop  # noqa: E731
+    ok = lambda stop: parse_generations({"stop": stop}, False, [[1, 2, 3]], 64, 1000, limits)[0].stop  # noqa: E731
     assert ok("x" * 10) == ["x" * 10] and ok(["x" * 10, "y" * 10, "z" * 5]) == ["x" * 10, "y" * 10, "z" * 5]
     error = refused({"stop": "x" * 11}, limits)
     assert error.param == "stop" and "10 characters" in error.message

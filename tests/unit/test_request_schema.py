@@ -5,9 +5,10 @@ import pytest
 
 from kvferry.common.gateway_config import GatewayConfig
 from kvferry.services.gateway import request_fields
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_fields import CHAT, COMPLETIONS
-from kvferry.services.gateway.request_parsing import ApiError, check_fields, parse_generation
+from kvferry.services.gateway.request_parsing import check_fields, parse_generations
 from kvferry.services.gateway.request_schema import INTEGER, NUMBER, Param
 
 VOCAB = 1000
@@ -17,7 +18,7 @@ BASE = {COMPLETIONS: {"prompt": "x", "max_tokens": 4}, CHAT: {"messages": [], "m
 
 
 def parse(body: dict, name: str, limits: GatewayConfig = LIMITS):
-    return parse_generation({**BASE[name], **body}, name == CHAT, [1, 2, 3], 1000, VOCAB, limits)
+    return parse_generations({**BASE[name], **body}, name == CHAT, [[1, 2, 3]], 1000, VOCAB, limits)[0]
 
 
 def refusal(body: dict, name: str, limits: GatewayConfig = LIMITS) -> ApiError:

@@ -25,8 +25,8 @@ from kvferry.common.json_schema_support import (
 )
 from kvferry.common.sequence import FinishReason
 from kvferry.services.gateway.api import Api
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.flight import Event
-from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.schema_checks import checked_schema
 from tests.gateway_api import in_process_api
 
@@ -96,10 +96,10 @@ def test_the_schema_keeps_the_users_key_order():
 
 
 def test_the_constraint_reaches_every_choice():
-    from kvferry.services.gateway.request_parsing import parse_generation
+    from kvferry.services.gateway.request_parsing import parse_generations
 
     constraint = Constraint("regex", "x", "structured_outputs.regex")
-    g = parse_generation({"n": 3}, False, [1, 2], 64, 1000, GatewayConfig(max_tokens_limit=100), constraint)
+    g = parse_generations({"n": 3}, False, [[1, 2]], 64, 1000, GatewayConfig(max_tokens_limit=100), constraint)[0]
     assert g.params.constraint == constraint and g.n == 3
 
 

@@ -18,9 +18,9 @@ from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.sequence import FinishReason
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.chat_messages import checked_messages
 from kvferry.services.gateway.flight import Event
-from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.tool_calls import ToolCallParser, delta_pieces, parse_tool_calls
 from kvferry.services.gateway.tool_prompt import DEFAULT_TOOL_PROMPT, ToolPrompt, for_template
 from kvferry.services.gateway.tools import MAX_TOOLS, parse_tools

@@ -1,15 +1,14 @@
-"""What the gateway lets in at once: requests that are not answered yet, counted (--max-waiting) and by their body's
-bytes (--max-waiting-bytes).
+"""What the gateway lets in at once: requests not answered yet, counted (--max-waiting) and by their bodies' bytes
+(--max-waiting-bytes): parsed, a body takes many times its raw size, so a count alone would let gigabytes in.
 
-A body waits in memory for the text threads, and parsed it takes about 11 times its raw size: a count alone would
-let --max-waiting bodies of --max-body-size in, gigabytes. So every route that parses a body is let in here with its
-raw size (its Content-Length, which the Guards give a chunked body too, before the route reads it) and gives both
-back once it is answered: a generation at its first event, a tokenizer route with its reply. Past either bound a
-request gets 429 with retry-after at once, before its body is read. A chunked body, whose size nobody knows before it
-is read, is read by the Guards under a reservation of --max-body-size bytes (reserve_bytes), past which it gets the
-same 429 before any of it is read. A lone request is always let in, whatever its
-size (the Guards' --max-body-size bounds it), so that a budget below that size refuses no request forever.
+Every route that parses a body is let in with its raw size (its Content-Length, which the Guards give a chunked body
+too) before reading it, and gives both back once answered: a generation at its first event, a tokenizer route with its
+reply. Past either bound it gets 429 with retry-after at once. The Guards read a chunked body under a reservation of
+--max-body-size bytes (reserve_bytes). A lone request is always let in, whatever its size (--max-body-size bounds it),
+so that a budget below that size refuses no request forever.
 """
+
+import contextlib
 
 from starlette.requests import Request
 
@@ -26,11 +25,9 @@ def body_bytes(request: Request) -> int:
 
 
 class Admission:
-    """The one owner of both bounds and of what they count: the Api lets each request in here, the Guards reserve a
-    chunked body's bytes here."""
+    """The one owner of both bounds (0: none) and of what they count."""
 
     def __init__(self, max_waiting: int = 0, max_waiting_bytes: int = 0):
-        """max_waiting: requests; max_waiting_bytes: their raw bodies' bytes; 0: no bound."""
         self.max_waiting, self.max_waiting_bytes = max_waiting, max_waiting_bytes
         # Counted from the moment a request is let in, so that a burst cannot pass the bounds while it is parsed.
         self.num_unanswered = 0
@@ -41,15 +38,29 @@ class Admission:
         max_waiting = self.max_waiting
         if max_waiting and self.num_unanswered >= max_waiting:
             # Refused at once, not queued until it times out: the client backs off and comes back.
-            return ApiError(429, f"too many requests waiting ({max_waiting}); retry shortly", kind="rate_limit_error")
+            message = f"too many requests waiting ({max_waiting}); retry shortly"
+            return ApiError(429, message, kind="rate_limit_error", headers=RETRY_AFTER)
         if not self.bytes_fit(num_bytes):
             return ApiError(
                 429,
                 f"too many request bytes waiting ({self.num_unanswered_bytes} let in, {num_bytes} more asked, at most "
                 f"{self.max_waiting_bytes}: {settings.label('max_waiting_bytes')}); retry shortly",
                 kind="rate_limit_error",
+                headers=RETRY_AFTER,
             )
         return None
+
+    @contextlib.contextmanager
+    def let_in(self, num_bytes: int):
+        """The request let in (admit) until the block ends, when it is answered; its 429 raised if it may not be."""
+        refused = self.refusal(num_bytes)
+        if refused is not None:
+            raise refused
+        self.admit(num_bytes)
+        try:
+            yield
+        finally:
+            self.release(num_bytes)
 
     def reserve_bytes(self, num_bytes: int) -> bool:
         """Hold num_bytes for a body being read, unless that passes the byte bound while other bytes are held (a lone
@@ -60,8 +71,7 @@ class Admission:
         return True
 
     def bytes_fit(self, num_bytes: int) -> bool:
-        """Whether num_bytes more stay within --max-waiting-bytes; always, when nothing is held (a lone request or
-        body is let in whatever its size: the Guards' --max-body-size bounds it)."""
+        """Whether num_bytes more stay within --max-waiting-bytes; always, when nothing is held."""
         held = self.num_unanswered_bytes
         return not (self.max_waiting_bytes and held and held + num_bytes > self.max_waiting_bytes)
 

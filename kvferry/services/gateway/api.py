@@ -1,11 +1,9 @@
 """The OpenAI-compatible HTTP API (Starlette): completions, chat completions, models, tokenizer, health, workers,
 metrics and the OpenAPI description.
 
-What a client sends is bounded before it costs anything: the body is JSON nested at most MAX_JSON_DEPTH deep, with
-integers within 64 bits and strings that are Unicode text (json_body.parse_json_body); the prompts have at most
---max-prompt-chars characters together, checked before tokenizing; and one request asks for at most
-max(--max-n, --max-prompts) choices, prompts times n. Parsing and tokenizing run on a few threads of their own, so
-that a large prompt never holds up the event loop, and a client that disconnects ends its request on every worker.
+What a client sends is bounded before it costs anything (json_body.py, --max-prompt-chars before tokenizing, at most
+max(--max-n, --max-prompts) choices). Parsing and tokenizing run on threads of their own, so that a large prompt never
+holds up the event loop; a client that disconnects ends its request on every worker.
 """
 
 import asyncio
@@ -31,8 +29,8 @@ from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
 from kvferry.services.gateway import fanout
-from kvferry.services.gateway.admission import RETRY_AFTER, Admission, body_bytes
-from kvferry.services.gateway.api_error import error_response
+from kvferry.services.gateway.admission import Admission, body_bytes
+from kvferry.services.gateway.api_error import ApiError, error_response
 from kvferry.services.gateway.capture import CaptureWriter
 from kvferry.services.gateway.choices import Choices
 from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
@@ -41,7 +39,7 @@ from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
-from kvferry.services.gateway.request_parsing import ApiError, Generation, check_fields, parse_generation
+from kvferry.services.gateway.request_parsing import Generation, check_fields, parse_generations
 from kvferry.services.gateway.request_trace import RequestTrace
 from kvferry.services.gateway.response_consumer import ResponseConsumer
 from kvferry.services.gateway.response_size import check_response_size
@@ -53,12 +51,10 @@ from kvferry.services.gateway.tools import Tools, parse_tools
 
 log = logging.getLogger("kvferry.gateway")
 VERSION = "0.1.0"
-# Parsing a body and tokenizing its prompts take up to a second or so for the largest: they run on these threads. A
-# few: each encode is one core's work, and more at once would only queue on the cores.
+# Parsing bodies and tokenizing prompts: a few threads, as each encode is one core's work.
 TEXT_THREADS = 4
-# A schema's or tools' checks may take up to their work budget (common/work_budget.py), about a second of the GIL at
-# the largest: they run on threads of their own, fewer than the text threads, so that a few large ones at once hold
-# up only each other, never the parsing and tokenizing of every other request.
+# A schema's or tools' checks (up to their work budget, common/work_budget.py): threads of their own, so that a few
+# large ones hold up only each other, never every other request's parsing and tokenizing.
 CHECK_THREADS = 2
 # All of a request's checks together: as many steps as the largest schema's own, twice over (the tools' schemas
 # together, and a response_format beside them, are each within MAX_CONSTRAINT_BYTES).
@@ -80,18 +76,14 @@ class Api:
         loaded_at: float | None = None,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        config: the gateway's settings: what one request may ask for, how many may wait (Admission), the API key
-        (default: their defaults); loaded_at: when the model's files were loaded (Unix time), /v1/models' created; default: now."""
+        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
         self.created = int(time.time() if loaded_at is None else loaded_at)
         self.config = config = config or GatewayConfig()
-        self.api_key = config.api_key
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
-        # Requests let in and not answered yet (a generation's first event, a tokenizer route's reply), counted and
-        # by their bodies' bytes: what --max-waiting and --max-waiting-bytes bound. Both bounds live there alone.
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
         self.metrics = GatewayMetrics(core)
         self.token_text = TokenText(tokenizer)
@@ -110,11 +102,12 @@ class Api:
     def routes(self) -> list[Route]:
         t = self.tokenizer_routes
         return [
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._serve, chat=False), methods=["POST"]),
+            Route("/v1/chat/completions", functools.partial(self._serve, chat=True), methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
-            Route("/tokenize", t.tokenize, methods=["POST"]),
-            Route("/detokenize", t.detokenize, methods=["POST"]),
+            # Let in as a generation is (admitted): they parse a body too.
+            Route("/tokenize", functools.partial(self.admitted, handler=t.tokenize), methods=["POST"]),
+            Route("/detokenize", functools.partial(self.admitted, handler=t.detokenize), methods=["POST"]),
             Route("/tokenizer_info", t.tokenizer_info, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -128,7 +121,7 @@ class Api:
         json_paths = frozenset(route.path for route in routes if "POST" in route.methods)  # every POST takes JSON
         guards = Middleware(
             Guards,
-            api_key=self.api_key,
+            api_key=self.config.api_key,
             max_body_bytes=self.config.max_body_size,
             json_paths=json_paths,
             admission=self.admission,
@@ -161,15 +154,8 @@ class Api:
     # -- simple routes -------------------------------------------------------------------------------------
     async def models(self, request: Request) -> JSONResponse:
         """The one model under each of its names, as vLLM lists them; created: when the gateway loaded it."""
-        max_model_len = self.max_model_len
-        card = lambda name: {  # noqa: E731
-            "id": name,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "kvferry",
-            "max_model_len": max_model_len,
-        }
-        return JSONResponse({"object": "list", "data": [card(name) for name in self.model_names]})
+        card = {"object": "model", "created": self.created, "owned_by": "kvferry", "max_model_len": self.max_model_len}
+        return JSONResponse({"object": "list", "data": [{"id": name, **card} for name in self.model_names]})
 
     async def version(self, request: Request) -> JSONResponse:
         return JSONResponse({"version": VERSION})
@@ -209,12 +195,6 @@ class Api:
         return JSONResponse(openapi_spec(VERSION, self.config))
 
     # -- generation ----------------------------------------------------------------------------------------
-    async def completions(self, request: Request):
-        return await self._serve(request, chat=False)
-
-    async def chat_completions(self, request: Request):
-        return await self._serve(request, chat=True)
-
     async def _serve(self, request: Request, chat: bool):
         arrived_at, arrived_monotonic = time.time(), time.monotonic()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # the one id, on every message and log line
@@ -224,71 +204,61 @@ class Api:
         path = request.url.path
         capture = self.capture.request(rid, ctx.trace_id, self.model_name, path, arrived_at) if self.capture else None
         trace = RequestTrace(self.metrics, rid, ctx, path, arrived_at, capture)
-        if self.core.draining:
-            error = ApiError(503, "the server is shutting down", kind="service_unavailable")
-            trace.finish(503, error=error.message)
-            return error_response(error, headers)
-        num_bytes = body_bytes(request)
-        refused = self.admission.refusal(num_bytes)
-        if refused is not None:
-            trace.finish(429, error=refused.message)
-            return error_response(refused, {**headers, **RETRY_AFTER})
-        self.admission.admit(num_bytes)
-        if capture is not None:
-            capture.num_body_bytes = num_bytes
         try:
-            body = await self.json_body(request)
-            if capture is not None:
-                capture.record.body = body
-            deadline = arrived_monotonic + self.core.deadlines.request_s
-            checked = any(body.get(name) is not None for name in CHECKED_FIELDS)
-            rules = self.checks_off_loop(request, deadline, self.output_rules, body, chat, checks=checked)
-            tools, constraint = await rules
-            prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
-            calls = tools is not None and tools.calls_allowed
-            generations = [
-                parse_generation(
-                    body, chat, ids, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
+            if self.core.draining:
+                raise ApiError(503, "the server is shutting down", kind="service_unavailable")
+            num_bytes = body_bytes(request)
+            with self.admission.let_in(num_bytes):  # until its first event
+                if capture is not None:
+                    capture.num_body_bytes = num_bytes
+                response = await self._start(
+                    request, chat, rid, ctx, arrived_monotonic + self.core.deadlines.request_s, trace
                 )
-                for ids in prompts
-            ]
-            generation = generations[0]
-            self._check_fanout(len(prompts), generation.n)
-            check_response_size(generations, chat, body, self.config)
-            shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
-            choices = Choices(generations, self.tokenizer, self.token_text, chat)
-            choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
-            # Routing errors surface with the first event, before any byte is sent.
-            flights = capture.flights if capture is not None else None
-            events, first = await self._unless_client_leaves(
-                request, self._start(prompts, generations, rid, ctx, flights)
-            )
-            response = ResponseConsumer(self, events, first, choices, shape, trace)
-            await response.check_first()
-            trace.admitted(sum(len(ids) for ids in prompts), generation.n, constraint.kind if constraint else "")
-            if capture is not None:
-                capture.record.prompt_token_ids = prompts
-                capture.choices = choices
-        except ApiError as exc:
-            trace.finish(exc.status, error=exc.message)
-            return error_response(exc, headers)
-        except NoWorkers as exc:
-            error = ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
-            trace.finish(503, error=error.message)
-            return error_response(error, headers)
-        except MessageTooLarge as exc:  # past the wire's bound for its kind: refused before it reaches a worker
-            param = exc.field.rsplit(".", 1)[-1].replace("prompt_token_ids", "prompt") or None
-            error = ApiError(400, f"the request is too large to send to a worker: {exc}", param)
-            trace.finish(400, error=error.message)
+        except (ApiError, NoWorkers, MessageTooLarge) as exc:
+            error = _refusal(exc)
+            trace.finish(error.status, error=error.message)
             return error_response(error, headers)
         except ClientDisconnect:  # the client left: whatever it had started ended on every worker
             trace.finish(499)
             return Response(status_code=499)  # nobody reads it
-        finally:
-            self.admission.release(num_bytes)
         return await response.respond(request, headers)
 
-    async def _start(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
+    async def _start(self, request: Request, chat: bool, rid: str, ctx, deadline: float, trace: RequestTrace):
+        """Parse and route the request: its ResponseConsumer, holding its first event (a routing error surfaces
+        with it, before any byte is sent)."""
+        body = await self.json_body(request)
+        capture = trace.capture
+        if capture is not None:
+            capture.record.body = body
+        checked = any(body.get(name) is not None for name in CHECKED_FIELDS)
+        tools, constraint = await self.checks_off_loop(request, deadline, self.output_rules, body, chat, checks=checked)
+        prompts = await self.checks_off_loop(request, deadline, self.prompt_ids, body, chat, tools)
+        calls = tools is not None and tools.calls_allowed
+        generations = parse_generations(
+            body, chat, prompts, self.max_model_len, self.vocab_size, self.config, constraint, tool_calls=calls
+        )
+        n, most = generations[0].n, max(self.config.max_n, self.config.max_prompts)
+        if len(prompts) * n > most:  # each choice is a sequence on a decode worker: --max-n or --max-prompts, not both
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most {most} per request",
+                "n",
+            )
+        check_response_size(generations, chat, body, self.config)
+        shape = ChatShape(rid, self.model_name) if chat else CompletionShape(rid, self.model_name)
+        choices = Choices(generations, self.tokenizer, self.token_text, chat)
+        choices.flight_ids = [rid] if len(prompts) == 1 else [f"{rid}/p{p}" for p in range(len(prompts))]
+        flights = capture.flights if capture is not None else None
+        events, first = await self._unless_client_leaves(request, self._route(prompts, generations, rid, ctx, flights))
+        response = ResponseConsumer(self, events, first, choices, shape, trace)
+        await response.check_first()
+        trace.admitted(sum(len(ids) for ids in prompts), n, constraint.kind if constraint else "")
+        if capture is not None:
+            capture.record.prompt_token_ids = prompts
+            capture.choices = choices
+        return response
+
+    async def _route(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
         """Route every prompt: the request's events, and the first of them. flights: a list that gets each prompt's
         Flight, for the capture."""
         if len(prompts) == 1:
@@ -301,27 +271,15 @@ class Api:
             events = fanout.merged(streams, await fanout.start(streams), generations[0].n)
         return events, await events.__anext__()
 
-    def _check_fanout(self, num_prompts: int, n: int) -> None:
-        """Every choice is a sequence on a decode worker: one request may ask for as many as --max-n or
-        --max-prompts allow alone, not their product."""
-        most = max(self.config.max_n, self.config.max_prompts)
-        if num_prompts * n > most:
-            raise ApiError(
-                400, f"{num_prompts} prompts with n={n} make {num_prompts * n} choices; at most {most} per request", "n"
-            )
-
     async def admitted(self, request: Request, handler):
-        """handler(request)'s response, the request let in (and held until it answers) as a generation is: for the
-        tokenizer routes, which parse a body too."""
-        num_bytes = body_bytes(request)
-        refused = self.admission.refusal(num_bytes)
-        if refused is not None:
-            return error_response(refused, RETRY_AFTER)
-        self.admission.admit(num_bytes)
+        """handler(request)'s response, the request let in (and held until it answers) as a generation is."""
         try:
-            return await handler(request)
-        finally:
-            self.admission.release(num_bytes)
+            with self.admission.let_in(body_bytes(request)):
+                return await handler(request)
+        except ApiError as exc:
+            return error_response(exc)
+        except ClientDisconnect:
+            return JSONResponse({}, status_code=499)  # nobody reads it
 
     async def off_loop(self, fn, *args, checks: bool = False):
         """fn(*args) on a text thread (checks: a check thread), in the request's context (its id on every log
@@ -331,10 +289,9 @@ class Api:
         return await asyncio.get_running_loop().run_in_executor(threads, run)
 
     async def checks_off_loop(self, request: Request, deadline: float, fn, *args, checks: bool = False):
-        """fn(*args), work on the request's content, off the loop (checks: on a check thread, for a schema's or
-        tools' checks). Their work budgets (common/work_budget.py) stop them at their next look once nobody wants
-        the answer: the client left (ClientDisconnect here), the deadline (time.monotonic()) passed (504), or the
-        gateway stops (503)."""
+        """off_loop(fn, *args) under the request's work budget (common/work_budget.py), which stops it at its next look
+        once nobody wants the answer: the client left (ClientDisconnect), the deadline passed (504), the gateway stops
+        (503)."""
         work = RequestWork(deadline, REQUEST_CHECK_STEPS)
         token = current_request.set(work)  # the task below, and so the thread, run in a copy of this context
         self.running_checks.add(work)
@@ -426,6 +383,16 @@ class Api:
         if bad is not None:
             raise ApiError(400, f"token id {bad} is outside the vocabulary", param)
         return ids
+
+
+def _refusal(exc: Exception) -> ApiError:
+    """What the client reads of a request refused before its first byte."""
+    if isinstance(exc, NoWorkers):
+        return ApiError(503, f"no workers to serve the request: {exc}", kind="service_unavailable")
+    if isinstance(exc, MessageTooLarge):  # past the wire's bound for its kind: refused before it reaches a worker
+        param = exc.field.rsplit(".", 1)[-1].replace("prompt_token_ids", "prompt") or None
+        return ApiError(400, f"the request is too large to send to a worker: {exc}", param)
+    return exc
 
 
 async def client_disconnects(receive) -> None:

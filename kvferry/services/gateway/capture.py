@@ -1,14 +1,9 @@
-"""Traffic capture: one JSON line per finished request (common/capture.py has the format), for replay and planning.
+"""Traffic capture (--capture-dir): one JSON line per finished request (common/capture.py has the format).
 
-Off unless --capture-dir is given. The event loop only gathers a request's figures into a Record, which costs a list
-append per token message; serializing, redacting and writing happen on one writer thread, so a large body never
-holds up the loop. The queue to that thread is bounded, in records and in bytes (a record holds its request's whole
-body): past it, records are dropped and counted, never waited for.
-
-Files are named capture-<UTC time>-<gateway id>-<sequence>.jsonl, so that a folder's files sort in the order they
-were written and several gateways can share one folder. A file past --capture-max-bytes is closed and the next one
-started; past --capture-max-total-bytes in the folder, the oldest capture files no gateway is writing are deleted
-(capture_files.py: the files' modes, names and locks).
+The event loop only gathers a request's figures into a Record; serializing, redacting and writing happen on one
+writer thread, so a large body never holds up the loop. The queue to it is bounded in records and in bytes (a record
+holds its whole body): past it, records are dropped and counted, never waited for. capture_files.py names, rotates
+and deletes the files.
 """
 
 import logging
@@ -23,9 +18,7 @@ from kvferry.services.gateway.capture_files import CaptureFiles, CaptureLimits
 
 log = logging.getLogger("kvferry.gateway")
 MAX_QUEUED_RECORDS = 1024  # finished requests waiting for the writer thread; past it they are dropped
-# The same, by the bytes of their bodies as sent (parsed, about 11 times that) and their outputs. A lone record
-# larger than this is still queued.
-MAX_QUEUED_BYTES = 16 * 2**20
+MAX_QUEUED_BYTES = 16 * 2**20  # the same, by their bodies as sent and their outputs (a lone record always fits)
 
 
 class CaptureWriter:
@@ -103,8 +96,8 @@ class CaptureWriter:
 
 @dataclass
 class CapturedRequest:
-    """One request's record as it forms, fed by the gateway's RequestTrace: its times are the ones the trace
-    measures for the metrics (TTFT, each inter-token gap, e2e), so the capture and /metrics agree."""
+    """One request's record as it forms, fed by its RequestTrace, whose times are the metrics': the capture and
+    /metrics agree."""
 
     writer: CaptureWriter
     record: Record

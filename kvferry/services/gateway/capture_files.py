@@ -1,13 +1,11 @@
-"""The capture folder's files: private, never opened through a planted name, rotated without deleting another
-gateway's open file.
+"""The capture folder's files (users' prompts and outputs): private, never opened through a planted name, rotated
+without deleting another gateway's open file.
 
-They hold users' prompts and outputs. The folder is made 0700 and each file 0600, created with O_EXCL|O_NOFOLLOW:
-a name someone else created first, a file or a symlink to one, is skipped for the next, never written through. A
-folder that others may write, or that another user owns, is named in a warning at start.
-
-Several gateways may share the folder. Each holds an exclusive flock on the file it writes, for as long as it
-writes it; past the total cap, a gateway deletes the oldest capture files whose lock it can take, so a live
-gateway's open file stays, and a dead gateway's (its lock went with its process) goes like any closed one.
+The folder is made 0700 and each file 0600, created with O_EXCL|O_NOFOLLOW: a name someone else made first is skipped,
+never written through. Files are named capture-<UTC time>-<gateway id>-<sequence>.jsonl, so that they sort in the
+order written and several gateways can share the folder. Each holds an exclusive flock on the file it writes; past
+--capture-max-total-bytes a gateway deletes the oldest files whose lock it can take, so a live gateway's open file
+stays and a dead one's goes.
 """
 
 import fcntl

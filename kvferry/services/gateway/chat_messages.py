@@ -1,11 +1,10 @@
-"""Chat messages as OpenAI sends them, checked before the chat template sees them: each has a role and text content,
-except an assistant's that carries tool_calls (its content may be null) and a tool's, which also needs the
-tool_call_id it answers. Each error is a 400 naming the message (`messages[2].tool_calls[0].function`).
+"""Chat messages as OpenAI sends them, checked before the chat template sees them: each has a role and text content
+(null beside an assistant's tool_calls; a tool's also needs its tool_call_id), each error naming where it is.
 """
 
 import json
 
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.responses import text_of
 
 

@@ -1,12 +1,7 @@
-"""Turning a request's worker events into its choices: text with stop strings, logprobs, finish reasons.
-
-One ChoiceState per choice (`n`). Each event for a choice yields that choice's delta: the new text
-(held back at a partial character or a possible stop string), its logprobs part, and the finish
-reason when the choice ends. With echo the prompt comes first; with max_tokens 0 (prompt_only)
-the one token the workers generate is dropped and only the prompt is returned. A chat with tools
-it may call has its text read for tool calls (tool_calls.py): as it streams, into content and
-tool-call deltas; whole, at the end. A choice that ends with tool calls finishes "tool_calls"
-where it would have finished "stop"; one whose constraint reached a dead end finishes "error".
+"""A request's worker events into its choices: each event yields its choice's delta (the new text, held back at a
+partial character or a possible stop string; its logprobs; the finish reason at the end). With echo the prompt comes
+first; with max_tokens 0 (prompt_only) the one generated token is dropped. A chat that may call tools has its text read
+for calls (tool_calls.py), as it streams or whole, and finishes "tool_calls" where it would have finished "stop".
 """
 
 from dataclasses import dataclass, field
@@ -61,10 +56,10 @@ class Choices:
             for p, g in enumerate(generations)
             for c in range(g.n)
         ]
-        self.prompt_logprobs: dict[int, list] = {}  # per prompt (id of its Generation): sent with its choice 0
-        self.echoed: dict[int, str] = {}  # per prompt: its text, decoded once for all its choices
-        # Per prompt: its logprobs part and the text offset after it, built once for all its choices: n times a
-        # long prompt's entries would be n times the work and the memory.
+        # Per prompt (the id of its Generation), built once for all its n choices: its logprobs (sent with choice 0's
+        # first token), its text, and its logprobs part with the text offset after it.
+        self.prompt_logprobs: dict[int, list] = {}
+        self.echoed: dict[int, str] = {}
         self.echoed_logprobs: dict[int, tuple[dict, int]] = {}
         self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
 

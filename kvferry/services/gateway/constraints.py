@@ -1,14 +1,13 @@
-"""A request's one output constraint, from whichever field asks for it: OpenAI's response_format, vLLM's
-structured_outputs (json, regex, choice, grammar, json_object) or its older guided_json/_regex/_choice/_grammar, or
-chat's tools. At most one of them may; each error is a 400 naming its field, and a Constraint names the field it
-came from, so that a worker's compile error names it too.
+"""A request's one output constraint, from whichever field asks for it (at most one may): OpenAI's response_format,
+vLLM's structured_outputs or older guided_*, or chat's tools. A Constraint names its field, so that a worker's compile
+error names it too.
 """
 
 from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, Constraint
 from kvferry.common.json_schema_support import MAX_ENUM_VALUES, MAX_VALUE_CHARS
-from kvferry.services.gateway.request_parsing import ApiError
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
-from kvferry.services.gateway.tools import NAME, Tools, tool_constraint
+from kvferry.services.gateway.tools import Tools, check_keys, check_named, tool_constraint
 
 ANY_OBJECT = '{"type":"object"}'
 STRUCTURED_KINDS = {"json": JSON, "regex": REGEX, "choice": CHOICE, "grammar": GRAMMAR}
@@ -43,21 +42,17 @@ def structured(kind: str, value, name: str) -> Constraint:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ApiError(400, f"'{name}' must be a non-empty list of strings", name)
-        _check_choices(value, name)
+        # The bounds of an enum's values: each is an alternative the engine precomputes masks for.
+        if len(value) > MAX_ENUM_VALUES:
+            raise ApiError(400, f"'{name}' has {len(value)} choices; at most {MAX_ENUM_VALUES}", name)
+        num_chars = sum(map(len, value))
+        if num_chars > MAX_VALUE_CHARS:
+            raise ApiError(400, f"'{name}' holds {num_chars} characters in all; at most {MAX_VALUE_CHARS}", name)
         return Constraint(CHOICE, canonical(value, name), name)
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"'{name}' must be a non-empty string", name)
     check_size(value, name)
     return Constraint(STRUCTURED_KINDS[kind], value, name)
-
-
-def _check_choices(choices: list[str], name: str) -> None:
-    """The bounds of an enum (choices are its values): each is an alternative the engine precomputes masks for."""
-    if len(choices) > MAX_ENUM_VALUES:
-        raise ApiError(400, f"'{name}' has {len(choices)} choices; at most {MAX_ENUM_VALUES}", name)
-    num_chars = sum(map(len, choices))
-    if num_chars > MAX_VALUE_CHARS:
-        raise ApiError(400, f"'{name}' holds {num_chars} characters in all; at most {MAX_VALUE_CHARS}", name)
 
 
 def _asks(name: str, value) -> bool:
@@ -76,23 +71,15 @@ def _response_format(value) -> Constraint:
             "'response_format' must be an object whose 'type' is text, json_object or json_schema",
             "response_format",
         )
-    extra = sorted(set(value) - ({"type", "json_schema"} if value["type"] == "json_schema" else {"type"}))
-    if extra:
-        raise ApiError(400, f"unknown field {extra[0]!r} in 'response_format'", f"response_format.{extra[0]}")
+    check_keys(value, {"type", "json_schema"} if value["type"] == "json_schema" else {"type"}, "response_format")
     if value["type"] == "json_object":
         return Constraint(JSON, ANY_OBJECT, "response_format")
     spec = value.get("json_schema")
     where = "response_format.json_schema"
     if not isinstance(spec, dict):
         raise ApiError(400, f"'{where}' must be an object with 'name' and 'schema'", where)
-    extra = sorted(set(spec) - JSON_SCHEMA_KEYS)
-    if extra:
-        raise ApiError(400, f"unknown field {extra[0]!r} in '{where}'", f"{where}.{extra[0]}")
-    if not isinstance(spec.get("name"), str) or not NAME.fullmatch(spec["name"]):
-        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, kind in (("description", str), ("strict", bool)):
-        if spec.get(key) is not None and not isinstance(spec[key], kind):
-            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    check_keys(spec, JSON_SCHEMA_KEYS, where)
+    check_named(spec, where)
     if not isinstance(spec.get("schema"), dict):
         raise ApiError(400, f"'{where}.schema' must be a JSON Schema object", f"{where}.schema")
     return Constraint(JSON, checked_schema(spec["schema"], f"{where}.schema"), f"{where}.schema")

@@ -1,13 +1,10 @@
-"""Incremental detokenization with stop strings, as the gateway streams a request's text.
+"""Incremental detokenization with stop strings, its work per new token bounded however long the output (decoding
+all of it again per token once let one request freeze the event loop).
 
-The work per new token is bounded, however long the output: decoding the whole output again for every token, and
-comparing long stop strings against all of it, once let one request freeze the gateway's event loop.
-
-- Tokens are decoded in a short window, as vLLM and tokenizers' DecodeStream do: the window starts a token or two
-  before the unread ones, so that the tokenizer sees the context it needs there (a word's leading space, the first
-  bytes of a character), and the text it gives past the window's read part is the new text.
-- Stop strings are found by one Aho-Corasick automaton over all of them. Its state stands for all the text seen: the
-  longest suffix of it that begins a stop string, which is also what must be held back.
+- Tokens are decoded in a short window, as vLLM's and tokenizers' DecodeStream: it starts a token or two before the
+  unread ones, so the tokenizer sees the context it needs (a word's leading space, a character's first bytes).
+- Stop strings are found by one Aho-Corasick automaton; its state is the longest suffix of the text that begins a
+  stop string, which is also what must be held back.
 """
 
 from collections import deque
@@ -19,9 +16,8 @@ MAX_UNSETTLED = 32  # a window partial for this many tokens settles anyway (only
 
 
 class StopStrings:
-    """An Aho-Corasick automaton over the stop strings. After some text its state is the longest suffix of the text
-    that begins a stop string (depth: the characters to hold back). A state whose text ends with a whole stop string
-    is a match; of the stop strings that end at one character, the longest counts, so the text is cut earliest."""
+    """An Aho-Corasick automaton over the stop strings (depth: a state's characters, to hold back). Of the stop
+    strings that end at one character, the longest counts, so the text is cut earliest."""
 
     def __init__(self, stops: tuple[str, ...]):
         self.children: list[dict[str, int]] = [{}]
@@ -79,10 +75,9 @@ def skipped_ids(tokenizer) -> frozenset[int]:
 
 
 class IncrementalText:
-    """One choice's text, a few tokens at a time. add returns what is safe to send: it holds back a partial character
-    at the end and what may begin a stop string, and cuts the text where a stop string first ends (then `stopped`).
-    With flush's at the end, what it sends is tokenizer.decode(all the tokens, skip_special_tokens=True), cut before
-    the stop string that ends first (the longest, of those ending at one character)."""
+    """One choice's text, a few tokens at a time. add returns what is safe to send, holding back a partial character
+    and what may begin a stop string; with flush's at the end, it is tokenizer.decode(all the tokens,
+    skip_special_tokens=True), cut before the stop string that ends first (then `stopped`)."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer

@@ -1,7 +1,5 @@
-"""Several prompts in one completions request: one flight per prompt, their events merged into one stream.
-
-Prompt p flies as <request id>/p<p>, and its choice c becomes choice p * n + c. Closing the merged
-stream closes every flight, which aborts whatever is still running on the workers.
+"""Several prompts in one completions request: one flight per prompt (<request id>/p<p>), their events merged into
+one stream, choice c of prompt p as choice p * n + c. Closing it closes every flight, aborting what still runs.
 """
 
 import asyncio

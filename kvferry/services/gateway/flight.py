@@ -1,10 +1,8 @@
 """One request on its way through the workers, as the gateway keeps it: pure state, no sockets.
 
-Workers' messages can arrive twice, late, out of order (a decode worker's tokens may overtake the
-prefill worker's first token) or never. Each token message says where its tokens start in their
-choice's output, so the flight delivers every token exactly once and in order, holds back what
-comes early, and notices a gap. When a worker fails, the flight knows what was delivered, which
-is what a new attempt resumes from.
+Workers' messages can arrive twice, late, out of order (decode's tokens may overtake prefill's first token) or never.
+Each token message says where its tokens start in their choice's output, so the flight delivers every token exactly
+once and in order, holds back what comes early, and notices a gap; a new attempt resumes from what was delivered.
 """
 
 import asyncio
@@ -20,12 +18,9 @@ MAX_QUEUED_EVENTS = 4096  # token messages per choice waiting for a request's co
 
 @dataclass
 class Event:
-    """What a request's loop consumes: new tokens of one choice, or an error.
-
-    Tokens come from a FirstToken or a Tokens message, in one shape for both; the fields here are what the flight
-    trims and renumbers (a repeat, a fan-out's choice offset). What only one kind carries (the prefill timings,
-    the prompt's logprobs, the KV hop) is read from the message itself: `first_token`, `decode_tokens`. Errors
-    come from a RequestFailed or from the gateway itself (a deadline, a lost worker)."""
+    """What a request's loop consumes: new tokens of one choice, or an error (a RequestFailed's or the gateway's own).
+    The fields are what the flight trims and renumbers; what only a FirstToken or a Tokens carries (prefill timings,
+    the prompt's logprobs, the KV hop) is read from the message itself: `first_token`, `decode_tokens`."""
 
     token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
@@ -45,10 +40,6 @@ class Event:
     @property
     def decode_tokens(self) -> p.Tokens | None:
         return self.message if isinstance(self.message, p.Tokens) else None
-
-    @property
-    def from_decode(self) -> bool:
-        return self.decode_tokens is not None
 
 
 @dataclass
@@ -116,7 +107,7 @@ class Flight:
         now = time.monotonic()
         self.last_progress = now
         self.got_first_token = True
-        self.decode_started |= event.from_decode
+        self.decode_started |= event.decode_tokens is not None
         c = event.choice
         if self.finished[c]:
             return []

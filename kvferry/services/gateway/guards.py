@@ -1,29 +1,20 @@
 """What every request passes before a route (pure ASGI middleware): the API key, the body's type and its size.
 
-With an API key, every route but an allow-list (/health, /metrics, /version, /openapi.json) needs
-`Authorization: Bearer KEY`, compared in constant time: a route added later is closed by default. Every kind of
-connection passes the same check, WebSockets included (refused before they are accepted, which a server answers
-with 403); only lifespan, which is the server's own, passes as it is.
-
-A POST to a route that reads a JSON body must say so: `application/json` (with parameters such as charset) or
-`application/*+json`. Any other type, or none, gets 415 before the body is read. Without this a web page could post
-a form or text/plain to a gateway on localhost without asking the browser's CORS preflight first.
-
-A body over the limit gets 413 before the route reads it: by its Content-Length, or by counting a chunked one
-(which is then handed on whole, with its Content-Length).
+With an API key, every route but an allow-list needs `Authorization: Bearer KEY`, compared in constant time, so a
+route added later is closed by default; every kind of connection but lifespan is checked, WebSockets included. A POST
+with a JSON body must say so (`application/json` or `application/*+json`) or get 415 before it is read: else a web
+page could post a form to a gateway on localhost without the browser's CORS preflight. A body over the limit gets 413
+before the route reads it, by its Content-Length or by counting a chunked one (then handed on whole, with its length).
 """
 
 import hmac
 import json
 
-from kvferry.services.gateway.admission import Admission
+from kvferry.services.gateway.admission import RETRY_AFTER, Admission
+from kvferry.services.gateway.api_error import ApiError
 
 OPEN_PATHS = {"/health", "/metrics", "/version", "/openapi.json"}
 WEBSOCKET_POLICY_VIOLATION = 1008
-
-
-def _error(status: int, message: str, code: str, kind: str = "invalid_request_error") -> tuple[int, bytes]:
-    return status, json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
 
 
 def is_json(content_type: bytes | None) -> bool:
@@ -66,42 +57,39 @@ class Guards:
             return await self.app(scope, receive, send)
         if scope["method"] == "POST" and path in self.json_paths and not is_json(headers.get(b"content-type")):
             message = "the body must be JSON: send 'Content-Type: application/json'"
-            return await self._reply(send, *_error(415, message, "unsupported_media_type"))
+            return await self._reply(send, ApiError(415, message, code="unsupported_media_type"))
         length = headers.get(b"content-length")
-        too_big = _error(413, f"the request body exceeds {self.max_body_bytes} bytes", "request_too_large")
+        too_big = ApiError(413, f"the request body exceeds {self.max_body_bytes} bytes", code="request_too_large")
         if length is not None:
             # Compared by its digits first: int() refuses strings of thousands of digits.
             if not length.isdigit() or len(length) > 18 or int(length) > self.max_body_bytes:
-                return await self._reply(send, *too_big)
+                return await self._reply(send, too_big)
             return await self.app(scope, receive, send)
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         # A chunked body: read it here, up to the limit, under a reservation of the limit (its size is known only once
         # read, and until then it is memory that the bytes let in must count), and hand it on whole.
         if self.admission is not None and not self.admission.reserve_bytes(self.max_body_bytes):
-            message = f"too many request bytes waiting to send a chunked body of up to {self.max_body_bytes}"
-            refusal = _error(429, f"{message}; retry shortly", "rate_limit_error", "rate_limit_error")
-            return await self._reply(send, *refusal, [(b"retry-after", b"1")])
+            message = (
+                f"too many request bytes waiting to send a chunked body of up to {self.max_body_bytes}; retry shortly"
+            )
+            refusal = ApiError(429, message, code="rate_limit_error", kind="rate_limit_error", headers=RETRY_AFTER)
+            return await self._reply(send, refusal)
         try:
             body = await self._read_chunked(receive)
         finally:
             if self.admission is not None:
                 self.admission.release_bytes(self.max_body_bytes)
         if body is None:
-            return await self._reply(send, *too_big)
+            return await self._reply(send, too_big)
         if body is False:
             return  # the client left
-        size = len(body)
-        sent = False
         # Handed on as a body of known length: what the API's admission charges (admission.py) before reading it.
-        scope = {**scope, "headers": [*scope.get("headers", ()), (b"content-length", str(size).encode())]}
+        scope = {**scope, "headers": [*scope.get("headers", ()), (b"content-length", str(len(body)).encode())]}
+        unread = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
+            return unread.pop() if unread else await receive()
 
         return await self.app(scope, replay, send)
 
@@ -124,21 +112,14 @@ class Guards:
         at all for a kind of connection this middleware does not know."""
         if scope["type"] == "http":
             message = f"API key {what}: send 'Authorization: Bearer <key>'"
-            await self._reply(send, *_error(401, message, "invalid_api_key"))
+            await self._reply(send, ApiError(401, message, code="invalid_api_key"))
         elif scope["type"] == "websocket" and (await receive())["type"] == "websocket.connect":
             await send({"type": "websocket.close", "code": WEBSOCKET_POLICY_VIOLATION, "reason": f"API key {what}"})
 
     @staticmethod
-    async def _reply(send, status: int, body: bytes, headers: list | None = None) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    *(headers or ()),
-                ],
-            }
-        )
+    async def _reply(send, error: ApiError) -> None:
+        body = json.dumps(error.body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        headers += [(name.encode(), value.encode()) for name, value in error.headers.items()]
+        await send({"type": "http.response.start", "status": error.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

@@ -12,9 +12,8 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
 def parse_json_body(raw: bytes) -> dict:
-    """The body as a JSON object, or an ApiError that says what is wrong with it. Beyond being JSON: nested at most
-    MAX_JSON_DEPTH deep, every integer within 64 bits, and every string Unicode text (JSON's \\u escapes allow a lone
-    surrogate, which neither UTF-8 nor the tokenizer can take)."""
+    """The body as a JSON object, bounded as above (JSON's \\u escapes allow a lone surrogate, which neither UTF-8 nor
+    the tokenizer can take)."""
     nested = f"the body is nested more than {MAX_JSON_DEPTH} levels deep"
     try:
         body = json.loads(raw)

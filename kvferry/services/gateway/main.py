@@ -1,7 +1,5 @@
-"""`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process.
-
-On SIGTERM it drains: new requests and /health get 503 (a load balancer stops sending), the requests
-in flight finish within --drain-timeout, then it exits. A second SIGTERM, or Ctrl-C, stops at once.
+"""`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process. On SIGTERM it drains: new
+requests and /health get 503, those in flight finish within --drain-timeout; a second SIGTERM, or Ctrl-C, stops at once.
 """
 
 import asyncio

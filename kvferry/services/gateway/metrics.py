@@ -1,8 +1,6 @@
-"""Prometheus metrics of the gateway, `GET /metrics`: its own request figures, plus what workers heartbeat.
-
-Names follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_first_token_seconds`).
-Worker figures are read from the registry at scrape time, so a worker that leaves leaves the
-output with it.
+"""Prometheus metrics of the gateway, `GET /metrics`: its own request figures, plus what workers heartbeat. Names
+follow vLLM's (`vllm:time_to_first_token_seconds` -> `kvferry:time_to_first_token_seconds`). Worker figures are read
+from the registry at scrape time, so a worker that leaves leaves the output with it.
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -74,10 +72,7 @@ class WorkerFigures:
         )
         errors.add_metric(["gateway"], self.core.control.num_protocol_errors)
         for w in workers:
-            labels = [w.worker_id, p.Role(w.role).name.lower()]
-            stats = w.stats
-            if stats is None:
-                continue
+            labels, stats = [w.worker_id, w.role.name.lower()], w.stats
             gauges["num_requests_running"].add_metric(labels, stats.num_running)
             gauges["num_requests_waiting"].add_metric(labels, stats.num_waiting)
             gauges["queued_prompt_tokens"].add_metric(labels, w.num_queued_prompt_tokens)
@@ -91,24 +86,21 @@ class WorkerFigures:
         live = GaugeMetricFamily("kvferry:num_workers", "Live workers per role.", labels=["role"])
         for role in p.Role:
             live.add_metric([role.name.lower()], sum(1 for w in workers if w.role == role))
-        in_flight = GaugeMetricFamily("kvferry:gateway_requests_in_flight", "Requests the gateway is serving.")
-        in_flight.add_metric([], len(self.core.flights))
-        waiting = GaugeMetricFamily(
-            "kvferry:gateway_requests_waiting",
-            "Requests routed but without their first token (bounded by --max-waiting).",
-        )
-        waiting.add_metric([], self.core.num_waiting())
-        moves = CounterMetricFamily("kvferry:request_moves", "Requests moved to other workers after a failure.")
-        moves.add_metric([], self.core.num_moves)
-        duplicates = CounterMetricFamily("kvferry:duplicate_messages", "Repeated messages the gateway dropped.")
-        duplicates.add_metric([], self.core.control.num_duplicates)
-        forged = CounterMetricFamily(
-            "kvferry:forged_messages", "Worker messages dropped: from a connection that may not send them."
-        )
-        forged.add_metric([], self.core.num_forged)
+        core = self.core
         yield from gauges.values()
         yield from grammar.values()
-        yield from (preemptions, errors, live, in_flight, waiting, moves, duplicates, forged)
+        yield from (preemptions, errors, live)
+        yield GaugeMetricFamily(
+            "kvferry:gateway_requests_in_flight", "Requests the gateway is serving.", len(core.flights)
+        )
+        waiting = "Requests routed but without their first token (bounded by --max-waiting)."
+        yield GaugeMetricFamily("kvferry:gateway_requests_waiting", waiting, core.num_waiting())
+        moves = "Requests moved to other workers after a failure."
+        yield CounterMetricFamily("kvferry:request_moves", moves, core.num_moves)
+        duplicates = "Repeated messages the gateway dropped."
+        yield CounterMetricFamily("kvferry:duplicate_messages", duplicates, core.control.num_duplicates)
+        forged = "Worker messages dropped: from a connection that may not send them."
+        yield CounterMetricFamily("kvferry:forged_messages", forged, core.num_forged)
 
 
 class GatewayMetrics:

@@ -1,7 +1,7 @@
 """GET /openapi.json: every route, its request schema and its error responses (OpenAPI 3.0). The request bodies'
 schemas are their endpoints' declarations (request_fields.py), the same that check every request."""
 
-from kvferry.services.gateway.other_fields import tool_call
+from kvferry.services.gateway.other_fields import STRING, nullable, object_of, tool_call
 from kvferry.services.gateway.request_fields import BUILDERS, schema_of
 
 ERROR_CODES = {
@@ -12,128 +12,71 @@ ERROR_CODES = {
     "415": "the body is not sent as JSON (Content-Type: application/json)",
     "503": "no live prefill or decode worker",
 }
+FINISH_REASONS = ["stop", "length", "tool_calls", "error", "abort"]
 
 
 def _chat_completion() -> dict:
     """The whole chat response (a stream sends chat.completion.chunk events of the same parts as deltas)."""
-    return {
-        "type": "object",
-        "properties": {
-            "id": {"type": "string"},
-            "object": {"type": "string"},
-            "choices": {
-                "type": "array",
-                "items": {
-                    "type": "object",
-                    "properties": {
-                        "index": {"type": "integer"},
-                        "message": {
-                            "type": "object",
-                            "properties": {
-                                "role": {"type": "string"},
-                                "content": {"type": "string", "nullable": True},
-                                "tool_calls": {"type": "array", "items": tool_call()},
-                            },
-                        },
-                        "finish_reason": {"type": "string", "enum": ["stop", "length", "tool_calls", "error", "abort"]},
-                        "error": {
-                            "type": "object",
-                            "description": 'with finish_reason "error": the output constraint allowed no token',
-                            "properties": {"message": {"type": "string"}, "type": {"type": "string"}},
-                        },
-                    },
-                },
-            },
-            "usage": {"type": "object"},
-        },
-    }
+    message = object_of(
+        {"role": STRING, "content": nullable(STRING), "tool_calls": {"type": "array", "items": tool_call()}}
+    )
+    error = object_of(
+        {"message": STRING, "type": STRING},
+        description='with finish_reason "error": the output constraint allowed no token',
+    )
+    choice = object_of(
+        {
+            "index": {"type": "integer"},
+            "message": message,
+            "finish_reason": {**STRING, "enum": FINISH_REASONS},
+            "error": error,
+        }
+    )
+    choices = {"type": "array", "items": choice}
+    return object_of({"id": STRING, "object": STRING, "choices": choices, "usage": {"type": "object"}})
 
 
-def _errors() -> dict:
-    return {
-        code: {"description": what, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-        for code, what in ERROR_CODES.items()
-    }
+def _json(schema: dict, description: str) -> dict:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
-def _post(summary: str, schema: str, errors: bool = True, reply: str | None = None) -> dict:
+def _errors(*codes: str) -> dict:
+    return {code: _json({"$ref": "#/components/schemas/Error"}, ERROR_CODES[code]) for code in codes or ERROR_CODES}
+
+
+def _post(summary: str, schema: str, reply: str | None = None) -> dict:
     reply_schema = {"$ref": f"#/components/schemas/{reply}"} if reply else {"type": "object"}
-    responses = {
-        "200": {
-            "description": "success (text/event-stream when stream is true)",
-            "content": {"application/json": {"schema": reply_schema}},
-        }
+    request = {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
     }
-    if errors:
-        responses.update(_errors())
-    return {
-        "post": {
-            "summary": summary,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}},
-            },
-            "responses": responses,
-        }
-    }
+    responses = {"200": _json(reply_schema, "success (text/event-stream when stream is true)"), **_errors()}
+    return {"post": {"summary": summary, "requestBody": request, "responses": responses}}
 
 
 def _get(summary: str, extra: dict | None = None) -> dict:
-    return {
-        "get": {
-            "summary": summary,
-            "responses": {
-                "200": {"description": "success", "content": {"application/json": {"schema": {"type": "object"}}}},
-                **(extra or {}),
-            },
-        }
-    }
+    return {"get": {"summary": summary, "responses": {"200": _json({"type": "object"}, "success"), **(extra or {})}}}
 
 
 def openapi_spec(version: str, limits) -> dict:
+    error = object_of({"message": STRING, "type": STRING, "param": nullable(STRING), "code": {"nullable": True}})
     schemas = {
         **{name: schema_of(name, limits).openapi() for name in BUILDERS},
         "ChatCompletion": _chat_completion(),
-        "Error": {
-            "type": "object",
-            "required": ["error"],
-            "properties": {
-                "error": {
-                    "type": "object",
-                    "properties": {
-                        "message": {"type": "string"},
-                        "type": {"type": "string"},
-                        "param": {"type": "string", "nullable": True},
-                        "code": {"nullable": True},
-                    },
-                }
-            },
-        },
+        "Error": object_of({"error": error}, "error"),
     }
-    unavailable = {"503": {"description": "no live prefill or decode worker"}}
+    metrics = {"description": "text exposition format", "content": {"text/plain": {"schema": STRING}}}
     paths = {
         "/v1/completions": _post("Text completion (OpenAI)", "CompletionRequest"),
         "/v1/chat/completions": _post("Chat completion (OpenAI)", "ChatCompletionRequest", reply="ChatCompletion"),
-        "/v1/models": _get(
-            "The served model, once under each of its names (--served-model-name)", {"401": _errors()["401"]}
-        ),
+        "/v1/models": _get("The served model, once under each of its names (--served-model-name)", _errors("401")),
         "/tokenize": _post("Text or chat messages to token ids", "TokenizeRequest"),
         "/detokenize": _post("Token ids to text", "DetokenizeRequest"),
-        "/tokenizer_info": _get("The tokenizer's special tokens and chat template", {"401": _errors()["401"]}),
+        "/tokenizer_info": _get("The tokenizer's special tokens and chat template", _errors("401")),
         "/version": _get("kvferry's version"),
-        "/health": _get("200 with a live prefill and decode worker", unavailable),
-        "/v1/workers": _get("Live workers and their stats", {"401": _errors()["401"]}),
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics",
-                "responses": {
-                    "200": {
-                        "description": "text exposition format",
-                        "content": {"text/plain": {"schema": {"type": "string"}}},
-                    }
-                },
-            }
-        },
+        "/health": _get("200 with a live prefill and decode worker", {"503": {"description": ERROR_CODES["503"]}}),
+        "/v1/workers": _get("Live workers and their stats", _errors("401")),
+        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": metrics}}},
         "/openapi.json": _get("This description"),
     }
     return {

@@ -1,7 +1,5 @@
-"""The gateway's view of its workers: who is live, with what stats, and whom to route to.
-
-Pure Python: it is told about registrations, heartbeats and the time, and answers questions.
-"""
+"""The gateway's view of its workers: who is live, with what stats, and whom to route to. Pure: it is told about
+registrations, heartbeats and the time, and answers questions."""
 
 import itertools
 import time

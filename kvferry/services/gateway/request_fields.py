@@ -1,7 +1,6 @@
-"""Every field each endpoint takes, declared once (request_schema.py): /v1/completions, /v1/chat/completions,
-/tokenize and /detokenize. Adding an API parameter is one line here; the unknown-field refusal, its checks and
-/openapi.json follow. Its bounds come from the gateway's settings (GatewayConfig, each builder's `limits`) or the engine's
-(common/sampling.py).
+"""Every field each endpoint takes, declared once (request_schema.py). Adding an API parameter is one line here; the
+unknown-field refusal, its checks and /openapi.json follow. Bounds come from GatewayConfig (`limits`) or
+common/sampling.py.
 """
 
 import dataclasses
@@ -22,8 +21,8 @@ _FIELDS = tuple(f.name for f in dataclasses.fields(GatewayConfig))
 
 
 def schema_of(name: str, limits: GatewayConfig) -> Schema:
-    """The named request's schema under these limits (built once for each). Keyed by the limits' values, read
-    shallowly: dataclasses.astuple's deep copy cost more than reading a body through the schema."""
+    """The named request's schema under these limits, built once for each. Keyed by the limits' values read shallowly
+    (GatewayConfig is not hashable, and dataclasses.astuple's deep copy costs more than a body's read)."""
     return _built(name, tuple(map(limits.__getattribute__, _FIELDS)))
 
 
@@ -94,7 +93,7 @@ def completions(limits: GatewayConfig) -> Schema:
     params = {
         "prompt": Param(spec=other_fields.prompt(limits.max_prompts)),  # checked by Api.prompt_ids
         **_sampling(limits),
-        # 0 only with echo: the prompt's logprobs alone (parse_generation); the limit after the context's
+        # 0 only with echo: the prompt's logprobs alone (parse_generations); the limit after the context's
         "max_tokens": Param(INTEGER, lo=0, hi=limits.max_tokens_limit, check_hi=False, default=None),
         "logprobs": Param(INTEGER, lo=0, hi=MAX_LOGPROBS),
         "echo": Param(BOOLEAN, default=False),
@@ -135,7 +134,7 @@ def tokenize(limits: GatewayConfig) -> Schema:
         "add_special_tokens": Param(BOOLEAN, default=True),
         "add_generation_prompt": Param(BOOLEAN, default=True),
     }
-    return Schema(params, closed=False)  # read by TokenizerRoutes._tokenize
+    return Schema(params, closed=False)  # read by TokenizerRoutes.tokenize
 
 
 def detokenize(limits: GatewayConfig) -> Schema:

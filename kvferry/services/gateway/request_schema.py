@@ -1,11 +1,9 @@
 """A request body's schema, declared once: each field a Param, from which come the unknown-field refusal, the type
 and bound checks (a 400 whose param names the field) and the field's part of /openapi.json.
 
-Plain dataclasses, not pydantic or msgspec. pydantic is in the environment only as xgrammar's and openai's
-dependency, and neither gives what the tests hold the gateway to: a list's or an object's length checked before any
-of its entries is looked at (a hostile body of 400,000 stop_token_ids costs nothing), the messages and `param`s the
-clients already read, and an OpenAPI 3.0 description (pydantic writes JSON Schema 2020-12). A field these checks
-cannot say (a stop string's characters together, a logit_bias key) declares its own `read`, beside its `spec`.
+Not pydantic or msgspec: neither checks a list's length before its entries (a body of 400,000 stop_token_ids must cost
+nothing), keeps the messages and `param`s clients read, or writes OpenAPI 3.0. A field these checks cannot say (a
+logit_bias key) declares its own `read`, beside its `spec`.
 """
 
 import math
@@ -29,12 +27,11 @@ MAX_SHOWN = 100  # characters of a client's field name that an error repeats
 
 @dataclass(frozen=True)
 class Param:
-    """One field. type: one of the above, or "" for a field whose value another module checks (prompt, messages,
-    tools, the output constraints): then spec says what it is. lo/hi: inclusive bounds (above_lo: lo itself is
-    not); check_hi=False leaves hi to parse_generation, which checks it after the context length (that error says
-    more). only: a field kvferry knows and does not honour, accepted only with a value that asks for nothing.
-    read(name, value, vocab_size): a compound field's own check, whose result is the field's value. fields: a
-    nested object's own schema. spec: its OpenAPI schema where type and bounds do not say it all."""
+    """One field. type: one of TYPES, or "" for a field another module checks (then spec says what it is). lo/hi:
+    inclusive bounds (above_lo: lo itself is not); check_hi=False leaves hi to parse_generations, after the context
+    length (that error says more). only: the values that ask for nothing, of a field kvferry does not honour.
+    read(name, value, vocab_size): a compound field's own check, returning its value. fields: a nested object's
+    schema. spec: its OpenAPI schema where type and bounds do not say it all."""
 
     type: str = ""
     lo: float | None = None
@@ -139,17 +136,3 @@ class Schema:
         for name in self.required:  # a required field is never null
             out["properties"][name].pop("nullable", None)
         return out
-
-
-def field(body: dict, name: str, types: tuple, default=None, check=None, what: str = ""):
-    """One field read where no Schema reads the body (a tool's checks, a tokenizer route's), checked."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in types:
-        raise ApiError(400, f"'{name}' must be {what or ' or '.join(t.__name__ for t in types)}", name)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ApiError(400, f"'{name}' must be a finite number", name)
-    if check is not None and not check(value):
-        raise ApiError(400, f"'{name}' is out of range: {value!r}", name)
-    return value

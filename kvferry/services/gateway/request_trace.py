@@ -1,8 +1,5 @@
-"""One HTTP request's observation at the gateway: its metrics, its spans and its closing log line.
-
-The API calls it as the request moves: each event from the workers, each detokenization, then
-finish. It turns that into the Prometheus histograms and counters and, with tracing on, into
-the request's `http`, `detokenize` and `finish` spans.
+"""One HTTP request's observation at the gateway, as the API reports each event, detokenization and its finish: the
+Prometheus figures, its closing log line and, with tracing on, its `arrival`, `http`, `detokenize` and `finish` spans.
 """
 
 import logging
@@ -20,8 +17,7 @@ class RequestTrace:
         self.capture = capture  # a CapturedRequest with --capture-dir, else None
         self.tracer = tracing.tracer()
         self.arrived_at = arrived_at
-        self.last_token_at = 0.0
-        self.last_token_at_by_choice: dict[int, float] = {}  # inter-token latency is per choice
+        self.last_token_at: dict[int, float] = {}  # per choice, as inter-token latency is
         self.num_prompt = self.num_out = 0
         self.n = 1
         self.finished = False
@@ -31,24 +27,19 @@ class RequestTrace:
         output's constraint, "" for none."""
         self.num_prompt, self.n = num_prompt, n
         self.metrics.prompt_tokens.inc(num_prompt)
+        at = self.arrived_at
+        self._child_span("arrival", at, at, path=self.path, prompt_tokens=num_prompt, constraint=constraint)
+
+    def _child_span(self, name: str, start: float, end: float, **attrs) -> None:
         if self.tracer.enabled:
-            self.tracer.span(
-                "arrival",
-                self.arrived_at,
-                self.arrived_at,
-                self.request_id,
-                tracing.child_of(self.ctx),
-                path=self.path,
-                prompt_tokens=num_prompt,
-                constraint=constraint,
-            )
+            self.tracer.span(name, start, end, self.request_id, tracing.child_of(self.ctx), **attrs)
 
     def tokens(self, event) -> None:
         """A worker's event with tokens arrived."""
         now, n = time.time(), len(event.token_ids)
         if not n:
             return
-        previous = self.last_token_at_by_choice.get(event.choice)
+        previous = self.last_token_at.get(event.choice)
         gap = (now - previous) / n if previous is not None else None  # each of the n tokens waited this long
         if self.capture is not None:
             self.capture.tokens(event.choice, event.token_ids, now - self.arrived_at, gap)
@@ -56,26 +47,22 @@ class RequestTrace:
         if not self.last_token_at:
             m.ttft.observe(now - self.arrived_at)
         first = event.first_token
-        if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at_by_choice:
+        if first is not None and event.choice % self.n == 0 and event.choice not in self.last_token_at:
             m.queue.observe(first.queue_s)  # each prompt's first token: one prefill per prompt of a batch
             m.prefill.observe(first.prefill_s)
         if gap is not None:
             for _ in range(n):
                 m.itl.observe(gap)
-        self.last_token_at_by_choice[event.choice] = now
+        self.last_token_at[event.choice] = now
         decoded = event.decode_tokens
         if decoded is not None and decoded.kv_transfer_bytes:
             m.kv_time.observe(decoded.kv_transfer_s)
             m.kv_bytes.observe(decoded.kv_transfer_bytes)
-        self.last_token_at = now
         self.num_out += n
         m.generation_tokens.inc(n)
 
     def detokenized(self, started: float, num_tokens: int) -> None:
-        if self.tracer.enabled:
-            self.tracer.span(
-                "detokenize", started, time.time(), self.request_id, tracing.child_of(self.ctx), num_tokens=num_tokens
-            )
+        self._child_span("detokenize", started, time.time(), num_tokens=num_tokens)
 
     def finish(self, status: int, reason: str | None = None, error: str | None = None) -> None:
         """The response is complete (reason; with n choices, theirs joined by commas), failed (error), or the client
@@ -105,4 +92,4 @@ class RequestTrace:
             }
             # http first: a reader that sees `finish` in a file then sees the http span too.
             self.tracer.span("http", self.arrived_at, now, self.request_id, self.ctx, **attrs)
-            self.tracer.span("finish", now, now, self.request_id, tracing.child_of(self.ctx), **attrs)
+            self._child_span("finish", now, now, **attrs)

@@ -1,10 +1,7 @@
-"""One request's events, from the first, into its choices and the client's response: whole (one JSON body once every
-choice is done) or streamed (server-sent events as they come).
-
-Both read the events through one loop (ResponseConsumer._deltas): a worker's error ends it, each event goes into its
-choice, and a choice that ended early (a stop string) is aborted on its worker while the others go on. Whatever way
-the response ends, the request's events are closed (what still runs is aborted on its workers) and its trace is
-finished once: 200, the worker's error, or 499 for a client that left.
+"""One request's events into its choices and the client's response: whole (one JSON body once every choice is done)
+or streamed (server-sent events as they come), both through one loop (ResponseConsumer._deltas). A choice that ended
+early (a stop string) is aborted on its worker while the others go on. However the response ends, what still runs is
+aborted on its workers and the trace is finished once: 200, the worker's error, or 499 for a client that left.
 """
 
 import functools
@@ -61,7 +58,8 @@ class ResponseConsumer:
         while True:
             if event.error:
                 raise worker_error(event)
-            self.kv_transfer_s = max(self.kv_transfer_s, kv_hop_s(event))
+            if event.decode_tokens is not None:  # a choice's first tokens from decode report their KV's transfer
+                self.kv_transfer_s = max(self.kv_transfer_s, event.decode_tokens.kv_transfer_s)
             heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
             delta = await self._apply(event, heavy)
             if delta is not None:
@@ -115,7 +113,8 @@ class ResponseConsumer:
         so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
         try:
             if shape.has_role_chunk:
-                first_chunks = [shape.delta_choice(s.index, "", None, None, first_chunk=True) for s in choices.states]
+                role = {"role": "assistant", "content": ""}
+                first_chunks = [shape.delta_choice(s.index, "", None, None, piece=role) for s in choices.states]
                 yield sse(shape.chunk(first_chunks, so_far()))
             async for event, delta, heavy in self._deltas():
                 # At least one chunk per token event, even when the text is held back: clients time tokens by
@@ -150,9 +149,3 @@ def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, hea
     whole = shape.whole(choices.whole(shape), use)
     whole["kvferry"] = {"kv_transfer_s": round(kv_transfer_s, 6)}
     return JSONResponse(whole, headers=headers)
-
-
-def kv_hop_s(event) -> float:
-    """The KV transfer time a decode worker reported with a choice's first tokens (0 for any other event)."""
-    decoded = event.decode_tokens
-    return decoded.kv_transfer_s if decoded is not None else 0.0

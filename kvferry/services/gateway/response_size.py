@@ -1,17 +1,14 @@
-"""How large a response a request asks for, bounded before any work is routed.
+"""How large a response a request asks for, bounded (--max-logprob-entries) before any work is routed.
 
-Logprobs multiply a response: every token it shows carries 1 + logprobs entries, every choice shows its own
-tokens, and echo shows the whole prompt in every choice. n 16 with logprobs 20 and echo on a prompt of 30,000
-tokens asks for 10 million entries: a gigabyte of Python objects and seconds of serializing. Their product is
-bounded by --max-logprob-entries, computed from the parsed fields alone, and the refusal names the fields to lower.
-
-A whole response holds every entry at once; a stream holds one event's tokens a chunk, except each choice's first
-chunk, which carries its echoed prompt: for a stream only the echoed prompts count.
+Logprobs multiply a response: each token shown carries 1 + logprobs entries, each choice shows its own tokens, and echo
+shows the whole prompt in every choice (n 16, logprobs 20, echo of 30,000 tokens: 10 million entries). A whole
+response holds every entry at once; a stream one event's a chunk, but each choice's first carries its echoed prompt.
 """
 
 from kvferry.common import settings
 from kvferry.common.gateway_config import GatewayConfig
-from kvferry.services.gateway.request_parsing import ApiError, Generation
+from kvferry.services.gateway.api_error import ApiError
+from kvferry.services.gateway.request_parsing import Generation
 
 
 def num_logprob_entries(generations: list[Generation]) -> int:

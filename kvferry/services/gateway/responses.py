@@ -37,29 +37,22 @@ def usage(num_prompt: int, num_out: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
 
 
+def _with_error(choice: dict, error: dict | None) -> dict:
+    return {**choice, "error": error} if error else choice
+
+
 class CompletionShape:
-    has_role_chunk = False
+    has_role_chunk = False  # a stream's first chunk gives each choice's role
     object_name, chunk_name = "text_completion", "text_completion"
 
     def __init__(self, rid: str, model: str):
         self.base = {"id": rid, "created": int(time.time()), "model": model}
 
-    def choice(
-        self, index: int, text: str | None, reason: str | None, logprobs: dict | None, tool_calls=None, error=None
-    ) -> dict:
-        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
-        return {**out, "error": error} if error else out
+    def choice(self, index: int, text: str | None, reason: str | None, logprobs, tool_calls=None, error=None) -> dict:
+        return _with_error({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}, error)
 
-    def delta_choice(
-        self,
-        index: int,
-        text: str,
-        reason: str | None,
-        logprobs: dict | None,
-        first_chunk: bool = False,
-        error: dict | None = None,
-        piece: dict | None = None,
-    ) -> dict:
+    def delta_choice(self, index: int, text: str, reason: str | None, logprobs, error=None, piece=None) -> dict:
+        """piece: a chat delta's own content (its role, a tool-call piece) in place of text."""
         return self.choice(index, text, reason, logprobs, error=error)
 
     def delta_choices(self, index: int, delta) -> list[dict]:
@@ -84,9 +77,7 @@ class CompletionShape:
 
     def chunk(self, choices: list[dict], use: dict | None = None) -> dict:
         out = {**self.base, "object": self.chunk_name, "choices": choices}
-        if use is not None:
-            out["usage"] = use
-        return out
+        return out if use is None else {**out, "usage": use}
 
 
 class ChatShape(CompletionShape):
@@ -94,17 +85,13 @@ class ChatShape(CompletionShape):
     object_name, chunk_name = "chat.completion", "chat.completion.chunk"
 
     def choice(self, index, text, reason, logprobs, tool_calls=None, error=None):
-        message = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        out = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}
-        return {**out, "error": error} if error else out
+        message = {"role": "assistant", "content": text, **({"tool_calls": tool_calls} if tool_calls else {})}
+        return _with_error({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason}, error)
 
-    def delta_choice(self, index, text, reason, logprobs, first_chunk=False, error=None, piece=None):
+    def delta_choice(self, index, text, reason, logprobs, error=None, piece=None):
         if piece is None:
-            piece = {"role": "assistant", "content": ""} if first_chunk else ({"content": text} if text else {})
-        out = {"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}
-        return {**out, "error": error} if error else out
+            piece = {"content": text} if text else {}
+        return _with_error({"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}, error)
 
 
 class TokenText:
@@ -136,13 +123,11 @@ class CompletionLogprobs:
             out["tokens"].append(text)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
-            if entry is None:
-                out["token_logprobs"].append(None)
-                out["top_logprobs"].append(None)
-                continue
-            out["token_logprobs"].append(entry.logprob)
-            top = {self.token_text(i): v for i, v in zip(entry.top_ids, entry.top_logprobs)}
-            top.setdefault(text, entry.logprob)  # OpenAI's top_logprobs always hold the chosen token
+            top = None
+            if entry is not None:
+                top = {self.token_text(i): v for i, v in zip(entry.top_ids, entry.top_logprobs)}
+                top.setdefault(text, entry.logprob)  # OpenAI's top_logprobs always hold the chosen token
+            out["token_logprobs"].append(None if entry is None else entry.logprob)
             out["top_logprobs"].append(top)
         return out
 

@@ -1,13 +1,10 @@
-"""The checks a JSON Schema from a request passes at the gateway, each a 400 naming its field: JSON syntax (when it
-comes as text), the size of its canonical text, its metaschema, and the engine's support for every keyword in it.
+"""The checks a JSON Schema from a request passes, each a 400 naming its field: JSON syntax (sent as text), the size
+of its canonical text (compact, keys in the user's order, which the output follows: what workers compile and cache
+by), its metaschema, and the engine's support for every keyword in it.
 
-Each check's work is bounded by its input's size (common/work_budget.py): the support walk counts its steps, and
-the metaschema check, which is linear but for a few keywords, gets only inputs where it stays linear (a first pass
-refuses the rest: jsonschema compares the items of a `type` list of objects pairwise, and recurses in Python's re on
-each group of a `pattern`).
-
-The canonical text is what the workers compile and cache by: compact, keys in the user's order (a schema's property
-order is the order the output follows).
+Each check's work is bounded by its input's size (common/work_budget.py). The metaschema check gets only inputs where
+it stays linear: a first pass refuses the rest (jsonschema compares a `type` list's items pairwise, and Python's re
+recurses on each group of a `pattern`).
 """
 
 import json
@@ -71,16 +68,11 @@ def check_size(text: str, field: str) -> int:
     return size
 
 
-def parse_json_text(text: str, field: str):
-    """A JSON value sent as a string (vLLM's structured_outputs.json may be either)."""
-    check_size(text, field)
-    return json_body.parse_json_text(text, field)
-
-
 def checked_schema(schema, field: str) -> str:
     """The canonical text of a JSON Schema that the engine enforces in full, or a 400 that says why not."""
-    if isinstance(schema, str):
-        schema = parse_json_text(schema, field)
+    if isinstance(schema, str):  # vLLM's structured_outputs.json may be a schema's text
+        check_size(schema, field)
+        schema = json_body.parse_json_text(schema, field)
     if not isinstance(schema, dict):
         raise ApiError(400, f"'{field}' must be a JSON Schema object ({{}} for any JSON value)", field)
     text = canonical(schema, field)  # before the walks: the size bounds them
@@ -109,10 +101,9 @@ def checked_schema(schema, field: str) -> str:
 
 
 def _before_metaschema(schema, field: str, budget: WorkBudget) -> None:
-    """Refuse what would make the metaschema check more than linear, or recurse past Python's limit: a `type` list
-    longer than the JSON types or not all names, a list of required names that are not all strings, and a `pattern`
-    (or patternProperties name) nested deeper than MAX_PATTERN_DEPTH. Every schema within it is looked at, wherever
-    the metaschema check would reach it."""
+    """Refuse what would make the metaschema check more than linear, or recurse past Python's limit, in every schema
+    it would reach: a `type` list longer than the JSON types or not all names, `required` names that are not all
+    strings, a `pattern` (or patternProperties name) nested deeper than MAX_PATTERN_DEPTH."""
     pending = [(schema, field)]
     try:
         while pending:

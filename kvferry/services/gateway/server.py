@@ -1,12 +1,9 @@
 """The gateway's core: the control socket, the registry, and each request's life from routing to its last token.
 
-The gateway never runs the model. It owns the tokenizer, routes a request to one prefill and
-one decode worker, and turns their messages (first token, token batches, failures) into a
-stream of events for the HTTP layer.
-
-Every wait is bounded. A request whose worker dies, stalls, loses a message or gives up moves to
-other workers (a new attempt that prefills the prompt plus the tokens already delivered, so the
-stream continues where it stopped), at most `max_moves` times; then it fails with a clear error.
+It routes a request to one prefill and one decode worker and turns their messages into a stream of events for the
+HTTP layer. Every wait is bounded: a request whose worker dies, stalls, loses a message or gives up moves to other
+workers (a new attempt prefills the prompt plus the tokens delivered, so the stream continues where it stopped), at
+most `max_moves` times; then it fails with a clear error.
 """
 
 import asyncio
@@ -35,9 +32,6 @@ from kvferry.services.gateway.flight import Event, Flight, Lost
 from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, WorkerInfo
 
 log = logging.getLogger("kvferry.gateway")
-__all__ = ["Event", "GatewayCore", "NoWorkers", "Deadlines"]
-
-
 MAX_TOLD_TO_ABORT = 4096  # remembered (request, attempt) pairs an Abort was repeated for
 
 
@@ -47,8 +41,8 @@ class NoWorkers(Exception):
 
 @dataclass
 class Deadlines:
-    """How long a request may wait for each thing, and how often it may move: the gateway's settings (config), and
-    two waits of its own. Defaults suit a CPU."""
+    """How long a request may wait for each thing, and how often it may move: the gateway's settings, and two waits
+    of its own."""
 
     config: GatewayConfig = dataclasses.field(default_factory=GatewayConfig)
     gap_s: float = 2.0  # tokens held back for a message that has not come
@@ -72,22 +66,19 @@ class GatewayCore:
         insecure: bool = False,
     ):
         self.ctx = zmq.asyncio.Context.instance()
-        self.auth = curve.authenticator(self.ctx) if curve else None
-        self.keyed = curve is not None  # each worker message comes with the key it was sent under
+        self.auth = curve.authenticator(self.ctx) if curve else None  # then each message comes with its sender's key
         sock = self.ctx.socket(zmq.ROUTER)
         if curve:
             curve.serve(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a vanished worker fails loudly, not silently
-        # A worker's sockets are named after it. When it reconnects (a partition, a restart) before this side has seen
-        # its old connection die, the new connection takes the name over; without this ZeroMQ would ignore it. Not
-        # under CURVE: any admitted key could then take over a live worker's name, and every message sent to it (the
-        # prompts routed there). A reconnecting worker waits instead for its old connection to be dropped, within
-        # ZeroMQ's heartbeat timeout (transport.HEARTBEAT_TIMEOUT_S), retrying its registration meanwhile.
+        # A worker's sockets are named after it: one that reconnects before its old connection is seen to die takes
+        # the name over (ZeroMQ would ignore it otherwise). Not under CURVE, where any admitted key could then take a
+        # live worker's name and the prompts routed to it; there the worker retries its registration until ZeroMQ's
+        # heartbeat (transport.HEARTBEAT_TIMEOUT_S) drops the old connection.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 0 if curve else 1)
-        # Before the bind (ZeroMQ copies the size cap into the listener then): no worker frame past what its messages
-        # may legally weigh, and ZeroMQ heartbeats, so a peer that vanished without closing is dropped and a
-        # reconnecting worker is not mistaken for a second one while its old connection lingers.
+        # Before the bind, which copies them into the listener: a size cap on worker frames, and ZeroMQ heartbeats, so
+        # that a peer gone without closing is dropped (not mistaken for a second one when it reconnects).
         limit_socket(sock, p.max_header_bytes(*p.GATEWAY_RECEIVES), p.max_header_bytes(*p.WORKER_RECEIVES))
         bind_zmq(sock, control_address, settings.label("control"))
         check_exposed(control_address, "the gateway's control socket", curve=curve is not None, insecure=insecure)
@@ -101,8 +92,7 @@ class GatewayCore:
         self.draining = False
         self.num_moves = 0
         self._told_to_abort: OrderedDict[tuple[str, int], float] = OrderedDict()  # (request id, attempt) -> when
-        # Worker messages dropped because they came from a connection that has no business sending them.
-        self.num_forged = 0
+        self.num_forged = 0  # worker messages dropped: from a connection that may not send them
 
     def start(self) -> None:
         self.tasks = [asyncio.create_task(self._receive_loop()), asyncio.create_task(self._expire_loop())]
@@ -142,7 +132,7 @@ class GatewayCore:
 
     def _key_of(self, frame: zmq.Frame) -> KeyHolder | None:
         """Whose CURVE key a message came in under (None without CURVE: on loopback there is no key to bind)."""
-        if not self.keyed:
+        if self.auth is None:
             return None
         try:
             return KeyHolder.of(frame)
@@ -158,11 +148,7 @@ class GatewayCore:
                 log.warning("refused worker %s: %s", msg.worker_id, refused)
             else:
                 log.info("worker %s joined as %s", msg.worker_id, p.Role(msg.role).name.lower())
-            await self._send(
-                p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s, self.gateway_id),
-                peer,
-                parent=env.trace,
-            )
+            await self._register_reply(refused, peer, env.trace)
         elif isinstance(msg, p.Heartbeat):
             worker = self.registry.workers.get(msg.worker_id)
             if self._spoofed(msg, peer, user_id, worker, p.HEARTBEAT_SUFFIX):
@@ -171,15 +157,10 @@ class GatewayCore:
                 self._lose_worker(self.registry.workers.pop(msg.worker_id), "its step loop is stuck")
             if not self.registry.heartbeat(msg, now):
                 log.warning("heartbeat from unregistered worker %s: asking it to register", msg.worker_id)
-                await self._send(
-                    p.RegisterReply(False, p.UNKNOWN_WORKER, self.registry.heartbeat_interval_s, self.gateway_id),
-                    peer,
-                    parent=env.trace,
-                )
+                await self._register_reply(p.UNKNOWN_WORKER, peer, env.trace)
         elif isinstance(msg, p.CacheUpdate):
-            worker = self.registry.workers.get(msg.worker_id)
-            # (A worker the gateway dropped learns so from its next heartbeat.)
-            if worker is not None and not self._spoofed(msg, peer, user_id, worker):
+            # (A worker the gateway dropped learns so from its next heartbeat: the registry ignores its update.)
+            if not self._spoofed(msg, peer, user_id, self.registry.workers.get(msg.worker_id)):
                 self.registry.cache_update(msg)
         elif isinstance(msg, p.Deregister):
             worker = self.registry.workers.get(msg.worker_id)
@@ -206,6 +187,10 @@ class GatewayCore:
                 self.registry.prefilled(flight.prefill_worker_id, flight.pending_prefill_tokens)
                 flight.pending_prefill_tokens = 0
             flight.post(self._event(msg, flight))
+
+    async def _register_reply(self, refused: str | None, peer: bytes, trace) -> None:
+        reply = p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s, self.gateway_id)
+        await self._send(reply, peer, parent=trace)
 
     def _check_registration(self, msg: p.Register, peer: bytes, key: KeyHolder | None) -> str | None:
         """Why a registration is refused before the registry's own checks (None: it is not). A worker registers from

@@ -1,16 +1,11 @@
-"""The tokenizer over HTTP, as vLLM serves it: /tokenize, /detokenize and /tokenizer_info; and the tokenizing the
-completion routes share with them.
-
-lm-evaluation-harness's `local-completions` finds these and then tokenizes through the server
-instead of downloading the tokenizer.
-
-Tokenizing runs on the API's text threads (Api.off_loop), within --max-prompt-chars, checked first. A request is let
-in as a generation is (Api.admitted): within --max-waiting and --max-waiting-bytes until it has its reply.
+"""The tokenizer over HTTP, as vLLM serves it (lm-evaluation-harness's `local-completions` tokenizes through it):
+/tokenize, /detokenize and /tokenizer_info; and the tokenizing the completion routes share with them. Tokenizing runs
+on the API's text threads, within --max-prompt-chars, checked first; a request is let in as a generation is.
 """
 
 import time
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse
 
 from kvferry.services.gateway.api_error import ApiError
@@ -61,50 +56,32 @@ class TokenizerRoutes:
         return self.tokenizer.encode(text, add_special_tokens=False)  # the template writes the special tokens
 
     async def tokenize(self, request: Request) -> JSONResponse:
-        return await self.api.admitted(request, self._tokenize)
-
-    async def detokenize(self, request: Request) -> JSONResponse:
-        return await self.api.admitted(request, self._detokenize)
-
-    async def _tokenize(self, request: Request) -> JSONResponse:
-        try:
-            body = await self.api.json_body(request)
-            values = schema_of(TOKENIZE, self.api.config).read(body, self.api.vocab_size)
-            if "messages" in body:
-                add_generation_prompt = values["add_generation_prompt"]
-                deadline = time.monotonic() + self.api.core.deadlines.request_s
-                checks = body.get("tools") is not None
-                tools = await self.api.checks_off_loop(request, deadline, parse_tools, body, checks=checks)
-                ids = await self.api.off_loop(self.chat_ids, body["messages"], add_generation_prompt, tools)
-            else:
-                prompt = values["prompt"]
-                if prompt is None:
-                    raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
-                self.check_chars(len(prompt), "prompt")
-                ids = await self.api.off_loop(self.tokenizer.encode, prompt, values["add_special_tokens"])
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except ClientDisconnect:
-            return JSONResponse({}, status_code=499)  # nobody reads it
+        body = await self.api.json_body(request)
+        values = schema_of(TOKENIZE, self.api.config).read(body, self.api.vocab_size)
+        if "messages" in body:
+            deadline = time.monotonic() + self.api.core.deadlines.request_s
+            checks = body.get("tools") is not None
+            tools = await self.api.checks_off_loop(request, deadline, parse_tools, body, checks=checks)
+            ids = await self.api.off_loop(self.chat_ids, body["messages"], values["add_generation_prompt"], tools)
+        else:
+            prompt = values["prompt"]
+            if prompt is None:
+                raise ApiError(400, "'prompt' must be a string (or send 'messages')", "prompt")
+            self.check_chars(len(prompt), "prompt")
+            ids = await self.api.off_loop(self.tokenizer.encode, prompt, values["add_special_tokens"])
         return JSONResponse(
             {"count": len(ids), "max_model_len": self.api.max_model_len, "tokens": ids, "token_strs": None}
         )
 
-    async def _detokenize(self, request: Request) -> JSONResponse:
-        most = self.api.model_max_len  # no prompt nor completion is longer
-        try:
-            body = await self.api.json_body(request)
-            tokens = body.get("tokens")
-            if isinstance(tokens, list) and len(tokens) > most:
-                raise ApiError(400, f"'tokens' may hold at most {most} token ids, the model's context length", "tokens")
-            if not isinstance(tokens, list) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.api.vocab_size for t in tokens
-            ):
-                raise ApiError(400, f"'tokens' must be a list of token ids in [0, {self.api.vocab_size})", "tokens")
-        except ApiError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
-        except ClientDisconnect:
-            return JSONResponse({}, status_code=499)  # nobody reads it
+    async def detokenize(self, request: Request) -> JSONResponse:
+        most, vocab_size = self.api.model_max_len, self.api.vocab_size  # no prompt nor completion is longer
+        tokens = (await self.api.json_body(request)).get("tokens")
+        if isinstance(tokens, list) and len(tokens) > most:
+            raise ApiError(400, f"'tokens' may hold at most {most} token ids, the model's context length", "tokens")
+        if not isinstance(tokens, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in tokens
+        ):
+            raise ApiError(400, f"'tokens' must be a list of token ids in [0, {vocab_size})", "tokens")
         return JSONResponse({"prompt": await self.api.off_loop(self.tokenizer.decode, tokens)})
 
     async def tokenizer_info(self, request: Request) -> JSONResponse:

@@ -6,12 +6,11 @@
 
 becomes a call; the text outside the blocks is the message's content.
 
-One parser serves both. Fed the text a piece at a time, it gives back what is safe to send, in order: content (it
-holds back what may begin `<tool_call>`), a call's start once its name is known, then the arguments' text as it comes,
-ended by a bracket count (strings and escapes aware), so nothing of them waits for the closing `}\\n</tool_call>`.
-The whole response runs the same parser over the whole text, so its arguments are exactly the streamed fragments
-joined. A block in another shape (the keys in another order) is read whole at its `</tool_call>`; one that does not
-parse, or is cut off, stays text in a whole response (in a stream, what was sent of it stays sent).
+One parser serves both, so a whole response's arguments are exactly the streamed fragments joined. Fed text piece by
+piece, it gives back what is safe to send: content (holding back what may begin `<tool_call>`), a call's start once
+its name is known, then the arguments as they come, ended by a bracket count that knows strings and escapes. A block
+in another shape (keys in another order) is read whole at its `</tool_call>`; one that does not parse, or is cut off,
+stays text in a whole response (in a stream, what was sent of it stays sent).
 """
 
 import json
@@ -114,7 +113,7 @@ class ToolCallParser:
             status, end, strings = _match(self.buffer, HEAD)
             if status == PARTIAL:
                 return False
-            name = _string(strings[0]) if status == MATCHED else None
+            name = _loads(strings[0]) if status == MATCHED else None
             if name is None:
                 self.state = OTHER_SHAPE
                 return True
@@ -143,7 +142,7 @@ class ToolCallParser:
                 return False
             if status == MATCHED:
                 self.call.raw += self.buffer[:end]
-                self.call.complete = _is_object(self.call.arguments)
+                self.call.complete = isinstance(_loads(self.call.arguments), dict)
                 self.buffer = self.buffer[end:]
             self.call, self.state = None, TEXT  # not closed as it should be: the call stays incomplete
             return True
@@ -279,30 +278,21 @@ def _prefix_at_end(text: str, marker: str) -> int:
     return 0
 
 
-def _string(literal: str) -> str | None:
+def _loads(text: str):
+    """text's JSON value; None if it is not JSON."""
     try:
-        return json.loads(literal)
+        return json.loads(text)
     except ValueError:
         return None
-
-
-def _is_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
 
 
 def _whole_call(inner: str) -> tuple[str, str] | None:
     """(name, arguments text) from a block's JSON in any key order, or None."""
-    try:
-        value = json.loads(inner)
-    except ValueError:
-        return None
+    value = _loads(inner)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
     arguments = value.get("arguments", {})
-    if isinstance(arguments, str) and _is_object(arguments):
+    if isinstance(arguments, str) and isinstance(_loads(arguments), dict):
         return value["name"], arguments
     if isinstance(arguments, dict):
         return value["name"], json.dumps(arguments, ensure_ascii=False)

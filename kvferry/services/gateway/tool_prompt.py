@@ -1,12 +1,7 @@
-"""How a conversation with tools reaches the chat template.
-
-A template that renders tools (it reads `tools`) gets them, and the messages as transformers' templates take them
-(a past call's arguments as data). One that does not (SmolLM2's) would drop them silently, so the gateway writes them
-into the system prompt with the tool prompt below (or --tool-prompt-template's), and turns the messages such a
-template cannot show into ones it can:
-- an assistant's tool_calls become its content, each call in the format the model is asked to answer in;
-- tool messages become a user message, each result in `<tool_response>` tags (consecutive ones in one message).
-With tool_choice "none" the tools are not shown: the model may not call them.
+"""How a conversation with tools reaches the chat template. One that renders tools gets them, with past calls'
+arguments as data. One that does not (SmolLM2's) would drop them silently, so they go into the system prompt through
+the tool prompt below (or --tool-prompt-template's); an assistant's tool_calls become its content, in the format the
+model answers in, and tool messages a user message of `<tool_response>` blocks. With tool_choice "none" no tool shows.
 """
 
 import json
@@ -15,8 +10,8 @@ from pathlib import Path
 from kvferry.common import settings
 from kvferry.common.errors import ConfigError
 from kvferry.common.text_tokenizer import render_template
+from kvferry.services.gateway.api_error import ApiError
 from kvferry.services.gateway.chat_messages import call_arguments
-from kvferry.services.gateway.request_parsing import ApiError
 from kvferry.services.gateway.tools import CALL_BEGIN, CALL_END, Tools
 
 # Variables: tools (the request's, as sent), tool_choice ("auto", "required" or {"type": "function", "function":

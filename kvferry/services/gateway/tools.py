@@ -1,16 +1,11 @@
 """Chat's tools, tool_choice and parallel_tool_calls: checked, and turned into the structural tag that constrains
-the output to calls in kvferry's one format:
+the output to calls in kvferry's one format, `<tool_call>\n{"name": NAME, "arguments": ARGS}\n</tool_call>`, ARGS
+following the function's parameter schema. "auto" lets the model write text and constrains a call once it writes
+`<tool_call>`; "required" allows only calls (at least one); a named function allows that one. Without
+parallel_tool_calls the output ends after the first call.
 
-    <tool_call>
-    {"name": "NAME", "arguments": ARGS}
-    </tool_call>
-
-where ARGS follows the function's parameter schema. "auto" lets the model write text and constrains a call once it
-writes `<tool_call>`; "required" allows only calls (at least one), separated by newlines; a named function allows
-that one call. Without parallel_tool_calls the output ends after the first call.
-
-The checks run cheapest first: every tool's shape, then the parameter schemas' size together (the tag holds them all),
-and only then each schema's metaschema and support walks, so that a large body of many tools is refused at once.
+The checks run cheapest first (every tool's shape, the parameter schemas' size together, then each schema's walks),
+so that a large body of many tools is refused at once.
 """
 
 import re
@@ -18,7 +13,6 @@ from dataclasses import dataclass
 
 from kvferry.common.constraint import MAX_CONSTRAINT_BYTES, STRUCTURAL_TAG, Constraint
 from kvferry.services.gateway.api_error import ApiError
-from kvferry.services.gateway.request_schema import field
 from kvferry.services.gateway.schema_checks import canonical, check_size, checked_schema
 
 MAX_TOOLS = 128
@@ -50,7 +44,10 @@ class Tools:
 
 def parse_tools(body: dict) -> Tools | None:
     """A chat request's tools; None when it has none (and tool_choice, if given, is "none")."""
-    tools = field(body, "tools", (list,), [])
+    tools = body.get("tools")  # checked here: no Schema has read the body yet
+    if tools is not None and not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be list", "tools")
+    tools = tools or []
     if len(tools) > MAX_TOOLS:
         raise ApiError(400, f"at most {MAX_TOOLS} tools per request", "tools")
     parameters = {}
@@ -62,11 +59,13 @@ def parse_tools(body: dict) -> Tools | None:
     _check_size_together(list(parameters.values()))
     for i, schema in enumerate(parameters.values()):
         checked_schema(schema, _parameters_field(i))
-    parallel = field(body, "parallel_tool_calls", (bool,), True)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be bool", "parallel_tool_calls")
     choice, named = _tool_choice(body.get("tool_choice"), parameters)
     if not tools:
         return None
-    return Tools(tools, parameters, choice, named, parallel)
+    return Tools(tools, parameters, choice, named, parallel is not False)
 
 
 def tool_constraint(tools: Tools) -> Constraint | None:
@@ -74,26 +73,14 @@ def tool_constraint(tools: Tools) -> Constraint | None:
     if not tools.calls_allowed:
         return None
     tags = {name: _tag(name, schema) for name, schema in tools.parameters.items()}
+    required, every = tools.choice == "required", list(tags.values())
+    ends = {"at_least_one": required, "stop_after_first": not tools.parallel}
     if tools.named is not None:
         form, name = tags[tools.named], "tool_choice"
-    elif tools.choice == "required":
-        form = {
-            "type": "tags_with_separator",
-            "tags": list(tags.values()),
-            "separator": "\n",
-            "at_least_one": True,
-            "stop_after_first": not tools.parallel,
-        }
-        name = "tool_choice"
-    else:
-        form = {
-            "type": "triggered_tags",
-            "triggers": [CALL_BEGIN],
-            "tags": list(tags.values()),
-            "at_least_one": False,
-            "stop_after_first": not tools.parallel,
-        }
-        name = "tools"
+    elif required:  # only calls, separated by newlines
+        form, name = {"type": "tags_with_separator", "tags": every, "separator": "\n", **ends}, "tool_choice"
+    else:  # text, until the model writes <tool_call>
+        form, name = {"type": "triggered_tags", "triggers": [CALL_BEGIN], "tags": every, **ends}, "tools"
     return Constraint(STRUCTURAL_TAG, canonical({"type": "structural_tag", "format": form}, name), name)
 
 
@@ -130,20 +117,10 @@ def _parameters_field(i: int) -> str:
 def _function(tool, where: str) -> tuple[str, dict]:
     if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
         raise ApiError(400, f'\'{where}\' must be {{"type": "function", "function": {{...}}}}', where)
-    extra = set(tool) - {"type", "function"}
-    if extra:
-        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
-    function = tool["function"]
-    where += ".function"
-    extra = set(function) - FUNCTION_KEYS
-    if extra:
-        raise ApiError(400, f"unknown field {sorted(extra)[0]!r} in '{where}'", f"{where}.{sorted(extra)[0]}")
-    name = function.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
-    for key, kind in (("description", str), ("strict", bool)):
-        if function.get(key) is not None and not isinstance(function[key], kind):
-            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    check_keys(tool, {"type", "function"}, where)
+    function, where = tool["function"], f"{where}.function"
+    check_keys(function, FUNCTION_KEYS, where)
+    name = check_named(function, where)
     schema = function.get("parameters")
     if schema is None:
         return name, dict(NO_PARAMETERS)
@@ -162,6 +139,23 @@ def _function(tool, where: str) -> tuple[str, dict]:
             path,
         )
     return name, schema
+
+
+def check_keys(value: dict, allowed: set, where: str) -> None:
+    extra = sorted(set(value) - allowed)
+    if extra:
+        raise ApiError(400, f"unknown field {extra[0]!r} in '{where}'", f"{where}.{extra[0]}")
+
+
+def check_named(spec: dict, where: str) -> str:
+    """The name of a function (or of a response_format's schema), and its optional description and strict, checked."""
+    name = spec.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ApiError(400, f"'{where}.name' must be 1 to 64 of a-z, A-Z, 0-9, _ and -", f"{where}.name")
+    for key, kind in (("description", str), ("strict", bool)):
+        if spec.get(key) is not None and not isinstance(spec[key], kind):
+            raise ApiError(400, f"'{where}.{key}' must be a {kind.__name__}", f"{where}.{key}")
+    return name
 
 
 def _tool_choice(choice, parameters: dict) -> tuple[str, str | None]:
