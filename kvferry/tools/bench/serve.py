@@ -136,9 +136,10 @@ def cmd_bench_serve(args) -> int:
     model_dir = resolve_model(args.model)
     vocab_size = ModelConfig.load(model_dir).vocab_size
     warmup = workload.warmup(vocab_size)
-    asyncio.run(replay(args.url, model_name, warmup))
     if args.sweep_rates:
         from kvferry.tools.bench.sweep import sweep_command
+
+        asyncio.run(replay(args.url, model_name, warmup))
 
         def replay_at(rate: float, seed: int) -> dict:
             requests = workload.generate(args.workload, vocab_size, rate=rate, seed=seed)
@@ -148,6 +149,7 @@ def cmd_bench_serve(args) -> int:
     requests = workload.generate(args.workload, vocab_size, rate=args.rate)
     report = {"workload": args.workload, "rate": args.rate, "url": args.url}
     hf_model = hf_baseline.load_hf_model_dir(model_dir) if not args.no_floor or args.baseline == "hf" else None
+    asyncio.run(replay(args.url, model_name, warmup))  # after the floor's model loads, just before the rounds
 
     def run_once(rnd: int) -> dict:
         return asyncio.run(replay(args.url, model_name, workload.for_round(requests, rnd, vocab_size)))
