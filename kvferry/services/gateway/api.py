@@ -102,12 +102,22 @@ class Api:
     def routes(self) -> list[Route]:
         t = self.tokenizer_routes
         return [
-            Route("/v1/completions", functools.partial(self._serve, chat=False), methods=["POST"]),
-            Route("/v1/chat/completions", functools.partial(self._serve, chat=True), methods=["POST"]),
+            Route("/v1/completions", functools.partial(self._serve, chat=False), methods=["POST"], name="completions"),
+            Route(
+                "/v1/chat/completions",
+                functools.partial(self._serve, chat=True),
+                methods=["POST"],
+                name="chat_completions",
+            ),
             Route("/v1/models", self.models, methods=["GET"]),
             # Let in as a generation is (admitted): they parse a body too.
-            Route("/tokenize", functools.partial(self.admitted, handler=t.tokenize), methods=["POST"]),
-            Route("/detokenize", functools.partial(self.admitted, handler=t.detokenize), methods=["POST"]),
+            Route("/tokenize", functools.partial(self.admitted, handler=t.tokenize), methods=["POST"], name="tokenize"),
+            Route(
+                "/detokenize",
+                functools.partial(self.admitted, handler=t.detokenize),
+                methods=["POST"],
+                name="detokenize",
+            ),
             Route("/tokenizer_info", t.tokenizer_info, methods=["GET"]),
             Route("/version", self.version, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),

@@ -5,7 +5,7 @@ The folder is made 0700 and each file 0600, created with O_EXCL|O_NOFOLLOW: a na
 never written through. Files are named capture-<UTC time>-<gateway id>-<sequence>.jsonl, so that they sort in the
 order written and several gateways can share the folder. Each holds an exclusive flock on the file it writes; past
 --capture-max-total-bytes a gateway deletes the oldest files whose lock it can take, so a live gateway's open file
-stays and a dead one's goes.
+stays and a dead one's goes. A file is rotated once it reaches --capture-max-bytes.
 """
 
 import fcntl

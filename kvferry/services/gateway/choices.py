@@ -2,6 +2,7 @@
 partial character or a possible stop string; its logprobs; the finish reason at the end). With echo the prompt comes
 first; with max_tokens 0 (prompt_only) the one generated token is dropped. A chat that may call tools has its text read
 for calls (tool_calls.py), as it streams or whole, and finishes "tool_calls" where it would have finished "stop".
+A choice whose constraint reached a dead end finishes "error".
 """
 
 from dataclasses import dataclass, field

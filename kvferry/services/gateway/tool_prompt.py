@@ -1,7 +1,7 @@
 """How a conversation with tools reaches the chat template. One that renders tools gets them, with past calls'
 arguments as data. One that does not (SmolLM2's) would drop them silently, so they go into the system prompt through
 the tool prompt below (or --tool-prompt-template's); an assistant's tool_calls become its content, in the format the
-model answers in, and tool messages a user message of `<tool_response>` blocks. With tool_choice "none" no tool shows.
+model answers in, and consecutive tool messages one user message of `<tool_response>` blocks. With tool_choice "none" no tool shows.
 """
 
 import json
