@@ -1,13 +1,9 @@
 """Compile a C kernel for this machine once, and load it with ctypes.
 
-The library is built with the system's C compiler (`$CC`, else `cc`) for the host's own instruction set
-(-march=native) and kept in a build folder under a name that hashes the source, the flags, the compiler (its command,
-the file it runs and its version) and the CPU's feature flags: another machine or compiler gets its own build, and a
-process finds a built one in milliseconds. No torch headers are needed, so a build takes about a second. It links
-libgomp, which the process already has loaded through torch, so the kernel's threads are torch's OpenMP threads.
-
-The build folder and the library must be this user's alone (kvferry.cache_trust): a library that someone else could
-have written is refused, never loaded, and the refusal is not the quiet fallback a missing compiler gets.
+Built with `$CC` (else `cc`) for the host's own instruction set, under a name that hashes the source, the flags, the
+compiler and the CPU's feature flags: another machine or compiler gets its own build. No torch headers are needed;
+it links libgomp, which torch has loaded, so the kernel's threads are torch's OpenMP threads. The build folder and
+library must be this user's alone (kvferry.cache_trust): one someone else could have written is refused, loudly.
 """
 
 import ctypes
@@ -38,9 +34,8 @@ def _cpu_features() -> str:
 
 
 def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library of source for this machine, compiling it into build_dir (made 0700 if missing) unless it
-    is there already. Raises UntrustedCache when build_dir or the library is not this user's alone, OSError or
-    subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
+    """The compiled library of source for this machine, compiled into build_dir (made 0700 if missing) unless there
+    already. Raises UntrustedCache, or OSError or CalledProcessError when it cannot be built."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *extra_flags)
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -69,7 +64,7 @@ def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> P
 
 def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not): a missing or failing compiler is not an error, the caller
-    keeps its PyTorch path. A build folder or library someone else could have written is: UntrustedCache."""
+    keeps its PyTorch path; an untrusted build folder or library is (UntrustedCache)."""
     try:
         return ctypes.CDLL(str(build(source, build_dir, extra_flags))), ""
     except subprocess.CalledProcessError as e:

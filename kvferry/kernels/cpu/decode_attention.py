@@ -1,6 +1,5 @@
-"""Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads each sequence's K and V
-from its blocks in place. The PyTorch reference (kernels/reference.py) gathers the blocks into a copy and then runs
-SDPA over it, so it moves the KV through memory about three times where this moves it once."""
+"""Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads K and V from their blocks
+in place: once through memory, where the reference's gather and SDPA take about three."""
 
 import ctypes
 from pathlib import Path
@@ -64,10 +63,8 @@ def paged_decode_attention(
     scale: float,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """query [batch, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables [batch, max_blocks]; context_lens [batch], each at least 1. new: (key, value, slot_mapping), the
-    step's K and V [batch, num_kv_heads, head_dim] (rows may be strided) stored into their slots first, as
-    store_kv does, by the same call. -> [batch, num_heads, head_dim]"""
+    """As reference.paged_decode_attention (context_lens at least 1). new: (key, value, slot_mapping), the step's K
+    and V [batch, num_kv_heads, head_dim] (rows may be strided), stored first by the same call, as store_kv does."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     query = query.contiguous()
@@ -84,28 +81,13 @@ def paged_decode_attention(
         slots = slots.to(torch.int64).contiguous()
     failed = _kernel(
         query.data_ptr(),
-        None if key is None else key.data_ptr(),
-        0 if key is None else key.stride(0),
-        None if value is None else value.data_ptr(),
-        0 if value is None else value.stride(0),
+        None if key is None else key.data_ptr(), 0 if key is None else key.stride(0),
+        None if value is None else value.data_ptr(), 0 if value is None else value.stride(0),
         None if slots is None else slots.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        out.data_ptr(),
-        batch,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )  # fmt: skip
     if failed:
         raise MemoryError("CPU decode attention: no memory for its scores")
     return out

@@ -1,8 +1,6 @@
-"""fp32 linear layers at a few rows by the C function in panel_matmul.c, reading the panels oneDNN packed the weight
-into straight through: one stream's decode step is bound by reading the weights, and oneDNN's GEMM, tuned for a
-batch, reads them at a fraction of the memory's pace there (docs/benchmarks.md). On AVX2 it takes a decode batch's
-rows too (max_rows), as fast as oneDNN's GEMM or faster, with each row's output the same at every row count. No
-second copy of the weights: the C function reads oneDNN's own (common/model/cpu_linear.py finds its layout)."""
+"""fp32 linear layers at a few rows (on AVX2, a decode batch's: max_rows) by the C function in panel_matmul.c, which
+reads oneDNN's own packed panels (common/model/cpu_linear.py finds their layout): one stream's decode is bound by
+reading the weights, which oneDNN's GEMM, tuned for a batch, does at a fraction of the memory's pace."""
 
 import ctypes
 from pathlib import Path
@@ -55,7 +53,7 @@ def takes_width(width: int) -> bool:
 
 def handles(x: torch.Tensor, width: int) -> bool:
     """Whether the function is loaded and takes x: fp32 [rows, k], up to max_rows() rows, contiguous, on the CPU,
-    times panels of this many columns (a whole number of its vectors)."""
+    times panels of this many columns."""
     return (
         takes_width(width)
         and x.dim() == 2

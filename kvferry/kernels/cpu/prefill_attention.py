@@ -1,6 +1,5 @@
-"""Paged prefill attention on the CPU by the C kernel in prefill_attention.c: new tokens attend causally to their
-sequence's context, read from its blocks in place, 8 or 16 query rows at a time (vectors.h). The PyTorch reference
-(kernels/reference.py) gathers each sequence's context into a copy and runs SDPA over it, sequence by sequence."""
+"""Paged prefill attention on the CPU by the C kernel in prefill_attention.c, reading each context from its blocks
+in place, 8 or 16 query rows at a time (vectors.h), where the reference gathers a copy per sequence."""
 
 import ctypes
 from pathlib import Path
@@ -49,9 +48,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [num_tokens, num_heads, head_dim] (rows may be strided); caches [num_blocks, block_size, num_kv_heads,
-    head_dim] holding the new tokens' K and V already; cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs], the
-    new tokens included. -> [num_tokens, num_heads, head_dim]"""
+    """As reference.paged_prefill_attention; query's rows may be strided."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
@@ -61,26 +58,10 @@ def paged_prefill_attention(
     starts = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     failed = _kernel(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        tables.data_ptr(),
-        tables.stride(0),
-        starts.data_ptr(),
-        lens.data_ptr(),
-        out.data_ptr(),
-        len(lens),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )  # fmt: skip
     if failed:
         raise MemoryError("CPU prefill attention: no memory for its scratch")
     return out

@@ -1,7 +1,5 @@
-"""Int8 linear layers by the C function in small_matmul.c: the int8 weights read straight through in nn.Linear's own
-layout (or interleaved, interleave()) and each sum scaled back in the same pass. It takes a few rows (single-stream
-decode, a batch's tail) on every CPU, where torch._int_mm and a scaling pass take longer, and every row count on AVX2
-CPUs without AVX-512 VNNI, where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
+"""Int8 linear layers by the C function in small_matmul.c, each sum scaled back in the same pass: at a few rows on
+every CPU, and at every row count on AVX2 without VNNI, where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
 
 import ctypes
 from pathlib import Path
@@ -55,9 +53,8 @@ GROUP_ROWS, PIECE = 4, 32  # interleaved weights: groups of four rows, their 32-
 
 
 def interleave(qweight: torch.Tensor) -> torch.Tensor | None:
-    """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32]: each group of four rows
-    one run of memory (its weight_at). Only where the function takes every row count (AVX2 without VNNI), so nothing
-    needs the plain layout there; elsewhere, or at other shapes, None."""
+    """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32] (its weight_at); only
+    where the function takes every row count, so nothing needs the plain layout there; else None."""
     n, k = qweight.shape
     if _lib is None or not _any_rows or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
         return None
@@ -82,8 +79,7 @@ OUTLIER_TILE = 16  # columns of a tile of outlier weights (outlier_columns.h's o
 
 def tile_outliers(rows: torch.Tensor) -> torch.Tensor:
     """An int8 layer's outlier weights [count, n] fp16 in the layout that goes with interleaved weights,
-    [ceil(n / 16), count, 16], the last tile padded with zeros: each 16 columns' weights one run of memory, where a
-    block of columns read count rows n apart (outlier_columns.h's outlier_at)."""
+    [ceil(n / 16), count, 16], zero-padded: each 16 columns one run of memory (outlier_columns.h's outlier_at)."""
     count, n = rows.shape
     tiles = -(-n // OUTLIER_TILE)
     padded = torch.zeros(count, tiles * OUTLIER_TILE, dtype=rows.dtype, device=rows.device)
@@ -92,8 +88,7 @@ def tile_outliers(rows: torch.Tensor) -> torch.Tensor:
 
 
 def plain_outliers(rows: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The [count, n] layout of outlier weights, tiled or not (None: a layer without any), contiguous as the C loops
-    take it."""
+    """The [count, n] layout of outlier weights, tiled or not (None: a layer without any), contiguous."""
     if rows is None or rows.dim() == 2:
         return rows
     return rows.transpose(0, 1).reshape(rows.shape[1], -1)[:, :n].contiguous()
@@ -135,11 +130,10 @@ def matmul_i8(
     outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The int8 product xq [rows, k] · qweight [n, k]ᵀ (or interleave's layout) summed in int32, times row_scale
-    [rows] and col_scale [n] -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's
-    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16, tiled
-    (tile_outliers) where qweight is interleaved), the float channels' product added, then the bias [n] (fp32; all
-    contiguous), as layer_ops.add_outlier_columns adds them."""
+    """xq [rows, k] · qweight [n, k]ᵀ summed in int32, times row_scale [rows] and col_scale [n] -> fp32 [rows, n]:
+    torch._int_mm's sums, bit for bit, then layer_ops.dequantize's scaling. sums: weight_sums(qweight). outliers:
+    (x_out [rows, count] fp32, wt [count, n] fp16, tiled where qweight is interleaved) and the bias added as
+    layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = shape_of(qweight)[0]
     y = torch.empty(rows, n)
