@@ -1,15 +1,10 @@
-"""CUDA graphs for the decode step.
+"""CUDA graphs for the decode step: at small batch, the launch cost of its few hundred short kernels rivals the
+compute, and a graph replays the whole forward and the vocabulary projection as one launch.
 
-A decode step at small batch launches a few hundred short kernels; on a GPU their launch cost
-rivals the compute. A CUDA graph replays the whole forward (and the vocabulary projection) as
-one launch. A graph is frozen to its tensors' addresses and shapes, so the step's inputs live in
-static buffers sized for the largest batch, and one graph is captured per batch size in
-`capture_sizes`. A batch runs in the smallest captured size that holds it; the rows past it are
-padding: token 0 at position 0, slot -1 (store_kv writes nothing for it) and a context of one
-token in block 0 (read, never written).
-
-Without capture (capture=False) the same static buffers and padding run eagerly. That is how the
-CPU tests exercise everything here except the capture itself.
+A graph is frozen to its tensors' addresses and shapes, so the inputs live in static buffers sized for the largest
+batch, with a graph per size in `capture_sizes`. A batch runs in the smallest size that holds it; the rows past it
+are padding: token 0 at position 0, slot -1 (store_kv writes nothing for it), a context of one token in block 0.
+With capture=False the same buffers and padding run eagerly: how the CPU tests exercise all but the capture.
 """
 
 import torch

@@ -1,11 +1,7 @@
 """A step's small host arrays (token ids, positions, slots, block tables, sampling parameters) sent to the device
-as one copy.
-
-Each torch.tensor(..., device="cuda") of a Python list is its own pageable copy, and a pageable copy makes the host
-wait for it. On CUDA the arrays are packed into one pinned buffer, which goes over in one non-blocking copy; each
-array is then a view of the device buffer. PyTorch's pinned allocator keeps a buffer from reuse until its copy has
-run, so a step that does not wait for the device cannot overwrite the previous step's buffer. On the CPU each array
-is simply its own tensor: there is nothing to copy.
+as one copy: each pageable copy of a list would make the host wait. On CUDA they are packed into one pinned buffer,
+sent without blocking, each array a view of the device buffer; the pinned allocator keeps a buffer from reuse until
+its copy has run. On the CPU each array is simply its own tensor.
 """
 
 import torch

@@ -1,7 +1,5 @@
 """Loading a model: its safetensors into kvferry's own Llama-family module, and converting a GGUF file once.
-
-Finding the folder (a Hugging Face folder, a .gguf file converted once, or the embedded default) is
-kvferry.common.model_files, which imports no torch.
+Finding the folder is kvferry.common.model_files, which imports no torch.
 """
 
 import contextlib
@@ -74,9 +72,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def skip_weight_init():
-    """Build layers without random initialisation: every weight is overwritten by the checkpoint at once.
-    (The meta device would do too, but initialising on it pulls in torch's compiler stack, which slows every
-    start.)"""
+    """Build layers without random initialisation: the checkpoint overwrites every weight. (Not the meta device: it
+    pulls in torch's compiler stack, which slows every start.)"""
     from torch import nn
 
     saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}

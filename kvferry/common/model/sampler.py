@@ -1,8 +1,6 @@
-"""Sampling a batch in which every row has its own parameters.
-
-Random rows draw by the exponential race (argmax of p / Exp(1) noise), which equals
-sampling from p. A seeded row draws its noise from its own generator, so its tokens
-depend only on its seed and its logits, never on what else shares the batch.
+"""Sampling a batch in which every row has its own parameters. Random rows draw by the exponential race (argmax
+of p / Exp(1) noise), which equals sampling from p; a seeded row draws its noise from its own generator, so its
+tokens depend only on its seed and its logits, never on what else shares the batch.
 """
 
 from dataclasses import dataclass
@@ -15,8 +13,8 @@ from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 @dataclass
 class SamplingTensors:
-    """The random rows' parameters, staged with a step's other host arrays (one copy to the device). Which filters
-    run is decided here, on the host, from the parameters: the device is never asked (a sync per step)."""
+    """The random rows' parameters, staged with a step's other host arrays. Which filters run is decided on the
+    host: asking the device would cost a sync per step."""
 
     random_rows: list[int]
     rows: Staged | None  # the random rows' indices; None when every row is random
@@ -50,9 +48,8 @@ def sample(
     constraints: list | None = None,
     staged: SamplingTensors | None = None,
 ) -> list[int]:
-    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row; a row with
-    one samples only among the tokens it allows, whatever the sampling method. staged: params' tensors, already
-    staged with the step's inputs (default: staged here)."""
+    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row, which
+    limits the row's tokens. staged: params' tensors, staged with the step's inputs (default: staged here)."""
     if constraints is not None:
         logits = mask_constrained(logits, constraints)
     if staged is None:
@@ -84,16 +81,14 @@ def sample(
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The argmax of probs / noise per row (noise: Exp(1) draws). A draw can be exactly 0 (CUDA's generator can
-    return it), and 0 / 0 is NaN, which argmax takes for the largest: a token filtered to probability 0 would win.
-    The draw is clamped to the smallest positive normal number instead, so a filtered token scores 0 and never
-    wins, and a kept one scores finite."""
+    """The argmax of probs / noise per row (noise: Exp(1) draws). CUDA can draw exactly 0, and 0 / 0 is NaN, which
+    argmax takes for the largest: a filtered token would win. So the draw is clamped to the smallest normal number."""
     return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
-    """The logits with every token a row's constraint forbids at -inf, on the constrained rows only. A copy: the
-    caller's logits stay the model's, which logprobs report (as vLLM does)."""
+    """The logits with every token a row's constraint forbids at -inf. A copy: logprobs report the model's (as vLLM
+    does)."""
     rows = [i for i, state in enumerate(constraints) if state is not None]
     if not rows:
         return logits
