@@ -61,7 +61,7 @@ class Int8Linear(nn.Module):
         """Keep qweight, in place of the plain one, in the layout the C product streams fastest where it takes every
         product of this layer (small_matmul.interleave), the outlier weights tiled with it. Returns whether it did.
         Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back."""
-        takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops._lib is not None
+        takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops.handles()
         interleaved = small_matmul.interleave(self.qweight) if takes_all else None
         if interleaved is not None:
             self.qweight = interleaved

@@ -73,20 +73,33 @@ def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tu
         return None, f"{type(e).__name__}: {e}"
 
 
-def load_functions(
-    source: Path,
-    build_dir: Path,
-    signatures: dict[str, tuple[list, object]],
-    fallback: str,
-    flags: tuple[str, ...] = (),
-) -> tuple[ctypes.CDLL | None, str]:
-    """load, then give each named function its (argument types, result type): (the library, "") or (None, why
-    not), with a warning that `fallback` (what the caller runs instead) stays in use."""
-    lib, why = load(source, build_dir, flags)
-    if lib is None:
-        log.warning("%s stays in use: %s", fallback, why)
-        return None, why
-    for name, (argtypes, restype) in signatures.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, restype
-    return lib, ""
+class Library:
+    """A kernel module's C library in this process: enable() loads it, disable() goes back to `fallback` (the PyTorch
+    path; tests and benchmarks compare the two). Once loaded, each function in signatures (name -> (argument types,
+    result type)) is an attribute; on_load(library) reads what the library says of itself."""
+
+    def __init__(self, source: Path, signatures: dict, fallback: str, flags: tuple[str, ...] = (), on_load=None):
+        self.source, self.signatures, self.fallback = source, signatures, fallback
+        self.flags, self.on_load = flags, on_load
+        self.loaded: ctypes.CDLL | None = None
+
+    def enable(self, build_dir: Path) -> str:
+        """Compile (once per machine) and load; returns "" or why the fallback stays in use."""
+        if self.loaded is None:
+            lib, why = load(self.source, build_dir, self.flags)
+            if lib is None:
+                log.warning("%s stays in use: %s", self.fallback, why)
+                return why
+            for name, (argtypes, restype) in self.signatures.items():
+                function = getattr(lib, name)
+                function.argtypes, function.restype = argtypes, restype
+                setattr(self, name, function)
+            self.loaded = lib
+            if self.on_load is not None:
+                self.on_load(self)
+        return ""
+
+    def disable(self) -> None:
+        self.loaded = None
+        for name in self.signatures:
+            self.__dict__.pop(name, None)

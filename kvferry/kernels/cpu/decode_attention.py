@@ -9,34 +9,17 @@ import torch
 from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
-_kernel = None  # the C function, once enable() has loaded it
-
-
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
-    global _kernel
-    if _kernel is None:
-        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        argtypes = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
-        argtypes += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
-        name = "kvferry_paged_decode_attention_f32"
-        fallback = "the PyTorch reference for CPU decode attention"
-        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
-        if lib is None:
-            return why
-        _kernel = getattr(lib, name)
-    return ""
-
-
-def disable() -> None:
-    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
-    global _kernel
-    _kernel = None
+pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+ARGTYPES = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
+ARGTYPES += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
+SIGNATURES = {"kvferry_paged_decode_attention_f32": (ARGTYPES, ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU decode attention")
+enable, disable = _lib.enable, _lib.disable
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel is loaded and takes these tensors (see layout_fits)."""
-    return _kernel is not None and layout_fits(query, k_cache, v_cache)
+    return _lib.loaded is not None and layout_fits(query, k_cache, v_cache)
 
 
 def layout_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -79,7 +62,7 @@ def paged_decode_attention(
         if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1):
             key, value = key.contiguous(), value.contiguous()  # each token's heads one run of floats
         slots = slots.to(torch.int64).contiguous()
-    failed = _kernel(
+    failed = _lib.kvferry_paged_decode_attention_f32(
         query.data_ptr(),
         None if key is None else key.data_ptr(), 0 if key is None else key.stride(0),
         None if value is None else value.data_ptr(), 0 if value is None else value.stride(0),

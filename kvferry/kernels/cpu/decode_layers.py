@@ -16,8 +16,6 @@ SOURCE = Path(__file__).with_suffix(".c")
 # Rows that every loop takes; past them, as many as its products take (DecodeLayers.max_rows)
 MAX_ROWS = min(small_matmul.MAX_ROWS, panel_matmul.MAX_ROWS)
 ANY_ROWS = 2**31 - 1  # the C loop's row count is an int
-_lib = None
-
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -55,28 +53,15 @@ class _Scratch(ctypes.Structure):
     ]  # fmt: skip
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the loop; returns "" or why the layers stay one call at a time."""
-    global _lib
-    if _lib is None:
-        argtypes = [_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i]
-        signatures = {"kvferry_decode_layers": (argtypes, ctypes.c_int)}
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, "one call per op for CPU decode layers")
-        if _lib is None:
-            return why
-    return ""
-
-
-def disable() -> None:
-    """Back to one call per op, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+SIGNATURES = {"kvferry_decode_layers": ([_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i], ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "one call per op for CPU decode layers")
+enable, disable = _lib.enable, _lib.disable
 
 
 def available(int8: bool, fp32: bool) -> bool:
     """Whether this loop and every function it calls for int8 and/or fp32 weights are loaded."""
     products = ([small_matmul._lib] if int8 else []) + ([panel_matmul._lib] if fp32 else [])
-    return None not in (_lib, layer_ops._lib, decode_attention._kernel, *products)
+    return all(lib.loaded is not None for lib in (_lib, layer_ops._lib, decode_attention._lib, *products))
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -168,7 +153,7 @@ class DecodeLayers:
             layer_ops._lib.kvferry_quantize_rows_f32,
             small_matmul._lib.kvferry_matmul_i8 if self.int8 else None,  # a library not loaded: its kind is not here
             panel_matmul._lib.kvferry_panel_matmul_f32 if self.fp32 else None,
-            decode_attention._kernel,
+            decode_attention._lib.kvferry_paged_decode_attention_f32,
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)

@@ -11,44 +11,34 @@ from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = 4  # taken everywhere; past them, up to max_rows() where measured as fast as oneDNN's GEMM
-_lib = None
+pointer, count = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "kvferry_panel_width_fits": ([count], count),
+    "kvferry_panel_max_rows": ([], count),
+    "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
+}
 _widths: frozenset[int] = frozenset()  # the panel widths the loaded function takes
 _max_rows = 0  # of the loaded function
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the function; returns "" or why oneDNN stays in use at a few rows."""
-    global _lib, _widths, _max_rows
-    if _lib is None:
-        pointer, count = ctypes.c_void_p, ctypes.c_int
-        signatures = {
-            "kvferry_panel_width_fits": ([count], count),
-            "kvferry_panel_max_rows": ([], count),
-            "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
-        }
-        fallback = "oneDNN for fp32 linear layers at a few rows"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback)
-        if _lib is None:
-            return why
-        _widths = frozenset(width for width in range(1, 1025) if _lib.kvferry_panel_width_fits(width))
-        _max_rows = _lib.kvferry_panel_max_rows()
-    return ""
+def _read_shapes(lib: build.Library) -> None:
+    global _widths, _max_rows
+    _widths = frozenset(width for width in range(1, 1025) if lib.kvferry_panel_width_fits(width))
+    _max_rows = lib.kvferry_panel_max_rows()
 
 
-def disable() -> None:
-    """Back to oneDNN, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+_lib = build.Library(SOURCE, SIGNATURES, "oneDNN for fp32 linear layers at a few rows", on_load=_read_shapes)
+enable, disable = _lib.enable, _lib.disable
 
 
 def max_rows() -> int:
     """The most rows of x the loaded function takes (0: not loaded)."""
-    return _max_rows if _lib is not None else 0
+    return _max_rows if _lib.loaded is not None else 0
 
 
 def takes_width(width: int) -> bool:
     """Whether the function is loaded and takes panels of this many columns (a whole number of its vectors)."""
-    return _lib is not None and width in _widths
+    return _lib.loaded is not None and width in _widths
 
 
 def handles(x: torch.Tensor, width: int) -> bool:

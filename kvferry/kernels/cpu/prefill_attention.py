@@ -10,33 +10,18 @@ from kvferry.kernels.cpu import build
 from kvferry.kernels.cpu.decode_attention import layout_fits
 
 SOURCE = Path(__file__).with_suffix(".c")
-_kernel = None
-
-
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
-    global _kernel
-    if _kernel is None:
-        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        argtypes = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
-        argtypes += [count] * 5 + [ctypes.c_float, count]
-        name = "kvferry_paged_prefill_attention_f32"
-        fallback = "the PyTorch reference for CPU prefill attention"
-        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
-        if lib is None:
-            return why
-        _kernel = getattr(lib, name)
-    return ""
-
-
-def disable() -> None:
-    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
-    global _kernel
-    _kernel = None
+pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+ARGTYPES = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
+ARGTYPES += [count] * 5 + [ctypes.c_float, count]
+SIGNATURES = {"kvferry_paged_prefill_attention_f32": (ARGTYPES, ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU prefill attention")
+enable, disable = _lib.enable, _lib.disable
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return _kernel is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+    return (
+        _lib.loaded is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+    )
 
 
 def paged_prefill_attention(
@@ -57,7 +42,7 @@ def paged_prefill_attention(
     tables = block_tables.to(torch.int32).contiguous()
     starts = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    failed = _kernel(
+    failed = _lib.kvferry_paged_prefill_attention_f32(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
         len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),

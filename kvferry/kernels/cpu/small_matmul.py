@@ -12,41 +12,29 @@ SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = 4  # as in small_matmul.c: taken at 1-4 rows everywhere, faster than torch._int_mm (docs/benchmarks.md)
 # No fused multiply-adds: the outlier channels' sums round as layer_ops.c's do (outlier_columns.h)
 FLAGS = ("-ffp-contract=off",)
-_lib = None
+pointer, count = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "kvferry_takes_every_row_count": ([], count),
+    "kvferry_matmul_i8": (
+        [pointer, count, count, pointer, count, pointer, count, *[pointer] * 4, count, pointer, pointer, count],
+        None,
+    ),
+}
 _any_rows = False  # every row count, not just MAX_ROWS: where torch._int_mm has no fast path
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the function; returns "" or why torch._int_mm stays in use."""
-    global _lib, _any_rows
-    if _lib is None:
-        pointer, count = ctypes.c_void_p, ctypes.c_int
-        signatures = {
-            "kvferry_takes_every_row_count": ([], ctypes.c_int),
-            "kvferry_matmul_i8": (
-                [pointer, count, count, pointer, count, pointer, count]
-                + [pointer] * 4
-                + [count, pointer, pointer, count],
-                None,
-            ),
-        }
-        fallback = "torch._int_mm for int8 linear layers at a few rows"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
-        if _lib is None:
-            return why
-        _any_rows = bool(_lib.kvferry_takes_every_row_count())
-    return ""
+def _read_row_counts(lib: build.Library) -> None:
+    global _any_rows
+    _any_rows = bool(lib.kvferry_takes_every_row_count())
+
+
+_lib = build.Library(SOURCE, SIGNATURES, "torch._int_mm for int8 linear layers at a few rows", FLAGS, _read_row_counts)
+enable, disable = _lib.enable, _lib.disable
 
 
 def takes_every_row_count() -> bool:
     """Whether the function is loaded and the int8 linear layers call it at every row count, not just MAX_ROWS."""
-    return _lib is not None and _any_rows
-
-
-def disable() -> None:
-    """Back to torch._int_mm, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+    return _lib.loaded is not None and _any_rows
 
 
 GROUP_ROWS, PIECE = 4, 32  # interleaved weights: groups of four rows, their 32-byte pieces side by side
@@ -56,7 +44,7 @@ def interleave(qweight: torch.Tensor) -> torch.Tensor | None:
     """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32] (its weight_at); only
     where the function takes every row count, so nothing needs the plain layout there; else None."""
     n, k = qweight.shape
-    if _lib is None or not _any_rows or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
+    if not takes_every_row_count() or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
         return None
     return qweight.reshape(n // GROUP_ROWS, GROUP_ROWS, k // PIECE, PIECE).transpose(1, 2).contiguous()
 
@@ -105,7 +93,7 @@ def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
     """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k] (or interleaved): a few
     rows, or any number where torch._int_mm is slow; on the CPU, contiguous."""
     return (
-        _lib is not None
+        _lib.loaded is not None
         and xq.dim() == 2
         and 1 <= xq.shape[0]
         and (xq.shape[0] <= MAX_ROWS or _any_rows)
