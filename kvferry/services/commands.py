@@ -33,10 +33,9 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     role = cls.role.name.lower()
     worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
-    # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
-    # of requests (found by the soak, tests/e2e/soak.py; docs/benchmarks.md). 64 still holds every shape a decode
-    # batch cycles through. Both are read at the first matmul, so setting them here works.
+    # oneDNN and ideep cache a kernel per matmul shape, 1024 by default: a prefill worker sees a new token count at
+    # almost every step, so its memory would climb for good (tests/e2e/soak.py). 64 holds a decode batch's shapes.
+    # Both are read at the first matmul, so setting them here works.
     for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(cache, "64")
     observe(args, role, worker_id)  # before the worker: its channels take the tracer
@@ -47,14 +46,8 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     health = WorkerHealthServer("0.0.0.0", config.health_port) if config.health_port is not None else None
 
-    worker = cls(
-        EngineConfig.from_args(args),
-        config.gateway,
-        worker_id,
-        worker_config=config,
-        process=process,
-        curve=curve,
-    )
+    engine_config = EngineConfig.from_args(args)
+    worker = cls(engine_config, config.gateway, worker_id, worker_config=config, process=process, curve=curve)
     if health:
         health.worker = worker
 

@@ -1,10 +1,7 @@
-"""The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches generation
-continuously, streaming each step's tokens to the gateway.
-
-The loop owns the sockets; its DecodeConnector (services/decode/connector.py) owns every transfer and request
-attempt (DecodeAttempt records). The loop hands the connector what comes in (`on_message`, `on_compiled`, `tidy`),
-steps the engine, asks the connector where each output goes (`on_output`), and sends what the connector has to
-say (`take_outbox`). Each choice runs as an engine sequence keyed by ChoiceKey.
+"""The decode worker: receives prompts' KV from prefill workers into its block pool, and batches generation
+continuously, streaming each step's tokens to the gateway. The loop owns the sockets; its DecodeConnector
+(services/decode/connector.py) owns every transfer and attempt, and the loop sends what it has to say. Each choice
+runs as an engine sequence keyed by ChoiceKey.
 """
 
 import time
@@ -34,9 +31,8 @@ def max_kv_frame_bytes(engine) -> int:
 
 
 def kv_frame_bound(config) -> int:
-    """max_kv_frame_bytes, or a hair above, before the engine exists: ZeroMQ takes a socket's size limit when it
-    binds, and the KV port is bound before the model loads. The largest layer group's share of the KV cache budget
-    (its blocks fill the budget but for less than one); of the model, only its layer count is read."""
+    """max_kv_frame_bytes, or a hair above, before the engine exists (ZeroMQ takes a socket's size limit as it binds,
+    before the model loads): the largest layer group's share of the KV cache budget."""
     num_layers = read_config(resolve_model(config.model))["num_hidden_layers"]
     largest_group = max(hi - lo for lo, hi in layer_groups(num_layers))
     return largest_group * config.kv_cache_memory // num_layers
@@ -144,13 +140,12 @@ class DecodeWorker(Worker):
             self.flush()
 
     def send_tokens(self, key: AttemptKey, link: GatewayLink, tokens: p.Tokens, trace) -> None:
-        """A choice's tokens to its gateway; a send that raises (a message past the protocol's bounds, a socket
-        error) fails its request alone, as its output's handling would."""
+        """A choice's tokens to its gateway; a send that raises fails its request alone."""
         with fails_alone(lambda exc: self.connector.unsent(key, link, trace, exc)):
             link.channel.send(tokens, key.request_id, trace)
 
     def trace_step(self, plan, started: float) -> None:
-        """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
+        """The step as a span, naming its requests (not their choices' engine ids)."""
         rids = dict.fromkeys(c.seq.request_id.request_id for c in plan.chunks)
         self.tracer.span(
             "decode.step" if not plan.is_prefill else "decode.recompute",
