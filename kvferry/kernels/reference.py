@@ -12,8 +12,7 @@ import torch.nn.functional as F
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write each new token's K/V into its slot (block_id * block_size + offset); a negative slot (a decode graph's
-    padding) stores nothing."""
+    """Write each new token's K/V into its slot; a negative slot (a decode graph's padding) stores nothing."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     if slot_mapping.numel() and slot_mapping.min() < 0:
         keep = slot_mapping >= 0
@@ -91,16 +90,14 @@ def paged_decode_attention(
     scale: float,
     plan: list[DecodeChunk] | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence attending to its whole cached context.
-    query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
+    """query [batch, num_heads, head_dim], one new token per sequence, attending to its whole cached context."""
     num_blocks, _, num_kv_heads, head_dim = k_cache.shape
     both = interleaved_blocks(k_cache, v_cache)
     if both is None:
         k_rows, v_rows = k_cache.reshape(num_blocks, -1), v_cache.reshape(num_blocks, -1)  # one block per row
     out = torch.empty_like(query)
     for c in plan or plan_decode(block_tables, context_lens, k_cache):
-        # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
-        # [n, kvh, len, d] views in place, strides and all.
+        # index_select of whole blocks is far cheaper than advanced indexing; SDPA reads the views in place.
         n = c.end - c.start
         if both is not None:  # one copy of whole blocks brings K and V: fewer, longer runs of memory
             kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)
@@ -125,9 +122,8 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """New tokens of each sequence attending causally to the sequence's paged context.
-    The new tokens are the last q_len of each context (their K/V already stored).
-    query [num_tokens, num_heads, head_dim], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]."""
+    """query [num_tokens, num_heads, head_dim], each sequence's new tokens (the last of its context, their K/V
+    stored), attending causally to its paged context."""
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     for i, context_len in enumerate(context_lens.tolist()):

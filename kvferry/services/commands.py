@@ -90,7 +90,7 @@ def cmd_serve(args) -> int:
 
 def add_service_parsers(sub) -> None:
     """`kvferry gateway`, `prefill`, `decode`, `health` and `serve`, on the subparsers of a `kvferry` parser."""
-    from kvferry.services.health_probe import cmd_health
+    from kvferry.services.health_probe import check
 
     p = sub.add_parser("gateway", help="the HTTP API and the worker registry")
     settings.add_arguments(p, settings.GATEWAY)
@@ -102,13 +102,8 @@ def add_service_parsers(sub) -> None:
         p.set_defaults(func=func)
 
     p = sub.add_parser("health", help="exit 0 when this container's gateway or worker is healthy (for HEALTHCHECK)")
-    p.add_argument(
-        "--url",
-        action="append",
-        default=None,
-        help="probe this URL instead (repeatable; the first that answers decides)",
-    )
-    p.set_defaults(func=cmd_health)
+    p.add_argument("--url", action="append", help="probe this URL instead (repeatable; the first that answers decides)")
+    p.set_defaults(func=lambda args: check(args.url))
 
     p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
     settings.add_arguments(p, settings.SERVE)

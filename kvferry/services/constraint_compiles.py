@@ -23,8 +23,7 @@ from kvferry.common.structured.grammars import GrammarCache
 from kvferry.services.wake_pipe import clear, pipe, signal
 
 MAX_QUEUED_COMPILES = 64  # distinct constraints waiting for the thread: a bound on what a burst can queue
-# Their text together: eight of the largest constraints. More could not compile within one timeout anyway (the
-# largest enums take a second or two each), and each compiled one may be 200 times its text.
+# Their text together: eight of the largest, more than could compile in one timeout; compiled, each may be 200x.
 MAX_QUEUED_COMPILE_BYTES = 1 << 20
 MAX_TIMED_OUT = 1024  # constraints remembered as too slow to compile
 
@@ -156,14 +155,12 @@ class ConstraintCompiles:
     def _past_deadline(self, job: Job) -> tuple[str, bool]:
         """Its error, and whether another worker may take it (as the module says)."""
         if job.started is not None and job.deadline - job.started >= self.timeout_s / 2:
-            self._remember_too_slow(job.constraint.key)
+            self._timed_out[job.constraint.key] = None
+            while len(self._timed_out) > MAX_TIMED_OUT:
+                del self._timed_out[next(iter(self._timed_out))]
             return self._too_slow(job.constraint), False
-        field_name = job.constraint.field
-        return (
-            f"{field_name}: not compiled within the {self.timeout_s:g} s this server allows: this worker was "
-            "busy compiling other constraints",
-            True,
-        )
+        busy = "this worker was busy compiling other constraints"
+        return f"{job.constraint.field}: not compiled within the {self.timeout_s:g} s this server allows: {busy}", True
 
     def _refuse(self, owner, constraint: Constraint, error: str, retry: bool = False) -> None:
         now = time.time()
@@ -183,7 +180,12 @@ class ConstraintCompiles:
 
     def _compile(self, job: Job) -> None:
         try:
-            self._set_up()
+            self._set_up_since = time.monotonic()  # the queue clock stops while the grammar cache sets up
+            try:
+                self.grammars.set_up()
+            finally:
+                self._set_up_s += time.monotonic() - self._set_up_since
+                self._set_up_since = None
             left = job.deadline - self.clock()
             if left <= 0:
                 return  # the loop fails it at its deadline, uncompiled
@@ -200,23 +202,10 @@ class ConstraintCompiles:
         job.finished = True
         self._wake()
 
-    def _set_up(self) -> None:
-        self._set_up_since = time.monotonic()
-        try:
-            self.grammars.set_up()
-        finally:
-            self._set_up_s += time.monotonic() - self._set_up_since
-            self._set_up_since = None
-
     def _wake(self) -> None:
         with self._lock:
             if not self._closed:  # a compile that outlived the worker's loop has nobody to wake
                 signal(self._wake_write)
-
-    def _remember_too_slow(self, key) -> None:
-        self._timed_out[key] = None
-        while len(self._timed_out) > MAX_TIMED_OUT:
-            del self._timed_out[next(iter(self._timed_out))]
 
     def _too_slow(self, constraint: Constraint) -> str:
         return f"{constraint.field}: compiling it took longer than the {self.timeout_s:g} s this server allows"

@@ -85,8 +85,7 @@ def parse_gateways(text: str | list[str]) -> list[str]:
 
 @dataclass
 class Failure:
-    """A request attempt failed on this worker, to be told to the gateway that sent it (Worker.report). code and
-    retry: as Worker.send_failure takes them."""
+    """A request attempt that failed on this worker, for Worker.report to tell the gateway that sent it."""
 
     link: GatewayLink
     request_id: str

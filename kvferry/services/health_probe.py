@@ -42,9 +42,5 @@ def check(urls: list[str] | None = None) -> int:
     return code
 
 
-def cmd_health(args) -> int:
-    return check(args.url)
-
-
 if __name__ == "__main__":  # the image's HEALTHCHECK: standard library only, where `kvferry` would import torch
     sys.exit(check())

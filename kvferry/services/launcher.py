@@ -26,8 +26,7 @@ def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
 
 
 def wait_until(request, answered, procs: list[subprocess.Popen], timeout_s: float) -> bool:
-    """Ask request (a URL or Request) every 0.3 s until answered(reply) says so; False past timeout_s, or once one
-    of procs has exited."""
+    """Ask request every 0.3 s until answered(reply); False past timeout_s, or once one of procs has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
         try:
@@ -127,12 +126,10 @@ def serve(args) -> int:
     # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
     check_http_exposed(gateway.host, gateway.port, gateway.api_key, args.insecure)
     resolve_model(args.model)  # convert once here, not in three processes at the same time
-    # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:
-    # a shell starts background jobs with it ignored.
+    # Ctrl-C and SIGTERM both stop the children; SIGINT set explicitly: a shell starts background jobs ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    # The children read serve's settings from the environment, like every other setting: each one that
-    # serve and a child both take, as serve got it (flag, variable or default).
+    # The children read serve's settings from the environment: each that serve and a child take, as serve got it.
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
     # The workers share the cores, and an idle OpenMP thread spins 300,000 rounds before it sleeps, taking a core

@@ -21,7 +21,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, KvferryError
-from kvferry.common.model.loader import served_model_name
+from kvferry.common.model_files import served_model_name
 from kvferry.common.process_config import ProcessConfig
 from kvferry.common.request_failure import fails_alone, failure_code
 from kvferry.common.startup_heap import freeze_startup_objects
@@ -61,8 +61,7 @@ class Worker:
         process: ProcessConfig | None = None,
         curve: CurveKeys | None = None,
     ):
-        """connector: makes this role's KV connector from the worker id (None: the null one). curve: the keys,
-        read from process.curve_keys by the caller before the model loads."""
+        """connector: makes the role's KV connector from the worker id. curve: read before the model loads."""
         worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.instance_id = uuid.uuid4().hex[:12]  # this process's: a restart under the same worker id gets another
@@ -85,7 +84,7 @@ class Worker:
         grammars.max_bytes = worker_config.grammar_cache_bytes
         grammars.isolated = True  # compiles in a child process, which a compile's timeout kills
         self.compiles = ConstraintCompiles(grammars, worker_config.grammar_compile_timeout)
-        self.poller.register(self.compiles.wake_fd, zmq.POLLIN)
+        self.watch(self.compiles.wake_fd, lambda: None)  # the loop takes the finished compiles after every poll
         self.heartbeat_interval_s = 1.0
         self.running = True
         self.latest_stats: p.WorkerStats | None = None
@@ -145,8 +144,7 @@ class Worker:
             **self.kv_counters(),
         )
 
-    def kv_counters(self) -> dict:
-        """A role's own WorkerStats counters."""
+    def kv_counters(self) -> dict:  # a role's own WorkerStats counters
         return {}
 
     def send_cache_updates(self) -> None:
@@ -172,8 +170,7 @@ class Worker:
         return sum(link.channel.num_protocol_errors for link in self.links)
 
     def _heartbeat_loop(self) -> None:
-        """Own thread, own sockets: a long step must not look like a dead worker. It only reads the stats snapshot
-        the loop publishes."""
+        """Own thread, own sockets: a long step must not look like a dead worker. It reads the loop's stats snapshot."""
         channels = {
             link: Channel(link.heartbeat_socket(self.ctx), f"{self.worker_id}/heartbeat", peer_name="gateway")
             for link in self.links
@@ -199,12 +196,9 @@ class Worker:
                     for sock, _ in poller.poll(int(left * 1000) + 1):
                         link = link_of[sock]
                         received = channels[link].recv()
+                        reply = received[1].message if received else None
                         # The gateway dropped us (say, after a network partition): register again.
-                        if (
-                            received
-                            and isinstance(received[1].message, p.RegisterReply)
-                            and received[1].message.reason == p.UNKNOWN_WORKER
-                        ):
+                        if isinstance(reply, p.RegisterReply) and reply.reason == p.UNKNOWN_WORKER:
                             link.must_register()
         finally:
             for channel in channels.values():
@@ -326,10 +320,7 @@ class Worker:
             time.sleep(spec.stall_s)
 
     def read_socket(self, sock) -> None:
-        """Handle every message waiting on sock. A message's failure stays with its request, which fails to its
-        gateway; only a FatalError ends the process."""
-        if sock == self.compiles.wake_fd:
-            return  # the loop takes the finished compiles after every poll
+        """Handle every message waiting on sock; a message's failure stays with its request (on_message_failed)."""
         on_ready = self.watched.get(sock)
         if on_ready is not None:
             # What it could pin on a request, it failed alone already; what escapes is a bug: the loop goes on.

@@ -76,8 +76,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         shut(victim)
 
     def service_actions(self) -> None:
-        # Run by serve_forever every poll_interval (0.5 s): connections past their deadline are shut down,
-        # which ends a read in progress; a timeout per read would be renewed by every byte trickled in.
+        # Run by serve_forever every 0.5 s: connections past their deadline are shut down, ending a read under way.
         now = time.monotonic()
         with self.lock:
             late = [r for r, (deadline, _) in self.served.items() if deadline <= now]

@@ -46,8 +46,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, **to)
         self.context_lens = torch.ones(top, dtype=torch.int32, **to)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, **to)
-        # One output for every size, each size's logits a slice of it: a graph's own output would stay allocated
-        # in the pool, [size, vocab] for every captured size.
+        # One output, each size's logits a slice: a graph's own [size, vocab] output would stay in the pool.
         dtype = model.embed_tokens.weight.dtype  # the dtype of the hidden states, and of the logits of every head
         self.logits = torch.empty(top, model.config.vocab_size, dtype=dtype, **to)
         self._replays: dict[int, torch.cuda.CUDAGraph] = {}  # size -> its graph, once captured
@@ -113,8 +112,7 @@ class DecodeGraphs:
         self.slot_mapping[:n] = batch.slot_mapping
         self.block_tables[:n, :width] = batch.block_tables  # entries past a row's context are never read
         self.context_lens[:n] = batch.context_lens
-        # Rows past n keep the padding they were made with or are reset to it here: a row that held a real
-        # sequence last step must not store into that sequence's slot again.
+        # Rows past n are reset to padding: a row that held a sequence last step must not store into its slot.
         self.input_ids[n:size] = 0
         self.positions[n:size] = 0
         self.slot_mapping[n:size] = -1

@@ -75,8 +75,7 @@ class FusedDecode:
         return cls(model, k_caches, v_caches) if takes_model else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
-        """Whether this step runs here: a decode step of fp32 rows, no more than the loop takes, laid out as the
-        runner makes them."""
+        """Whether this step runs here: a decode step of fp32 rows, as many as the loop takes, laid out as usual."""
         return (
             isinstance(batch, PagedBatch)  # the loop reads the paged cache; a benchmark's other batches do not have one
             and not batch.is_prefill

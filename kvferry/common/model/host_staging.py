@@ -31,7 +31,6 @@ class HostStaging:
         return part
 
     def upload(self) -> None:
-        """Give every part its tensor on the device."""
         if not self.packed:
             for part in self.parts:
                 part.tensor = torch.tensor(part.values, dtype=part.dtype).view(part.shape)

@@ -108,14 +108,12 @@ class Int8Linear(nn.Module):
 
 
 def interleave_linears(model: nn.Module) -> int:
-    """Every Int8Linear's weights into the CPU's C product's fastest layout where it takes them all (the runner
-    calls it once the C kernels are loaded); returns how many moved."""
+    """Every Int8Linear.interleave(), once the C kernels are loaded; returns how many moved."""
     return sum(m.interleave() for m in model.modules() if isinstance(m, Int8Linear))
 
 
 def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list[int] | None) -> int:
-    """--quantization int8: on the CPU, calibrate the float outlier channels on calibration_ids first. Returns
-    how many linear layers were quantized."""
+    """--quantization int8 (on the CPU, the outlier channels calibrated first); returns how many layers moved."""
     from kvferry.common.model.quant_calibration import outlier_channels
 
     outliers = None
@@ -127,9 +125,8 @@ def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list
 
 
 def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:
-    """Swap every nn.Linear in model for an Int8Linear; outliers: by the linear's module name, its float channels.
-    A tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup.
-    Returns how many were swapped."""
+    """Swap every nn.Linear for an Int8Linear (outliers: its float channels, by module name); returns how many. A
+    tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup."""
     outliers = outliers or {}
     return swap_linears(model, lambda name, linear: Int8Linear(linear, outliers.get(name)))
 

@@ -36,8 +36,7 @@ def scatter_blocks(
 
 
 class PendingFrame:
-    """A frame whose bytes a device-to-host copy may still be writing (kv_gather.py): whoever puts it on the wire
-    waits for them (`wait()`), off the step loop."""
+    """A frame a device copy may still be writing (kv_gather.py); who sends it waits for it, off the step loop."""
 
     def __init__(self, array: np.ndarray, copied):
         self.array, self.copied = array, copied  # copied: the copy's torch.cuda.Event

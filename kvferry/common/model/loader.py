@@ -11,17 +11,10 @@ from pathlib import Path
 
 from kvferry.common.errors import ModelLoadError
 from kvferry.common.model_config import ModelConfig
-from kvferry.common.model_files import resolve_model, served_model_name
+from kvferry.common.model_files import resolve_model
 
-# resolve_model and served_model_name are re-exported: the engine and the workers find the model through here.
-__all__ = [
-    "convert_gguf",
-    "load_model",
-    "resolve_model",
-    "served_model_name",
-    "skip_weight_init",
-    "weight_files",
-]
+# resolve_model is re-exported: the engine finds the model through here.
+__all__ = ["convert_gguf", "load_model", "resolve_model", "skip_weight_init", "weight_files"]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

@@ -36,8 +36,7 @@ class DenseCausalBatch:
 
 @torch.inference_mode()
 def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) -> dict[str, torch.Tensor]:
-    """For every nn.Linear of model (by module name): its num_channels input channels with the largest absolute
-    activation over the calibration tokens."""
+    """Each nn.Linear's (by module name) num_channels input channels of the largest activation over token_ids."""
     peaks: dict[str, torch.Tensor] = {}
 
     def recorder(name):

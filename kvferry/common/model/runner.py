@@ -62,8 +62,7 @@ class StepInputs:
 
 
 def enable_cpu_kernels() -> list[str]:
-    """Compile (once per machine, in the cache folder) and load the CPU's C kernels; returns why any could not be
-    (PyTorch's ops stay in use for those)."""
+    """kernels.cpu.enable in the cache folder (this user's alone, as each library in it)."""
     build_dir = model_files.cache_folder("kernels")  # the cache root and it: this user's alone, or a ConfigError
     with model_files.trusted_cache():  # and each library in it
         return cpu_kernels.enable(build_dir)
@@ -122,7 +121,7 @@ class ModelRunner:
         self.pack_inputs = device.type == "cuda"
 
     def use_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
-        """Run decode steps through DecodeGraphs (capture=False: their buffers and padding, eagerly, as CPU tests do)."""
+        """Run decode steps through DecodeGraphs (capture=False: their buffers and padding, eagerly, as tests do)."""
         self.decode_graphs = DecodeGraphs(
             self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq, self.device, capture
         )
@@ -204,8 +203,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, after_layer=None) -> list[int | None]:
-        """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it).
-        after_layer(i): called as each layer's K/V lands in the cache (eager steps only)."""
+        """Run one step: the sampled token per chunk (None: a prompt chunk not at its end). after_layer: the model's."""
         inputs = self.prepare(plan)
         input_ids, positions, batch, sampling = inputs.input_ids, inputs.positions, inputs.batch, inputs.sampling
         self.last_logprobs = [None] * len(plan.chunks)

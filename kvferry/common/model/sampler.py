@@ -13,8 +13,7 @@ from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 @dataclass
 class SamplingTensors:
-    """The random rows' parameters, staged with a step's other host arrays. Which filters run is decided on the
-    host: asking the device would cost a sync per step."""
+    """The random rows' parameters, staged with a step's host arrays; which filters run is decided on the host."""
 
     random_rows: list[int]
     rows: Staged | None  # the random rows' indices; None when every row is random
@@ -65,8 +64,7 @@ def sample(
         sub = _apply_top_k_top_p(sub, staged.top_ks.tensor, staged.top_ps.tensor)
     probs = torch.softmax(sub, dim=-1)  # [R, vocab]
     if staged.min_ps is not None:
-        # Relative to each row's most likely token; the race below needs no renormalisation. A row without min_p
-        # has 0 here, which removes nothing.
+        # Relative to each row's likeliest token (0: removes nothing); the race needs no renormalisation.
         min_ps = staged.min_ps.tensor
         probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)
@@ -87,8 +85,7 @@ def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
-    """The logits with every token a row's constraint forbids at -inf. A copy: logprobs report the model's (as vLLM
-    does)."""
+    """The logits with every token a row's constraint forbids at -inf; a copy: logprobs report the model's."""
     rows = [i for i, state in enumerate(constraints) if state is not None]
     if not rows:
         return logits
@@ -123,8 +120,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-    """logits [num_rows, vocab] (the model's, before any processing) -> each row's chosen token's
-    log-probability and its num_top most likely alternatives."""
+    """The model's logits [num_rows, vocab] -> each chosen token's logprob and the num_top likeliest alternatives."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
     chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
     k = max(num_top, default=0)

@@ -34,8 +34,7 @@ def _cpu_features() -> str:
 
 
 def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library of source for this machine, compiled into build_dir (made 0700 if missing) unless there
-    already. Raises UntrustedCache, or OSError or CalledProcessError when it cannot be built."""
+    """The library of source for this machine, compiled into build_dir (made 0700) unless there already."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *extra_flags)
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout

@@ -46,8 +46,7 @@ def add_rms_norm(
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [rows, heads, head_dim] in place (its rows may be strided, each row's heads contiguous); cos and
-    sin [rows, head_dim], contiguous."""
+    """Rotate x [rows, heads, head_dim] in place (rows may be strided); cos and sin [rows, head_dim], contiguous."""
     rows, heads, head_dim = x.shape
     _lib.kvferry_rope_f32(
         x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()

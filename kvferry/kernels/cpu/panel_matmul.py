@@ -42,8 +42,7 @@ def takes_width(width: int) -> bool:
 
 
 def handles(x: torch.Tensor, width: int) -> bool:
-    """Whether the function is loaded and takes x: fp32 [rows, k], up to max_rows() rows, contiguous, on the CPU,
-    times panels of this many columns."""
+    """Whether the function takes x (fp32 [rows, k], up to max_rows(), contiguous, on the CPU) times these panels."""
     return (
         takes_width(width)
         and x.dim() == 2

@@ -90,8 +90,7 @@ def shape_of(qweight: torch.Tensor) -> tuple[int, int]:
 
 
 def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k] (or interleaved): a few
-    rows, or any number where torch._int_mm is slow; on the CPU, contiguous."""
+    """Whether the function takes int8 xq [rows, k] times qweight: as many rows as it takes, on the CPU, contiguous."""
     return (
         _lib.loaded is not None
         and xq.dim() == 2

@@ -129,8 +129,7 @@ def _combine_splits_kernel(
     split_sum = tl.load(part_stats_ptr + rows * 2 + 1, mask=mask_s, other=0.0)
     acc_ptrs = part_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, D]
-    # Split 0 holds the first key of a context of at least one token, so m_max is finite; an empty split's
-    # max of -inf weighs 0.
+    # Split 0 holds the first key of a context, so m_max is finite; an empty split's max of -inf weighs 0.
     m_max = tl.max(split_max, axis=0)
     weight = tl.where(mask_s, tl.exp2(split_max - m_max), 0.0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * split_sum, axis=0)
@@ -192,14 +191,10 @@ def paged_decode_attention_split(
         part_stats,
         scale * math.log2(math.e),
         num_heads,
-        query.stride(0),
-        query.stride(1),
+        *query.stride()[:2],
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -217,8 +212,7 @@ def paged_decode_attention_split(
             part_stats,
             out,
             num_heads,
-            out.stride(0),
-            out.stride(1),
+            *out.stride()[:2],
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,

@@ -126,8 +126,7 @@ class DecodeConnector(Receiving, KVConnector):
         self.fail(record, failure_text(exc))
 
     def unsent(self, key: AttemptKey, link: GatewayLink, trace, exc: Exception) -> None:
-        """A choice's Tokens could not be sent: its request alone fails, and its gateway is told, even when the
-        record had ended."""
+        """A choice's Tokens could not be sent: its request fails, and its gateway is told, even if the record ended."""
         log.exception("%s: sending tokens", self.worker_id, extra={"request_id": key.request_id})
         record = self.records.get(key)
         if record is not None:

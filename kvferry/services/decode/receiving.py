@@ -93,9 +93,8 @@ class Receiving:
         incoming = record.incoming if record is not None and record.state is S.RECEIVING else None
         last = msg.layer_start + (msg.shape[0] if msg.shape else 0) >= self.engine.num_layers
         if incoming is None or msg.layer_start != incoming.next_layer:
-            # After a refused first group, or a group lost on the way: the sender's resend starts over. Its last
-            # group is answered, so that the sender need not wait for its ack timeout: done if the request ended
-            # here meanwhile, else send again.
+            # After a refused first group, or one lost on the way, the sender's resend starts over; its last group
+            # is answered (done if the request ended here meanwhile, else send again), so it need not time out.
             if incoming is not None:
                 record.put_back(self.engine)
             if last and record is not None and record.state in (S.RUNNING, S.DONE):
@@ -136,8 +135,7 @@ class Receiving:
                 self.admit(record, peer, env)
 
     def admit(self, record: DecodeAttempt, peer: bytes, env: p.Envelope) -> None:
-        """The last group came: the choices that go on (not ended by their first token, nor by the gateway since)
-        join the running batch."""
+        """The last group came: the choices not ended (by their first token, or the gateway) join the batch."""
         msg, incoming = env.message, record.incoming
         if incoming.grammar_error:
             # Not the request's fault: its prefill worker compiled the constraint. Another worker may: a 503 to move.

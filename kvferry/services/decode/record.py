@@ -65,8 +65,7 @@ class Incoming:
     num_bytes: int = 0
     trace: p.TraceContext | None = None  # the first group's
     grammar: object = None  # the choices' constraint, compiled (kept here: the cache may let it go before admission)
-    # The last group's (peer, envelope without its frame, placed already), kept while the constraint still
-    # compiles: admitted once it has.
+    # The last group's (peer, envelope without its frame, placed already), admitted once the constraint compiled.
     awaiting_grammar: tuple | None = None
     grammar_error: str = ""  # the constraint's compile failed: the transfer is refused when its last group comes
 

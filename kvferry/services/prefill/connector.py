@@ -212,8 +212,7 @@ class PrefillConnector(Replies, Shipping, KVConnector):
             self.send_all(record, block_ids)
 
     def send_if_due(self, record: PrefillAttempt, now: float) -> None:
-        """Send a transfer whose time came (due, unacknowledged, or done waiting for KVHeld); give it up past its
-        bounds."""
+        """Send a transfer whose time came (due, unacknowledged, done waiting for KVHeld); give up past its bounds."""
         if record.state is S.AWAITING_ACK and now >= record.sent_at + ACK_TIMEOUT_S:
             record.send_again(0.0)  # not acknowledged in time: lost on the way, or the peer restarted
         if record.state not in (S.DUE, S.AWAITING_HELD) or now < record.due_at:

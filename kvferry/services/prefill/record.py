@@ -106,8 +106,7 @@ class PrefillAttempt:
         self.num_skipped_blocks, self.num_bytes, self.parts = num_skipped_blocks, num_bytes, {}
 
     def start_early(self, choices: list[int], num_skipped_blocks: int, num_bytes: int) -> None:
-        """The first layer group is stored while the prompt computes: which blocks go is fixed. choices: those
-        announced; the last group names the ones that go on."""
+        """The first layer group is stored while the prompt computes: which blocks go is fixed. choices: announced."""
         move(self, ALLOWED, S.SENDING_EARLY)
         self.choices = choices
         self._settled(num_skipped_blocks, num_bytes)

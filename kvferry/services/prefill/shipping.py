@@ -13,8 +13,7 @@ from kvferry.services.worker_timings import RETRY_FULL_AFTER_S
 
 class Shipping:
     def settlement(self, record: PrefillAttempt, block_ids: list[int]) -> tuple[int, int]:
-        """Which blocks go: those the decode worker does not hold. Returns (blocks left out, bytes of one whole
-        send), for the record's transition that fixes them."""
+        """Which blocks go (those the decode worker does not hold): (blocks left out, bytes of one whole send)."""
         num_skipped = min(record.held_answer, self.engine.num_cacheable_blocks(record.num_kv_tokens))
         bytes_per_block = self.engine.bytes_per_block
         self.num_kv_bytes_skipped += num_skipped * bytes_per_block
@@ -53,8 +52,7 @@ class Shipping:
         (self.released if accepted else self.failed).append(record.key)
 
     def send_group(self, record: PrefillAttempt, lo: int, hi: int, block_ids: list[int], early: bool = False) -> None:
-        """One group of layers of a transfer, gathered on its first send and kept for resends. early: sent while
-        the prompt computes, so without first tokens."""
+        """One layer group, gathered on its first send and kept for resends. early: during the compute, no tokens."""
         request = record.request
         if lo not in record.parts:
             blocks = block_ids[record.num_skipped_blocks :]

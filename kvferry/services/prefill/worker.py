@@ -119,11 +119,8 @@ class PrefillWorker(Worker):
         for choice in range(msg.n):
             for_choice(msg.sampling, choice)  # each choice's own seed must be valid
         # The prefill worker samples only the next token; the decode worker does the rest.
-        num_done = len(msg.resume_token_ids)
-        params = msg.sampling
-        next_only = dataclasses.replace(
-            params, max_tokens=num_done + 1, min_tokens=min(params.min_tokens, num_done + 1)
-        )
+        num_next, params = len(msg.resume_token_ids) + 1, msg.sampling
+        next_only = dataclasses.replace(params, max_tokens=num_next, min_tokens=min(params.min_tokens, num_next))
         self.engine.add_request(
             msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids, grammar=grammar
         )
