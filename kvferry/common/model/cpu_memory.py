@@ -17,7 +17,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 * 2**20  # x86-64's and arm64's (4 KB base pages) transparent huge page
-_done = False
 
 
 @functools.cache
@@ -28,17 +27,14 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply once per process; returns whether glibc took the settings."""
-    global _done
-    if _done:
-        return True
     try:
         mallopt = _libc().mallopt
     except AttributeError:  # not glibc (musl, macOS): keep the allocator's defaults
         return False
-    _done = mallopt(_M_MMAP_THRESHOLD, 32 * 2**20) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**30) == 1
-    return _done
+    return mallopt(_M_MMAP_THRESHOLD, 32 * 2**20) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**30) == 1
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -35,15 +35,14 @@ class HostStaging:
             for part in self.parts:
                 part.tensor = torch.tensor(part.values, dtype=part.dtype).view(part.shape)
             return
-        offsets, total = [], 0
+        spans, total = [], 0
         for part in self.parts:
-            offsets.append(total)
-            total += -(-len(part.values) * part.dtype.itemsize // ALIGN) * ALIGN
+            size = len(part.values) * part.dtype.itemsize
+            spans.append(slice(total, total + size))
+            total += -(-size // ALIGN) * ALIGN
         host = torch.empty(max(total, ALIGN), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        for part, start in zip(self.parts, offsets):
-            end = start + len(part.values) * part.dtype.itemsize
-            host[start:end].view(part.dtype).copy_(torch.tensor(part.values, dtype=part.dtype))
+        for part, span in zip(self.parts, spans):
+            host[span].view(part.dtype).copy_(torch.tensor(part.values, dtype=part.dtype))
         device_buffer = host.to(self.device, non_blocking=True)
-        for part, start in zip(self.parts, offsets):
-            end = start + len(part.values) * part.dtype.itemsize
-            part.tensor = device_buffer[start:end].view(part.dtype).view(part.shape)
+        for part, span in zip(self.parts, spans):
+            part.tensor = device_buffer[span].view(part.dtype).view(part.shape)

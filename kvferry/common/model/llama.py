@@ -202,23 +202,22 @@ class LlamaModel(nn.Module):
             own[name].copy_(tensor)
             loaded.add(name)
 
-        fused = {}
+        fused, tied = {}, self.config.tie_word_embeddings
         for name, tensor in weights.items():
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-                continue
-            if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved it; the tables are recomputed
+            # Older checkpoints saved inv_freq (the tables are recomputed); a tied lm_head is the embedding.
+            if name.endswith("rotary_emb.inv_freq") or (tied and name.startswith("lm_head.")):
                 continue
             for part, (target, index) in FUSED_PARTS.items():
                 if f".{part}." in name:
                     fused.setdefault(name.replace(part, target), {})[index] = tensor
                     break
             else:
-                put(name.removeprefix("model.") if not name.startswith("lm_head.") else name, tensor)
+                put(name.removeprefix("model."), tensor)
         for name, pieces in fused.items():
             if set(pieces) != set(range(3 if "qkv_proj" in name else 2)):
                 raise ModelLoadError(f"incomplete fused weight {name}")
             put(name.removeprefix("model."), torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
-        if self.config.tie_word_embeddings:
+        if tied:
             loaded.add("lm_head.weight")
         absent = set(own) - loaded
         if absent:

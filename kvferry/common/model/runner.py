@@ -94,12 +94,11 @@ class ModelRunner:
         # K and V of a token side by side: a block's K and V are one run of memory, which the CPU's decode attention
         # gathers with one copy (kernels/reference.py; docs/benchmarks.md, paging overhead).
         shape = (layout.num_layers, num_blocks, layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
-        if device.type == "cpu":
-            # Zeroed here, so every page is touched now: else the resident size creeps up as blocks get their first
-            # use (it looks like a leak), each first touch a page fault inside a step. Huge pages unless
-            # --no-kv-huge-pages: the kernel may compact memory to find them.
-            zeros = huge_page_zeros if kv_huge_pages else torch.zeros
-            self.kv_cache = zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+        # Zeroed here, so every page is touched now: else the resident size creeps up as blocks get their first use
+        # (it looks like a leak), each first touch a page fault inside a step. On the CPU, huge pages unless
+        # --no-kv-huge-pages: the kernel may compact memory to find them.
+        if device.type == "cpu" and kv_huge_pages:
+            self.kv_cache = huge_page_zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views

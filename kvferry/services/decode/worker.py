@@ -41,17 +41,9 @@ def kv_frame_bound(config) -> int:
 class DecodeWorker(Worker):
     role = p.Role.DECODE
 
-    def __init__(
-        self,
-        config,
-        gateway,
-        worker_id=None,
-        worker_config: WorkerConfig | None = None,
-        process: ProcessConfig | None = None,
-        **kwargs,
-    ):
+    def __init__(self, config, gateway, worker_id=None, worker_config=None, process=None, **kwargs):
         worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
-        kv_bind, advertise_host = worker_config.kv_bind, worker_config.advertise_host
+        kv_bind = worker_config.kv_bind
         # Bound before the model loads (in Worker.__init__): a taken port fails at once.
         curve = kwargs.get("curve")
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
@@ -78,8 +70,8 @@ class DecodeWorker(Worker):
             raise KvferryError(f"a KV frame may be {max_kv_frame_bytes(self.engine)} bytes, past {frame_limit}")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
-        if host.endswith("0.0.0.0") or host.endswith("*"):
-            host = "tcp://" + advertised_host(advertise_host)
+        if host.endswith(("0.0.0.0", "*")):
+            host = "tcp://" + advertised_host(worker_config.advertise_host)
         self.advertised_kv = f"{host}:{port}"
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
