@@ -5,6 +5,7 @@ module's own main, so that the services never reach up into the tools.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -57,10 +58,8 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
         worker.stop_requested = True
 
     signal.signal(signal.SIGTERM, drain)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         worker.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 

@@ -1,5 +1,6 @@
 """`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
 
+import contextlib
 import json
 import os
 import random
@@ -29,12 +30,9 @@ def wait_until(request, answered, procs: list[subprocess.Popen], timeout_s: floa
     """Ask request every 0.3 s until answered(reply); False past timeout_s, or once one of procs has exited."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-        try:
-            with urllib.request.urlopen(request, timeout=2) as reply:
-                if answered(reply):
-                    return True
-        except OSError:
-            pass
+        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=2) as reply:
+            if answered(reply):
+                return True
         time.sleep(0.3)
     return False
 

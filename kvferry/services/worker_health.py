@@ -10,6 +10,7 @@ is taken, the oldest connection of the client holding the most is shut down for 
 would let whoever holds the slots fail the kubelet's liveness probe.
 """
 
+import contextlib
 import json
 import socket
 import sys
@@ -91,10 +92,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 def shut(request: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already closed by its thread
         request.shutdown(socket.SHUT_RDWR)
-    except OSError:  # already closed by its thread
-        pass
 
 
 def worker_state(worker) -> dict:

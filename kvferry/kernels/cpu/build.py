@@ -6,6 +6,7 @@ it links libgomp, which torch has loaded, so the kernel's threads are torch's Op
 library must be this user's alone (kvferry.cache_trust): one someone else could have written is refused, loudly.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -24,12 +25,10 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "
 
 
 def _cpu_features() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return ""
 
 

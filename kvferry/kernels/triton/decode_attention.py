@@ -1,10 +1,8 @@
 """Triton: paged decode attention, one query token per sequence, online softmax over its blocks.
 
-A program serves one GQA group: it reads each K and V tile once for all the group's query heads, as one
-[group, keys] dot. With few sequences, batch * kv heads programs leave most of a GPU idle, so a long
-context is cut into splits (flash-decoding): each split writes its partial softmax state to fp32 scratch,
-and a second kernel combines the splits. Every setting follows from shapes alone, so that a CUDA graph
-captures the same launch it replays.
+A program serves one GQA group, reading each K and V tile once for all its query heads. With few sequences a long
+context is cut into splits (flash-decoding), each writing its partial softmax state to fp32 scratch for a second
+kernel to combine. Every setting follows from shapes alone, so that a CUDA graph replays the launch it captured.
 """
 
 import math

@@ -1,7 +1,5 @@
-"""Launch settings of the attention kernels, chosen from shapes and the device only.
-
-Pure functions (apart from the cached device query), so that tests check them without a GPU, and so that a
-decode step captured in a CUDA graph picks the same settings on every replay without reading tensor data.
+"""Launch settings of the attention kernels, from shapes and the device only: tests check them without a GPU, and
+a decode step captured in a CUDA graph picks the same settings on every replay.
 """
 
 import functools

@@ -203,10 +203,7 @@ class PrefillConnector(Replies, Shipping, KVConnector):
             return
         block_ids = self.engine.kept_block_ids(record.key)
         if record.state is S.SENDING_EARLY:  # the rest of the groups now, the last with the first tokens
-            for lo, hi in self.engine.layer_groups:
-                if lo >= record.early_layers:
-                    self.send_group(record, lo, hi, block_ids)
-            record.all_sent()
+            self.send_all(record, block_ids, record.early_layers)
         elif record.state is S.COMPUTING:
             record.settle(*self.settlement(record, block_ids))
             self.send_all(record, block_ids)
@@ -218,10 +215,8 @@ class PrefillConnector(Replies, Shipping, KVConnector):
         if record.state not in (S.DUE, S.AWAITING_HELD) or now < record.due_at:
             return
         if now > record.ready_at + GIVE_UP_TRANSFER_S or time.time() > record.request.deadline_s:
-            message = (
-                f"decode worker {record.request.decode_worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s"
-            )
-            self.end(record.key, message, 503, True)
+            decode = record.request.decode_worker_id
+            self.end(record.key, f"decode worker {decode} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s", 503, True)
             return
         block_ids = self.engine.kept_block_ids(record.key)
         if record.state is S.AWAITING_HELD:  # its answer did not come in time: every block goes

@@ -10,11 +10,9 @@ PrefillConnector (services/prefill/connector.py) owns the records and drives eve
         SENDING_EARLY ──all_sent──▶ AWAITING_ACK;  EARLY_ANSWERED ──send_again──▶ DUE, or ──end──▶ DONE
     any state ──end (acknowledged, refused, aborted, failed, given up, no choice goes on)──▶ DONE
 
-While the prompt computes: ASKING, the KVHeld answer is still due, so nothing may go; COMPUTING, which blocks go
-can be settled; SENDING_EARLY, settled, its groups going as they are stored (`early_layers`); EARLY_ANSWERED, the
-decode worker answered those groups (`early_answer`), acted on after the compute. After it: AWAITING_HELD waits for
-KVHeld until `due_at`; DUE goes whole at `due_at`; AWAITING_ACK went whole at `sent_at`. A state's data is set by
-the transition into it, and read only in it.
+While the prompt computes: in ASKING the KVHeld answer is still due, so nothing may go; in COMPUTING which blocks
+go can be settled; in SENDING_EARLY they are, and its groups go as they are stored. A state's data (the fields name
+their states) is set by the transition into it, and read only in it.
 """
 
 import enum

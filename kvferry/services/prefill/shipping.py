@@ -28,9 +28,11 @@ class Shipping:
             record.held_answer = 0
             record.settle(*self.settlement(record, self.engine.kept_block_ids(record.key)))  # every block, this time
 
-    def send_all(self, record: PrefillAttempt, block_ids: list[int]) -> None:
+    def send_all(self, record: PrefillAttempt, block_ids: list[int], from_layer: int = 0) -> None:
+        """Every layer group from from_layer on (those before went during the compute)."""
         for lo, hi in self.engine.layer_groups:
-            self.send_group(record, lo, hi, block_ids)
+            if lo >= from_layer:
+                self.send_group(record, lo, hi, block_ids)
         record.all_sent()
 
     def end_transfer(self, record: PrefillAttempt, accepted: bool) -> None:
