@@ -1,7 +1,5 @@
 """The long-running roles' subcommands: gateway, prefill, decode, serve (the three as child processes) and health.
-
-`kvferry` (kvferry.tools.cli) adds these beside its tools; `kvferry serve` starts its children through this
-module's own main, so that the services never reach up into the tools.
+`kvferry serve` starts its children through this module's own main: the services never reach up into the tools.
 """
 
 import argparse

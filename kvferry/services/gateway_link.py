@@ -1,8 +1,6 @@
-"""A worker's connection to one gateway: its control socket, and whether (and when next) it must register.
-
-A worker serves every gateway it is given, so that gateways behind one load balancer share one pool of
-workers. Each gateway names itself in its RegisterReply; a request's replies go back over the link of
-the gateway that sent it, and a KV transfer carries that name so the decode worker can do the same.
+"""A worker's connection to one gateway: its control socket, and whether (and when next) it must register. A worker
+serves every gateway it is given (gateways behind one load balancer share one pool); each names itself in its
+RegisterReply, a request's replies go back over its gateway's link, and a KV transfer carries that name.
 """
 
 import logging
@@ -55,7 +53,7 @@ class GatewayLink:
     def accepted(self, reply: p.RegisterReply) -> None:
         self.registered, self.gateway_id = True, reply.gateway_id
         self.cache_sync_at = 0.0  # a gateway that (re)admits us knows nothing of our cache yet
-        log.info("%s registered with the gateway at %s", self.channel.name.split("/")[0], self.address)
+        log.info("%s registered with the gateway at %s", self.worker_id, self.address)
 
     def heartbeat_socket(self, ctx: zmq.Context) -> zmq.Socket:
         """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe). Its

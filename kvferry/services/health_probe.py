@@ -1,8 +1,5 @@
-"""`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK).
-
-One image runs every role, so the probe asks the worker health port first (the health_port setting) and
-then the gateway's HTTP port (port); the first that answers decides. Nothing listening on the
-health port means this container is not a worker, or it is still loading its model.
+"""`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK). One image
+runs every role, so it asks the worker health port first, then the gateway's port; the first that answers decides.
 """
 
 import sys

@@ -1,6 +1,5 @@
-"""The half of PrefillConnector (services/prefill/connector.py) that acts on what comes back from decode workers,
-through the KV sender thread: KVHeld (which leading blocks a decode worker holds), KVAck (a transfer placed, or
-not), and messages that could not go out."""
+"""The half of PrefillConnector (services/prefill/connector.py) that acts on what decode workers answer (KVHeld,
+KVAck), and on messages that could not go out."""
 
 import logging
 
