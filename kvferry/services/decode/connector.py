@@ -1,7 +1,7 @@
 """The decode side of the KV connector: it owns the worker's records (DecodeRecords) and every transition of them:
 blocks held for a KVQuery, a transfer's layer groups placed as they come, its choices admitted through
 `LLMEngine.admit_prefilled` once the last is in, choices and attempts ended, what ran out let go. Each entry point
-files the record it changed (DecodeRecords.file) on its way out, whatever happened, so that no path can forget to.
+files the record it changed (DecodeRecords.file) on its way out, whatever happened (on_output: see there).
 
 The loop hands it peer messages (`on_message`), finished compiles (`on_compiled`), the step's outputs (`on_output`)
 and the time (`tidy`). It touches no socket: what it has to say waits in its outbox for the loop (`take_outbox`).
