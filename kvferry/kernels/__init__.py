@@ -8,12 +8,8 @@ from kvferry.kernels.cpu import decode_attention as cpu_decode
 from kvferry.kernels.cpu import prefill_attention as cpu_prefill
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda
-
-
 def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
-    if _use_triton(key):
+    if key.is_cuda:
         from kvferry.kernels.triton.store_kv import store_kv as impl
     else:
         impl = reference.store_kv
@@ -22,7 +18,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 def needs_decode_plan(query, k_cache, v_cache) -> bool:
     """Whether decode attention runs on the reference, which wants reference.plan_decode's plan for the step."""
-    return not _use_triton(query) and not cpu_decode.handles(query, k_cache, v_cache)
+    return not query.is_cuda and not cpu_decode.handles(query, k_cache, v_cache)
 
 
 def paged_decode_attention(
@@ -34,7 +30,7 @@ def paged_decode_attention(
         return cpu_decode.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale, new)
     if new is not None:
         store_kv(new[0], new[1], k_cache, v_cache, new[2])
-    if _use_triton(query):
+    if query.is_cuda:
         from kvferry.kernels.triton.decode_attention import paged_decode_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, context_lens, scale)
@@ -47,7 +43,7 @@ def paged_prefill_attention(
     query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len: int | None = None
 ) -> torch.Tensor:
     """max_q_len: the longest new-token run, known on the host; saves the kernel a device sync per layer."""
-    if _use_triton(query):
+    if query.is_cuda:
         from kvferry.kernels.triton.prefill_attention import paged_prefill_attention as impl
 
         return impl(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_q_len=max_q_len)

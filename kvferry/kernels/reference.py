@@ -1,9 +1,6 @@
-"""PyTorch versions of the paged-attention operations.
-
-They run on the CPU and are the oracle that the Triton kernels are tested against.
-Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, either two
-tensors or (the runner's) the halves of one [num_blocks, block_size, 2, kvh, d] tensor. A block table
-row lists a sequence's block ids; entries past its context are padding (any valid id).
+"""PyTorch versions of the paged-attention operations: the CPU's fallback, and the oracle the kernels are tested
+against. Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, two tensors or
+(the runner's) the halves of one [num_blocks, block_size, 2, kvh, d]. Block table entries past a context are padding.
 """
 
 from dataclasses import dataclass
@@ -15,8 +12,7 @@ import torch.nn.functional as F
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Write each new token's K/V into its slot (block_id * block_size + offset); a negative slot marks a
-    padding row (a decode graph's batch), which stores nothing."""
+    """Write each new token's K/V into its slot; a negative slot (a decode graph's padding) stores nothing."""
     num_kv_heads, head_dim = k_cache.shape[2:]
     if slot_mapping.numel() and slot_mapping.min() < 0:
         keep = slot_mapping >= 0
@@ -32,9 +28,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
     return cache[block_table[:num_blocks]].flatten(0, 1)[:context_len]
 
 
-# K and V bytes gathered per pass in decode: small enough that the gathered copy is still in the
-# last-level cache when SDPA reads it, large enough to keep op counts low. A pass that outgrows the cache
-# slows the step sharply at long contexts (docs/benchmarks.md, "Decode pass size").
+# K and V bytes gathered per decode pass: small enough to be in the last-level cache when SDPA reads it, large
+# enough to keep op counts low (docs/benchmarks.md, "Decode pass size").
 DECODE_GATHER_BYTES = 8 * 2**20
 
 
@@ -48,9 +43,8 @@ class DecodeChunk:
 
 
 def plan_decode(block_tables: torch.Tensor, context_lens: torch.Tensor, k_cache: torch.Tensor) -> list[DecodeChunk]:
-    """The per-step half of decode attention: the same for every layer, so a step builds it once.
-    Consecutive sequences share a pass while their blocks' K and V (padded to the pass's longest context)
-    fit in DECODE_GATHER_BYTES; a longer sequence has a pass of its own."""
+    """The per-step half of decode attention, built once for every layer: consecutive sequences share a pass while
+    their blocks' K and V (padded to the pass's longest context) fit in DECODE_GATHER_BYTES."""
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     block_bytes = 2 * block_size * num_kv_heads * head_dim * k_cache.element_size()
     lens = context_lens.tolist()
@@ -96,21 +90,18 @@ def paged_decode_attention(
     scale: float,
     plan: list[DecodeChunk] | None = None,
 ) -> torch.Tensor:
-    """One new token per sequence attending to its whole cached context.
-    query [batch, num_heads, head_dim], block_tables [batch, max_blocks], context_lens [batch]."""
+    """query [batch, num_heads, head_dim], one new token per sequence, attending to its whole cached context."""
     num_blocks, _, num_kv_heads, head_dim = k_cache.shape
     both = interleaved_blocks(k_cache, v_cache)
     if both is None:
         k_rows, v_rows = k_cache.reshape(num_blocks, -1), v_cache.reshape(num_blocks, -1)  # one block per row
     out = torch.empty_like(query)
     for c in plan or plan_decode(block_tables, context_lens, k_cache):
-        # index_select of whole blocks is far cheaper than advanced indexing, and SDPA reads the
-        # [n, kvh, len, d] views in place, strides and all.
+        # index_select of whole blocks is far cheaper than advanced indexing; SDPA reads the views in place.
         n = c.end - c.start
         if both is not None:  # one copy of whole blocks brings K and V: fewer, longer runs of memory
-            kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)[
-                :, : c.longest
-            ]  # [n, len, 2, kvh, d]
+            kv = both.index_select(0, c.rows).view(n, -1, 2, num_kv_heads, head_dim)
+            kv = kv[:, : c.longest]  # [n, len, 2, kvh, d]
             keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [n, kvh, len, d]
         else:
             shape = (n, -1, num_kv_heads, head_dim)
@@ -131,9 +122,8 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """New tokens of each sequence attending causally to the sequence's paged context.
-    The new tokens are the last q_len of each context (their K/V already stored).
-    query [num_tokens, num_heads, head_dim], cu_seqlens_q [num_seqs + 1], context_lens [num_seqs]."""
+    """query [num_tokens, num_heads, head_dim], each sequence's new tokens (the last of its context, their K/V
+    stored), attending causally to its paged context."""
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     for i, context_len in enumerate(context_lens.tolist()):

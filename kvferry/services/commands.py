@@ -1,10 +1,9 @@
 """The long-running roles' subcommands: gateway, prefill, decode, serve (the three as child processes) and health.
-
-`kvferry` (kvferry.tools.cli) adds these beside its tools; `kvferry serve` starts its children through this
-module's own main, so that the services never reach up into the tools.
+`kvferry serve` starts its children through this module's own main: the services never reach up into the tools.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -33,10 +32,9 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     role = cls.role.name.lower()
     worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
-    # oneDNN, and ideep above it, cache a compiled kernel per matmul shape, 1024 of each by default. A prefill
-    # worker sees a new token count at almost every step, so its memory would climb without bound over thousands
-    # of requests (found by the soak, tests/e2e/soak.py; docs/benchmarks.md). 64 still holds every shape a decode
-    # batch cycles through. Both are read at the first matmul, so setting them here works.
+    # oneDNN and ideep cache a kernel per matmul shape, 1024 by default: a prefill worker sees a new token count at
+    # almost every step, so its memory would climb for good (tests/e2e/soak.py). 64 holds a decode batch's shapes.
+    # Both are read at the first matmul, so setting them here works.
     for cache in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
         os.environ.setdefault(cache, "64")
     observe(args, role, worker_id)  # before the worker: its channels take the tracer
@@ -47,14 +45,8 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     health = WorkerHealthServer("0.0.0.0", config.health_port) if config.health_port is not None else None
 
-    worker = cls(
-        EngineConfig.from_args(args),
-        config.gateway,
-        worker_id,
-        worker_config=config,
-        process=process,
-        curve=curve,
-    )
+    engine_config = EngineConfig.from_args(args)
+    worker = cls(engine_config, config.gateway, worker_id, worker_config=config, process=process, curve=curve)
     if health:
         health.worker = worker
 
@@ -64,10 +56,8 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
         worker.stop_requested = True
 
     signal.signal(signal.SIGTERM, drain)
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         worker.serve_forever()
-    except KeyboardInterrupt:
-        pass
     return 0
 
 
@@ -97,7 +87,7 @@ def cmd_serve(args) -> int:
 
 def add_service_parsers(sub) -> None:
     """`kvferry gateway`, `prefill`, `decode`, `health` and `serve`, on the subparsers of a `kvferry` parser."""
-    from kvferry.services.health_probe import cmd_health
+    from kvferry.services.health_probe import check
 
     p = sub.add_parser("gateway", help="the HTTP API and the worker registry")
     settings.add_arguments(p, settings.GATEWAY)
@@ -109,13 +99,8 @@ def add_service_parsers(sub) -> None:
         p.set_defaults(func=func)
 
     p = sub.add_parser("health", help="exit 0 when this container's gateway or worker is healthy (for HEALTHCHECK)")
-    p.add_argument(
-        "--url",
-        action="append",
-        default=None,
-        help="probe this URL instead (repeatable; the first that answers decides)",
-    )
-    p.set_defaults(func=cmd_health)
+    p.add_argument("--url", action="append", help="probe this URL instead (repeatable; the first that answers decides)")
+    p.set_defaults(func=lambda args: check(args.url))
 
     p = sub.add_parser("serve", help="gateway + 1 prefill + 1 decode worker as child processes")
     settings.add_arguments(p, settings.SERVE)

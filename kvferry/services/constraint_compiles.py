@@ -1,19 +1,13 @@
 """Compiling requests' structured-output constraints off a worker's step loop.
 
-A request whose constraint is not compiled yet waits here, not in the engine. One daemon thread compiles, in the
-grammar cache's child process (common/structured/compile_process.py); requests with the same constraint share one
-compile, and the loop, which polls `wake_fd`, takes the finished ones with their compiled grammar, which the
-request keeps: the cache may evict it before the request needs it.
+One daemon thread compiles, in the grammar cache's child process (common/structured/compile_process.py); owners of
+the same constraint share one compile, and the loop (which polls `wake_fd`) takes the finished ones with their
+grammar, which the request keeps: the cache may evict it before the request needs it.
 
-A constraint's clock starts when it is queued: the timeout bounds its wait behind other compiles and its trial
-compile in the child process together. Only the one-time set-up (the tokenizer and xgrammar, and the child
-process's start, again after each kill) stops every waiting constraint's clock. Past its deadline a constraint fails
-with a 400 when its own trial had most of the timeout (the thread kills the child that compiled it, which frees the
-core, and the constraint is refused at once from then on), and with a 503 that another worker may take when its
-time went in the queue. A constraint whose trial passed is past the clock: its compile in the worker takes about as
-long as the trial did. So a compile holds the path for about twice the timeout at most, and one that cannot finish
-for one timeout. The queue is capped by count and by the text of its constraints, counted until the thread takes
-them off it; past either cap a request is refused with a 503, as it is when the child process dies under a compile.
+A constraint's clock starts when it is queued; only the one-time set-up stops it. Past its deadline it fails with a
+400 when its own trial compile had most of the timeout (its child is killed, and it is refused at once from then
+on), else with a 503 that another worker may take. A trial that passed is past the clock. The queue is capped by
+count and by bytes of text; past either, or when the child dies under a compile, a request gets a 503.
 """
 
 import os
@@ -29,8 +23,7 @@ from kvferry.common.structured.grammars import GrammarCache
 from kvferry.services.wake_pipe import clear, pipe, signal
 
 MAX_QUEUED_COMPILES = 64  # distinct constraints waiting for the thread: a bound on what a burst can queue
-# Their text together: eight of the largest constraints. More could not compile within one timeout anyway (the
-# largest enums take a second or two each), and each compiled one may be 200 times its text.
+# Their text together: eight of the largest, more than could compile in one timeout; compiled, each may be 200x.
 MAX_QUEUED_COMPILE_BYTES = 1 << 20
 MAX_TIMED_OUT = 1024  # constraints remembered as too slow to compile
 
@@ -81,14 +74,13 @@ class ConstraintCompiles:
         self._thread.start()
 
     def clock(self) -> float:
-        """Monotonic seconds, stopped while the thread sets up (both threads read it; each float is written
-        whole, and a read between the thread's two writes counts a set-up twice: a deadline later, never sooner)."""
+        """Monotonic seconds, stopped while the thread sets up (a read between the thread's two writes counts a
+        set-up twice: a deadline later, never sooner)."""
         now, since = time.monotonic(), self._set_up_since
         return now - self._set_up_s - (now - since if since is not None else 0.0)
 
     def ready(self, owner, constraint: Constraint):
-        """The compiled grammar when it is cached (a hit). Else None: the owner waits for its compile, which it
-        shares with any other owner of the same constraint, and take_finished() reports it once it ends."""
+        """The compiled grammar when it is cached; else None, and take_finished() reports the compile once it ends."""
         grammar = self.grammars.cached(constraint)
         if grammar is not None:
             return grammar
@@ -115,8 +107,7 @@ class ConstraintCompiles:
         return owner in self._owners or any(done.owner == owner for done in self._refused)
 
     def forget(self, owner) -> None:
-        """The owner ended while its constraint compiled: it is not reported, and a compile nobody waits for any
-        more is dropped unless it has begun."""
+        """The owner ended: it is not reported, and a compile nobody waits for is dropped unless it has begun."""
         self._refused = [done for done in self._refused if done.owner != owner]
         job = self._owners.pop(owner, None)
         if job is not None:
@@ -152,9 +143,8 @@ class ConstraintCompiles:
         return max(0.0, min(deadlines) - self.clock())
 
     def _queue_full(self, num_bytes: int) -> str:
-        """Why the queue has no room for a constraint of this many bytes, or ""."""
-        # What the thread has yet to take off its queue counts, jobs nobody waits for any more too: their text is
-        # held until then.
+        """Why the queue has no room for a constraint of this many bytes, or "". Jobs nobody waits for count until
+        the thread takes them off: their text is held until then."""
         if max(len(self._jobs), self._num_todo) >= MAX_QUEUED_COMPILES:
             return f"{MAX_QUEUED_COMPILES} constraints to compile already"
         queued = max(sum(job.num_bytes for job in self._jobs.values()), self._num_todo_bytes)
@@ -163,17 +153,14 @@ class ConstraintCompiles:
         return ""
 
     def _past_deadline(self, job: Job) -> tuple[str, bool]:
-        """Its error, and whether another worker may take it: its own compile's fault when that had most of the
-        timeout (then it is refused at once from now on), else the queue's."""
+        """Its error, and whether another worker may take it (as the module says)."""
         if job.started is not None and job.deadline - job.started >= self.timeout_s / 2:
-            self._remember_too_slow(job.constraint.key)
+            self._timed_out[job.constraint.key] = None
+            while len(self._timed_out) > MAX_TIMED_OUT:
+                del self._timed_out[next(iter(self._timed_out))]
             return self._too_slow(job.constraint), False
-        field_name = job.constraint.field
-        return (
-            f"{field_name}: not compiled within the {self.timeout_s:g} s this server allows: this worker was "
-            "busy compiling other constraints",
-            True,
-        )
+        busy = "this worker was busy compiling other constraints"
+        return f"{job.constraint.field}: not compiled within the {self.timeout_s:g} s this server allows: {busy}", True
 
     def _refuse(self, owner, constraint: Constraint, error: str, retry: bool = False) -> None:
         now = time.time()
@@ -193,7 +180,12 @@ class ConstraintCompiles:
 
     def _compile(self, job: Job) -> None:
         try:
-            self._set_up()
+            self._set_up_since = time.monotonic()  # the queue clock stops while the grammar cache sets up
+            try:
+                self.grammars.set_up()
+            finally:
+                self._set_up_s += time.monotonic() - self._set_up_since
+                self._set_up_since = None
             left = job.deadline - self.clock()
             if left <= 0:
                 return  # the loop fails it at its deadline, uncompiled
@@ -210,24 +202,10 @@ class ConstraintCompiles:
         job.finished = True
         self._wake()
 
-    def _set_up(self) -> None:
-        """The grammar cache's set-up, with the queue clock stopped."""
-        self._set_up_since = time.monotonic()
-        try:
-            self.grammars.set_up()
-        finally:
-            self._set_up_s += time.monotonic() - self._set_up_since
-            self._set_up_since = None
-
     def _wake(self) -> None:
         with self._lock:
             if not self._closed:  # a compile that outlived the worker's loop has nobody to wake
                 signal(self._wake_write)
-
-    def _remember_too_slow(self, key) -> None:
-        self._timed_out[key] = None
-        while len(self._timed_out) > MAX_TIMED_OUT:
-            del self._timed_out[next(iter(self._timed_out))]
 
     def _too_slow(self, constraint: Constraint) -> str:
         return f"{constraint.field}: compiling it took longer than the {self.timeout_s:g} s this server allows"

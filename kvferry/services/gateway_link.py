@@ -1,8 +1,6 @@
-"""A worker's connection to one gateway: its control socket, and whether (and when next) it must register.
-
-A worker serves every gateway it is given, so that gateways behind one load balancer share one pool of
-workers. Each gateway names itself in its RegisterReply; a request's replies go back over the link of
-the gateway that sent it, and a KV transfer carries that name so the decode worker can do the same.
+"""A worker's connection to one gateway: its control socket, and whether (and when next) it must register. A worker
+serves every gateway it is given (gateways behind one load balancer share one pool); each names itself in its
+RegisterReply, a request's replies go back over its gateway's link, and a KV transfer carries that name.
 """
 
 import logging
@@ -22,13 +20,7 @@ REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; 
 class GatewayLink:
     def __init__(self, ctx: zmq.Context, address: str, worker_id: str, curve: CurveKeys | None = None):
         self.address, self.curve, self.worker_id = address, curve, worker_id
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, worker_id.encode())
-        sock.setsockopt(zmq.LINGER, 0)
-        limit_socket(sock, p.max_header_bytes(*p.WORKER_RECEIVES), p.max_header_bytes(*p.GATEWAY_RECEIVES))
-        if curve:
-            curve.connect(sock)
-        sock.connect(address)
+        sock = self._socket(ctx, b"", p.max_header_bytes(*p.WORKER_RECEIVES), p.max_header_bytes(*p.GATEWAY_RECEIVES))
         self.channel = Channel(sock, f"{worker_id}/control", peer_name="gateway")
         self.gateway_id = ""  # the gateway's name for itself, once it has accepted us
         self.registered = False
@@ -43,6 +35,7 @@ class GatewayLink:
     def register_if_due(self, message: p.Register, now: float) -> None:
         if self.registered or now < self.next_attempt_at:
             return
+        wait_s = REGISTER_RETRY_S[min(self.num_attempts, len(REGISTER_RETRY_S) - 1)]
         if self.num_attempts:
             log.warning(
                 "%s: no answer from the gateway at %s (attempt %d); trying again in %.1f s. If this goes "
@@ -50,25 +43,29 @@ class GatewayLink:
                 message.worker_id,
                 self.address,
                 self.num_attempts,
-                REGISTER_RETRY_S[min(self.num_attempts + 1, len(REGISTER_RETRY_S)) - 1],
+                wait_s,
                 settings.label("gateway"),
             )
         self.channel.send(message)
         self.num_attempts += 1
-        self.next_attempt_at = now + REGISTER_RETRY_S[min(self.num_attempts, len(REGISTER_RETRY_S)) - 1]
+        self.next_attempt_at = now + wait_s
 
     def accepted(self, reply: p.RegisterReply) -> None:
         self.registered, self.gateway_id = True, reply.gateway_id
         self.cache_sync_at = 0.0  # a gateway that (re)admits us knows nothing of our cache yet
-        log.info("%s registered with the gateway at %s", self.channel.name.split("/")[0], self.address)
+        log.info("%s registered with the gateway at %s", self.worker_id, self.address)
 
     def heartbeat_socket(self, ctx: zmq.Context) -> zmq.Socket:
-        """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe)."""
+        """A second socket to the same gateway, for the heartbeat thread (ZeroMQ sockets are not thread-safe). Its
+        name, derived from the worker's, is the one the gateway takes this worker's heartbeats from."""
+        max_recv, max_send = p.max_header_bytes(p.Kind.REGISTER_REPLY), p.max_header_bytes(p.Kind.HEARTBEAT)
+        return self._socket(ctx, p.HEARTBEAT_SUFFIX, max_recv, max_send)
+
+    def _socket(self, ctx: zmq.Context, suffix: bytes, max_recv: int, max_send: int) -> zmq.Socket:
         sock = ctx.socket(zmq.DEALER)
-        # A name of its own, derived from the worker's: the gateway takes this worker's heartbeats from it alone.
-        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode() + p.HEARTBEAT_SUFFIX)
+        sock.setsockopt(zmq.IDENTITY, self.worker_id.encode() + suffix)
         sock.setsockopt(zmq.LINGER, 0)
-        limit_socket(sock, p.max_header_bytes(p.Kind.REGISTER_REPLY), p.max_header_bytes(p.Kind.HEARTBEAT))
+        limit_socket(sock, max_recv, max_send)
         if self.curve:
             self.curve.connect(sock)
         sock.connect(self.address)
@@ -86,9 +83,7 @@ def parse_gateways(text: str | list[str]) -> list[str]:
 
 @dataclass
 class Failure:
-    """A request attempt failed on this worker, to be told to the gateway that sent it (Worker.report). code: the
-    HTTP status, else 400 when exc is the request's fault (InvalidRequest) and 500 when it is the worker's; retry:
-    whether the gateway may move the request to other workers."""
+    """A request attempt that failed on this worker, for Worker.report to tell the gateway that sent it."""
 
     link: GatewayLink
     request_id: str

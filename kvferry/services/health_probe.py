@@ -1,8 +1,5 @@
-"""`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK).
-
-One image runs every role, so the probe asks the worker health port first (the health_port setting) and
-then the gateway's HTTP port (port); the first that answers decides. Nothing listening on the
-health port means this container is not a worker, or it is still loading its model.
+"""`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK). One image
+runs every role, so it asks the worker health port first, then the gateway's port; the first that answers decides.
 """
 
 import sys
@@ -40,10 +37,6 @@ def check(urls: list[str] | None = None) -> int:
         code, text = 1, str(exc)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
-
-
-def cmd_health(args) -> int:
-    return check(args.url)
 
 
 if __name__ == "__main__":  # the image's HEALTHCHECK: standard library only, where `kvferry` would import torch

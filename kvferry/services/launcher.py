@@ -1,5 +1,6 @@
 """`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
 
+import contextlib
 import json
 import os
 import random
@@ -25,31 +26,13 @@ def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
     return subprocess.Popen(command, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+def wait_until(request, answered, procs: list[subprocess.Popen], timeout_s: float) -> bool:
+    """Ask request every 0.3 s until answered(reply); False past timeout_s, or once one of procs has exited."""
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            return False
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.3)
-    return False
-
-
-def wait_registered(url: str, num_workers: int, api_key: str | None, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(urllib.request.Request(url + "/v1/workers", headers=headers), timeout=2) as r:
-                if len(json.loads(r.read())["workers"]) >= num_workers:
-                    return True
-        except OSError:
-            pass
+    while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+        with contextlib.suppress(OSError), urllib.request.urlopen(request, timeout=2) as reply:
+            if answered(reply):
+                return True
         time.sleep(0.3)
     return False
 
@@ -75,9 +58,8 @@ _handed_out: set[int] = set()
 
 
 def free_port() -> int:
-    """A port free now and not handed out before by this process, drawn below Linux's ephemeral range
-    (32768 and up): a port the kernel hands out for bind(0) goes back into the pool that outgoing
-    connections draw from, and one of those could take it before our process binds it."""
+    """A port free now and not handed out before by this process, drawn below Linux's ephemeral range (32768 and
+    up): a port from bind(0) goes back to the pool outgoing connections draw from, and one could take it first."""
     for _ in range(200):
         port = random.randrange(20000, 32768)
         if port in _handed_out:
@@ -104,8 +86,7 @@ def start_services(
     decode_nice: int = 0,
     prefill_env: dict | None = None,
 ) -> list[subprocess.Popen]:
-    """The gateway and the workers; returns once they are healthy (stopped again if they fail). decode_nice: the
-    decode workers' niceness; prefill_env: the prefill workers' environment, if not env."""
+    """The gateway and the workers; returns once they are healthy (stopped again if they fail)."""
     control = f"tcp://127.0.0.1:{control_port}"
     procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
     try:
@@ -117,10 +98,16 @@ def start_services(
             spawn("decode", "--gateway", control, "--num-threads", str(decode_threads), env=env, nice=decode_nice)
             for _ in range(num_decode)
         ]
-        if not wait_healthy(f"http://{host}:{port}", procs, READY_TIMEOUT_S):
+        url = f"http://{host}:{port}"
+        if not wait_until(url + "/health", lambda reply: reply.status == 200, procs, READY_TIMEOUT_S):
             raise KvferryError("the services did not become healthy")
-        if num_prefill + num_decode > 2 and not wait_registered(
-            f"http://{host}:{port}", num_prefill + num_decode, env.get(settings.env_name("api_key")), READY_TIMEOUT_S
+        api_key = env.get(settings.env_name("api_key"))
+        workers = urllib.request.Request(
+            url + "/v1/workers", headers={"authorization": f"Bearer {api_key}"} if api_key else {}
+        )
+        num_workers = num_prefill + num_decode
+        if num_workers > 2 and not wait_until(
+            workers, lambda reply: len(json.loads(reply.read())["workers"]) >= num_workers, [], READY_TIMEOUT_S
         ):
             raise KvferryError("not every worker registered")
     except BaseException:
@@ -137,20 +124,16 @@ def serve(args) -> int:
     # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
     check_http_exposed(gateway.host, gateway.port, gateway.api_key, args.insecure)
     resolve_model(args.model)  # convert once here, not in three processes at the same time
-    # Ctrl-C and SIGTERM (a supervisor, `timeout`) both stop the children. SIGINT is set explicitly:
-    # a shell starts background jobs with it ignored.
+    # Ctrl-C and SIGTERM both stop the children; SIGINT set explicitly: a shell starts background jobs ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
-    # The children read serve's settings from the environment, like every other setting: each one that
-    # serve and a child both take, as serve got it (flag, variable or default).
+    # The children read serve's settings from the environment: each that serve and a child take, as serve got it.
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
-    # The workers share this machine's cores. An OpenMP thread that runs out of work spins for 300,000 rounds by
-    # default before it sleeps, taking a core from the other worker. The prefill worker's threads spin 10,000 rounds,
-    # which keeps them awake across the short gaps between one step's parallel regions and no longer. The decode
-    # worker's keep libgomp's default: it runs niced, so its spinning yields to prefill, and a single stream's step
-    # (one to four rows: many short parallel regions) is about a sixth faster with its threads awake
-    # (docs/benchmarks.md). libgomp reads it when it loads, so only the children's environment can carry it.
+    # The workers share the cores, and an idle OpenMP thread spins 300,000 rounds before it sleeps, taking a core
+    # from the other worker. Prefill's spin 10,000: awake across one step's short gaps, no longer. Decode keeps the
+    # default: it runs niced, so its spinning yields, and its many short parallel regions run faster with threads
+    # awake (docs/benchmarks.md). libgomp reads it as it loads: only the children's environment can carry it.
     prefill_env = {"GOMP_SPINCOUNT": "10000", **env}  # a user's value wins
     procs = []
     try:

@@ -1,7 +1,5 @@
-"""Typed keys for a request's attempts and choices, in place of ids joined into strings and parsed back.
-
-A request moved off a failed worker comes back as a new attempt (possibly to the same worker), so a worker keys
-its records by (request id, attempt); a decode worker runs each choice of an attempt as a sequence of its own.
+"""Typed keys for a request's attempts and choices. A request moved off a failed worker comes back as a new attempt
+(possibly to the same worker), so records are keyed by (request id, attempt); each choice runs as its own sequence.
 """
 
 from typing import NamedTuple

@@ -1,6 +1,7 @@
 """A pipe that wakes a worker's poll loop from another thread: the thread writes a byte, the loop polls the read
 end with its sockets and clears it before taking what the thread left."""
 
+import contextlib
 import os
 
 
@@ -13,15 +14,11 @@ def pipe() -> tuple[int, int]:
 
 
 def signal(fd: int) -> None:
-    try:
+    with contextlib.suppress(BlockingIOError):  # the pipe is full of wake-ups already: the reader wakes anyway
         os.write(fd, b"\0")
-    except BlockingIOError:
-        pass  # the pipe is full of wake-ups already: the reader wakes anyway
 
 
 def clear(fd: int) -> None:
-    try:
+    with contextlib.suppress(BlockingIOError):
         while os.read(fd, 4096):
             pass
-    except BlockingIOError:
-        pass

@@ -1,17 +1,9 @@
-"""What prefill and decode workers share: the engine, the gateway connection, registration and heartbeats.
+"""What prefill and decode workers share: the engine, the gateway links, registration and heartbeats.
 
-A worker is told only the gateway's control address. It connects a DEALER socket there,
-registers (role, id, model, dtype, block size, KV capacity, and for a decode worker the
-address its KV ingress listens on) and then heartbeats its live stats. Its loop polls its
-sockets, handles messages, and runs one engine step whenever there is work.
-
-A worker may be given several gateways (comma-separated): it registers with each and serves all of
-them, replying to whichever sent the request (services/gateway_link.py).
-
-Heartbeats come from their own thread, so a long step does not look like death; but a loop that
-has not come round for `stall_timeout_s` is reported unhealthy, and the gateway moves its requests.
-On SIGTERM a worker drains: it tells the gateway (which routes nothing new to it), finishes what it
-holds within `drain_timeout_s`, then deregisters for good, and the gateway moves whatever is left.
+A worker registers with each gateway it is given (services/gateway_link.py) over a DEALER socket, and replies to
+whichever sent the request. Heartbeats come from their own thread, so a long step does not look like death; a loop
+that has not come round for `stall_timeout_s` is reported unhealthy. On SIGTERM a worker drains: the gateway routes
+nothing new to it, it finishes what it holds within `drain_timeout_s`, then deregisters for good.
 """
 
 import dataclasses
@@ -29,7 +21,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.curve import CurveKeys
 from kvferry.common.engine import LLMEngine
 from kvferry.common.errors import ConfigError, FatalError, KvferryError
-from kvferry.common.model.loader import served_model_name
+from kvferry.common.model_files import served_model_name
 from kvferry.common.process_config import ProcessConfig
 from kvferry.common.request_failure import fails_alone, failure_code
 from kvferry.common.startup_heap import freeze_startup_objects
@@ -46,8 +38,8 @@ MAX_FAILED_STEPS = 100  # a step loop failing this many times in a row is broken
 
 
 def advertised_host(explicit: str | None = None) -> str:
-    """The address other machines reach this worker at: the advertise_host setting (in
-    Kubernetes, the pod IP), else this host's IP as its own name resolves."""
+    """The address other machines reach this worker at: advertise_host (in Kubernetes, the pod IP), else this
+    host's IP as its name resolves."""
     if explicit:
         return explicit
     try:
@@ -69,15 +61,11 @@ class Worker:
         process: ProcessConfig | None = None,
         curve: CurveKeys | None = None,
     ):
-        """connector: a callable that makes this role's KV connector from the worker id (None: the null one).
-        worker_config, process: this worker's settings and its process's (None: the defaults); curve: its keys, read
-        from process.curve_keys by the caller before the model loads."""
+        """connector: makes the role's KV connector from the worker id. curve: read before the model loads."""
         worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
-        insecure = process.insecure
         self.worker_id = worker_id or f"{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.instance_id = uuid.uuid4().hex[:12]  # this process's: a restart under the same worker id gets another
         self.ctx = zmq.Context.instance()
-        self.curve, self.insecure = curve, insecure  # insecure: --insecure, a bind beyond loopback without CURVE
         self.tracer = tracing.tracer()
         self.engine = LLMEngine(config, connector(self.worker_id) if connector else None)
         if self.engine.max_model_len > p.MAX_CONTEXT_TOKENS:  # its longest requests' messages would not fit
@@ -96,7 +84,7 @@ class Worker:
         grammars.max_bytes = worker_config.grammar_cache_bytes
         grammars.isolated = True  # compiles in a child process, which a compile's timeout kills
         self.compiles = ConstraintCompiles(grammars, worker_config.grammar_compile_timeout)
-        self.poller.register(self.compiles.wake_fd, zmq.POLLIN)
+        self.watch(self.compiles.wake_fd, lambda: None)  # the loop takes the finished compiles after every poll
         self.heartbeat_interval_s = 1.0
         self.running = True
         self.latest_stats: p.WorkerStats | None = None
@@ -156,13 +144,12 @@ class Worker:
             **self.kv_counters(),
         )
 
-    def kv_counters(self) -> dict:
-        """A role's own WorkerStats counters (the prefill worker's KV bytes and prompts)."""
+    def kv_counters(self) -> dict:  # a role's own WorkerStats counters
         return {}
 
     def send_cache_updates(self) -> None:
-        """Tell each gateway what the prefix cache stored and evicted, so it can route prompts to their cached
-        prefixes; now and then (and after each registration) everything it holds, which heals lost updates."""
+        """Tell each gateway what the prefix cache stored and evicted; every CACHE_SYNC_S (and after each
+        registration) all of it, which heals lost updates. In chunks: a big cache's set would not fit one message."""
         engine = self.engine
         if not engine.caching_enabled:
             return
@@ -171,7 +158,6 @@ class Worker:
         for link in self.links:
             if not link.registered:
                 continue
-            # In chunks that each fit the protocol's limit: a big cache's full set would not fit one message.
             if now >= link.cache_sync_at:
                 updates = p.cache_update_chunks(self.worker_id, engine.cached_block_hashes(), full=True)
                 link.cache_sync_at = now + CACHE_SYNC_S
@@ -184,8 +170,7 @@ class Worker:
         return sum(link.channel.num_protocol_errors for link in self.links)
 
     def _heartbeat_loop(self) -> None:
-        """Own thread, own sockets: a long step (a big prefill on one core) must not look like a dead worker.
-        The main loop publishes its stats after every step; this thread only reads that snapshot."""
+        """Own thread, own sockets: a long step must not look like a dead worker. It reads the loop's stats snapshot."""
         channels = {
             link: Channel(link.heartbeat_socket(self.ctx), f"{self.worker_id}/heartbeat", peer_name="gateway")
             for link in self.links
@@ -211,12 +196,9 @@ class Worker:
                     for sock, _ in poller.poll(int(left * 1000) + 1):
                         link = link_of[sock]
                         received = channels[link].recv()
+                        reply = received[1].message if received else None
                         # The gateway dropped us (say, after a network partition): register again.
-                        if (
-                            received
-                            and isinstance(received[1].message, p.RegisterReply)
-                            and received[1].message.reason == p.UNKNOWN_WORKER
-                        ):
+                        if isinstance(reply, p.RegisterReply) and reply.reason == p.UNKNOWN_WORKER:
                             link.must_register()
         finally:
             for channel in channels.values():
@@ -280,8 +262,7 @@ class Worker:
             self.close()
 
     def take_compiled(self) -> None:
-        """Hand each request whose constraint finished compiling (or timed out) back to its role; its failure stays
-        with it."""
+        """Hand each finished (or timed-out) constraint compile back to its role; a failure stays with its request."""
         for done in self.compiles.take_finished():
             with fails_alone(lambda exc: log.exception("%s: after a constraint's compile", self.worker_id)):
                 self.on_compiled(done)
@@ -307,8 +288,8 @@ class Worker:
             )
 
     def step_isolated(self) -> None:
-        """A step whose failure escaped the engine's and the records' own handling (a bug in the worker's code):
-        logged, and the loop goes on; only a FatalError, or the same failure step after step, ends the worker."""
+        """A failure that escaped the engine's and the records' own handling (a bug) is logged and the loop goes on;
+        only a FatalError, or MAX_FAILED_STEPS in a row, ends the worker."""
         with fails_alone(self.step_failed):
             self.step()
             self.num_failed_steps = 0
@@ -329,8 +310,7 @@ class Worker:
         return self.engine.has_unfinished()
 
     def maybe_stall(self) -> None:
-        """The fault hook's (faults.ENV) stall_after_steps and stall_s, a stuck engine, and step_delay_ms, a slow one:
-        in tests."""
+        """Tests' fault hook (faults.ENV): stall_after_steps and stall_s, a stuck engine; step_delay_ms, a slow one."""
         self.num_loop_steps += 1
         spec = self.fault_spec
         if spec and spec.step_delay_ms:
@@ -340,11 +320,7 @@ class Worker:
             time.sleep(spec.stall_s)
 
     def read_socket(self, sock) -> None:
-        """Handle every message waiting on sock (a socket the poller found ready; the graceful drain is another
-        thing, `drain_timeout_s`). A message's failure stays with its request: the request fails
-        with a clear error to its gateway, and the worker goes on; only a FatalError ends the process."""
-        if sock == self.compiles.wake_fd:
-            return  # the loop takes the finished compiles after every poll
+        """Handle every message waiting on sock; a message's failure stays with its request (on_message_failed)."""
         on_ready = self.watched.get(sock)
         if on_ready is not None:
             # What it could pin on a request, it failed alone already; what escapes is a bug: the loop goes on.
@@ -369,8 +345,7 @@ class Worker:
         self.poller.register(fd, zmq.POLLIN)
 
     def on_message_failed(self, channel: Channel, env: p.Envelope, exc: Exception) -> None:
-        """A message whose handling raised: logged, and when it came from a gateway about a request, that request
-        fails (400 for what the request got wrong, 500 for what this worker did)."""
+        """A message whose handling raised: when it came from a gateway about a request, that request fails."""
         name = type(env.message).__name__
         log.exception("%s: while handling %s", self.worker_id, name, extra={"request_id": env.request_id})
         link = self.link_of(channel)
@@ -382,8 +357,7 @@ class Worker:
 
     def send_failure(self, link: GatewayLink, request_id: str, attempt: int, trace, error: str, exc=None,
                      code: int | None = None, retry: bool = False) -> None:  # fmt: skip
-        """Tell a request's gateway that its attempt failed here: code, else 400 when exc is the request's fault
-        (InvalidRequest) and 500 when it is this worker's."""
+        """Tell a request's gateway that its attempt failed here (code: else as failure_code(exc) says)."""
         code = code or failure_code(exc)
         log.warning("%s: request failed (%d): %s", self.worker_id, code, error, extra={"request_id": request_id})
         failed = p.RequestFailed(p.shorten(error, MAX_ERROR_CHARS), code, attempt, retry=retry)

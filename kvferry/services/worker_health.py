@@ -1,21 +1,16 @@
 """A worker's health over HTTP (`--health-port`), for Kubernetes probes and `kvferry health`.
 
-- `GET /live`: 200 while the step loop comes round; 503 once it has been stuck for the stall timeout
-  (a liveness probe restarts the pod), and while the model is still loading.
-- `GET /health`: 200 when the worker is registered with a gateway and stepping (a readiness probe);
-  503 while it loads, waits for a gateway, drains, or is stuck. The body says which.
+`GET /live`: 200 while the step loop comes round (503 once stuck for the stall timeout, and while the model loads).
+`GET /health`: 200 when registered with a gateway and stepping; 503 while it loads, registers, drains or is stuck.
+It listens before the model loads (a taken port fails at once), on its own thread.
 
-It listens before the model loads, so a taken port fails at once, and runs on its own thread: a long
-step must not make the worker look dead to the probe any sooner than the stall timeout says.
-
-The port listens on every interface, so whoever reaches it is bounded: at most MAX_CONNECTIONS connections are
-served at once (one thread each), and each is shut down IDLE_TIMEOUT_S after it was accepted, however it trickles
-its bytes (a timeout per read alone lets a byte every few seconds hold a slot for good). When every slot is taken,
-a new connection is served and the oldest connection of the client holding the most slots is shut down for it:
-refusing the new one instead would let anyone who holds the slots fail the kubelet's liveness probe, and the
-pod be restarted. A probe sends its request as it connects and is answered in milliseconds, so it gets through.
+The port listens on every interface, so at most MAX_CONNECTIONS are served at once, each shut down IDLE_TIMEOUT_S
+after it was accepted (a timeout per read would let a byte every few seconds hold a slot for good). When every slot
+is taken, the oldest connection of the client holding the most is shut down for the new one: refusing new ones
+would let whoever holds the slots fail the kubelet's liveness probe.
 """
 
+import contextlib
 import json
 import socket
 import sys
@@ -32,8 +27,7 @@ MAX_CONNECTIONS = 16  # probes come one at a time per prober; a few probers and 
 
 
 class BoundedHTTPServer(ThreadingHTTPServer):
-    """A thread per connection, at most max_connections at once, each shut down timeout_s after it was accepted;
-    when all are taken, a new connection takes the slot of an old one, which is shut down."""
+    """A thread per connection, bounded in number and in time, as the module says."""
 
     daemon_threads = True
 
@@ -72,8 +66,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         self.slots.release()
 
     def drop_one(self) -> None:
-        """Shut down the oldest connection of the client host holding the most: one client crowding the port
-        loses its own connections, not a prober's from another address."""
+        """Shut down the oldest connection of the client host holding the most: not a prober's from elsewhere."""
         with self.lock:
             if not self.served:
                 return  # all are already shut down and ending
@@ -84,8 +77,7 @@ class BoundedHTTPServer(ThreadingHTTPServer):
         shut(victim)
 
     def service_actions(self) -> None:
-        # Run by serve_forever every poll_interval (0.5 s): connections past their deadline are shut down,
-        # which ends a read in progress; a timeout per read would be renewed by every byte trickled in.
+        # Run by serve_forever every 0.5 s: connections past their deadline are shut down, ending a read under way.
         now = time.monotonic()
         with self.lock:
             late = [r for r, (deadline, _) in self.served.items() if deadline <= now]
@@ -100,10 +92,8 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 def shut(request: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already closed by its thread
         request.shutdown(socket.SHUT_RDWR)
-    except OSError:  # already closed by its thread
-        pass
 
 
 def worker_state(worker) -> dict:

@@ -1,11 +1,6 @@
-"""Linear layers with weights pre-packed for oneDNN, for fp32 on the CPU.
-
-PyTorch's default CPU GEMM (MKL) picks a slow path on AMD processors; oneDNN with a
-weight packed once in its blocked layout is faster at decode batch sizes on this project's
-machines (`kvferry bench engine` shows the effect end to end; figures in docs/benchmarks.md).
-At one to four rows (a single stream's decode), and on AVX2 at a decode batch's rows, a C product reads the same
-packed panels faster (kernels/cpu/panel_matmul.c), where their layout is the one it reads: no second copy of the
-weights.
+"""Linear layers with weights pre-packed for oneDNN, for fp32 on the CPU: MKL, PyTorch's default, picks a slow path
+on AMD processors (docs/benchmarks.md). At a few rows (and on AVX2 at a decode batch's), a C product reads the same
+packed panels faster (kernels/cpu/panel_matmul.c), where their layout is the one it reads: no second copy.
 """
 
 import ctypes
@@ -13,6 +8,7 @@ import ctypes
 import torch
 from torch import nn
 
+from kvferry.common.model.int8_linear import swap_linears
 from kvferry.kernels.cpu import panel_matmul
 
 DECODE_BATCH_HINT = 32  # the packed layout is tuned for this many rows; any row count works
@@ -36,8 +32,7 @@ def _packed_floats(packed: torch.Tensor) -> torch.Tensor:
 def panel_width_of(packed: torch.Tensor, weight: torch.Tensor) -> int | None:
     """The width of the panels packed holds weight [n, k] in, when it is laid out as [ceil(n / width)][k][width]
     fp32 with zeros past column n (the layout panel_matmul.c reads); else None. Read off the packed memory itself:
-    oneDNN's choice depends on the machine, the shape and the thread count (seen here: 16 or 64 columns for one
-    shape with 2 threads or 1)."""
+    oneDNN's choice depends on the machine, the shape and the thread count."""
     try:
         floats = _packed_floats(packed)
     except (AttributeError, RuntimeError):  # a build of torch without these ops
@@ -50,8 +45,8 @@ def panel_width_of(packed: torch.Tensor, weight: torch.Tensor) -> int | None:
 
 
 def _holds_in_panels(floats: torch.Tensor, weight: torch.Tensor, width: int) -> bool:
-    """Whether floats are weight [n, k] as panels of this width, zeros past column n; compared a panel at a time,
-    so that no copy of the whole weight is made (a wrong width fails at the first panel)."""
+    """Whether floats are weight [n, k] as panels of this width, zeros past column n; a panel at a time, so that
+    no copy of the whole weight is made."""
     n, k = weight.shape
     panels = floats.view(-1, k, width)
     for p, panel in enumerate(panels):
@@ -86,10 +81,4 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> int:
     """Swap every nn.Linear in model for a PackedLinear; returns how many were swapped."""
-    swapped = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child))
-                swapped += 1
-    return swapped
+    return swap_linears(model, lambda name, linear: PackedLinear(linear))

@@ -1,13 +1,9 @@
 """Memory settings for CPU inference: glibc malloc's, and huge pages for the KV pool.
 
-Every step allocates activations of a few MB. Above glibc's mmap threshold each one is a
-fresh mmap, and every page of it faults on first touch; freed heap tops are trimmed and
-faulted in again next step. Raising both thresholds keeps that memory in the heap for
-reuse, which makes a decode step markedly cheaper (see `kvferry bench engine`).
-
-Decode attention reads each sequence's blocks from scattered places in the KV pool. On 2 MB
-pages those reads need far fewer TLB entries than on 4 KB pages (a reading of the gain measured
-in docs/benchmarks.md, "Paging overhead"; not checked with counters).
+A step's activations of a few MB are each a fresh mmap above glibc's threshold, every page faulting on first touch,
+and freed heap tops are trimmed; raising both thresholds keeps that memory for reuse (`kvferry bench engine`).
+Decode attention reads blocks from scattered places in the pool, which on 2 MB pages needs far fewer TLB entries
+(docs/benchmarks.md, "Paging overhead").
 """
 
 import ctypes
@@ -21,7 +17,6 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 _MADV_HUGEPAGE = 14
 _HUGE_PAGE = 2 * 2**20  # x86-64's and arm64's (4 KB base pages) transparent huge page
-_done = False
 
 
 @functools.cache
@@ -32,26 +27,19 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
 def keep_freed_memory() -> bool:
     """Apply once per process; returns whether glibc took the settings."""
-    global _done
-    if _done:
-        return True
     try:
         mallopt = _libc().mallopt
     except AttributeError:  # not glibc (musl, macOS): keep the allocator's defaults
         return False
-    _done = mallopt(_M_MMAP_THRESHOLD, 32 * 2**20) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**30) == 1
-    return _done
+    return mallopt(_M_MMAP_THRESHOLD, 32 * 2**20) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**30) == 1
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor that starts on a 2 MB boundary and that Linux is asked (madvise) to back with
-    transparent huge pages, where the system's THP mode allows it. Every page is touched here, so none
-    faults inside a step.
-
-    Huge pages and byte-sized decode passes (kernels/reference.py) were measured together; the figures are
-    in docs/benchmarks.md, "Paging overhead"."""
+    transparent huge pages, where the THP mode allows. Every page is touched here, so none faults inside a step."""
     itemsize = dtype.itemsize
     numel = math.prod(shape)
     # Over-allocate by one huge page so that the tensor can start on a huge-page boundary.

@@ -1,15 +1,10 @@
-"""CUDA graphs for the decode step.
+"""CUDA graphs for the decode step: at small batch, the launch cost of its few hundred short kernels rivals the
+compute, and a graph replays the whole forward and the vocabulary projection as one launch.
 
-A decode step at small batch launches a few hundred short kernels; on a GPU their launch cost
-rivals the compute. A CUDA graph replays the whole forward (and the vocabulary projection) as
-one launch. A graph is frozen to its tensors' addresses and shapes, so the step's inputs live in
-static buffers sized for the largest batch, and one graph is captured per batch size in
-`capture_sizes`. A batch runs in the smallest captured size that holds it; the rows past it are
-padding: token 0 at position 0, slot -1 (store_kv writes nothing for it) and a context of one
-token in block 0 (read, never written).
-
-Without capture (capture=False) the same static buffers and padding run eagerly. That is how the
-CPU tests exercise everything here except the capture itself.
+A graph is frozen to its tensors' addresses and shapes, so the inputs live in static buffers sized for the largest
+batch, with a graph per size in `capture_sizes`. A batch runs in the smallest size that holds it; the rows past it
+are padding: token 0 at position 0, slot -1 (store_kv writes nothing for it), a context of one token in block 0.
+With capture=False the same buffers and padding run eagerly: how the CPU tests exercise all but the capture.
 """
 
 import torch
@@ -51,8 +46,7 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(top, max_blocks_per_seq, dtype=torch.int32, **to)
         self.context_lens = torch.ones(top, dtype=torch.int32, **to)
         self.cu_seqlens_q = torch.arange(top + 1, dtype=torch.int32, **to)
-        # One output for every size, each size's logits a slice of it: a graph's own output would stay allocated
-        # in the pool, [size, vocab] for every captured size.
+        # One output, each size's logits a slice: a graph's own [size, vocab] output would stay in the pool.
         dtype = model.embed_tokens.weight.dtype  # the dtype of the hidden states, and of the logits of every head
         self.logits = torch.empty(top, model.config.vocab_size, dtype=dtype, **to)
         self._replays: dict[int, torch.cuda.CUDAGraph] = {}  # size -> its graph, once captured
@@ -118,8 +112,7 @@ class DecodeGraphs:
         self.slot_mapping[:n] = batch.slot_mapping
         self.block_tables[:n, :width] = batch.block_tables  # entries past a row's context are never read
         self.context_lens[:n] = batch.context_lens
-        # Rows past n keep the padding they were made with or are reset to it here: a row that held a real
-        # sequence last step must not store into that sequence's slot again.
+        # Rows past n are reset to padding: a row that held a sequence last step must not store into its slot.
         self.input_ids[n:size] = 0
         self.positions[n:size] = 0
         self.slot_mapping[n:size] = -1

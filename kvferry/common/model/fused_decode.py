@@ -1,9 +1,7 @@
-"""Which models and steps take the one-call decode loop (kernels/cpu/decode_layers.py), and its weights.
-
-It takes a Llama-family model in fp32 on the CPU whose decoder layers' linear layers are each an Int8Linear
-(`--quantization int8`) or a PackedLinear whose packed panels panel_matmul.c reads, without per-head q/k norms
-(Qwen3's), and a decode step of at most the loop's max_rows whose attention the C kernel takes. Anything else runs
-layer by layer, with the same result where both can run.
+"""Which models and steps take the one-call decode loop (kernels/cpu/decode_layers.py), and its weights: a
+Llama-family model in fp32 on the CPU whose linear layers are each an Int8Linear or a PackedLinear in panels
+panel_matmul.c reads, without Qwen3's q/k norms, and a decode step of at most the loop's max_rows. Anything else runs
+layer by layer, with the same result.
 """
 
 import torch
@@ -21,6 +19,10 @@ def _weights(linear: Int8Linear | PackedLinear) -> decode_layers.Int8Weights | d
     return decode_layers.Int8Weights(
         linear.qweight, linear.qweight_sums, linear.scale, linear.outliers, linear.outlier_weight, linear.bias
     )
+
+
+def _linears(layer) -> tuple:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
 
 
 def fits(linear) -> bool:
@@ -41,10 +43,7 @@ class FusedDecode:
             decode_layers.LayerWeights(
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
-                _weights(layer.self_attn.qkv_proj),
-                _weights(layer.self_attn.o_proj),
-                _weights(layer.mlp.gate_up_proj),
-                _weights(layer.mlp.down_proj),
+                *map(_weights, _linears(layer)),
                 k_cache,
                 v_cache,
             )
@@ -62,16 +61,7 @@ class FusedDecode:
         if not model.layers:
             return None
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        linears = [
-            linear
-            for layer in model.layers
-            for linear in (
-                layer.self_attn.qkv_proj,
-                layer.self_attn.o_proj,
-                layer.mlp.gate_up_proj,
-                layer.mlp.down_proj,
-            )
-        ]
+        linears = [linear for layer in model.layers for linear in _linears(layer)]
         int8 = any(isinstance(linear, Int8Linear) for linear in linears)
         fp32 = any(isinstance(linear, PackedLinear) for linear in linears)
         takes_model = (
@@ -85,8 +75,7 @@ class FusedDecode:
         return cls(model, k_caches, v_caches) if takes_model else None
 
     def takes(self, x: torch.Tensor, batch) -> bool:
-        """Whether this step runs here: a decode step of fp32 rows, no more than the loop takes, its inputs laid out
-        as the runner makes them."""
+        """Whether this step runs here: a decode step of fp32 rows, as many as the loop takes, laid out as usual."""
         return (
             isinstance(batch, PagedBatch)  # the loop reads the paged cache; a benchmark's other batches do not have one
             and not batch.is_prefill

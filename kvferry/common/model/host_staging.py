@@ -1,11 +1,7 @@
 """A step's small host arrays (token ids, positions, slots, block tables, sampling parameters) sent to the device
-as one copy.
-
-Each torch.tensor(..., device="cuda") of a Python list is its own pageable copy, and a pageable copy makes the host
-wait for it. On CUDA the arrays are packed into one pinned buffer, which goes over in one non-blocking copy; each
-array is then a view of the device buffer. PyTorch's pinned allocator keeps a buffer from reuse until its copy has
-run, so a step that does not wait for the device cannot overwrite the previous step's buffer. On the CPU each array
-is simply its own tensor: there is nothing to copy.
+as one copy: each pageable copy of a list would make the host wait. On CUDA they are packed into one pinned buffer,
+sent without blocking, each array a view of the device buffer; the pinned allocator keeps a buffer from reuse until
+its copy has run. On the CPU each array is simply its own tensor.
 """
 
 import torch
@@ -35,20 +31,18 @@ class HostStaging:
         return part
 
     def upload(self) -> None:
-        """Give every part its tensor on the device."""
         if not self.packed:
             for part in self.parts:
                 part.tensor = torch.tensor(part.values, dtype=part.dtype).view(part.shape)
             return
-        offsets, total = [], 0
+        spans, total = [], 0
         for part in self.parts:
-            offsets.append(total)
-            total += -(-len(part.values) * part.dtype.itemsize // ALIGN) * ALIGN
+            size = len(part.values) * part.dtype.itemsize
+            spans.append(slice(total, total + size))
+            total += -(-size // ALIGN) * ALIGN
         host = torch.empty(max(total, ALIGN), dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        for part, start in zip(self.parts, offsets):
-            end = start + len(part.values) * part.dtype.itemsize
-            host[start:end].view(part.dtype).copy_(torch.tensor(part.values, dtype=part.dtype))
+        for part, span in zip(self.parts, spans):
+            host[span].view(part.dtype).copy_(torch.tensor(part.values, dtype=part.dtype))
         device_buffer = host.to(self.device, non_blocking=True)
-        for part, start in zip(self.parts, offsets):
-            end = start + len(part.values) * part.dtype.itemsize
-            part.tensor = device_buffer[start:end].view(part.dtype).view(part.shape)
+        for part, span in zip(self.parts, spans):
+            part.tensor = device_buffer[span].view(part.dtype).view(part.shape)

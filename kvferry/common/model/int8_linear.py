@@ -1,22 +1,14 @@
-"""Int8 weights (`--quantization int8`): every linear layer's weights as int8 with one fp32 scale
-per output channel (symmetric, absmax / 127), quantized at load time.
+"""Int8 weights (`--quantization int8`): every linear layer's weights as int8 with one fp32 scale per output
+channel (symmetric, absmax / 127), quantized at load time. Decode reads every weight once per step, so fewer bytes
+(CUDA, bound by memory) or int8 arithmetic (CPU, bound by compute at batch 32) is the way past the fp32 floor.
 
-Decode reads every weight once per step, so reading a quarter of fp32's bytes (CUDA, bound
-by memory) or multiplying in int8 (CPU, bound by arithmetic at batch 32) is the way past the
-fp32 floor. How the product runs depends on the device:
-- CUDA: a Triton kernel widens each int8 tile in registers; activations stay in the model's
-  dtype (weight-only in the strict sense).
-- CPU: PyTorch's weight-only kernel (aten._weight_int8pack_mm) is a matrix-vector loop, far
-  slower than fp32 from a few rows up. So each activation row is quantized to int8 with its
-  own scale and the product runs as an int8 GEMM with exact int32 accumulation (torch._int_mm
-  with AVX-512 VNNI; our own C loop at a few rows, and at every row count on AVX2 CPUs without
-  VNNI). A few input channels of every layer carry activations far larger than the others
-  (SmolLM2's do; docs/benchmarks.md); they would wipe out the other channels' precision, so
-  the `outliers` found by calibration stay in float and go through a thin float product of their
-  own (as in LLM.int8(), with the channels fixed at load time): the activations in fp32, the weights
-  in half precision (OUTLIER_WEIGHT_DTYPE), four times as precise as an int8 weight and half the bytes
-  of fp32 for a matrix-vector step to read. A row's scale is its own: a loud
-  request costs the others in its batch no precision. `kvferry bench quantization` measures the accuracy.
+- CUDA: a Triton kernel widens each int8 tile in registers; activations stay in the model's dtype.
+- CPU: PyTorch's weight-only kernel is a matrix-vector loop, far slower from a few rows up, so each activation row
+  is quantized with its own scale (a loud request costs the others no precision) and the product is an int8 GEMM
+  with exact int32 sums (torch._int_mm with VNNI; our C loop at a few rows, and on AVX2 without VNNI). A few input
+  channels carry activations far larger than the rest and would wipe out their precision, so the `outliers` found
+  by calibration stay in float (as in LLM.int8(), fixed at load time), their weights in OUTLIER_WEIGHT_DTYPE.
+  `kvferry bench quantization` measures the accuracy.
 """
 
 import torch
@@ -66,11 +58,10 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
     def interleave(self) -> bool:
-        """Keep qweight in the layout the CPU's C product streams fastest, where it takes every product of this
-        layer (small_matmul.interleave), in place of the plain one: no second copy; the outlier weights go with it,
-        tiled (small_matmul.tile_outliers). Returns whether it did."""
-        # Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back each call
-        takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops._lib is not None
+        """Keep qweight, in place of the plain one, in the layout the C product streams fastest where it takes every
+        product of this layer (small_matmul.interleave), the outlier weights tiled with it. Returns whether it did.
+        Only with layer_ops too: without it forward() takes PyTorch's path, which would copy the weight back."""
+        takes_all = not small_matmul.is_interleaved(self.qweight) and layer_ops.handles()
         interleaved = small_matmul.interleave(self.qweight) if takes_all else None
         if interleaved is not None:
             self.qweight = interleaved
@@ -79,8 +70,7 @@ class Int8Linear(nn.Module):
         return interleaved is not None
 
     def plain_qweight(self) -> torch.Tensor:
-        """qweight as [N, K], for PyTorch's ops: a copy where it is interleaved and the C product was unloaded
-        since (tests and benchmarks do that)."""
+        """qweight as [N, K] for PyTorch's ops (a copy where interleaved and the C product was unloaded since)."""
         return small_matmul.plain(self.qweight)
 
     def plain_outlier_weight(self) -> torch.Tensor | None:
@@ -95,8 +85,7 @@ class Int8Linear(nn.Module):
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).float()
         if layer_ops.handles(x2, self.scale):  # the CPU's, so the outlier indices are on the CPU too
-            # The same arithmetic in C passes instead of a dozen ops: at decode sizes the ops' dispatch costs more
-            # than their work.
+            # In C passes, not a dozen ops: at decode sizes the ops' dispatch costs more than their work.
             xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
             # A few rows, or any number where torch._int_mm is a scalar loop: the same output, in one C pass
             if small_matmul.handles(xq, self.qweight):
@@ -119,14 +108,12 @@ class Int8Linear(nn.Module):
 
 
 def interleave_linears(model: nn.Module) -> int:
-    """Every Int8Linear's weights into the CPU's C product's fastest layout where it takes them all (the runner
-    calls it once the C kernels are loaded); returns how many moved."""
+    """Every Int8Linear.interleave(), once the C kernels are loaded; returns how many moved."""
     return sum(m.interleave() for m in model.modules() if isinstance(m, Int8Linear))
 
 
 def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list[int] | None) -> int:
-    """--quantization int8: on the CPU, calibrate the float outlier channels on calibration_ids first. Returns
-    how many linear layers were quantized."""
+    """--quantization int8 (on the CPU, the outlier channels calibrated first); returns how many layers moved."""
     from kvferry.common.model.quant_calibration import outlier_channels
 
     outliers = None
@@ -138,15 +125,18 @@ def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list
 
 
 def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:
-    """Swap every nn.Linear in model for an Int8Linear; outliers: by the linear's module name, its float channels.
-    A tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup.
-    Returns how many were swapped."""
+    """Swap every nn.Linear for an Int8Linear (outliers: its float channels, by module name); returns how many. A
+    tied lm_head gets its own int8 copy: the embedding table keeps its float rows for the lookup."""
     outliers = outliers or {}
+    return swap_linears(model, lambda name, linear: Int8Linear(linear, outliers.get(name)))
+
+
+def swap_linears(model: nn.Module, make) -> int:
+    """Replace every nn.Linear in model by make(its module name, it); returns how many were replaced."""
     swapped = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                full = f"{parent_name}.{name}" if parent_name else name
-                setattr(parent, name, Int8Linear(child, outliers.get(full)))
+                setattr(parent, name, make(f"{parent_name}.{name}" if parent_name else name, child))
                 swapped += 1
     return swapped

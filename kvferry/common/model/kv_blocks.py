@@ -1,10 +1,8 @@
 """A sequence's KV blocks out of one paged cache and into another: what a KV transfer moves.
 
-The cache is [num_layers, num_blocks, block_size, 2, kv_heads, head_dim] (K and V of a token side by side), and
-so is a transfer's one frame, with the transfer's blocks: one copy out, one copy in. A transfer goes in layer groups,
-one message each: the sender gathers a group (one copy into a contiguous CPU buffer, which ZeroMQ then
-sends without copying) while the previous group is on the wire, and the receiver places each group,
-viewed in place from the received frames, straight into its blocks while the next one arrives.
+A frame is laid out as the cache, [num_layers, num_blocks, block_size, 2, kv_heads, head_dim], with the transfer's
+blocks: one copy out (which ZeroMQ sends without copying), one copy in. A transfer goes in layer groups, one message
+each, so that the copies overlap the wire.
 """
 
 import numpy as np
@@ -21,9 +19,7 @@ def layer_groups(num_layers: int, num_groups: int = LAYER_GROUPS) -> list[tuple[
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
-    """K and V of these blocks in these layers (default all), [num_layers, len(block_ids), block_size, 2, kv_heads,
-    head_dim], contiguous on the CPU: ready to go out as a raw frame. (A CUDA cache's runner gathers without waiting:
-    kv_gather.py.)"""
+    """K and V of these blocks in these layers (default all), contiguous on the CPU: a frame, ready to go out."""
     lo, hi = layers or (0, kv_cache.shape[0])
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
     # index_select, not kv_cache[:, index]: advanced indexing of the cache is markedly slower on the CPU.
@@ -40,8 +36,7 @@ def scatter_blocks(
 
 
 class PendingFrame:
-    """A frame whose bytes a device-to-host copy may still be writing (kv_gather.py): `wait()` returns them once the
-    copy has run. Whoever puts it on the wire waits, off the step loop."""
+    """A frame a device copy may still be writing (kv_gather.py); who sends it waits for it, off the step loop."""
 
     def __init__(self, array: np.ndarray, copied):
         self.array, self.copied = array, copied  # copied: the copy's torch.cuda.Event
@@ -61,8 +56,7 @@ def wait_copied(kv: torch.Tensor) -> torch.Tensor:
 
 
 def as_frames(kv: torch.Tensor) -> list:
-    """The raw bytes of gathered K and V, viewed (not copied) so that ZeroMQ sends them in place; a PendingFrame
-    while a copy from the device is filling them."""
+    """The raw bytes of gathered K and V, viewed, not copied; a PendingFrame while a device copy fills them."""
     frame = kv.view(-1).view(torch.uint8).numpy()
     copied = getattr(kv, "copied", None)
     return [frame if copied is None else PendingFrame(frame, copied)]

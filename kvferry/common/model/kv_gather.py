@@ -1,11 +1,7 @@
-"""Copying a sequence's KV blocks out of a CUDA cache without stopping the host.
-
-A plain `.cpu()` of the gathered blocks is a pageable copy: the host waits for every kernel queued before it (the
-rest of the step's layers, when it runs from the layer hook) and then for the copy itself. Here the gather and the
-copy run on a side stream, after an event that marks where the compute stream stood (the layers asked for are
-stored by then), into pinned host memory, so the copy overlaps the compute that follows. The host tensor comes back
-at once with the copy's event as its `copied` attribute; `as_frames` hands that on, and the KV sender's thread waits
-for it just before the bytes go on the wire (kv_blocks.PendingFrame).
+"""Copying a sequence's KV blocks out of a CUDA cache without stopping the host: a plain `.cpu()` would wait for
+every kernel queued before it (the rest of the step's layers, from the layer hook). The gather and copy run on a side
+stream, after an event marking where the compute stood, into pinned memory. The host tensor comes back at once with
+the copy's event as `copied`; the KV sender's thread waits for it before the bytes go out (kv_blocks.PendingFrame).
 """
 
 import torch

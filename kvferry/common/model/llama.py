@@ -1,8 +1,5 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) on a flat token batch.
-
-Tokens of all sequences in a step are concatenated ([num_tokens, hidden]); attention goes
-through the batch's `attend`, which reads and writes the paged KV cache. The q/k/v and the
-gate/up projections are fused into one matmul each: fewer, larger GEMMs run faster.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) on a flat token batch ([num_tokens, hidden]); attention goes
+through the batch's `attend`, over the paged KV cache. q/k/v and gate/up are fused: fewer, larger GEMMs run faster.
 """
 
 import contextlib
@@ -55,29 +52,25 @@ def default_dtype(dtype: torch.dtype):
 
 
 def rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin for every position, [max_positions, head_dim], computed as transformers does."""
-    # The tables are computed in fp32 on the CPU whatever device and dtype the model is built in.
-    with torch.device("cpu"), default_dtype(torch.float32):
-        return _rope_cos_sin(config, max_positions)
-
-
-def _rope_cos_sin(config, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin for every position, [max_positions, head_dim], computed as transformers does: in fp32 on the
+    CPU, whatever device and dtype the model is built in."""
     rope = config.rope_parameters
     rope_type = rope["rope_type"]
     if rope_type not in STATIC_ROPE_TYPES:
         raise ModelLoadError(f"RoPE type {rope_type!r} is not supported; supported: {', '.join(STATIC_ROPE_TYPES)}")
-    if rope_type == "default":
-        head_dim = config.head_dim
-        inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        scaling = 1.0
-    else:  # transformers' own init, on its own config object: the one place the model's build imports it
-        from transformers import AutoConfig
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    with torch.device("cpu"), default_dtype(torch.float32):
+        if rope_type == "default":
+            head_dim = config.head_dim
+            inv_freq = 1.0 / (rope["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
+            scaling = 1.0
+        else:  # transformers' own init, on its own config object: the one place the model's build imports it
+            from transformers import AutoConfig
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(config.path), "cpu")
-    freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]  # [P, head_dim / 2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
-    return emb.cos() * scaling, emb.sin() * scaling
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](AutoConfig.from_pretrained(config.path), "cpu")
+        freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]  # [P, head_dim / 2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
+        return emb.cos() * scaling, emb.sin() * scaling
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -154,8 +147,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, batch) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output; residual: the sum of the outputs before it (None at the first layer).
-        -> (this layer's MLP output, the residual stream so far). The skip connections' adds happen in the next
-        norm, so residual + attention + MLP is the usual x + attn(norm(x)), then + mlp(norm(...))."""
+        -> (this layer's MLP output, the residual stream so far): the skip connections' adds happen in the norms."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
@@ -174,8 +166,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # The runner's one-call loop over the layers for a few decode rows (fused_decode.py), where it applies.
-        self.fused_decode = None
+        self.fused_decode = None  # the runner's one-call decode loop (fused_decode.py), where it applies
         cos, sin = rope_cos_sin(config, max_positions)
         to = dict(device=self.embed_tokens.weight.device, dtype=self.embed_tokens.weight.dtype)  # the model's
         self.register_buffer("rope_cos", cos.to(**to), persistent=False)  # [max_positions, head_dim]
@@ -211,23 +202,22 @@ class LlamaModel(nn.Module):
             own[name].copy_(tensor)
             loaded.add(name)
 
-        fused = {}
+        fused, tied = {}, self.config.tie_word_embeddings
         for name, tensor in weights.items():
-            if name.startswith("lm_head.") and self.config.tie_word_embeddings:
-                continue
-            if name.endswith("rotary_emb.inv_freq"):  # older checkpoints saved it; the tables are recomputed
+            # Older checkpoints saved inv_freq (the tables are recomputed); a tied lm_head is the embedding.
+            if name.endswith("rotary_emb.inv_freq") or (tied and name.startswith("lm_head.")):
                 continue
             for part, (target, index) in FUSED_PARTS.items():
                 if f".{part}." in name:
                     fused.setdefault(name.replace(part, target), {})[index] = tensor
                     break
             else:
-                put(name.removeprefix("model.") if not name.startswith("lm_head.") else name, tensor)
+                put(name.removeprefix("model."), tensor)
         for name, pieces in fused.items():
             if set(pieces) != set(range(3 if "qkv_proj" in name else 2)):
                 raise ModelLoadError(f"incomplete fused weight {name}")
             put(name.removeprefix("model."), torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
-        if self.config.tie_word_embeddings:
+        if tied:
             loaded.add("lm_head.weight")
         absent = set(own) - loaded
         if absent:

@@ -1,7 +1,5 @@
 """Loading a model: its safetensors into kvferry's own Llama-family module, and converting a GGUF file once.
-
-Finding the folder (a Hugging Face folder, a .gguf file converted once, or the embedded default) is
-kvferry.common.model_files, which imports no torch.
+Finding the folder is kvferry.common.model_files, which imports no torch.
 """
 
 import contextlib
@@ -13,17 +11,10 @@ from pathlib import Path
 
 from kvferry.common.errors import ModelLoadError
 from kvferry.common.model_config import ModelConfig
-from kvferry.common.model_files import resolve_model, served_model_name
+from kvferry.common.model_files import resolve_model
 
-# resolve_model and served_model_name are re-exported: the engine and the workers find the model through here.
-__all__ = [
-    "convert_gguf",
-    "load_model",
-    "resolve_model",
-    "served_model_name",
-    "skip_weight_init",
-    "weight_files",
-]
+# resolve_model is re-exported: the engine finds the model through here.
+__all__ = ["convert_gguf", "load_model", "resolve_model", "skip_weight_init", "weight_files"]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
@@ -74,9 +65,8 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 @contextlib.contextmanager
 def skip_weight_init():
-    """Build layers without random initialisation: every weight is overwritten by the checkpoint at once.
-    (The meta device would do too, but initialising on it pulls in torch's compiler stack, which slows every
-    start.)"""
+    """Build layers without random initialisation: the checkpoint overwrites every weight. (Not the meta device: it
+    pulls in torch's compiler stack, which slows every start.)"""
     from torch import nn
 
     saved = {cls: cls.reset_parameters for cls in (nn.Linear, nn.Embedding)}

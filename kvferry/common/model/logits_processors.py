@@ -1,9 +1,6 @@
-"""What changes a row's logits before sampling: logit bias, min_tokens, and the repetition penalties.
-
-Semantics follow vLLM and transformers: the repetition penalty covers prompt and output tokens
-(a positive logit is divided by it, a negative one multiplied), the frequency penalty is
-subtracted once per occurrence in the output, the presence penalty once per distinct output
-token. Only rows that ask for any of it are touched.
+"""What changes a row's logits before sampling: logit bias, min_tokens, and the repetition penalties, as vLLM and
+transformers have them: the repetition penalty covers prompt and output tokens (a positive logit divided by it, a
+negative one multiplied); the frequency penalty counts each output occurrence, the presence penalty each distinct one.
 """
 
 import torch

@@ -1,9 +1,6 @@
-"""Calibration for int8 on the CPU: the input channels of each linear layer whose activations
-run far above the rest, found once at load time from one forward over a fixed English text.
-
-The text is Python's own reference documentation (the stdlib's pydoc_data), so every process
-of every machine calibrates identically, with nothing downloaded; `kvferry bench quantization`
-measures accuracy on other topics of it (held out).
+"""Calibration for int8 on the CPU: each linear layer's input channels whose activations run far above the rest,
+found at load time from one forward over Python's own reference documentation (the stdlib's pydoc_data): every
+machine calibrates identically, with nothing downloaded. `kvferry bench quantization` uses other topics, held out.
 """
 
 import torch
@@ -39,8 +36,7 @@ class DenseCausalBatch:
 
 @torch.inference_mode()
 def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) -> dict[str, torch.Tensor]:
-    """For every nn.Linear of model (by module name): its num_channels input channels with the largest absolute
-    activation over the calibration tokens."""
+    """Each nn.Linear's (by module name) num_channels input channels of the largest activation over token_ids."""
     peaks: dict[str, torch.Tensor] = {}
 
     def recorder(name):

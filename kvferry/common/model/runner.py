@@ -1,9 +1,6 @@
-"""The model runner: the only part of the engine that knows about devices.
-
-It owns the model and the paged KV cache, turns a scheduler plan into tensors (token ids,
-positions, slot mapping, block tables, context lengths), runs the forward pass and samples.
-It keeps nothing per request: what a sequence needs from step to step (its seeded generator, its
-prompt's logprobs) it stores on the Sequence, which goes when the engine lets go of it.
+"""The model runner: the only part of the engine that knows about devices. It owns the model and the paged KV
+cache, turns a scheduler plan into tensors, runs the forward pass and samples. It keeps nothing per request: what a
+sequence needs from step to step (its seeded generator, its prompt's logprobs) lives on the Sequence.
 """
 
 from dataclasses import dataclass
@@ -65,8 +62,7 @@ class StepInputs:
 
 
 def enable_cpu_kernels() -> list[str]:
-    """Compile (once per machine, in the cache folder) and load the CPU's C kernels; returns why any could not be
-    (PyTorch's ops stay in use for those). The runner and `bench roofline`, which measures the model's path, call it."""
+    """kernels.cpu.enable in the cache folder (this user's alone, as each library in it)."""
     build_dir = model_files.cache_folder("kernels")  # the cache root and it: this user's alone, or a ConfigError
     with model_files.trusted_cache():  # and each library in it
         return cpu_kernels.enable(build_dir)
@@ -95,17 +91,14 @@ class ModelRunner:
             interleave_linears(model)  # --quantization int8: into the layout the C product streams fastest, if any
         if can_pack(device, dtype):
             pack_linears(model)  # the float nn.Linear layers: none are left after --quantization int8
-        # K and V of a token side by side: a block's K and V are one contiguous run of memory, so the CPU's
-        # decode attention gathers both with one copy of whole blocks (kernels/reference.py), which makes scattered
-        # blocks cheaper to read (docs/benchmarks.md, paging overhead).
+        # K and V of a token side by side: a block's K and V are one run of memory, which the CPU's decode attention
+        # gathers with one copy (kernels/reference.py; docs/benchmarks.md, paging overhead).
         shape = (layout.num_layers, num_blocks, layout.block_size, 2, layout.num_kv_heads, layout.head_dim)
-        if device.type == "cpu":
-            # Zeroed here, so every page is touched now. The OS hands out fresh memory lazily, so the pool's resident
-            # size would otherwise creep up for as long as new blocks get their first use (it looks like a leak),
-            # and each first touch would cost a page fault inside a step.
-            # On huge pages unless asked not to (--no-kv-huge-pages): the kernel may compact memory to find them.
-            zeros = huge_page_zeros if kv_huge_pages else torch.zeros
-            self.kv_cache = zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+        # Zeroed here, so every page is touched now: else the resident size creeps up as blocks get their first use
+        # (it looks like a leak), each first touch a page fault inside a step. On the CPU, huge pages unless
+        # --no-kv-huge-pages: the kernel may compact memory to find them.
+        if device.type == "cpu" and kv_huge_pages:
+            self.kv_cache = huge_page_zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
         else:
             self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
@@ -127,16 +120,14 @@ class ModelRunner:
         self.pack_inputs = device.type == "cuda"
 
     def use_decode_graphs(self, max_num_seqs: int, max_blocks_per_seq: int, capture: bool = True) -> None:
-        """Run decode steps through DecodeGraphs: captured as CUDA graphs, or (capture=False) only through the
-        same static buffers and padding, which is how the CPU tests exercise them."""
+        """Run decode steps through DecodeGraphs (capture=False: their buffers and padding, eagerly, as tests do)."""
         self.decode_graphs = DecodeGraphs(
             self.model, self.k_caches, self.v_caches, max_num_seqs, max_blocks_per_seq, self.device, capture
         )
 
     def read_blocks(self, block_table: list[int], layers: tuple[int, int] | None = None) -> torch.Tensor:
         """A sequence's K and V in these layers (default all), [layers, num_blocks, block_size, 2, kv_heads,
-        head_dim], contiguous on the CPU: ready to go out as a raw frame. On CUDA the copy may still be running
-        (kv_gather.py): as_frames and kv_blocks.wait_copied wait for it."""
+        head_dim], contiguous on the CPU. On CUDA the copy may still be running (kv_gather.py)."""
         if self.device_gather is None:
             return gather_blocks(self.kv_cache, block_table, layers)
         return self.device_gather.gather(self.kv_cache, block_table, layers or (0, self.layout.num_layers))
@@ -144,14 +135,7 @@ class ModelRunner:
     def write_blocks(self, block_table: list[int], kv: torch.Tensor, layers: tuple[int, int] | None = None) -> None:
         """Place received K and V ([layers, n, block_size, 2, kv_heads, head_dim]) into these blocks."""
         lo, hi = layers or (0, self.layout.num_layers)
-        expected = (
-            hi - lo,
-            len(block_table),
-            self.layout.block_size,
-            2,
-            self.layout.num_kv_heads,
-            self.layout.head_dim,
-        )
+        expected = (hi - lo, len(block_table), *self.kv_cache.shape[2:])
         assert tuple(kv.shape) == expected, (kv.shape, expected)
         scatter_blocks(self.kv_cache, block_table, kv, layers)
 
@@ -218,8 +202,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, after_layer=None) -> list[int | None]:
-        """Run one step; returns the sampled token per chunk (None for a prompt chunk that does not end it).
-        after_layer(i): called as each layer's K/V lands in the cache (eager steps only)."""
+        """Run one step: the sampled token per chunk (None: a prompt chunk not at its end). after_layer: the model's."""
         inputs = self.prepare(plan)
         input_ids, positions, batch, sampling = inputs.input_ids, inputs.positions, inputs.batch, inputs.sampling
         self.last_logprobs = [None] * len(plan.chunks)
@@ -255,9 +238,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample_choices(self, seq: Sequence, choice_params: list, constraints: list) -> list[tuple[int, object]]:
-        """More first tokens from the prompt just sampled in the latest step, one per extra choice (each with its
-        own parameters: its own seed, and its own constraint state or None): (token id, TokenLogprobs or None)
-        each."""
+        """More first tokens from the prompt sampled in the latest step, one per extra choice, each with its own
+        parameters and constraint state (or None): (token id, TokenLogprobs or None) each."""
         # By identity: a batch is short, and a dict of rows built for every step would cost each decode step.
         row = next(row for row, sampled in enumerate(self.last_sampled) if sampled is seq)
         logits = self.last_logits[row][None]  # [1, vocab]

@@ -1,8 +1,6 @@
-"""Sampling a batch in which every row has its own parameters.
-
-Random rows draw by the exponential race (argmax of p / Exp(1) noise), which equals
-sampling from p. A seeded row draws its noise from its own generator, so its tokens
-depend only on its seed and its logits, never on what else shares the batch.
+"""Sampling a batch in which every row has its own parameters. Random rows draw by the exponential race (argmax
+of p / Exp(1) noise), which equals sampling from p; a seeded row draws its noise from its own generator, so its
+tokens depend only on its seed and its logits, never on what else shares the batch.
 """
 
 from dataclasses import dataclass
@@ -15,8 +13,7 @@ from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 @dataclass
 class SamplingTensors:
-    """The random rows' parameters, staged with a step's other host arrays (one copy to the device). Which filters
-    run is decided here, on the host, from the parameters: the device is never asked (a sync per step)."""
+    """The random rows' parameters, staged with a step's host arrays; which filters run is decided on the host."""
 
     random_rows: list[int]
     rows: Staged | None  # the random rows' indices; None when every row is random
@@ -50,9 +47,8 @@ def sample(
     constraints: list | None = None,
     staged: SamplingTensors | None = None,
 ) -> list[int]:
-    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row; a row with
-    one samples only among the tokens it allows, whatever the sampling method. staged: params' tensors, already
-    staged with the step's inputs (default: staged here)."""
+    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row, which
+    limits the row's tokens. staged: params' tensors, staged with the step's inputs (default: staged here)."""
     if constraints is not None:
         logits = mask_constrained(logits, constraints)
     if staged is None:
@@ -68,8 +64,7 @@ def sample(
         sub = _apply_top_k_top_p(sub, staged.top_ks.tensor, staged.top_ps.tensor)
     probs = torch.softmax(sub, dim=-1)  # [R, vocab]
     if staged.min_ps is not None:
-        # Relative to each row's most likely token; the race below needs no renormalisation. A row without min_p
-        # has 0 here, which removes nothing.
+        # Relative to each row's likeliest token (0: removes nothing); the race needs no renormalisation.
         min_ps = staged.min_ps.tensor
         probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
     noise = torch.empty_like(probs)
@@ -84,16 +79,13 @@ def sample(
 
 
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The argmax of probs / noise per row (noise: Exp(1) draws). A draw can be exactly 0 (CUDA's generator can
-    return it), and 0 / 0 is NaN, which argmax takes for the largest: a token filtered to probability 0 would win.
-    The draw is clamped to the smallest positive normal number instead, so a filtered token scores 0 and never
-    wins, and a kept one scores finite."""
+    """The argmax of probs / noise per row (noise: Exp(1) draws). CUDA can draw exactly 0, and 0 / 0 is NaN, which
+    argmax takes for the largest: a filtered token would win. So the draw is clamped to the smallest normal number."""
     return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
-    """The logits with every token a row's constraint forbids at -inf, on the constrained rows only. A copy: the
-    caller's logits stay the model's, which logprobs report (as vLLM does)."""
+    """The logits with every token a row's constraint forbids at -inf; a copy: logprobs report the model's."""
     rows = [i for i, state in enumerate(constraints) if state is not None]
     if not rows:
         return logits
@@ -128,8 +120,7 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
-    """logits [num_rows, vocab] (the model's, before any processing) -> each row's chosen token's
-    log-probability and its num_top most likely alternatives."""
+    """The model's logits [num_rows, vocab] -> each chosen token's logprob and the num_top likeliest alternatives."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, vocab]
     chosen = logprobs.gather(-1, torch.tensor(token_ids, device=logits.device)[:, None])[:, 0].tolist()
     k = max(num_top, default=0)

@@ -4,8 +4,7 @@ from pathlib import Path
 
 
 def enable(build_dir: Path) -> list[str]:
-    """Compile (once per machine) and load every CPU kernel; returns why any could not be, one line each (the
-    PyTorch path stays in use for those)."""
+    """Compile (once per machine) and load every CPU kernel; returns why any could not be, one line each."""
     from kvferry.kernels.cpu import (
         decode_attention,
         decode_layers,

@@ -1,15 +1,12 @@
 """Compile a C kernel for this machine once, and load it with ctypes.
 
-The library is built with the system's C compiler (`$CC`, else `cc`) for the host's own instruction set
-(-march=native) and kept in a build folder under a name that hashes the source, the flags, the compiler (its command,
-the file it runs and its version) and the CPU's feature flags: another machine or compiler gets its own build, and a
-process finds a built one in milliseconds. No torch headers are needed, so a build takes about a second. It links
-libgomp, which the process already has loaded through torch, so the kernel's threads are torch's OpenMP threads.
-
-The build folder and the library must be this user's alone (kvferry.cache_trust): a library that someone else could
-have written is refused, never loaded, and the refusal is not the quiet fallback a missing compiler gets.
+Built with `$CC` (else `cc`) for the host's own instruction set, under a name that hashes the source, the flags, the
+compiler and the CPU's feature flags: another machine or compiler gets its own build. No torch headers are needed;
+it links libgomp, which torch has loaded, so the kernel's threads are torch's OpenMP threads. The build folder and
+library must be this user's alone (kvferry.cache_trust): one someone else could have written is refused, loudly.
 """
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -28,19 +25,15 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "
 
 
 def _cpu_features() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
                 return line
-    except OSError:
-        pass
     return ""
 
 
 def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """The compiled library of source for this machine, compiling it into build_dir (made 0700 if missing) unless it
-    is there already. Raises UntrustedCache when build_dir or the library is not this user's alone, OSError or
-    subprocess.CalledProcessError (with the compiler's output) when it cannot be built."""
+    """The library of source for this machine, compiled into build_dir (made 0700) unless there already."""
     compiler = shlex.split(os.environ.get("CC") or "cc")
     flags = (*FLAGS, *extra_flags)
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
@@ -69,7 +62,7 @@ def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> P
 
 def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """(the loaded library, "") or (None, why not): a missing or failing compiler is not an error, the caller
-    keeps its PyTorch path. A build folder or library someone else could have written is: UntrustedCache."""
+    keeps its PyTorch path; an untrusted build folder or library is (UntrustedCache)."""
     try:
         return ctypes.CDLL(str(build(source, build_dir, extra_flags))), ""
     except subprocess.CalledProcessError as e:
@@ -78,20 +71,33 @@ def load(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> tu
         return None, f"{type(e).__name__}: {e}"
 
 
-def load_functions(
-    source: Path,
-    build_dir: Path,
-    signatures: dict[str, tuple[list, object]],
-    fallback: str,
-    flags: tuple[str, ...] = (),
-) -> tuple[ctypes.CDLL | None, str]:
-    """load, then give each named function its (argument types, result type): (the library, "") or (None, why
-    not), with a warning that `fallback` (what the caller runs instead) stays in use."""
-    lib, why = load(source, build_dir, flags)
-    if lib is None:
-        log.warning("%s stays in use: %s", fallback, why)
-        return None, why
-    for name, (argtypes, restype) in signatures.items():
-        function = getattr(lib, name)
-        function.argtypes, function.restype = argtypes, restype
-    return lib, ""
+class Library:
+    """A kernel module's C library in this process: enable() loads it, disable() goes back to `fallback` (the PyTorch
+    path; tests and benchmarks compare the two). Once loaded, each function in signatures (name -> (argument types,
+    result type)) is an attribute; on_load(library) reads what the library says of itself."""
+
+    def __init__(self, source: Path, signatures: dict, fallback: str, flags: tuple[str, ...] = (), on_load=None):
+        self.source, self.signatures, self.fallback = source, signatures, fallback
+        self.flags, self.on_load = flags, on_load
+        self.loaded: ctypes.CDLL | None = None
+
+    def enable(self, build_dir: Path) -> str:
+        """Compile (once per machine) and load; returns "" or why the fallback stays in use."""
+        if self.loaded is None:
+            lib, why = load(self.source, build_dir, self.flags)
+            if lib is None:
+                log.warning("%s stays in use: %s", self.fallback, why)
+                return why
+            for name, (argtypes, restype) in self.signatures.items():
+                function = getattr(lib, name)
+                function.argtypes, function.restype = argtypes, restype
+                setattr(self, name, function)
+            self.loaded = lib
+            if self.on_load is not None:
+                self.on_load(self)
+        return ""
+
+    def disable(self) -> None:
+        self.loaded = None
+        for name in self.signatures:
+            self.__dict__.pop(name, None)

@@ -1,6 +1,5 @@
-"""Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads each sequence's K and V
-from its blocks in place. The PyTorch reference (kernels/reference.py) gathers the blocks into a copy and then runs
-SDPA over it, so it moves the KV through memory about three times where this moves it once."""
+"""Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads K and V from their blocks
+in place: once through memory, where the reference's gather and SDPA take about three."""
 
 import ctypes
 from pathlib import Path
@@ -10,34 +9,17 @@ import torch
 from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
-_kernel = None  # the C function, once enable() has loaded it
-
-
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
-    global _kernel
-    if _kernel is None:
-        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        argtypes = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
-        argtypes += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
-        name = "kvferry_paged_decode_attention_f32"
-        fallback = "the PyTorch reference for CPU decode attention"
-        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
-        if lib is None:
-            return why
-        _kernel = getattr(lib, name)
-    return ""
-
-
-def disable() -> None:
-    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
-    global _kernel
-    _kernel = None
+pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+ARGTYPES = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
+ARGTYPES += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
+SIGNATURES = {"kvferry_paged_decode_attention_f32": (ARGTYPES, ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU decode attention")
+enable, disable = _lib.enable, _lib.disable
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """Whether the kernel is loaded and takes these tensors (see layout_fits)."""
-    return _kernel is not None and layout_fits(query, k_cache, v_cache)
+    return _lib.loaded is not None and layout_fits(query, k_cache, v_cache)
 
 
 def layout_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -64,10 +46,8 @@ def paged_decode_attention(
     scale: float,
     new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """query [batch, num_heads, head_dim]; caches [num_blocks, block_size, num_kv_heads, head_dim];
-    block_tables [batch, max_blocks]; context_lens [batch], each at least 1. new: (key, value, slot_mapping), the
-    step's K and V [batch, num_kv_heads, head_dim] (rows may be strided) stored into their slots first, as
-    store_kv does, by the same call. -> [batch, num_heads, head_dim]"""
+    """As reference.paged_decode_attention (context_lens at least 1). new: (key, value, slot_mapping), the step's K
+    and V [batch, num_kv_heads, head_dim] (rows may be strided), stored first by the same call, as store_kv does."""
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     query = query.contiguous()
@@ -82,30 +62,15 @@ def paged_decode_attention(
         if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1):
             key, value = key.contiguous(), value.contiguous()  # each token's heads one run of floats
         slots = slots.to(torch.int64).contiguous()
-    failed = _kernel(
+    failed = _lib.kvferry_paged_decode_attention_f32(
         query.data_ptr(),
-        None if key is None else key.data_ptr(),
-        0 if key is None else key.stride(0),
-        None if value is None else value.data_ptr(),
-        0 if value is None else value.stride(0),
+        None if key is None else key.data_ptr(), 0 if key is None else key.stride(0),
+        None if value is None else value.data_ptr(), 0 if value is None else value.stride(0),
         None if slots is None else slots.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        tables.data_ptr(),
-        tables.stride(0),
-        lens.data_ptr(),
-        out.data_ptr(),
-        batch,
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+        k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+        batch, num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )  # fmt: skip
     if failed:
         raise MemoryError("CPU decode attention: no memory for its scores")
     return out

@@ -1,11 +1,7 @@
-"""Every decoder layer of a decode step on the CPU, int8 or fp32 weights, in one call to decode_layers.c.
-
-At one to four rows, a step's ~250-360 calls from Python (norms, the linear layers' C calls, RoPE, attention,
-SiLU·mul) cost about as much as their work; at a batch of 32 they still cost about a fifth of the step
-(docs/benchmarks.md). decode_layers.c runs the same C functions in the same order from one loop, so the output is
-bit for bit the layer-by-layer path's. So it takes as many rows as the layers' own C products do: one to four
-everywhere; on AVX2 without VNNI any number for int8, and up to panel_matmul's max_rows for fp32. The model side
-(common/model/fused_decode.py) says which models and batches it takes and hands over the weights.
+"""Every decoder layer of a decode step on the CPU, int8 or fp32 weights, in one call to decode_layers.c: at a few
+rows a step's hundreds of calls from Python cost about as much as their work (docs/benchmarks.md). It runs the same C
+functions in the same order, so the output is bit for bit the layer-by-layer path's, and it takes as many rows as
+the layers' own C products do. common/model/fused_decode.py says which models and batches it takes.
 """
 
 import ctypes
@@ -20,8 +16,6 @@ SOURCE = Path(__file__).with_suffix(".c")
 # Rows that every loop takes; past them, as many as its products take (DecodeLayers.max_rows)
 MAX_ROWS = min(small_matmul.MAX_ROWS, panel_matmul.MAX_ROWS)
 ANY_ROWS = 2**31 - 1  # the C loop's row count is an int
-_lib = None
-
 _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
@@ -59,28 +53,15 @@ class _Scratch(ctypes.Structure):
     ]  # fmt: skip
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the loop; returns "" or why the layers stay one call at a time."""
-    global _lib
-    if _lib is None:
-        argtypes = [_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i]
-        signatures = {"kvferry_decode_layers": (argtypes, ctypes.c_int)}
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, "one call per op for CPU decode layers")
-        if _lib is None:
-            return why
-    return ""
-
-
-def disable() -> None:
-    """Back to one call per op, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+SIGNATURES = {"kvferry_decode_layers": ([_p] * 6 + [_i] + [_p] * 4 + [_i64, _p, _i], ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "one call per op for CPU decode layers")
+enable, disable = _lib.enable, _lib.disable
 
 
 def available(int8: bool, fp32: bool) -> bool:
     """Whether this loop and every function it calls for int8 and/or fp32 weights are loaded."""
     products = ([small_matmul._lib] if int8 else []) + ([panel_matmul._lib] if fp32 else [])
-    return None not in (_lib, layer_ops._lib, decode_attention._kernel, *products)
+    return all(lib.loaded is not None for lib in (_lib, layer_ops._lib, decode_attention._lib, *products))
 
 
 def _address(t: torch.Tensor | None) -> int | None:
@@ -89,9 +70,7 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 @dataclass
 class Int8Weights:
-    """An Int8Linear's buffers: qweight [n, k] int8 (or small_matmul.interleave's layout), sums [n] int32, scale
-    [n], and optionally outliers [count] int64, outlier_rows [count, n] fp16 (tiled, small_matmul.tile_outliers,
-    where qweight is interleaved) and bias [n]; all contiguous on the CPU."""
+    """An Int8Linear's buffers (see there), all contiguous on the CPU."""
 
     qweight: torch.Tensor
     sums: torch.Tensor
@@ -113,8 +92,7 @@ class Int8Weights:
 
 @dataclass
 class PanelWeights:
-    """A PackedLinear's: oneDNN's packed weight, laid out as panels [ceil(n / width)][k][width] fp32 (panel_matmul.c
-    reads it), and optionally bias [n] fp32 contiguous."""
+    """A PackedLinear's: oneDNN's packed weight, in panels [ceil(n / width)][k][width] fp32, and the bias or None."""
 
     packed: torch.Tensor
     width: int
@@ -142,9 +120,8 @@ class LayerWeights:
 
 
 class DecodeLayers:
-    """The loop's arguments built once (the weights' and caches' addresses, the shapes; its scratch grows with the
-    batch), then one call a step. The caller keeps the tensors alive and in place (a moved model needs a new loop):
-    this holds them too."""
+    """The loop's arguments built once (addresses, shapes; scratch that grows with the batch), then one call a step.
+    The tensors must stay in place (a moved model needs a new loop); this holds them alive."""
 
     def __init__(self, layers: list[LayerWeights], num_heads: int, num_kv_heads: int, eps: float, scale: float):
         self.layers = layers
@@ -176,7 +153,7 @@ class DecodeLayers:
             layer_ops._lib.kvferry_quantize_rows_f32,
             small_matmul._lib.kvferry_matmul_i8 if self.int8 else None,  # a library not loaded: its kind is not here
             panel_matmul._lib.kvferry_panel_matmul_f32 if self.fp32 else None,
-            decode_attention._kernel,
+            decode_attention._lib.kvferry_paged_decode_attention_f32,
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
@@ -195,8 +172,7 @@ class DecodeLayers:
         self._reserve(MAX_ROWS)
 
     def _reserve(self, rows: int) -> None:
-        """Scratch for at least this many rows: doubled when it grows, so a batch growing one row at a time
-        allocates a few times."""
+        """Scratch for at least this many rows, doubled when it grows."""
         if rows <= self.rows:
             return
         self.rows = max(rows, 2 * self.rows)
@@ -219,8 +195,8 @@ class DecodeLayers:
         context_lens: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, hidden] (the embeddings, overwritten), cos and sin [rows, head_dim], slots [rows] int64,
-        block_tables [rows, width] and context_lens [rows] int32, all contiguous -> (the last layer's output,
-        which is x, and the residual stream [rows, hidden]), as the layers' own loop returns them."""
+        block_tables [rows, width] and context_lens [rows] int32, all contiguous -> (the last layer's output, which
+        is x, and the residual stream), as the layers' own loop returns them."""
         rows = x.shape[0]
         self._reserve(rows)
         residual = self.residual[:rows]

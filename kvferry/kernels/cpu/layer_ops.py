@@ -11,41 +11,22 @@ from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
 FLAGS = ("-ffp-contract=off",)  # no fused multiply-adds: the add and RoPE round exactly as PyTorch's ops do
-_lib = None
-
-
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the functions; returns "" or why PyTorch's ops stay in use."""
-    global _lib
-    if _lib is None:
-        pointer, size, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-        signatures = {
-            "kvferry_add_rms_norm_f32": ([pointer] * 4 + [count, count, real, count], None),
-            "kvferry_rope_f32": ([pointer, size, count, count, count, pointer, pointer, count], None),
-            "kvferry_silu_mul_f32": ([pointer, pointer, count, count, count], None),
-            "kvferry_quantize_rows_f32": (
-                [pointer, count, count, pointer, count, pointer, pointer, pointer, count],
-                None,
-            ),
-            "kvferry_dequantize_f32": ([pointer, pointer, pointer, pointer, count, count, count], None),
-            "kvferry_add_outlier_columns_f32": ([pointer, count, count, pointer, pointer, count, pointer, count], None),
-        }
-        fallback = "PyTorch's ops for a layer's elementwise work"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
-        if _lib is None:
-            return why
-    return ""
-
-
-def disable() -> None:
-    """Back to PyTorch's ops, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+pointer, size, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+SIGNATURES = {
+    "kvferry_add_rms_norm_f32": ([pointer] * 4 + [count, count, real, count], None),
+    "kvferry_rope_f32": ([pointer, size, count, count, count, pointer, pointer, count], None),
+    "kvferry_silu_mul_f32": ([pointer, pointer, count, count, count], None),
+    "kvferry_quantize_rows_f32": ([pointer, count, count, pointer, count, pointer, pointer, pointer, count], None),
+    "kvferry_dequantize_f32": ([pointer, pointer, pointer, pointer, count, count, count], None),
+    "kvferry_add_outlier_columns_f32": ([pointer, count, count, pointer, pointer, count, pointer, count], None),
+}
+_lib = build.Library(SOURCE, SIGNATURES, "PyTorch's ops for a layer's elementwise work", FLAGS)
+enable, disable = _lib.enable, _lib.disable
 
 
 def handles(*tensors: torch.Tensor) -> bool:
     """Whether the functions are loaded and take these tensors: fp32 on the CPU, and contiguous."""
-    return _lib is not None and all(
+    return _lib.loaded is not None and all(
         t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() for t in tensors
     )
 
@@ -65,8 +46,7 @@ def add_rms_norm(
 
 
 def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [rows, heads, head_dim] in place (its rows may be strided, each row's heads contiguous); cos and
-    sin [rows, head_dim], contiguous."""
+    """Rotate x [rows, heads, head_dim] in place (rows may be strided); cos and sin [rows, head_dim], contiguous."""
     rows, heads, head_dim = x.shape
     _lib.kvferry_rope_f32(
         x.data_ptr(), x.stride(0), rows, heads, head_dim, cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()

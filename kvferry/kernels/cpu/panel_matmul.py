@@ -1,8 +1,6 @@
-"""fp32 linear layers at a few rows by the C function in panel_matmul.c, reading the panels oneDNN packed the weight
-into straight through: one stream's decode step is bound by reading the weights, and oneDNN's GEMM, tuned for a
-batch, reads them at a fraction of the memory's pace there (docs/benchmarks.md). On AVX2 it takes a decode batch's
-rows too (max_rows), as fast as oneDNN's GEMM or faster, with each row's output the same at every row count. No
-second copy of the weights: the C function reads oneDNN's own (common/model/cpu_linear.py finds its layout)."""
+"""fp32 linear layers at a few rows (on AVX2, a decode batch's: max_rows) by the C function in panel_matmul.c, which
+reads oneDNN's own packed panels (common/model/cpu_linear.py finds their layout): one stream's decode is bound by
+reading the weights, which oneDNN's GEMM, tuned for a batch, does at a fraction of the memory's pace."""
 
 import ctypes
 from pathlib import Path
@@ -13,49 +11,38 @@ from kvferry.kernels.cpu import build
 
 SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = 4  # taken everywhere; past them, up to max_rows() where measured as fast as oneDNN's GEMM
-_lib = None
+pointer, count = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "kvferry_panel_width_fits": ([count], count),
+    "kvferry_panel_max_rows": ([], count),
+    "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
+}
 _widths: frozenset[int] = frozenset()  # the panel widths the loaded function takes
 _max_rows = 0  # of the loaded function
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the function; returns "" or why oneDNN stays in use at a few rows."""
-    global _lib, _widths, _max_rows
-    if _lib is None:
-        pointer, count = ctypes.c_void_p, ctypes.c_int
-        signatures = {
-            "kvferry_panel_width_fits": ([count], count),
-            "kvferry_panel_max_rows": ([], count),
-            "kvferry_panel_matmul_f32": ([pointer, count, count, pointer, count, count, pointer, pointer, count], None),
-        }
-        fallback = "oneDNN for fp32 linear layers at a few rows"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback)
-        if _lib is None:
-            return why
-        _widths = frozenset(width for width in range(1, 1025) if _lib.kvferry_panel_width_fits(width))
-        _max_rows = _lib.kvferry_panel_max_rows()
-    return ""
+def _read_shapes(lib: build.Library) -> None:
+    global _widths, _max_rows
+    _widths = frozenset(width for width in range(1, 1025) if lib.kvferry_panel_width_fits(width))
+    _max_rows = lib.kvferry_panel_max_rows()
 
 
-def disable() -> None:
-    """Back to oneDNN, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+_lib = build.Library(SOURCE, SIGNATURES, "oneDNN for fp32 linear layers at a few rows", on_load=_read_shapes)
+enable, disable = _lib.enable, _lib.disable
 
 
 def max_rows() -> int:
     """The most rows of x the loaded function takes (0: not loaded)."""
-    return _max_rows if _lib is not None else 0
+    return _max_rows if _lib.loaded is not None else 0
 
 
 def takes_width(width: int) -> bool:
     """Whether the function is loaded and takes panels of this many columns (a whole number of its vectors)."""
-    return _lib is not None and width in _widths
+    return _lib.loaded is not None and width in _widths
 
 
 def handles(x: torch.Tensor, width: int) -> bool:
-    """Whether the function is loaded and takes x: fp32 [rows, k], up to max_rows() rows, contiguous, on the CPU,
-    times panels of this many columns (a whole number of its vectors)."""
+    """Whether the function takes x (fp32 [rows, k], up to max_rows(), contiguous, on the CPU) times these panels."""
     return (
         takes_width(width)
         and x.dim() == 2

@@ -1,6 +1,5 @@
-"""Paged prefill attention on the CPU by the C kernel in prefill_attention.c: new tokens attend causally to their
-sequence's context, read from its blocks in place, 8 or 16 query rows at a time (vectors.h). The PyTorch reference
-(kernels/reference.py) gathers each sequence's context into a copy and runs SDPA over it, sequence by sequence."""
+"""Paged prefill attention on the CPU by the C kernel in prefill_attention.c, reading each context from its blocks
+in place, 8 or 16 query rows at a time (vectors.h), where the reference gathers a copy per sequence."""
 
 import ctypes
 from pathlib import Path
@@ -11,33 +10,18 @@ from kvferry.kernels.cpu import build
 from kvferry.kernels.cpu.decode_attention import layout_fits
 
 SOURCE = Path(__file__).with_suffix(".c")
-_kernel = None
-
-
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the kernel; returns "" or why the PyTorch reference stays in use."""
-    global _kernel
-    if _kernel is None:
-        pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        argtypes = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
-        argtypes += [count] * 5 + [ctypes.c_float, count]
-        name = "kvferry_paged_prefill_attention_f32"
-        fallback = "the PyTorch reference for CPU prefill attention"
-        lib, why = build.load_functions(SOURCE, build_dir, {name: (argtypes, ctypes.c_int)}, fallback)
-        if lib is None:
-            return why
-        _kernel = getattr(lib, name)
-    return ""
-
-
-def disable() -> None:
-    """Back to the PyTorch reference, in this process (tests and benchmarks compare the two)."""
-    global _kernel
-    _kernel = None
+pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+ARGTYPES = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
+ARGTYPES += [count] * 5 + [ctypes.c_float, count]
+SIGNATURES = {"kvferry_paged_prefill_attention_f32": (ARGTYPES, ctypes.c_int)}
+_lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU prefill attention")
+enable, disable = _lib.enable, _lib.disable
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    return _kernel is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+    return (
+        _lib.loaded is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+    )
 
 
 def paged_prefill_attention(
@@ -49,9 +33,7 @@ def paged_prefill_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """query [num_tokens, num_heads, head_dim] (rows may be strided); caches [num_blocks, block_size, num_kv_heads,
-    head_dim] holding the new tokens' K and V already; cu_seqlens_q [num_seqs + 1]; context_lens [num_seqs], the
-    new tokens included. -> [num_tokens, num_heads, head_dim]"""
+    """As reference.paged_prefill_attention; query's rows may be strided."""
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype)
@@ -60,27 +42,11 @@ def paged_prefill_attention(
     tables = block_tables.to(torch.int32).contiguous()
     starts = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    failed = _kernel(
-        query.data_ptr(),
-        query.stride(0),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        tables.data_ptr(),
-        tables.stride(0),
-        starts.data_ptr(),
-        lens.data_ptr(),
-        out.data_ptr(),
-        len(lens),
-        num_heads,
-        num_kv_heads,
-        head_dim,
-        block_size,
-        scale,
-        torch.get_num_threads(),
-    )
+    failed = _lib.kvferry_paged_prefill_attention_f32(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+    )  # fmt: skip
     if failed:
         raise MemoryError("CPU prefill attention: no memory for its scratch")
     return out

@@ -1,7 +1,5 @@
-"""Int8 linear layers by the C function in small_matmul.c: the int8 weights read straight through in nn.Linear's own
-layout (or interleaved, interleave()) and each sum scaled back in the same pass. It takes a few rows (single-stream
-decode, a batch's tail) on every CPU, where torch._int_mm and a scaling pass take longer, and every row count on AVX2
-CPUs without AVX-512 VNNI, where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
+"""Int8 linear layers by the C function in small_matmul.c, each sum scaled back in the same pass: at a few rows on
+every CPU, and at every row count on AVX2 without VNNI, where torch._int_mm is a scalar loop (docs/benchmarks.md)."""
 
 import ctypes
 from pathlib import Path
@@ -14,52 +12,39 @@ SOURCE = Path(__file__).with_suffix(".c")
 MAX_ROWS = 4  # as in small_matmul.c: taken at 1-4 rows everywhere, faster than torch._int_mm (docs/benchmarks.md)
 # No fused multiply-adds: the outlier channels' sums round as layer_ops.c's do (outlier_columns.h)
 FLAGS = ("-ffp-contract=off",)
-_lib = None
+pointer, count = ctypes.c_void_p, ctypes.c_int
+SIGNATURES = {
+    "kvferry_takes_every_row_count": ([], count),
+    "kvferry_matmul_i8": (
+        [pointer, count, count, pointer, count, pointer, count, *[pointer] * 4, count, pointer, pointer, count],
+        None,
+    ),
+}
 _any_rows = False  # every row count, not just MAX_ROWS: where torch._int_mm has no fast path
 
 
-def enable(build_dir: Path) -> str:
-    """Compile (once per machine) and load the function; returns "" or why torch._int_mm stays in use."""
-    global _lib, _any_rows
-    if _lib is None:
-        pointer, count = ctypes.c_void_p, ctypes.c_int
-        signatures = {
-            "kvferry_takes_every_row_count": ([], ctypes.c_int),
-            "kvferry_matmul_i8": (
-                [pointer, count, count, pointer, count, pointer, count]
-                + [pointer] * 4
-                + [count, pointer, pointer, count],
-                None,
-            ),
-        }
-        fallback = "torch._int_mm for int8 linear layers at a few rows"
-        _lib, why = build.load_functions(SOURCE, build_dir, signatures, fallback, FLAGS)
-        if _lib is None:
-            return why
-        _any_rows = bool(_lib.kvferry_takes_every_row_count())
-    return ""
+def _read_row_counts(lib: build.Library) -> None:
+    global _any_rows
+    _any_rows = bool(lib.kvferry_takes_every_row_count())
+
+
+_lib = build.Library(SOURCE, SIGNATURES, "torch._int_mm for int8 linear layers at a few rows", FLAGS, _read_row_counts)
+enable, disable = _lib.enable, _lib.disable
 
 
 def takes_every_row_count() -> bool:
     """Whether the function is loaded and the int8 linear layers call it at every row count, not just MAX_ROWS."""
-    return _lib is not None and _any_rows
-
-
-def disable() -> None:
-    """Back to torch._int_mm, in this process (tests and benchmarks compare the two)."""
-    global _lib
-    _lib = None
+    return _lib.loaded is not None and _any_rows
 
 
 GROUP_ROWS, PIECE = 4, 32  # interleaved weights: groups of four rows, their 32-byte pieces side by side
 
 
 def interleave(qweight: torch.Tensor) -> torch.Tensor | None:
-    """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32]: each group of four rows
-    one run of memory (its weight_at). Only where the function takes every row count (AVX2 without VNNI), so nothing
-    needs the plain layout there; elsewhere, or at other shapes, None."""
+    """qweight [n, k] int8 in the layout small_matmul.c streams fastest, [n/4, k/32, 4, 32] (its weight_at); only
+    where the function takes every row count, so nothing needs the plain layout there; else None."""
     n, k = qweight.shape
-    if _lib is None or not _any_rows or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
+    if not takes_every_row_count() or n % GROUP_ROWS or k % PIECE or qweight.device.type != "cpu":
         return None
     return qweight.reshape(n // GROUP_ROWS, GROUP_ROWS, k // PIECE, PIECE).transpose(1, 2).contiguous()
 
@@ -82,8 +67,7 @@ OUTLIER_TILE = 16  # columns of a tile of outlier weights (outlier_columns.h's o
 
 def tile_outliers(rows: torch.Tensor) -> torch.Tensor:
     """An int8 layer's outlier weights [count, n] fp16 in the layout that goes with interleaved weights,
-    [ceil(n / 16), count, 16], the last tile padded with zeros: each 16 columns' weights one run of memory, where a
-    block of columns read count rows n apart (outlier_columns.h's outlier_at)."""
+    [ceil(n / 16), count, 16], zero-padded: each 16 columns one run of memory (outlier_columns.h's outlier_at)."""
     count, n = rows.shape
     tiles = -(-n // OUTLIER_TILE)
     padded = torch.zeros(count, tiles * OUTLIER_TILE, dtype=rows.dtype, device=rows.device)
@@ -92,8 +76,7 @@ def tile_outliers(rows: torch.Tensor) -> torch.Tensor:
 
 
 def plain_outliers(rows: torch.Tensor | None, n: int) -> torch.Tensor | None:
-    """The [count, n] layout of outlier weights, tiled or not (None: a layer without any), contiguous as the C loops
-    take it."""
+    """The [count, n] layout of outlier weights, tiled or not (None: a layer without any), contiguous."""
     if rows is None or rows.dim() == 2:
         return rows
     return rows.transpose(0, 1).reshape(rows.shape[1], -1)[:, :n].contiguous()
@@ -107,10 +90,9 @@ def shape_of(qweight: torch.Tensor) -> tuple[int, int]:
 
 
 def handles(xq: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes int8 xq [rows, k] times int8 qweight [n, k] (or interleaved): a few
-    rows, or any number where torch._int_mm is slow; on the CPU, contiguous."""
+    """Whether the function takes int8 xq [rows, k] times qweight: as many rows as it takes, on the CPU, contiguous."""
     return (
-        _lib is not None
+        _lib.loaded is not None
         and xq.dim() == 2
         and 1 <= xq.shape[0]
         and (xq.shape[0] <= MAX_ROWS or _any_rows)
@@ -135,11 +117,10 @@ def matmul_i8(
     outliers: tuple[torch.Tensor, torch.Tensor] | None = None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The int8 product xq [rows, k] · qweight [n, k]ᵀ (or interleave's layout) summed in int32, times row_scale
-    [rows] and col_scale [n] -> fp32 [rows, n]: torch._int_mm's sums, bit for bit, then layer_ops.dequantize's
-    scaling. sums: weight_sums(qweight). outliers: (x_out [rows, count] fp32, wt [count, n] fp16, tiled
-    (tile_outliers) where qweight is interleaved), the float channels' product added, then the bias [n] (fp32; all
-    contiguous), as layer_ops.add_outlier_columns adds them."""
+    """xq [rows, k] · qweight [n, k]ᵀ summed in int32, times row_scale [rows] and col_scale [n] -> fp32 [rows, n]:
+    torch._int_mm's sums, bit for bit, then layer_ops.dequantize's scaling. sums: weight_sums(qweight). outliers:
+    (x_out [rows, count] fp32, wt [count, n] fp16, tiled where qweight is interleaved) and the bias added as
+    layer_ops.add_outlier_columns adds them."""
     rows, k = xq.shape
     n = shape_of(qweight)[0]
     y = torch.empty(rows, n)

@@ -1,10 +1,8 @@
 """Triton: paged decode attention, one query token per sequence, online softmax over its blocks.
 
-A program serves one GQA group: it reads each K and V tile once for all the group's query heads, as one
-[group, keys] dot. With few sequences, batch * kv heads programs leave most of a GPU idle, so a long
-context is cut into splits (flash-decoding): each split writes its partial softmax state to fp32 scratch,
-and a second kernel combines the splits. Every setting follows from shapes alone, so that a CUDA graph
-captures the same launch it replays.
+A program serves one GQA group, reading each K and V tile once for all its query heads. With few sequences a long
+context is cut into splits (flash-decoding), each writing its partial softmax state to fp32 scratch for a second
+kernel to combine. Every setting follows from shapes alone, so that a CUDA graph replays the launch it captured.
 """
 
 import math
@@ -129,8 +127,7 @@ def _combine_splits_kernel(
     split_sum = tl.load(part_stats_ptr + rows * 2 + 1, mask=mask_s, other=0.0)
     acc_ptrs = part_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, D]
-    # Split 0 holds the first key of a context of at least one token, so m_max is finite; an empty split's
-    # max of -inf weighs 0.
+    # Split 0 holds the first key of a context, so m_max is finite; an empty split's max of -inf weighs 0.
     m_max = tl.max(split_max, axis=0)
     weight = tl.where(mask_s, tl.exp2(split_max - m_max), 0.0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * split_sum, axis=0)
@@ -192,14 +189,10 @@ def paged_decode_attention_split(
         part_stats,
         scale * math.log2(math.e),
         num_heads,
-        query.stride(0),
-        query.stride(1),
+        *query.stride()[:2],
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        *out.stride()[:2],
+        *k_cache.stride()[:3],
         GROUP=group,
         GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
@@ -217,8 +210,7 @@ def paged_decode_attention_split(
             part_stats,
             out,
             num_heads,
-            out.stride(0),
-            out.stride(1),
+            *out.stride()[:2],
             NUM_SPLITS=num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,

@@ -1,7 +1,5 @@
-"""Launch settings of the attention kernels, chosen from shapes and the device only.
-
-Pure functions (apart from the cached device query), so that tests check them without a GPU, and so that a
-decode step captured in a CUDA graph picks the same settings on every replay without reading tensor data.
+"""Launch settings of the attention kernels, from shapes and the device only: tests check them without a GPU, and
+a decode step captured in a CUDA graph picks the same settings on every replay.
 """
 
 import functools
@@ -86,8 +84,7 @@ def decode_splits(batch: int, num_kv_heads: int, max_context: int, target_progra
 
 
 def dot_precision(dtype: torch.dtype) -> str:
-    """ieee keeps an fp32 model's dots exact instead of dropping them to tf32; 16-bit inputs go to the tensor
-    cores whatever is asked, so the setting only matters for fp32."""
+    """ieee keeps an fp32 model's dots exact instead of tf32; it does not matter for 16-bit inputs."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 

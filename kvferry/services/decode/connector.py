@@ -1,18 +1,11 @@
-"""The decode side of the KV connector: everything a decode worker does about transfers, behind a few entry points.
+"""The decode side of the KV connector: it owns the worker's records (DecodeRecords) and every transition of them:
+blocks held for a KVQuery, a transfer's layer groups placed as they come, its choices admitted through
+`LLMEngine.admit_prefilled` once the last is in, choices and attempts ended, what ran out let go. Each entry point
+files the record it changed (DecodeRecords.file) on its way out, whatever happened (on_output: see there).
 
-It owns the worker's records (DecodeRecords: holds, transfers arriving, running attempts, tombstones) and every
-transition of them: a KVQuery's blocks held, a transfer's layer groups checked and placed as they come, the choices
-admitted through the engine's one method for it (`LLMEngine.admit_prefilled`) once the last is in, choices and
-attempts ended, what ran out let go. Each entry point files the record it changed (DecodeRecords.file) on its way
-out, whatever happened, so that no path can forget to.
-
-The worker's loop hands it peer messages (`on_message`), finished compiles (`on_compiled`), the step's outputs
-(`on_output`, which says where each goes) and the time (`tidy`). Like every connector it touches no socket: what it
-has to say (acks and KVHeld to prefill workers, failures to gateways) waits in its outbox for the loop
-(`take_outbox`).
-
-Engine side (KVConnector): `matched_blocks` holds a prompt's cached leading blocks; `load_blocks` (the base
-class's) writes a received group into the cache.
+The loop hands it peer messages (`on_message`), finished compiles (`on_compiled`), the step's outputs (`on_output`)
+and the time (`tidy`). It touches no socket: what it has to say waits in its outbox for the loop (`take_outbox`).
+Engine side (KVConnector): `matched_blocks` holds a prompt's cached leading blocks; `load_blocks` places a group.
 """
 
 import contextlib
@@ -55,8 +48,7 @@ class DecodeConnector(Receiving, KVConnector):
         self.gateway_named = self.compiles = self.trace_compile = None
 
     def serve(self, gateway_named, compiles, trace_compile) -> None:
-        """What the worker's loop lends it, once the loop exists (the engine, which needs the connector, is made
-        first): gateway_named(id) -> GatewayLink or None, the constraint compiles, and trace_compile (as Worker's)."""
+        """What the worker lends it once it exists (the engine, which needs the connector, is made first)."""
         self.gateway_named, self.compiles, self.trace_compile = gateway_named, compiles, trace_compile
 
     # -- engine side ------------------------------------------------------------------------------------------
@@ -102,12 +94,13 @@ class DecodeConnector(Receiving, KVConnector):
 
     def on_output(self, out) -> tuple[GatewayLink, p.Tokens, p.TraceContext | None] | None:
         """One choice's output of a step: the Tokens message to send and where (None: nothing to send). The record
-        ends with its last choice; a failed step's output fails its request."""
+        ends with its last choice; a failed step's output fails its request. Not `filing`: a RUNNING record is
+        filed nowhere, and every path that changes its state (end_record) files it."""
         record = self.records.get(out.request_id.attempt_key)
         if record is None or record.state is not S.RUNNING:
             return None
         result = None
-        with self.filing(record.key), fails_alone(lambda exc: self.output_failed(record, exc)):
+        with fails_alone(lambda exc: self.output_failed(record, exc)):
             result = self.tokens_of(record, out)
         return result
 
@@ -129,13 +122,11 @@ class DecodeConnector(Receiving, KVConnector):
         return link, tokens, trace
 
     def output_failed(self, record: DecodeAttempt, exc: Exception) -> None:
-        """Handling an output raised: its request alone fails (500)."""
         log.exception("%s: an output", self.worker_id, extra={"request_id": record.key.request_id})
         self.fail(record, failure_text(exc))
 
     def unsent(self, key: AttemptKey, link: GatewayLink, trace, exc: Exception) -> None:
-        """A choice's Tokens could not be sent: its request alone fails, and its gateway is told, even when those
-        were its last tokens (the record had ended)."""
+        """A choice's Tokens could not be sent: its request fails, and its gateway is told, even if the record ended."""
         log.exception("%s: sending tokens", self.worker_id, extra={"request_id": key.request_id})
         record = self.records.get(key)
         if record is not None:
@@ -144,8 +135,7 @@ class DecodeConnector(Receiving, KVConnector):
         self.outbox.append(Failure(link, key.request_id, key.attempt, trace, error, exc))
 
     def tidy(self) -> None:
-        """Let go of what ran out: the records' queues give the expired ones (and those past a cap) without a walk
-        over the others; old tombstones, and NEW records whose cancelled choices are old, are simply forgotten."""
+        """Let go of what ran out (DecodeRecords.expired)."""
         now = time.monotonic()
         if now < self.tidy_at:
             return
@@ -159,8 +149,7 @@ class DecodeConnector(Receiving, KVConnector):
 
     # -- holds, aborts, ends ----------------------------------------------------------------------------------
     def hold_blocks(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
-        """Answer a KVQuery: how many of its leading blocks sit in this worker's prefix cache, held from now on
-        for the request's transfer."""
+        """Answer a KVQuery: how many of its leading blocks are cached here, held from now on for the transfer."""
         record = self.records.get_or_new(key)
         ids = []
         if record.state in (S.NEW, S.HOLDING):
@@ -171,8 +160,7 @@ class DecodeConnector(Receiving, KVConnector):
         self.outbox.append(Reply(peer, p.KVHeld(len(ids), key.attempt), env.request_id, env.trace))
 
     def abort_choice(self, key: AttemptKey, choice: int) -> None:
-        """One choice ended at the gateway (a stop string) while the others go on; if its KV has not come yet,
-        it is left out when it does."""
+        """One choice ended at the gateway (a stop string); if its KV has not come yet, it is left out when it does."""
         if choice >= MAX_CHOICES:
             return  # no transfer can name it: nothing to leave out, and nothing to remember
         record = self.records.get_or_new(key)
@@ -208,8 +196,8 @@ class DecodeConnector(Receiving, KVConnector):
 
     def refuse(self, record: DecodeAttempt, env: p.Envelope, peer: bytes, link: GatewayLink | None, exc,
                told: str = "", code: int | None = None, retry: bool = False) -> None:  # fmt: skip
-        """A transfer that can never be placed here: the request ends here, and its gateway is told why (told: in
-        those words; code and retry: as send_failure takes them)."""
+        """A transfer that can never be placed here: the request ends, and its gateway is told (told: in those words;
+        code and retry: as send_failure takes them)."""
         self.end_record(record)
         self.ack(env, peer, False, f"refused: {exc}", retry=False)
         if link is not None:
@@ -217,6 +205,6 @@ class DecodeConnector(Receiving, KVConnector):
             self.outbox.append(Failure(link, env.request_id, env.message.attempt, env.trace, error, exc, code, retry))
 
     def transfer_failed(self, key: AttemptKey, peer: bytes, env: p.Envelope, exc: Exception) -> None:
-        """What escaped a transfer's own refusals (a bug, or a message this code did not foresee): it is refused."""
+        """What escaped a transfer's own refusals (a bug, or an unforeseen message): it is refused."""
         log.exception("%s: KV transfer", self.worker_id, extra={"request_id": env.request_id})
         self.refuse(self.records.get_or_new(key), env, peer, self.gateway_named(env.message.gateway_id), exc)

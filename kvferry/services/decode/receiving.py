@@ -1,7 +1,6 @@
-"""The transfer-receiving half of DecodeConnector (services/decode/connector.py), in a file of its own: a
-transfer's first layer group checks the request and allocates its blocks (received_kv.reserve), each group is
-checked and placed as it comes, and the last admits the choices through the engine's one method for it
-(`LLMEngine.admit_prefilled`), once their constraint has compiled."""
+"""The transfer-receiving half of DecodeConnector (services/decode/connector.py): the first layer group checks the
+request and allocates its blocks (received_kv.reserve), each group is placed as it comes, and the last admits the
+choices (`LLMEngine.admit_prefilled`) once their constraint has compiled."""
 
 import dataclasses
 import time
@@ -38,8 +37,6 @@ def check_choices(msg: p.KVTransfer, announced: list[int] | None = None) -> None
 
 class Receiving:
     def receive_kv(self, key: AttemptKey, peer: bytes, env: p.Envelope) -> None:
-        """One layer group of a transfer. The first checks the request and allocates its blocks; each group is
-        placed into them as it comes; the last admits the sequences and is acknowledged."""
         msg = env.message
         if msg.layer_start > 0:
             self.receive_layers(key, peer, env)
@@ -96,9 +93,8 @@ class Receiving:
         incoming = record.incoming if record is not None and record.state is S.RECEIVING else None
         last = msg.layer_start + (msg.shape[0] if msg.shape else 0) >= self.engine.num_layers
         if incoming is None or msg.layer_start != incoming.next_layer:
-            # After a refused first group, or a group lost on the way: the sender's resend starts over. Its last
-            # group is answered, so that the sender need not wait for its ack timeout: done if the request ended
-            # here meanwhile, else send again.
+            # After a refused first group, or one lost on the way, the sender's resend starts over; its last group
+            # is answered (done if the request ended here meanwhile, else send again), so it need not time out.
             if incoming is not None:
                 record.put_back(self.engine)
             if last and record is not None and record.state in (S.RUNNING, S.DONE):
@@ -124,8 +120,7 @@ class Receiving:
             self.admit(record, peer, env)
 
     def on_compiled(self, done) -> None:
-        """A transfer's constraint finished compiling (or failed to): a transfer whose last group waited for it is
-        admitted now."""
+        """A transfer's constraint compiled (or failed): a transfer whose last group waited for it is admitted now."""
         record = self.records.get(done.owner)
         incoming = record.incoming if record is not None and record.state is S.RECEIVING else None
         if incoming is None:
@@ -140,8 +135,7 @@ class Receiving:
                 self.admit(record, peer, env)
 
     def admit(self, record: DecodeAttempt, peer: bytes, env: p.Envelope) -> None:
-        """The last group came: the choices that go on (those whose first token did not end them, and that the
-        gateway has not ended since) join the running batch."""
+        """The last group came: the choices not ended (by their first token, or the gateway) join the batch."""
         msg, incoming = env.message, record.incoming
         if incoming.grammar_error:
             # Not the request's fault: its prefill worker compiled the constraint. Another worker may: a 503 to move.

@@ -6,12 +6,9 @@ group by layer group, its choices running, and a tombstone once it ended.
      │             │  └────── put_back (no room, or groups stopped) ─────────┘  │
      └─────────────┴──────────── end (finished, aborted, refused) ──────────────┴──▶ DONE
 
-NEW also takes a transfer whose prompt asked nothing (start_receiving), and choices that end before their KV
-comes (cancelled). DONE is kept as a tombstone for a while: KV that arrives late for it (an Abort can overtake
-its transfer; a resend can follow an ack) is acknowledged and dropped.
-
-DecodeRecords keeps them all, so that what expires is found without walking the others: each state that times
-out has its own queue in the order its records' times were set, which is the order they run out.
+NEW also takes a transfer whose prompt asked nothing, and choices that end before their KV comes (cancelled). DONE
+is kept as a tombstone for a while: KV that arrives late for it (an Abort can overtake its transfer; a resend can
+follow an ack) is acknowledged and dropped.
 """
 
 import enum
@@ -68,8 +65,7 @@ class Incoming:
     num_bytes: int = 0
     trace: p.TraceContext | None = None  # the first group's
     grammar: object = None  # the choices' constraint, compiled (kept here: the cache may let it go before admission)
-    # The last group's (peer, envelope without its frame, placed already), kept while the constraint still
-    # compiles: admitted once it has.
+    # The last group's (peer, envelope without its frame, placed already), admitted once the constraint compiled.
     awaiting_grammar: tuple | None = None
     grammar_error: str = ""  # the constraint's compile failed: the transfer is refused when its last group comes
 
@@ -108,8 +104,8 @@ class DecodeAttempt:
         incoming.expires_at = time.monotonic() + INCOMING_S
 
     def put_back(self, engine) -> None:
-        """A transfer that could not be placed now, or whose groups stopped coming: the blocks allocated for it are
-        freed, the held ones kept (for a while) for its retry, which leaves them out again."""
+        """A transfer not placed now, or whose groups stopped: its allocated blocks are freed, the held ones kept
+        for a while for its retry."""
         if self.incoming is not None:
             engine.free_blocks(self.incoming.blocks)
             self.incoming = None
@@ -131,8 +127,7 @@ class DecodeAttempt:
         return not self.running
 
     def end(self, engine) -> None:
-        """The attempt is over here: its running choices stop, every block it held or was filling is freed, and
-        it stays as a tombstone."""
+        """The attempt is over here: its choices stop, every block it held or was filling is freed; a tombstone."""
         for choice_key in self.running.values():
             engine.abort(choice_key)
         if self.incoming is not None:
@@ -157,12 +152,10 @@ def _due_at(record: DecodeAttempt) -> float | None:
 class DecodeRecords:
     """A decode worker's records: the live ones, and the DONE ones as tombstones.
 
-    After any change to a record, the worker files it (`file`): that puts it in its state's queue (HOLDING,
-    RECEIVING, or NEW that remembers cancelled choices), moves it to the tombstones once DONE, and forgets a NEW one
-    that remembers nothing. Each queue's records time out a fixed time after it was set, so a queue kept in filing
-    order is in expiry order: `expired` pops from the fronts, O(1) per record that ran out, never walking the
-    others; and each is capped, dropping its oldest first. (A NEW record back from HOLDING keeps the time its first
-    choice was cancelled, so it may be forgotten a little late: it holds nothing meanwhile.)"""
+    After any change the worker files a record (`file`): into its state's queue (HOLDING, RECEIVING, or NEW that
+    remembers cancelled choices), to the tombstones once DONE, or forgotten (NEW, remembering nothing). A queue's
+    records time out a fixed time after it was set, so filing order is expiry order: `expired` pops from the fronts,
+    never walking the others; each queue is capped, oldest out first."""
 
     def __init__(self, max_tombstones=MAX_TOMBSTONES, max_holds=MAX_HOLDS, max_remembered=MAX_REMEMBERED):
         self.live: dict[AttemptKey, DecodeAttempt] = {}
@@ -206,9 +199,8 @@ class DecodeRecords:
             self.queues[record.state][key] = _due_at(record)
 
     def expired(self, now: float) -> list[DecodeAttempt]:
-        """Forget the tombstones and NEW records whose time ran out (or that are past their cap), and return the
-        HOLDING and RECEIVING ones that ran out or are past theirs: the worker frees their blocks, then files them.
-        """
+        """Forget the tombstones and NEW records that ran out (or are past their cap); return the HOLDING and
+        RECEIVING ones that did, for the worker to free their blocks and file."""
         while self.tombstones and next(iter(self.tombstones.values())).tombstone_until < now:
             self.tombstones.popitem(last=False)
         due = []

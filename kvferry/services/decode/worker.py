@@ -1,10 +1,7 @@
-"""The decode worker: receives prompts' KV from prefill workers into its own block pool, and batches generation
-continuously, streaming each step's tokens to the gateway.
-
-The loop owns the sockets; its DecodeConnector (services/decode/connector.py) owns every transfer and request
-attempt (DecodeAttempt records). The loop hands the connector what comes in (`on_message`, `on_compiled`, `tidy`),
-steps the engine, asks the connector where each output goes (`on_output`), and sends what the connector has to
-say (`take_outbox`). Each choice runs as an engine sequence keyed by ChoiceKey.
+"""The decode worker: receives prompts' KV from prefill workers into its block pool, and batches generation
+continuously, streaming each step's tokens to the gateway. The loop owns the sockets; its DecodeConnector
+(services/decode/connector.py) owns every transfer and attempt, and the loop sends what it has to say. Each choice
+runs as an engine sequence keyed by ChoiceKey.
 """
 
 import time
@@ -34,9 +31,8 @@ def max_kv_frame_bytes(engine) -> int:
 
 
 def kv_frame_bound(config) -> int:
-    """max_kv_frame_bytes, or a hair above, before the engine exists: ZeroMQ takes a socket's size limit when it
-    binds, and the KV port is bound before the model loads. The largest layer group's share of the KV cache budget
-    (its blocks fill the budget but for less than one); of the model, only its layer count is read."""
+    """max_kv_frame_bytes, or a hair above, before the engine exists (ZeroMQ takes a socket's size limit as it binds,
+    before the model loads): the largest layer group's share of the KV cache budget."""
     num_layers = read_config(resolve_model(config.model))["num_hidden_layers"]
     largest_group = max(hi - lo for lo, hi in layer_groups(num_layers))
     return largest_group * config.kv_cache_memory // num_layers
@@ -45,17 +41,9 @@ def kv_frame_bound(config) -> int:
 class DecodeWorker(Worker):
     role = p.Role.DECODE
 
-    def __init__(
-        self,
-        config,
-        gateway,
-        worker_id=None,
-        worker_config: WorkerConfig | None = None,
-        process: ProcessConfig | None = None,
-        **kwargs,
-    ):
+    def __init__(self, config, gateway, worker_id=None, worker_config=None, process=None, **kwargs):
         worker_config, process = worker_config or WorkerConfig(), process or ProcessConfig()
-        kv_bind, advertise_host = worker_config.kv_bind, worker_config.advertise_host
+        kv_bind = worker_config.kv_bind
         # Bound before the model loads (in Worker.__init__): a taken port fails at once.
         curve = kwargs.get("curve")
         self.auth = curve.authenticator(zmq.Context.instance()) if curve else None
@@ -82,8 +70,8 @@ class DecodeWorker(Worker):
             raise KvferryError(f"a KV frame may be {max_kv_frame_bytes(self.engine)} bytes, past {frame_limit}")
         endpoint = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
         host, port = endpoint.rsplit(":", 1)
-        if host.endswith("0.0.0.0") or host.endswith("*"):
-            host = "tcp://" + advertised_host(advertise_host)
+        if host.endswith(("0.0.0.0", "*")):
+            host = "tcp://" + advertised_host(worker_config.advertise_host)
         self.advertised_kv = f"{host}:{port}"
         self.kv_in = Channel(sock, f"{self.worker_id}/kv")
         self.poller.register(sock, zmq.POLLIN)
@@ -144,13 +132,12 @@ class DecodeWorker(Worker):
             self.flush()
 
     def send_tokens(self, key: AttemptKey, link: GatewayLink, tokens: p.Tokens, trace) -> None:
-        """A choice's tokens to its gateway; a send that raises (a message past the protocol's bounds, a socket
-        error) fails its request alone, as its output's handling would."""
+        """A choice's tokens to its gateway; a send that raises fails its request alone."""
         with fails_alone(lambda exc: self.connector.unsent(key, link, trace, exc)):
             link.channel.send(tokens, key.request_id, trace)
 
     def trace_step(self, plan, started: float) -> None:
-        """The step as a span, naming the requests (not their choices' engine ids) that rode in it."""
+        """The step as a span, naming its requests (not their choices' engine ids)."""
         rids = dict.fromkeys(c.seq.request_id.request_id for c in plan.chunks)
         self.tracer.span(
             "decode.step" if not plan.is_prefill else "decode.recompute",

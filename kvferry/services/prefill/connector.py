@@ -1,18 +1,13 @@
-"""The prefill side of the KV connector: everything a prefill worker does about transfers, behind a few entry
-points. It owns the worker's request records (PrefillAttempt), its KV sender thread, and every ask, send, retry
-and acknowledgement of a transfer.
+"""The prefill side of the KV connector: it owns the worker's request records (PrefillAttempt), its KV sender
+thread, and every ask, send, retry and acknowledgement of a transfer. Nothing here touches a socket: KVSender does.
 
-Engine side (KVConnector): before each step `get_finished` acts on what decode workers answered, sends the
-transfers that are due, and gives the engine the requests whose blocks go (released: acknowledged; failed: ended
-here otherwise); `on_scheduled` starts the prompts whose first chunk is scheduled, each asking its decode worker
-which leading blocks it holds (KVQuery); `save_layers` ships each stored group of layers but the last of a
-finishing prompt while the next layers compute (`kv_bytes_sent_early`); `request_finished` keeps a finished
-prompt's blocks for its transfer.
+Engine side (KVConnector): `get_finished` acts on what decode workers answered, sends what is due, and hands the
+engine the attempts whose blocks go; `on_scheduled` asks each starting prompt's decode worker which leading blocks
+it holds (KVQuery); `save_layers` ships each stored layer group but the last of a finishing prompt while the next
+layers compute; `request_finished` keeps a finished prompt's blocks for its transfer.
 
-The worker's loop: `add` a request's record, `compiled` when its constraint has, `end` one (an abort, a failed
-admission), `computed` each prompt's choices that go on once their first tokens are out (the rest of its transfer
-starts then, so that TTFT waits only on the groups shipped during the compute), `take_replies` when the sender's
-`wake_fd` is readable, and `take_failures` to tell gateways. Nothing here touches a socket: KVSender does.
+The loop: `add`, `compiled`, `end` a record; `computed` once a prompt's first tokens are out (the rest of its
+transfer starts then); `take_replies` when `wake_fd` is readable; `take_failures` to tell gateways.
 """
 
 import logging
@@ -54,8 +49,7 @@ class PrefillConnector(Replies, Shipping, KVConnector):
 
     def bind(self, engine) -> None:
         super().bind(engine)
-        # On CUDA each group's gather is queued on a side stream into pinned memory (`KVCache.read_blocks`), so it
-        # overlaps the next group's layers as the CPU's gather thread does.
+        # On CUDA each group's gather runs on a side stream (kv_gather.py), overlapping the next group's layers.
         self.wants_layer_events = engine.device.type in ("cpu", "cuda") and engine.num_layers > 1
 
     # -- the loop's side --------------------------------------------------------------------------------------
@@ -85,8 +79,8 @@ class PrefillConnector(Replies, Shipping, KVConnector):
         self.records[key].compiled()
 
     def end(self, key: AttemptKey, error: str = "", code: int = 500, retry: bool = False) -> None:
-        """End an attempt here, for whatever reason: its record is done, its sequence and blocks go at the engine's
-        next get_finished, and with an error its gateway is told (take_failures)."""
+        """End an attempt here: its sequence and blocks go at the engine's next get_finished, and with an error its
+        gateway is told (take_failures)."""
         record = self.records.pop(key, None)
         if record is None:
             return
@@ -118,21 +112,20 @@ class PrefillConnector(Replies, Shipping, KVConnector):
 
     # -- engine side ------------------------------------------------------------------------------------------
     def get_finished(self) -> tuple[list[AttemptKey], list[AttemptKey]]:
-        """Before a step: act on the answers that came, send the transfers that are due (before a long compute),
-        and hand the engine what ended since the last call: (released, failed)."""
+        """Before a step: act on the answers, send what is due, and hand the engine (released, failed)."""
         self.take_replies()
         now = time.monotonic()
         for record in list(self.records.values()):
             if record.state in SHIPPING_STATES:
-                with fails_alone(lambda exc: self.transfer_failed(record, exc)):
+                with fails_alone(lambda exc: self.transfer_failed(record, "sending a transfer", exc)):
                     self.send_if_due(record, now)
         released, failed, self.released, self.failed = self.released, self.failed, [], []
         return released, failed
 
     def on_scheduled(self, plan) -> None:
-        """Prompts whose first chunk is scheduled start computing, and ask their decode worker which of their
-        leading blocks it holds: asked now, not on arrival, since a prompt queued behind one with the same
-        prefix finds that prefix at the decode worker by then, and the answer comes during the compute."""
+        """Prompts whose first chunk is scheduled ask their decode worker which leading blocks it holds: now, not
+        on arrival, so that a prompt queued behind one with the same prefix finds it there, and the answer comes
+        during the compute."""
         for chunk in plan.chunks:
             record = self.records.get(chunk.seq.request_id)
             if record is not None and record.state is S.QUEUED:
@@ -151,9 +144,8 @@ class PrefillConnector(Replies, Shipping, KVConnector):
         return bool(hashes)
 
     def save_layers(self, plan, layers: tuple[int, int]) -> None:
-        """A group of layers but the last is stored: that group of each finishing prompt's blocks is queued for
-        its decode worker, once the blocks to send are settled (the decode worker's KVHeld came, or was never
-        asked); a prompt that misses the first group goes whole after the compute."""
+        """A group of layers but the last is stored: that group of each finishing prompt whose blocks to send are
+        settled (KVHeld came, or was never asked) is queued; a prompt that misses the first group goes whole later."""
         lo, hi = layers
         if hi == self.engine.num_layers:
             return  # the last group follows the first tokens
@@ -165,7 +157,8 @@ class PrefillConnector(Replies, Shipping, KVConnector):
             starts = lo == 0 and record.state is S.COMPUTING
             if not starts and not (record.state is S.SENDING_EARLY and record.early_layers == lo):
                 continue
-            with fails_alone(lambda exc: self.early_group_failed(record, lo, hi, exc)):
+            shipping = f"shipping layers {lo}-{hi}"
+            with fails_alone(lambda exc: self.transfer_failed(record, shipping, exc, "the prefill step failed: ")):
                 if starts:
                     request = record.request
                     choices = [request.choice] if request.resume_token_ids else list(range(request.n))
@@ -173,21 +166,20 @@ class PrefillConnector(Replies, Shipping, KVConnector):
                 self.send_group(record, lo, hi, chunk.seq.block_table, early=True)
                 record.sent_early(hi)
 
-    def early_group_failed(self, record: PrefillAttempt, lo: int, hi: int, exc: Exception) -> None:
-        """Shipping a group during the compute raised: the request alone fails (the batch computes on; its blocks
-        go at the next get_finished)."""
-        log.exception("%s: shipping layers %d-%d of %s", self.worker_id, lo, hi, record.key.request_id)
-        self.end(record.key, f"the prefill step failed: {failure_text(exc)}", 500)
+    def transfer_failed(self, record: PrefillAttempt, doing: str, exc: Exception, prefix: str = "") -> None:
+        """Something about one transfer raised: its request alone fails, with a 500 (during the compute, the batch
+        computes on; its blocks go at the next get_finished)."""
+        log.exception("%s: %s", self.worker_id, doing, extra={"request_id": record.key.request_id})
+        self.end(record.key, prefix + failure_text(exc), 500)
 
     # -- after the compute ------------------------------------------------------------------------------------
     def computed(self, key: AttemptKey, continuing: list[tuple[int, int]]) -> None:
-        """A prompt's first tokens are out; these (choice, first token) go on decoding: the rest of its transfer
-        starts, or, while the decode worker's answer to KVQuery is still due, waits for it (HELD_ANSWER_WAIT_S at
-        most). With none going on, the attempt ends (and a decode worker that got early groups drops them)."""
+        """A prompt's first tokens are out; these (choice, first token) go on: the rest of its transfer starts, or
+        waits HELD_ANSWER_WAIT_S at most for a KVHeld still due. With none going on, the attempt ends."""
         record = self.records.get(key)
         if record is None or record.state not in COMPUTING_STATES:
             return
-        with fails_alone(lambda exc: self.start_failed(record, exc)):
+        with fails_alone(lambda exc: self.transfer_failed(record, "starting a transfer", exc)):
             self.start_transfer(record, continuing)
 
     def start_transfer(self, record: PrefillAttempt, continuing: list[tuple[int, int]]) -> None:
@@ -211,38 +203,22 @@ class PrefillConnector(Replies, Shipping, KVConnector):
             return
         block_ids = self.engine.kept_block_ids(record.key)
         if record.state is S.SENDING_EARLY:  # the rest of the groups now, the last with the first tokens
-            for lo, hi in self.engine.layer_groups:
-                if lo >= record.early_layers:
-                    self.send_group(record, lo, hi, block_ids)
-            record.all_sent()
+            self.send_all(record, block_ids, record.early_layers)
         elif record.state is S.COMPUTING:
             record.settle(*self.settlement(record, block_ids))
             self.send_all(record, block_ids)
 
-    def start_failed(self, record: PrefillAttempt, exc: Exception) -> None:
-        """Starting a transfer raised: it alone fails (500)."""
-        log.exception("%s: starting a transfer", self.worker_id, extra={"request_id": record.key.request_id})
-        self.end(record.key, failure_text(exc), 500)
-
     def send_if_due(self, record: PrefillAttempt, now: float) -> None:
-        """Send a transfer whose time came: due, not acknowledged in time, or done waiting for its held answer; give
-        it up past its bounds."""
+        """Send a transfer whose time came (due, unacknowledged, done waiting for KVHeld); give up past its bounds."""
         if record.state is S.AWAITING_ACK and now >= record.sent_at + ACK_TIMEOUT_S:
             record.send_again(0.0)  # not acknowledged in time: lost on the way, or the peer restarted
         if record.state not in (S.DUE, S.AWAITING_HELD) or now < record.due_at:
             return
         if now > record.ready_at + GIVE_UP_TRANSFER_S or time.time() > record.request.deadline_s:
-            message = (
-                f"decode worker {record.request.decode_worker_id} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s"
-            )
-            self.end(record.key, message, 503, True)
+            decode = record.request.decode_worker_id
+            self.end(record.key, f"decode worker {decode} did not take the KV in {GIVE_UP_TRANSFER_S:.0f} s", 503, True)
             return
         block_ids = self.engine.kept_block_ids(record.key)
         if record.state is S.AWAITING_HELD:  # its answer did not come in time: every block goes
             record.settle(*self.settlement(record, block_ids))
         self.send_all(record, block_ids)
-
-    def transfer_failed(self, record: PrefillAttempt, exc: Exception) -> None:
-        """Sending a transfer raised: it alone fails (500)."""
-        log.exception("%s: sending the KV of %s", self.worker_id, record.key.request_id)
-        self.end(record.key, failure_text(exc), 500)

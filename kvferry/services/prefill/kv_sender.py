@@ -1,10 +1,8 @@
-"""The prefill worker's sockets to decode workers, on a thread of their own.
+"""The prefill worker's sockets to decode workers, on a thread of their own (ZeroMQ sockets are not thread-safe).
 
-The engine's layer hook runs inside the model's forward pass, where no socket may be touched. So every message
-for a decode worker (KVQuery, the KV groups, Abort) is queued here with `send`, which only appends to a queue and
-writes a byte to a pipe, and this thread puts it on the wire while the next layers compute. Answers from decode
-workers come back the same way: the thread queues them, and the worker's loop, which polls `wake_fd`, takes
-them with `received()`. ZeroMQ sockets are not thread-safe; these are used by this thread alone.
+The engine's layer hook runs inside the forward pass, where no socket may be touched: `send` only queues a message
+and writes a byte to a pipe, and this thread puts it on the wire while the next layers compute. Answers come back
+the same way: the loop polls `wake_fd` and takes them with `received()`.
 """
 
 import collections
@@ -92,27 +90,6 @@ class KVSender:
                 os.close(fd)
 
     # -- the sender thread ------------------------------------------------------------------------------------
-    def _channel(self, address: str, peer: str, poller: zmq.Poller) -> Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
-            # Queue only for a connected peer: KV for a decode worker that is gone (or stopped long enough for the
-            # ZeroMQ heartbeat to drop it) fails at once, and its request moves, instead of piling up here.
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            limit_socket(sock, p.max_header_bytes(*p.KV_SENDER_RECEIVES), max_send_bytes=p.MAX_FRAME_BYTES)
-            if self.curve:
-                self.curve.connect(sock)
-            try:
-                sock.connect(address)
-            except zmq.ZMQError:
-                sock.close(linger=0)
-                raise
-            poller.register(sock, zmq.POLLIN)
-            channel = self._channels[address] = Channel(sock, f"{self.worker_id}->{address}", peer_name=peer)
-        return channel
-
     def _deliver(self, item) -> None:
         self._inbox.append(item)
         signal(self._inbox_write)
@@ -131,8 +108,7 @@ class KVSender:
                 channel.close()
 
     def _close_idle(self, poller: zmq.Poller, address_of: dict) -> None:
-        """Close the sockets of decode workers not sent to for PEER_IDLE_S (gone, or just quiet: a new send
-        reconnects)."""
+        """Close the sockets of decode workers unused for PEER_IDLE_S (a new send reconnects)."""
         now = time.monotonic()
         for address in [a for a, t in self._last_used.items() if now - t > PEER_IDLE_S]:
             self._close_channel(address, poller, address_of)
@@ -146,17 +122,33 @@ class KVSender:
         channel.close()
 
     def _ready_channel(self, out: Outgoing, poller: zmq.Poller, address_of: dict) -> Channel:
-        """The channel to out's decode worker, connected and with room; ConnectionError otherwise. With IMMEDIATE a
-        message is never queued for a peer that is not connected, so it would be dropped: say so instead. A socket
-        that lost its peer is replaced by a fresh one (a reconnect begun while the peer was unreachable may wait out
-        TCP's retries), and a new socket gets CONNECT_WAIT_MS to connect."""
+        """The channel to out's decode worker, connected and with room; else ConnectionError (with IMMEDIATE the
+        message would be dropped silently). A socket that lost its peer is replaced (its reconnect may wait out
+        TCP's retries); a new socket gets CONNECT_WAIT_MS to connect."""
         now = time.monotonic()
         if now < self._unreachable_until.get(out.address, 0.0):
             raise ConnectionError(f"did not connect within {CONNECT_WAIT_MS} ms, moments ago")
         if out.address in self._channels and not self._channels[out.address].socket.poll(0, zmq.POLLOUT):
             self._close_channel(out.address, poller, address_of)
         new = out.address not in self._channels
-        channel = self._channel(out.address, out.peer, poller)
+        if new:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IDENTITY, self.worker_id.encode())
+            # Queue only for a connected peer: KV for a decode worker that is gone (or stopped long enough for the
+            # ZeroMQ heartbeat to drop it) fails at once, and its request moves, instead of piling up here.
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            limit_socket(sock, p.max_header_bytes(*p.KV_SENDER_RECEIVES), max_send_bytes=p.MAX_FRAME_BYTES)
+            if self.curve:
+                self.curve.connect(sock)
+            try:
+                sock.connect(out.address)
+            except zmq.ZMQError:
+                sock.close(linger=0)
+                raise
+            poller.register(sock, zmq.POLLIN)
+            self._channels[out.address] = Channel(sock, f"{self.worker_id}->{out.address}", peer_name=out.peer)
+        channel = self._channels[out.address]
         address_of[channel.socket] = out.address
         self._last_used[out.address] = now
         if not channel.socket.poll(CONNECT_WAIT_MS if new else 0, zmq.POLLOUT):

@@ -10,15 +10,9 @@ PrefillConnector (services/prefill/connector.py) owns the records and drives eve
         SENDING_EARLY ──all_sent──▶ AWAITING_ACK;  EARLY_ANSWERED ──send_again──▶ DUE, or ──end──▶ DONE
     any state ──end (acknowledged, refused, aborted, failed, given up, no choice goes on)──▶ DONE
 
-The prompt computes in ASKING, COMPUTING, SENDING_EARLY and EARLY_ANSWERED; which of them says where its transfer
-stands: ASKING, the decode worker's answer to its KVQuery (which leading blocks it holds) is still due, so nothing
-may go yet; COMPUTING, which blocks go can be settled (answered, or never asked); SENDING_EARLY, settled, and its
-layer groups go as they are stored (`early_layers` of them gone); EARLY_ANSWERED, the decode worker answered those
-groups before the compute ended (`early_answer`), acted on once it has.
-
-After the compute, AWAITING_HELD waits for that answer until `due_at` at most; DUE is settled and goes whole at
-`due_at` (at once, or after a retry's wait); AWAITING_ACK went whole at `sent_at`. A state's data is set by the
-transition into it, and read only in it.
+While the prompt computes: in ASKING the KVHeld answer is still due, so nothing may go; in COMPUTING which blocks
+go can be settled; in SENDING_EARLY they are, and its groups go as they are stored. A state's data (the fields name
+their states) is set by the transition into it, and read only in it.
 """
 
 import enum
@@ -101,8 +95,7 @@ class PrefillAttempt:
         self.started_at = time.time()
 
     def answered(self, num_held: int) -> None:
-        """The decode worker's KVHeld: while computing, the transfer may now be settled; after it (AWAITING_HELD),
-        the caller settles it at once (`settle`)."""
+        """The decode worker's KVHeld; in AWAITING_HELD the caller then settles at once."""
         self.held_answer = num_held
         if self.state is S.ASKING:
             move(self, ALLOWED, S.COMPUTING)
@@ -111,15 +104,13 @@ class PrefillAttempt:
         self.num_skipped_blocks, self.num_bytes, self.parts = num_skipped_blocks, num_bytes, {}
 
     def start_early(self, choices: list[int], num_skipped_blocks: int, num_bytes: int) -> None:
-        """The first layer group is stored while the prompt still computes: which blocks go is fixed, and its
-        groups go as they come. choices: those announced; the last group names the ones that go on."""
+        """The first layer group is stored while the prompt computes: which blocks go is fixed. choices: announced."""
         move(self, ALLOWED, S.SENDING_EARLY)
         self.choices = choices
         self._settled(num_skipped_blocks, num_bytes)
 
     def settle(self, num_skipped_blocks: int, num_bytes: int) -> None:
-        """Which blocks go is fixed, after the compute (from COMPUTING, or AWAITING_HELD once answered or out of
-        time), or again, every block, after a refusal of DUE's: due at once, gathered as they are sent."""
+        """Which blocks go is fixed after the compute, or again (every block) after a refusal: due at once."""
         move(self, ALLOWED, S.DUE)
         self._settled(num_skipped_blocks, num_bytes)
         self.due_at = 0.0
@@ -134,8 +125,8 @@ class PrefillAttempt:
         self.early_answer = ack
 
     def computed(self, continuing: list[tuple[int, int]], wait_s: float) -> None:
-        """The prompt is computed; these (choice, first token) go on decoding. ASKING waits wait_s at most for its
-        answer (AWAITING_HELD); the others stay where they are, for the caller to settle or send."""
+        """The prompt is computed; these (choice, first token) go on. ASKING waits wait_s at most for its answer
+        (AWAITING_HELD); the others stay, for the caller to settle or send."""
         self.choices = [c for c, _ in continuing]
         self.first_token_ids = [t for _, t in continuing]
         self.ready_at = time.monotonic()
@@ -154,6 +145,5 @@ class PrefillAttempt:
         self.sent_at, self.early_answer, self.due_at = 0.0, None, time.monotonic() + after_s
 
     def end(self) -> None:
-        """The attempt is over here, whatever the reason; its blocks are released by the engine."""
         move(self, ALLOWED, S.DONE)
         self.parts = {}

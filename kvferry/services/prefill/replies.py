@@ -1,6 +1,5 @@
-"""The half of PrefillConnector (services/prefill/connector.py) that acts on what comes back from decode workers,
-through the KV sender thread: KVHeld (which leading blocks a decode worker holds), KVAck (a transfer placed, or
-not), and messages that could not go out."""
+"""The half of PrefillConnector (services/prefill/connector.py) that acts on what decode workers answer (KVHeld,
+KVAck), and on messages that could not go out."""
 
 import logging
 
@@ -38,8 +37,7 @@ class Replies:
                     self.end(record.key, error, 503, True)
 
     def reply_failed(self, item, record: PrefillAttempt | None, during_forward: bool, exc: Exception) -> None:
-        """Acting on a reply raised: this request's transfer alone fails; during a forward, once it is over (the
-        item is acted on again then)."""
+        """Acting on a reply raised: its transfer alone fails; during a forward, the item is tried again after it."""
         if during_forward:
             self.deferred.append(item)
         elif record is not None and record.state is not S.DONE:

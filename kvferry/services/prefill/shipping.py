@@ -13,8 +13,7 @@ from kvferry.services.worker_timings import RETRY_FULL_AFTER_S
 
 class Shipping:
     def settlement(self, record: PrefillAttempt, block_ids: list[int]) -> tuple[int, int]:
-        """Which blocks go: those the decode worker does not hold. Returns (blocks left out, bytes of one whole
-        send), for the record's transition that fixes them."""
+        """Which blocks go (those the decode worker does not hold): (blocks left out, bytes of one whole send)."""
         num_skipped = min(record.held_answer, self.engine.num_cacheable_blocks(record.num_kv_tokens))
         bytes_per_block = self.engine.bytes_per_block
         self.num_kv_bytes_skipped += num_skipped * bytes_per_block
@@ -29,9 +28,11 @@ class Shipping:
             record.held_answer = 0
             record.settle(*self.settlement(record, self.engine.kept_block_ids(record.key)))  # every block, this time
 
-    def send_all(self, record: PrefillAttempt, block_ids: list[int]) -> None:
+    def send_all(self, record: PrefillAttempt, block_ids: list[int], from_layer: int = 0) -> None:
+        """Every layer group from from_layer on (those before went during the compute)."""
         for lo, hi in self.engine.layer_groups:
-            self.send_group(record, lo, hi, block_ids)
+            if lo >= from_layer:
+                self.send_group(record, lo, hi, block_ids)
         record.all_sent()
 
     def end_transfer(self, record: PrefillAttempt, accepted: bool) -> None:
@@ -53,8 +54,7 @@ class Shipping:
         (self.released if accepted else self.failed).append(record.key)
 
     def send_group(self, record: PrefillAttempt, lo: int, hi: int, block_ids: list[int], early: bool = False) -> None:
-        """One group of layers of a transfer, gathered on its first send and kept for resends. early: sent while
-        the prompt computes, so without first tokens."""
+        """One layer group, gathered on its first send and kept for resends. early: during the compute, no tokens."""
         request = record.request
         if lo not in record.parts:
             blocks = block_ids[record.num_skipped_blocks :]

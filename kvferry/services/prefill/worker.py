@@ -1,10 +1,7 @@
-"""The prefill worker: computes prompts' KV into its paged cache, samples the first token of each choice, sends
-it to the gateway at once, then tells its connector which choices go on, and the connector ships the prompt's
-blocks straight to the chosen decode worker; the engine frees them when that worker acknowledges.
-
-The loop owns the gateway sockets and admits requests; the PrefillConnector (services/prefill/connector.py) owns
-each request attempt's record (PrefillAttempt) and everything about its transfer. A step reads: the engine's step
-(with the connector's hooks inside), the first tokens, the connector's failures told to their gateways.
+"""The prefill worker: computes prompts' KV, sends each choice's first token to the gateway at once, and its
+PrefillConnector (services/prefill/connector.py) ships the blocks to the chosen decode worker; the engine frees
+them when that worker acknowledges. The loop owns the gateway sockets and admits requests; the connector owns each
+attempt's record (PrefillAttempt) and its transfer. A step: the engine's step, the first tokens, the failures.
 """
 
 import dataclasses
@@ -114,8 +111,7 @@ class PrefillWorker(Worker):
         self.end_request(AttemptKey(request_id, attempt))
 
     def admit(self, key: AttemptKey, msg: p.PrefillRequest, grammar=None) -> None:
-        """Check everything about the request that could fail later, then queue its prompt: a request that would
-        fail in a step fails here, alone, with a 400. grammar: its constraint's, compiled."""
+        """Check what could fail later, so that a bad request fails here, alone, with a 400; then queue its prompt."""
         if not 1 <= msg.n <= MAX_CHOICES:
             raise InvalidRequest(f"n must be between 1 and {MAX_CHOICES}, got {msg.n}")
         if msg.resume_token_ids and (msg.n != 1 or msg.choice < 0):
@@ -123,19 +119,15 @@ class PrefillWorker(Worker):
         for choice in range(msg.n):
             for_choice(msg.sampling, choice)  # each choice's own seed must be valid
         # The prefill worker samples only the next token; the decode worker does the rest.
-        num_done = len(msg.resume_token_ids)
-        params = msg.sampling
-        next_only = dataclasses.replace(
-            params, max_tokens=num_done + 1, min_tokens=min(params.min_tokens, num_done + 1)
-        )
+        num_next, params = len(msg.resume_token_ids) + 1, msg.sampling
+        next_only = dataclasses.replace(params, max_tokens=num_next, min_tokens=min(params.min_tokens, num_next))
         self.engine.add_request(
             msg.prompt_token_ids, next_only, request_id=key, resume_token_ids=msg.resume_token_ids, grammar=grammar
         )
 
     def end_request(self, key: AttemptKey, error: str = "", code: int = 500, retry: bool = False) -> None:
-        """End an attempt here, for whatever reason: its sequence and blocks go, its record is done, and with an
-        error its gateway is told."""
-        self.engine.abort(key)
+        """End an attempt here: the connector ends its record (the engine aborts its sequence at the next step, as
+        for every attempt the connector ends), and with an error its gateway is told."""
         self.compiles.forget(key)
         self.connector.end(key, error, code, retry)
         self.report_failures()
@@ -165,8 +157,8 @@ class PrefillWorker(Worker):
             )
 
     def send_first_tokens(self, outputs) -> None:
-        """Each prompt the step finished: its first tokens to its gateway, then, once every first token of the
-        step is out, its transfer's rest (TTFT waits only on the groups shipped during the compute)."""
+        """Each finished prompt's first tokens to its gateway; only once all are out, the rest of the transfers
+        (TTFT waits only on the groups shipped during the compute)."""
         computed = []
         for out in outputs:
             record = self.connector.get(out.request_id)
@@ -181,13 +173,11 @@ class PrefillWorker(Worker):
             self.connector.computed(key, continuing)
 
     def first_tokens_failed(self, record: PrefillAttempt, exc: Exception) -> None:
-        """Sending a prompt's first tokens raised (the request's fault, or a bug): it alone fails."""
         log.exception("%s: first tokens", self.worker_id, extra={"request_id": record.key.request_id})
         self.connector.end(record.key, failure_text(exc), failure_code(exc))
 
     def first_tokens_of(self, record: PrefillAttempt, out) -> list[tuple[int, int]]:
-        """Send a finished prompt's first token of each choice; returns the (choice, token) of the choices that go
-        on decoding."""
+        """Send a finished prompt's first token of each choice; returns (choice, token) of those that go on."""
         request, trace, done_at = record.request, record.trace, time.time()
         rid, num_done = record.key.request_id, len(request.resume_token_ids)
         if self.tracer.enabled:
