@@ -15,6 +15,7 @@ buffered.
 
 import enum
 import functools
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -302,10 +303,7 @@ def kv_frame_bytes(message: "KVTransfer") -> int:
         raise ProtocolError(
             f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, 2, kv_heads, head_dim]"
         )
-    size = DTYPE_BYTES[message.dtype]
-    for n in message.shape:
-        size *= n
-    return size
+    return DTYPE_BYTES[message.dtype] * math.prod(message.shape)
 
 
 @dataclass
