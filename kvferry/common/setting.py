@@ -37,9 +37,11 @@ WORKERS = (PREFILL, DECODE)
 SERVICES = (GATEWAY, PREFILL, DECODE, SERVE)  # long-running processes
 
 # "k", "kb": 10**3 bytes; "kib": 2**10; and so on for m and g.
-_SIZE_UNITS = {"": 1, "b": 1}
-for _power, _prefix in enumerate("kmg", 1):
-    _SIZE_UNITS |= {_prefix: 10 ** (3 * _power), _prefix + "b": 10 ** (3 * _power), _prefix + "ib": 2 ** (10 * _power)}
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: 2 ** (10 * power) if suffix == "ib" else 10 ** (3 * power)
+    for power, prefix in enumerate("kmg", 1)
+    for suffix in ("", "b", "ib")
+}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
