@@ -1,21 +1,12 @@
 """CurveZMQ: encryption and authentication for every ZeroMQ socket, turned on with --curve-keys DIR.
 
-    socket       served by (the server pair)   admits the client public keys in
-    control      the gateway                   DIR/clients/     prefill and decode workers
-    KV ingress   each decode worker            DIR/kv-clients/  prefill workers only: a decode key cannot send KV
-
-`kvferry keys DIR` writes server.key(_secret) (the servers' pair: the gateway and decode workers share it, so changing
-it re-keys the deployment), prefill.key(_secret) and decode.key(_secret) (the roles' client pairs), and the admitted
-public keys clients/prefill.key, clients/decode.key, kv-clients/prefill.key. A worker presents DIR/NAME.key_secret,
-NAME being --curve-client (default: its role); `--client NAME --role ROLE` gives one worker a pair of its own, and
-`--revoke NAME` takes it out again (a server restarted after that refuses it). Each process needs only its own files
-(in Kubernetes, one Secret per role): the gateway server.key* and clients/; a prefill worker server.key and its pair;
-a decode worker server.key*, its pair and kv-clients/.
-
-An admitted key file records its role (`role = "prefill"` under its metadata; without it, prefill.key and decode.key
-are that role's). The authenticator names each admitted peer "ROLE:NAME" (the ZAP User-Id, which ZeroMQ hands the
-server with each message), and the gateway lets a key register only as its role, and only the key that registered a
-worker id speak for it (services/gateway/server.py).
+docs/operations.md ("CURVE, with a key per role") has the key folder's layout, what `kvferry keys` writes and which
+process needs which files. The gateway's control socket admits the client keys in DIR/clients/ (prefill and decode
+workers), each decode worker's KV ingress those in DIR/kv-clients/ (prefill workers only: a decode key cannot send
+KV). An admitted key file records its role (`role = "prefill"` under its metadata; without it, prefill.key and
+decode.key are that role's). The authenticator names each admitted peer "ROLE:NAME" (the ZAP User-Id, which ZeroMQ
+hands the server with each message), and the gateway lets a key register only as its role, and only the key that
+registered a worker id speak for it (services/gateway/server.py).
 
 It fails closed: a serving socket enforces a ZAP domain, so with no authenticator it refuses every client, and a
 secret key file that every user may read is refused at start. A failed handshake is logged on both sides, saying

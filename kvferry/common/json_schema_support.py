@@ -1,17 +1,11 @@
 """Which JSON Schemas the structured-output engine (xgrammar 0.2.9) enforces in full: a schema that asks for more is
 refused with the JSON path of what it cannot do, never compiled with parts of it silently dropped.
 
-Measured by compiling schemas and matching outputs that should pass and fail (docs/structured-output.md). Besides
-the keywords it ignores outright (allOf, not, if/then/else, uniqueItems, contains, patternProperties, dependent*,
-unevaluated*, unknown formats), it drops keywords in some combinations, refused here too:
-- a keyword of one JSON type (minimum, maxLength, items, properties, ...) without a `type` naming that type;
-- the keywords beside a `$ref`, an `anyOf`/`oneOf`, or an `enum`/`const` (beside which only `type` is kept);
-- two of `format`, `pattern` and minLength/maxLength in one string schema (only one is kept);
-- a `required` name not in `properties`; `multipleOf` on anything but integers;
-- a `oneOf` whose branches may overlap (generated as `anyOf`, one output could match two).
-Schemas whose compile would take seconds are refused for their size (the limits below). What the engine adds (no
-unlisted property unless additionalProperties allows it; `pattern` matched against the whole string) still
-validates. Standard library only (the gateway and the tests share it); the schema has passed its metaschema.
+docs/structured-output.md lists what is supported and what is refused, as measured by compiling schemas and matching
+outputs that should pass and fail. Besides the keywords it ignores outright, the engine drops keywords in some
+combinations (a keyword of one JSON type without a `type` naming it, the keywords beside `$ref`, `anyOf`/`oneOf` or
+`enum`/`const`, ...), refused here too, and schemas whose compile would take seconds are refused for their size (the
+limits below). Standard library only (the gateway and the tests share it); the schema has passed its metaschema.
 """
 
 import json

@@ -15,6 +15,7 @@ buffered.
 
 import enum
 import functools
+import math
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -118,9 +119,21 @@ class WorkerStats:
 
 
 # --- messages -------------------------------------------------------------------------------------------------
-@dataclass
+MESSAGES: dict[int, type] = {}  # every message class, by its kind
+
+
+def message(kind: Kind):
+    """A message class: a dataclass with its KIND, registered in MESSAGES."""
+
+    def make(cls: type) -> type:
+        cls.KIND, MESSAGES[kind] = kind, cls
+        return dataclass(cls)
+
+    return make
+
+
+@message(Kind.REGISTER)
 class Register:
-    KIND: typing.ClassVar[Kind] = Kind.REGISTER
     role: int
     worker_id: str
     model: str
@@ -135,50 +148,45 @@ class Register:
     instance_id: str = ""
 
 
-@dataclass
+@message(Kind.REGISTER_REPLY)
 class RegisterReply:
-    KIND: typing.ClassVar[Kind] = Kind.REGISTER_REPLY
     accepted: bool
     reason: str = ""
     heartbeat_interval_s: float = GatewayConfig.heartbeat_interval
     gateway_id: str = ""  # the gateway's name for itself: replies about its requests go back to it
 
 
-@dataclass
+@message(Kind.HEARTBEAT)
 class Heartbeat:
-    KIND: typing.ClassVar[Kind] = Kind.HEARTBEAT
     worker_id: str
     stats: WorkerStats
     healthy: bool = True  # False: the process is alive but its step loop has not come round in time
 
 
-@dataclass
+@message(Kind.DEREGISTER)
 class Deregister:
     """A worker that is shutting down: route nothing new to it; with final, it is gone and what it still
     held must be moved elsewhere."""
 
-    KIND: typing.ClassVar[Kind] = Kind.DEREGISTER
     worker_id: str
     final: bool = False
 
 
-@dataclass
+@message(Kind.CACHE_UPDATE)
 class CacheUpdate:
     """What a worker's prefix cache holds, for cache-aware routing: the block hashes stored and evicted since its
     last update, or with full, every hash it holds (sent on registration and now and then, so a lost update
     heals). At most MAX_CACHE_UPDATE_HASHES hashes each: a bigger update goes in chunks (cache_update_chunks), a
     full one as a full first chunk (the set is replaced) followed by plain ones (added to it)."""
 
-    KIND: typing.ClassVar[Kind] = Kind.CACHE_UPDATE
     worker_id: str
     stored: list[bytes]
     evicted: list[bytes] = field(default_factory=list)
     full: bool = False
 
 
-@dataclass
+@message(Kind.PREFILL_REQUEST)
 class PrefillRequest:
-    KIND: typing.ClassVar[Kind] = Kind.PREFILL_REQUEST
     prompt_token_ids: list[int]
     sampling: SamplingParams
     decode_worker_id: str
@@ -192,9 +200,8 @@ class PrefillRequest:
     choice: int = 0  # the resumed choice (a resume carries exactly one)
 
 
-@dataclass
+@message(Kind.FIRST_TOKEN)
 class FirstToken:
-    KIND: typing.ClassVar[Kind] = Kind.FIRST_TOKEN
     token_id: int
     finish_reason: int = -1  # -1: goes on to decode; else a FinishReason
     queue_s: float = 0.0  # arrival at the prefill worker to its first scheduled chunk
@@ -206,7 +213,7 @@ class FirstToken:
     start: int = 0  # the token's index in its choice's output (more than 0 on a resume)
 
 
-@dataclass
+@message(Kind.KV_TRANSFER)
 class KVTransfer:
     """One frame: the K and V of one group of layers, [layers, blocks, block_size, 2, kv_heads, head_dim] (K and V of
     a token side by side, as the cache holds them). A transfer is one message per group, in layer order, alike but for
@@ -214,7 +221,6 @@ class KVTransfer:
     always carries them, for the choices that go on decoding (a subset of the first group's; none left: the sender
     aborts instead)."""
 
-    KIND: typing.ClassVar[Kind] = Kind.KV_TRANSFER
     prefill_worker_id: str
     prompt_token_ids: list[int]
     output_token_ids: list[int]  # one first token per choice still to decode
@@ -233,28 +239,25 @@ class KVTransfer:
     layer_start: int = 0  # the frames hold layers [layer_start, layer_start + shape[0]): one message per layer group
 
 
-@dataclass
+@message(Kind.KV_QUERY)
 class KVQuery:
     """Prefill to decode worker, when a prompt starts computing: which of these leading full blocks (chained
     hashes) do you hold? The receiver keeps those it holds for the request until its KVTransfer comes (or it ends)."""
 
-    KIND: typing.ClassVar[Kind] = Kind.KV_QUERY
     block_hashes: list[bytes]
     attempt: int = 0
 
 
-@dataclass
+@message(Kind.KV_HELD)
 class KVHeld:
     """The answer: the first num_blocks of the query's blocks are held here; the transfer may leave them out."""
 
-    KIND: typing.ClassVar[Kind] = Kind.KV_HELD
     num_blocks: int
     attempt: int = 0
 
 
-@dataclass
+@message(Kind.KV_ACK)
 class KVAck:
-    KIND: typing.ClassVar[Kind] = Kind.KV_ACK
     accepted: bool
     reason: str = ""
     retry: bool = True  # a refusal that may pass later (no room) rather than never (bad request)
@@ -262,9 +265,8 @@ class KVAck:
     resend_all: bool = False  # the blocks the transfer left out are no longer held: send every block
 
 
-@dataclass
+@message(Kind.TOKENS)
 class Tokens:
-    KIND: typing.ClassVar[Kind] = Kind.TOKENS
     token_ids: list[int]
     finish_reason: int = -1
     kv_transfer_s: float = 0.0  # on a sequence's first Tokens message only
@@ -275,24 +277,20 @@ class Tokens:
     start: int = 0  # the first token's index in its choice's output: the gateway drops repeats, spots gaps
 
 
-@dataclass
+@message(Kind.ABORT)
 class Abort:
-    KIND: typing.ClassVar[Kind] = Kind.ABORT
     choice: int = -1  # -1: the whole request; else only that choice (it ended early: a stop string)
     attempt: int = 0
 
 
-@dataclass
+@message(Kind.REQUEST_FAILED)
 class RequestFailed:
-    KIND: typing.ClassVar[Kind] = Kind.REQUEST_FAILED
     message: str
     code: int = 500
     attempt: int = 0
     retry: bool = False  # the worker gave up on something another worker may do (a transfer nobody took)
 
 
-# Every message class above, by its kind.
-MESSAGES: dict[int, type] = {cls.KIND: cls for cls in list(globals().values()) if hasattr(cls, "KIND")}
 FRAMED = {Kind.KV_TRANSFER: 1}  # kinds that carry raw frames, and how many
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -305,10 +303,7 @@ def kv_frame_bytes(message: "KVTransfer") -> int:
         raise ProtocolError(
             f"KVTransfer.shape {message.shape} is not [layers, blocks, block_size, 2, kv_heads, head_dim]"
         )
-    size = DTYPE_BYTES[message.dtype]
-    for n in message.shape:
-        size *= n
-    return size
+    return DTYPE_BYTES[message.dtype] * math.prod(message.shape)
 
 
 @dataclass

@@ -36,18 +36,11 @@ ENGINE = (GENERATE, PREFILL, DECODE, BENCH)  # the commands that run an engine: 
 WORKERS = (PREFILL, DECODE)
 SERVICES = (GATEWAY, PREFILL, DECODE, SERVE)  # long-running processes
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "kib": 2**10,
-    "m": 10**6,
-    "mb": 10**6,
-    "mib": 2**20,
-    "g": 10**9,
-    "gb": 10**9,
-    "gib": 2**30,
+# "k", "kb": 10**3 bytes; "kib": 2**10; and so on for m and g.
+_SIZE_UNITS = {"": 1, "b": 1} | {
+    prefix + suffix: 2 ** (10 * power) if suffix == "ib" else 10 ** (3 * power)
+    for power, prefix in enumerate("kmg", 1)
+    for suffix in ("", "b", "ib")
 }
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 

@@ -15,6 +15,7 @@ import secrets
 import threading
 import time
 
+from kvferry.common.logs import setup_logging
 from kvferry.common.protocol import TraceContext
 
 log = logging.getLogger("kvferry.tracing")
@@ -170,3 +171,10 @@ def configure(role: str, process: str, trace_dir: str | None, otlp_endpoint: str
         exporter = OtlpExporter(otlp_endpoint, f"kvferry-{role}", process)
     _tracer = Tracer(trace_dir, role, process, exporter) if trace_dir or exporter is not None else NullTracer()
     return _tracer
+
+
+def observe(args, role: str, process: str) -> None:
+    """Logs, the trace folder and OpenTelemetry export for this process, from its settings (log_format, trace_dir,
+    otlp_endpoint)."""
+    setup_logging(args.log_format, process)
+    configure(role, process, args.trace_dir, args.otlp_endpoint)

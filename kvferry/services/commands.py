@@ -10,9 +10,9 @@ import sys
 from kvferry.common import settings
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import KvferryError
-from kvferry.common.observability import observe
 from kvferry.common.process_config import ProcessConfig
 from kvferry.common.setting import from_args
+from kvferry.common.tracing import observe
 from kvferry.common.worker_config import WorkerConfig
 
 

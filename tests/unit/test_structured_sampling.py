@@ -17,10 +17,9 @@ from kvferry.common.model.sampler import mask_constrained, sample
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.scheduler import Scheduler
 from kvferry.common.sequence import FinishReason, Sequence
-from kvferry.common.structured.compile_process import CompileProcessEnded
+from kvferry.common.structured.compile_process import CompileProcessEnded, choice_grammar
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.common.structured.matcher import ConstraintState
-from kvferry.common.structured.xgrammar_compile import choice_grammar
 from kvferry.services.constraint_compiles import ConstraintCompiles
 
 EOS = 2

@@ -11,6 +11,8 @@ each child start costs xgrammar's and torch's import (seconds of a core), counte
 
 The child is started by subprocess (fork and exec at once: safe beside torch's threads) and talks over two pipes of
 its own, in frames of a tag byte and a length. It ends when its request pipe closes, and with its parent.
+
+compile_constraint is the compile itself, in the child or, for the offline engine, in process (grammars.py).
 """
 
 import ctypes
@@ -23,6 +25,7 @@ import sys
 import time
 
 from kvferry.common.child_python import python_command, python_env
+from kvferry.common.constraint import CHOICE, GRAMMAR, JSON, REGEX, STRUCTURAL_TAG
 from kvferry.common.errors import InvalidRequest
 
 _HEADER = struct.Struct("!BQ")  # tag, payload length
@@ -137,6 +140,44 @@ class CompileProcess:
         raise CompileProcessEnded(f"the compile process ended (exit status {code})")
 
 
+def compile_constraint(compiler, kind: str, spec: str):
+    """xgrammar's compile of one constraint; InvalidRequest with xgrammar's reason when it refuses it."""
+    try:
+        if kind == JSON:
+            return compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+        if kind == REGEX:
+            return compiler.compile_regex(spec)
+        if kind == CHOICE:
+            return compiler.compile_grammar(choice_grammar(spec))
+        if kind == GRAMMAR:
+            return compiler.compile_grammar(spec)
+        assert kind == STRUCTURAL_TAG, kind
+        return compiler.compile_structural_tag(spec)
+    except InvalidRequest:
+        raise
+    except Exception as exc:  # xgrammar raises RuntimeError (and a few others) for what it cannot compile
+        raise InvalidRequest(_reason(exc)) from None
+
+
+def choice_grammar(spec: str) -> str:
+    """A JSON array of strings -> an EBNF grammar matching exactly one of them."""
+    try:
+        choices = json.loads(spec)
+    except ValueError:
+        choices = None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) for c in choices):
+        raise InvalidRequest("choice must be a non-empty list of strings")
+    # A JSON string literal is an EBNF one too: the same escapes (\", \\, \n, \uXXXX).
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=True) for c in choices)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar's message without its C++ source location: '[12:00:00] /project/cpp/x.cc:94: Regex ...'."""
+    text = str(exc).strip()
+    first, _, rest = text.partition(": ")
+    return rest.strip() if rest and ".cc:" in first else text
+
+
 def _write_frame(fd: int, tag: int, payload: bytes) -> None:
     view = memoryview(_HEADER.pack(tag, len(payload)) + payload)
     while view:
@@ -180,8 +221,6 @@ def main(requests: int, answers: int) -> None:
     if info_json is None:
         return
     import xgrammar
-
-    from kvferry.common.structured.xgrammar_compile import compile_constraint
 
     info = xgrammar.TokenizerInfo.deserialize_json(info_json.decode())
     compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)

@@ -18,8 +18,7 @@ from collections.abc import Callable
 
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.structured.compile_process import CompileProcess, give_back_memory
-from kvferry.common.structured.xgrammar_compile import compile_constraint
+from kvferry.common.structured.compile_process import CompileProcess, compile_constraint, give_back_memory
 from kvferry.common.worker_config import WorkerConfig
 
 MAX_CACHED_GRAMMARS = 256  # compiled grammars kept, however small

@@ -88,7 +88,7 @@ def served_names(model, configured: tuple[str, ...] | None = None) -> tuple[str,
 
 
 def run_gateway(args) -> None:
-    from kvferry.common.observability import observe
+    from kvferry.common.tracing import observe
 
     config = from_args(GatewayConfig, args)
     observe(args, "gateway", "gateway")
