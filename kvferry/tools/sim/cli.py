@@ -114,15 +114,7 @@ def _add_setting(group, s: settings.Setting) -> None:
     if s.kind == settings.SWITCH:
         kwargs.update(action="store_const", const=not s.negate)
     else:
-
-        def parse(text, s=s):
-            try:
-                return s.parse(text)
-            except ValueError as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
-
-        parse.__name__ = s.kind
-        kwargs.update(type=parse, metavar=s.metavar)
+        kwargs.update(type=settings.ArgType(s), metavar=s.metavar)
     group.add_argument(s.option, **kwargs)
 
 
