@@ -14,6 +14,7 @@ step (the transfer's cost).
 
 import dataclasses
 import datetime
+import itertools
 import os
 import platform
 import random
@@ -182,14 +183,10 @@ class StepBench:
         self.greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.held: list[int] = []
         self.prefix: list[int] = []
-        self._ids = 0
+        self._ids = itertools.count(1)
 
     def tokens(self, n: int) -> list[int]:
         return random_prompt(self.rng, self.engine.vocab_size, n)
-
-    def request_id(self) -> str:
-        self._ids += 1
-        return f"costs-{self._ids}"
 
     def hold_prefix(self, num_tokens: int) -> None:
         """Compute a prefix of num_tokens once and keep its blocks referenced: every offset is a slice of it."""
@@ -231,7 +228,7 @@ class StepBench:
         engine = self.engine
         context = self.prefix[: offset // engine.block_size * engine.block_size]
         for _ in range(seqs):
-            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=self.request_id())
+            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=f"costs-{next(self._ids)}")
         started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - started
@@ -255,7 +252,7 @@ class StepBench:
         ids = []
         try:
             for _ in range(batch):
-                rid, prompt = self.request_id(), self.tokens(context - 1)
+                rid, prompt = f"costs-{next(self._ids)}", self.tokens(context - 1)
                 blocks = received_kv.reserve(engine, [rid], prompt, [params])
                 if blocks is None or not engine.admit_prefilled([rid], prompt, self.tokens(1), [params], blocks):
                     raise RuntimeError(f"no room for {batch} sequences of {context} tokens")
