@@ -316,25 +316,23 @@ def fit_costs(
         bench.hold_prefix(max((o for o in design.prefill_offsets if o + 1 < engine.max_model_len), default=0))
         for t in threads:
             torch.set_num_threads(t)
-            for offset in design.prefill_offsets:
-                for seqs in design.prefill_seqs:
-                    for tokens in design.prefill_tokens:
-                        label = f"prefill {tokens} tokens in {seqs} prompts at offset {offset}"
-                        if tokens < seqs or not bench.fits_prefill(tokens, offset, seqs):
-                            if t == threads[0]:
-                                skipped.append(label)
-                            continue
-                        points.append(bench.prefill_point(t, tokens, offset, seqs))
-                        progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} runs)")
-            for context in design.decode_contexts:
-                for batch in design.decode_batches:
-                    label = f"decode batch {batch} at context {context}"
-                    if not bench.fits_decode(batch, context):
-                        if t == threads[0]:
-                            skipped.append(label)
-                        continue
-                    points.append(bench.decode_point(t, batch, context))
-                    progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} steps)")
+            prefill = itertools.product(design.prefill_offsets, design.prefill_seqs, design.prefill_tokens)
+            for offset, seqs, tokens in prefill:
+                label = f"prefill {tokens} tokens in {seqs} prompts at offset {offset}"
+                if tokens < seqs or not bench.fits_prefill(tokens, offset, seqs):
+                    if t == threads[0]:
+                        skipped.append(label)
+                    continue
+                points.append(bench.prefill_point(t, tokens, offset, seqs))
+                progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} runs)")
+            for context, batch in itertools.product(design.decode_contexts, design.decode_batches):
+                label = f"decode batch {batch} at context {context}"
+                if not bench.fits_decode(batch, context):
+                    if t == threads[0]:
+                        skipped.append(label)
+                    continue
+                points.append(bench.decode_point(t, batch, context))
+                progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} steps)")
         slowdowns, contention_rows = {}, []
         if contention:
             slowdowns, contention_rows = measure_contention(bench, threads, os.cpu_count() or 1, progress)
