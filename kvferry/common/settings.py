@@ -48,7 +48,7 @@ from kvferry.common.worker_config import WorkerConfig
 
 __all__ = [
     "BENCH", "COMMANDS", "DECODE", "ENGINE", "ENV_PREFIX", "FLOAT", "GATEWAY", "GENERATE", "INT", "NAMES", "PATH",
-    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "SWITCH", "Setting", "SPEC", "get",
+    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "SWITCH", "Setting", "SPEC", "ArgType", "get",
     "env_name", "label", "default", "from_env", "for_command", "add_arguments", "child_environment",
     "apply_environment", "markdown_table", "write_docs", "docs_table_of", "main",
 ]  # fmt: skip

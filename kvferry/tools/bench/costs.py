@@ -228,7 +228,8 @@ class StepBench:
         engine = self.engine
         context = self.prefix[: offset // engine.block_size * engine.block_size]
         for _ in range(seqs):
-            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=f"costs-{next(self._ids)}")
+            rid = f"costs-{next(self._ids)}"
+            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=rid)
         started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - started
