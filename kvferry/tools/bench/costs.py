@@ -5,11 +5,8 @@ BENCH flags), so its chunking, KV pool and decode graphs are theirs. A prefill p
 held in the cache (no compute to set it up) and every chunk ends its prompt, so each samples, as a prefill worker's
 last chunk does; a decode point's sequences are admitted as transferred ones are. What a step computed is read
 from the scheduler's plan, not assumed. Each StepCost is fitted by non-negative least squares on the relative error,
-so a bigger step is never predicted faster; a decode step's tokens are its sequences, so per_seq_s carries both.
-The KV transfer is timed with `bench transfer`'s machinery and fitted as fixed + per block.
-
-Not in a step's time: the worker loop around it, and a prefill worker's gathers of early layer groups inside the
-step (the transfer's cost).
+so a bigger step is never predicted faster. The KV transfer is timed with `bench transfer`'s machinery and fitted as
+fixed + per block. What a step's time leaves out, the model's notes say ("not_in_steps").
 """
 
 import dataclasses
