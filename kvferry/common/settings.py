@@ -48,7 +48,7 @@ from kvferry.common.worker_config import WorkerConfig
 
 __all__ = [
     "BENCH", "COMMANDS", "DECODE", "ENGINE", "ENV_PREFIX", "FLOAT", "GATEWAY", "GENERATE", "INT", "NAMES", "PATH",
-    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "SWITCH", "Setting", "SPEC", "get",
+    "PREFILL", "PREPARE", "SERVE", "SERVICES", "SIZE", "SWITCH", "Setting", "SPEC", "ArgType", "get",
     "env_name", "label", "default", "from_env", "for_command", "add_arguments", "child_environment",
     "apply_environment", "markdown_table", "write_docs", "docs_table_of", "main",
 ]  # fmt: skip
@@ -105,7 +105,7 @@ def for_command(command: str) -> list[Setting]:
     return [s for s in SPEC if command in s.commands and s.option]
 
 
-class _ArgType:
+class ArgType:
     """argparse's `type` for a setting: flag and environment text go through the same parse and bounds."""
 
     def __init__(self, setting: Setting):
@@ -155,7 +155,7 @@ def add_arguments(
         # Text defaults go through `type` once parsing is done, and only when the flag is absent: a bad
         # variable then gets the same one-line usage error as a bad flag, and a flag overrides it.
         value = EnvText(text, s.env) if text else s.value_default
-        kwargs: dict[str, Any] = dict(dest=s.attr, default=value, type=_ArgType(s), help=s.help)
+        kwargs: dict[str, Any] = dict(dest=s.attr, default=value, type=ArgType(s), help=s.help)
         if s.kind == SWITCH:
             kwargs.update(action=_Switch, const=not s.negate)
         elif s.kind == NAMES:

@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_service_parsers(sub)
 
     from kvferry.tools.bench.cli import add_bench_parser
-    from kvferry.tools.gpu_check.cli import add_gpu_check_parser
+    from kvferry.tools.gpu_check.driver import add_gpu_check_parser
     from kvferry.tools.replay.cli import add_replay_parser
     from kvferry.tools.sim.cli import add_sim_parsers
     from kvferry.tools.trace.cli import add_trace_parser

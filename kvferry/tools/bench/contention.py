@@ -5,6 +5,7 @@ beside one and two processes multiplying matrices without pause. Each load (busy
 slowdown of the two steps; the simulator interpolates between the loads.
 """
 
+import contextlib
 import subprocess
 import sys
 import time
@@ -22,20 +23,20 @@ PREFILL_POINT = (128, 0, 1)  # tokens, offset, prompts
 COMPETITORS = (1, 2)  # busy processes beside the worker
 
 
-def _start_competitors(k: int, threads: int) -> list[subprocess.Popen]:
+@contextlib.contextmanager
+def _competitors(k: int, threads: int):
     command = [sys.executable, "-c", COMPETITOR, str(threads)]
     procs = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True) for _ in range(k)]
-    for proc in procs:
-        proc.stdout.readline()  # "ready": torch imported, the loop starts
-    time.sleep(0.2)
-    return procs
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.kill()
-    for proc in procs:
-        proc.wait()
+    try:
+        for proc in procs:
+            proc.stdout.readline()  # "ready": torch imported, the loop starts
+        time.sleep(0.2)
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+        for proc in procs:
+            proc.wait()
 
 
 def _times(bench, threads: int) -> tuple[float, float]:
@@ -56,11 +57,8 @@ def measure_contention(bench, threads: list[int], cores: int, progress) -> tuple
         for width in threads:
             samples = []
             for k in COMPETITORS:
-                procs = _start_competitors(k, width)
-                try:
+                with _competitors(k, width):
                     shared = _times(bench, own)
-                finally:
-                    _stop(procs)
                 busy = (own + k * width) / cores
                 for kind, base, now in zip(("decode", "prefill"), alone, shared):
                     row = {"threads": own, "competitor_threads": width, "competitors": k, "kind": kind}

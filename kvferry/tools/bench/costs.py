@@ -5,15 +5,13 @@ BENCH flags), so its chunking, KV pool and decode graphs are theirs. A prefill p
 held in the cache (no compute to set it up) and every chunk ends its prompt, so each samples, as a prefill worker's
 last chunk does; a decode point's sequences are admitted as transferred ones are. What a step computed is read
 from the scheduler's plan, not assumed. Each StepCost is fitted by non-negative least squares on the relative error,
-so a bigger step is never predicted faster; a decode step's tokens are its sequences, so per_seq_s carries both.
-The KV transfer is timed with `bench transfer`'s machinery and fitted as fixed + per block.
-
-Not in a step's time: the worker loop around it, and a prefill worker's gathers of early layer groups inside the
-step (the transfer's cost).
+so a bigger step is never predicted faster. The KV transfer is timed with `bench transfer`'s machinery and fitted as
+fixed + per block. What a step's time leaves out, the model's notes say ("not_in_steps").
 """
 
 import dataclasses
 import datetime
+import itertools
 import os
 import platform
 import random
@@ -182,14 +180,10 @@ class StepBench:
         self.greedy = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
         self.held: list[int] = []
         self.prefix: list[int] = []
-        self._ids = 0
+        self._ids = itertools.count(1)
 
     def tokens(self, n: int) -> list[int]:
         return random_prompt(self.rng, self.engine.vocab_size, n)
-
-    def request_id(self) -> str:
-        self._ids += 1
-        return f"costs-{self._ids}"
 
     def hold_prefix(self, num_tokens: int) -> None:
         """Compute a prefix of num_tokens once and keep its blocks referenced: every offset is a slice of it."""
@@ -231,7 +225,8 @@ class StepBench:
         engine = self.engine
         context = self.prefix[: offset // engine.block_size * engine.block_size]
         for _ in range(seqs):
-            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=self.request_id())
+            rid = f"costs-{next(self._ids)}"
+            engine.add_request(context + self.tokens(tokens // seqs), self.greedy, request_id=rid)
         started = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - started
@@ -255,7 +250,7 @@ class StepBench:
         ids = []
         try:
             for _ in range(batch):
-                rid, prompt = self.request_id(), self.tokens(context - 1)
+                rid, prompt = f"costs-{next(self._ids)}", self.tokens(context - 1)
                 blocks = received_kv.reserve(engine, [rid], prompt, [params])
                 if blocks is None or not engine.admit_prefilled([rid], prompt, self.tokens(1), [params], blocks):
                     raise RuntimeError(f"no room for {batch} sequences of {context} tokens")
@@ -319,25 +314,23 @@ def fit_costs(
         bench.hold_prefix(max((o for o in design.prefill_offsets if o + 1 < engine.max_model_len), default=0))
         for t in threads:
             torch.set_num_threads(t)
-            for offset in design.prefill_offsets:
-                for seqs in design.prefill_seqs:
-                    for tokens in design.prefill_tokens:
-                        label = f"prefill {tokens} tokens in {seqs} prompts at offset {offset}"
-                        if tokens < seqs or not bench.fits_prefill(tokens, offset, seqs):
-                            if t == threads[0]:
-                                skipped.append(label)
-                            continue
-                        points.append(bench.prefill_point(t, tokens, offset, seqs))
-                        progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} runs)")
-            for context in design.decode_contexts:
-                for batch in design.decode_batches:
-                    label = f"decode batch {batch} at context {context}"
-                    if not bench.fits_decode(batch, context):
-                        if t == threads[0]:
-                            skipped.append(label)
-                        continue
-                    points.append(bench.decode_point(t, batch, context))
-                    progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} steps)")
+            prefill = itertools.product(design.prefill_offsets, design.prefill_seqs, design.prefill_tokens)
+            for offset, seqs, tokens in prefill:
+                label = f"prefill {tokens} tokens in {seqs} prompts at offset {offset}"
+                if tokens < seqs or not bench.fits_prefill(tokens, offset, seqs):
+                    if t == threads[0]:
+                        skipped.append(label)
+                    continue
+                points.append(bench.prefill_point(t, tokens, offset, seqs))
+                progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} runs)")
+            for context, batch in itertools.product(design.decode_contexts, design.decode_batches):
+                label = f"decode batch {batch} at context {context}"
+                if not bench.fits_decode(batch, context):
+                    if t == threads[0]:
+                        skipped.append(label)
+                    continue
+                points.append(bench.decode_point(t, batch, context))
+                progress(f"[{t} threads] {label}: {_ms(points[-1].seconds)} ({points[-1].runs} steps)")
         slowdowns, contention_rows = {}, []
         if contention:
             slowdowns, contention_rows = measure_contention(bench, threads, os.cpu_count() or 1, progress)

@@ -19,15 +19,14 @@ def run_hf_continuous_batching(
     block_size: int = 256,
     max_batch_tokens: int = 2048,
     timeout_s: float = 600.0,
-    warmup: bool = True,
     stage=lambda name: None,
 ) -> dict:
     """transformers' continuous batching on the requests, each to its exact max_tokens, at most max_batch_tokens a
     step (kvferry's default). Its paged cache is sized to the requests, not to the device: its warmup would run
     attention over the whole device's worth. Arguments go by the names this transformers takes (its API moves
-    between releases). A dead generation thread raises its own exception; past timeout_s, TimeoutError. warmup:
-    capture its CUDA graphs outside the timing, as kvferry's engine does before it serves. stage(name): called as
-    each step begins, for a caller that must say where a run was cut off."""
+    between releases). A dead generation thread raises its own exception; past timeout_s, TimeoutError. Its CUDA
+    graphs are captured outside the timing, as kvferry's engine does before it serves. stage(name): called as each
+    step begins, for a caller that must say where a run was cut off."""
     from transformers import ContinuousBatchingConfig, GenerationConfig
 
     generation_config = GenerationConfig(
@@ -55,7 +54,7 @@ def run_hf_continuous_batching(
     deadline = time.monotonic() + timeout_s
     warmup_s, finished = None, False
     try:
-        if warmup and hasattr(manager, "warmup"):
+        if hasattr(manager, "warmup"):
             stage("warmup (its CUDA graphs)")
             started = time.perf_counter()
             manager.warmup()

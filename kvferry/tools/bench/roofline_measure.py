@@ -21,10 +21,8 @@ def _device(name: str) -> torch.device:
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else ("cpu" if name == "auto" else name))
 
 
-def _cuda_missing(device: torch.device) -> str | None:
-    if device.type == "cuda" and not torch.cuda.is_available():
-        return "CUDA is not available on this machine (torch.cuda.is_available() is False)"
-    return None
+def _sync(device: torch.device):
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def best_seconds(run, sync=lambda: None, trials: int = 3, min_s: float = 0.05) -> float:
@@ -94,16 +92,14 @@ def measure_gemm(
     device: torch.device, dtype: torch.dtype, k: int, n: int, trials: int, quantization: str | None = None
 ) -> dict:
     """FLOP/s of a rows x k by k x n GEMM at each decode batch size and at PREFILL_CHUNK rows."""
-    why = _cuda_missing(device)
-    gemm = why or gemm_path(device, dtype, k, n, quantization)
+    gemm = gemm_path(device, dtype, k, n, quantization)
     if isinstance(gemm, str):
         return {"not_measured": gemm}
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     rates = {}
     try:
         for rows in (*DECODE_SIZES, PREFILL_CHUNK):
             x = torch.randn(rows, k, device=device, dtype=dtype)
-            rates[rows] = 2 * rows * k * n / best_seconds(lambda: gemm(x), sync, trials)
+            rates[rows] = 2 * rows * k * n / best_seconds(lambda: gemm(x), _sync(device), trials)
     except RuntimeError as exc:  # a GPU without the library the matmul needs (cuBLAS) fails at the first call
         return {"not_measured": f"the GEMM failed: {str(exc).splitlines()[0]}"}
     peak = rates.pop(PREFILL_CHUNK)
@@ -123,16 +119,12 @@ def _llc_bytes(device: torch.device) -> int:
 
 def read_bandwidth(device: torch.device, nbytes: int, trials: int) -> float:
     """Bytes per second of a sum streaming through nbytes: far past the caches, every trial reads memory."""
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     data = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
-    return nbytes / best_seconds(lambda: data.sum(), sync, max(trials, 5), min_s=0.02)
+    return nbytes / best_seconds(lambda: data.sum(), _sync(device), max(trials, 5), min_s=0.02)
 
 
 @torch.inference_mode()
 def measure_bandwidth(device: torch.device, trials: int) -> dict:
-    why = _cuda_missing(device)
-    if why:
-        return {"not_measured": why}
     size = 8 * _llc_bytes(device)  # far past the cache: every trial reads from memory
     try:
         return {"tensor_bytes": size, "bytes_per_s": read_bandwidth(device, size, trials)}
@@ -143,6 +135,9 @@ def measure_bandwidth(device: torch.device, trials: int) -> dict:
 def measure(
     device: torch.device, dtype: torch.dtype, shape: roofline.ModelShape, trials: int, quantization: str | None = None
 ) -> dict:
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = {"not_measured": "CUDA is not available on this machine (torch.cuda.is_available() is False)"}
+        return {"gemm": why, "bandwidth": why}
     return {
         "gemm": measure_gemm(device, dtype, shape.hidden, shape.intermediate, trials, quantization),
         "bandwidth": measure_bandwidth(device, trials),

@@ -41,6 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-workdir", action="store_true", help="keep the temporary folder with the built model")
 
 
+def add_gpu_check_parser(sub) -> None:
+    """`kvferry gpu-check OUTDIR`: this driver where kvferry is installed (scripts/gpu_check.sh runs it from a source
+    tree, with the carried wheels)."""
+    p = sub.add_parser(
+        "gpu-check",
+        help="everything that needs a CUDA GPU, in at most 7.5 minutes: kernels, graphs, benches, a real stack",
+        description=__doc__,
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvferry.tools.gpu_check", description=__doc__)
     add_arguments(p)

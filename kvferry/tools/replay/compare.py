@@ -3,6 +3,8 @@ the latencies side by side, and the errors. Only greedy and seeded requests have
 count in the latencies alone.
 """
 
+import os
+
 from kvferry.common.capture import Record
 from kvferry.tools.percentiles import summary
 from kvferry.tools.replay.sender import Replayed
@@ -13,11 +15,6 @@ MAX_LISTED = 20  # differences and errors listed one by one in the text report
 def deterministic(record: Record) -> bool:
     body = record.body or {}
     return body.get("temperature") == 0 or body.get("top_k") == 1 or body.get("seed") is not None
-
-
-def _common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 def differences(record: Record, answer: Replayed) -> list[dict]:
@@ -34,10 +31,10 @@ def differences(record: Record, answer: Replayed) -> list[dict]:
             continue
         diff = {"request_id": record.request_id, "choice": index}
         if not same_text:
-            at = _common_prefix(text, captured_text)
+            at = len(os.path.commonprefix([text, captured_text]))  # any sequences, not only paths
             diff.update(char=at, captured=captured_text[at : at + 40], replayed=text[at : at + 40])
         if not same_ids:
-            diff["token"] = _common_prefix(ids, captured_ids)
+            diff["token"] = len(os.path.commonprefix([ids, captured_ids]))
         out.append(diff)
     return out
 

@@ -4,6 +4,7 @@ and kvferry's) unless told not to, so that a difference is placed at a token too
 """
 
 import asyncio
+import contextlib
 import copy
 import time
 from dataclasses import dataclass, field
@@ -117,17 +118,14 @@ async def replay_all(
     limits = httpx.Limits(max_connections=(concurrency or len(records)) + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(900.0), limits=limits, headers=headers) as client:
         await check_reachable(client, url)
-        gate = asyncio.Semaphore(concurrency) if concurrency else None
+        gate = asyncio.Semaphore(concurrency) if concurrency else contextlib.nullcontext()
         first = records[0].arrival_unix if records else 0.0
         start = time.perf_counter()
 
         async def one(record: Record) -> Replayed:
             await asyncio.sleep(max(0.0, (record.arrival_unix - first) / speed - (time.perf_counter() - start)))
-            body = request_body(record, model, token_ids)
-            if gate is None:
-                return await send(client, url, record, body)
             async with gate:
-                return await send(client, url, record, body)
+                return await send(client, url, record, request_body(record, model, token_ids))
 
         answers = await asyncio.gather(*(one(r) for r in records))
         return list(answers), time.perf_counter() - start

@@ -104,26 +104,15 @@ def _add_common(p: argparse.ArgumentParser) -> None:
         f"the stack's settings, as its processes read them (each also from {settings.ENV_PREFIX}<NAME>)"
     )
     for name in ENGINE_SETTINGS + STACK_SETTINGS:
-        _add_setting(group, settings.get(name))
-
-
-def _add_setting(group, s: settings.Setting) -> None:
-    """The setting's flag; left out, it is read from its variable or its default when the command runs (a bad
-    variable then fails this command, not the building of every command's parser)."""
-    kwargs = dict(dest=s.attr, default=None, help=s.help)
-    if s.kind == settings.SWITCH:
-        kwargs.update(action="store_const", const=not s.negate)
-    else:
-
-        def parse(text, s=s):
-            try:
-                return s.parse(text)
-            except ValueError as exc:
-                raise argparse.ArgumentTypeError(str(exc)) from None
-
-        parse.__name__ = s.kind
-        kwargs.update(type=parse, metavar=s.metavar)
-    group.add_argument(s.option, **kwargs)
+        # Left out, a setting is read from its variable or its default when the command runs (a bad variable then
+        # fails this command, not the building of every command's parser).
+        s = settings.get(name)
+        kwargs = dict(dest=s.attr, default=None, help=s.help)
+        if s.kind == settings.SWITCH:
+            kwargs.update(action="store_const", const=not s.negate)
+        else:
+            kwargs.update(type=settings.ArgType(s), metavar=s.metavar)
+        group.add_argument(s.option, **kwargs)
 
 
 def _setting(args, name: str):

@@ -21,11 +21,8 @@ class SimReceivedKV:
         self.max_model_len = scheduler.max_model_len
         self._live: dict = {}  # request id -> its sequence, as the engine keeps them (LLMEngine._live)
 
-    def reserve(self, *args) -> list[int] | None:  # as DecodeConnector.receive_kv calls it
-        return received_kv.reserve(self, *args)
-
-    def admit_prefilled(self, *args) -> bool:  # as LLMEngine.admit_prefilled does
-        return received_kv.admit_choices(self, *args)
+    reserve = received_kv.reserve  # as DecodeConnector.receive_kv calls it, on this stand-in
+    admit_prefilled = received_kv.admit_choices  # as LLMEngine binds it
 
     def validate_prompt(self, token_ids) -> None:
         """Too long a prompt is refused before it is routed (Simulator._arrive)."""
