@@ -5,9 +5,10 @@ the same constraint share one compile, and the loop (which polls `wake_fd`) take
 grammar, which the request keeps: the cache may evict it before the request needs it.
 
 A constraint's clock starts when it is queued; only the one-time set-up stops it. Past its deadline it fails with a
-400 when its own trial compile had most of the timeout (its child is killed, and it is refused at once from then
-on), else with a 503 that another worker may take. A trial that passed is past the clock. The queue is capped by
-count and by bytes of text; past either, or when the child dies under a compile, a request gets a 503.
+400 when its own trial compile had most of the timeout (its child is killed, and it is refused at once from then on),
+else with a 503 that another worker may take. A trial that passed is past the clock: its compile in the worker takes
+about as long again, so a compile holds the path for about twice the timeout at most. The queue is capped by count and
+by bytes of text; past either, or when the child dies under a compile, a request gets a 503.
 """
 
 import os
@@ -74,7 +75,8 @@ class ConstraintCompiles:
         self._thread.start()
 
     def clock(self) -> float:
-        """Monotonic seconds, stopped while the thread sets up (a read between the thread's two writes counts a
+        """Monotonic seconds, stopped while the thread sets up. Both threads read it without a lock: each float is
+        written whole, and a read between the thread's two writes counts a
         set-up twice: a deadline later, never sooner)."""
         now, since = time.monotonic(), self._set_up_since
         return now - self._set_up_s - (now - since if since is not None else 0.0)

@@ -1,5 +1,6 @@
 """`kvferry health`: exit 0 when the kvferry process in this container is healthy (a Docker HEALTHCHECK). One image
 runs every role, so it asks the worker health port first, then the gateway's port; the first that answers decides.
+Nothing listening on the health port means this container is not a worker, or it is still loading its model.
 """
 
 import sys

@@ -7,7 +7,8 @@ It listens before the model loads (a taken port fails at once), on its own threa
 The port listens on every interface, so at most MAX_CONNECTIONS are served at once, each shut down IDLE_TIMEOUT_S
 after it was accepted (a timeout per read would let a byte every few seconds hold a slot for good). When every slot
 is taken, the oldest connection of the client holding the most is shut down for the new one: refusing new ones
-would let whoever holds the slots fail the kubelet's liveness probe.
+would let whoever holds the slots fail the kubelet's liveness probe. A probe sends its request as it connects and
+is answered in milliseconds, so it gets through.
 """
 
 import contextlib

@@ -127,7 +127,7 @@ def _combine_splits_kernel(
     split_sum = tl.load(part_stats_ptr + rows * 2 + 1, mask=mask_s, other=0.0)
     acc_ptrs = part_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
     acc = tl.load(acc_ptrs, mask=mask_s[:, None] & mask_d[None, :], other=0.0)  # [SPLITS_PAD, D]
-    # Split 0 holds the first key of a context, so m_max is finite; an empty split's max of -inf weighs 0.
+    # Split 0 holds the first key of a context (at least one token), so m_max is finite; an empty split's max of -inf weighs 0.
     m_max = tl.max(split_max, axis=0)
     weight = tl.where(mask_s, tl.exp2(split_max - m_max), 0.0)
     out = tl.sum(weight[:, None] * acc, axis=0) / tl.sum(weight * split_sum, axis=0)

@@ -155,7 +155,8 @@ class DecodeRecords:
     After any change the worker files a record (`file`): into its state's queue (HOLDING, RECEIVING, or NEW that
     remembers cancelled choices), to the tombstones once DONE, or forgotten (NEW, remembering nothing). A queue's
     records time out a fixed time after it was set, so filing order is expiry order: `expired` pops from the fronts,
-    never walking the others; each queue is capped, oldest out first."""
+    never walking the others; each queue is capped, oldest out first. (A NEW record back from HOLDING keeps the time its
+    first choice was cancelled, so it may be forgotten a little late: it holds nothing meanwhile.)"""
 
     def __init__(self, max_tombstones=MAX_TOMBSTONES, max_holds=MAX_HOLDS, max_remembered=MAX_REMEMBERED):
         self.live: dict[AttemptKey, DecodeAttempt] = {}

@@ -10,9 +10,13 @@ PrefillConnector (services/prefill/connector.py) owns the records and drives eve
         SENDING_EARLY ──all_sent──▶ AWAITING_ACK;  EARLY_ANSWERED ──send_again──▶ DUE, or ──end──▶ DONE
     any state ──end (acknowledged, refused, aborted, failed, given up, no choice goes on)──▶ DONE
 
-While the prompt computes: in ASKING the KVHeld answer is still due, so nothing may go; in COMPUTING which blocks
-go can be settled; in SENDING_EARLY they are, and its groups go as they are stored. A state's data (the fields name
-their states) is set by the transition into it, and read only in it.
+While the prompt computes, the state says where its transfer stands: ASKING, the decode worker's answer to its
+KVQuery (which leading blocks it holds) is still due, so nothing may go yet; COMPUTING, which blocks go can be settled
+(answered, or never asked); SENDING_EARLY, settled, and its layer groups go as they are stored (`early_layers` of them
+gone); EARLY_ANSWERED, the decode worker answered those groups before the compute ended (`early_answer`), acted on
+once it has. After the compute, AWAITING_HELD waits for that answer until `due_at` at most; DUE is settled and goes
+whole at `due_at` (at once, or after a retry's wait); AWAITING_ACK went whole at `sent_at`. A state's data is set by
+the transition into it, and read only in it.
 """
 
 import enum
@@ -145,5 +149,7 @@ class PrefillAttempt:
         self.sent_at, self.early_answer, self.due_at = 0.0, None, time.monotonic() + after_s
 
     def end(self) -> None:
+        """The attempt is over here, whatever the reason; the engine releases its blocks (the connector's failed
+        list, at its next step)."""
         move(self, ALLOWED, S.DONE)
         self.parts = {}
