@@ -349,7 +349,7 @@ class LLMEngine:
         state = seq.constraint_state  # each choice's own, of the same grammar
         states = [state.again(before) if state is not None else None for _ in extra]
         for (token, logprobs), choice_params, state in zip(
-            self.runner.sample_choices(seq, extra, states), extra, states
+            self.runner.sample_choices(seq, extra, states, len(before)), extra, states
         ):
             if state is not None and not state.accept(token):
                 firsts.append((-1, None, FinishReason.DEAD_END))

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 if typing.TYPE_CHECKING:
-    import torch
-
     from kvferry.common.structured.matcher import ConstraintState
 
 
@@ -49,10 +47,6 @@ class Sequence:
     constraint_state: "ConstraintState | None" = None
     # Finished, its blocks kept for the engine's connector (a prefill worker's transfer) until LLMEngine.release().
     kept: bool = False
-    # A seeded sequence's own random generator, made by the model runner on its device at the first sample and
-    # kept through preemption: the same seed draws the same tokens however the steps fall. None: not made yet, or
-    # the sequence draws from the runner's shared one (greedy, or no seed).
-    generator: "torch.Generator | None" = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # each output's, when params.logprobs asks
     # When params.prompt_logprobs asks: entry p is prompt token p's logprobs given the tokens before it (0: None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None

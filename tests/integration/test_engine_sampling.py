@@ -4,7 +4,7 @@ import pytest
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.sampling import SamplingParams, for_choice
 from tests.tiny_models import save_tiny_model
 
 
@@ -42,3 +42,38 @@ def test_mixed_greedy_and_sampled_rows(engine):
     mixed = engine.generate([[3, 4, 5], [3, 4, 5]], [greedy, seeded(5)])
     assert mixed[0].output_token_ids == alone.output_token_ids
     assert len(mixed[1].output_token_ids) == 12
+
+
+def run(engine, prompt, params, resume_token_ids=()):
+    """One request to its end, added as a moved request would be; its outputs, the resumed ones first."""
+    request_id = engine.add_request(prompt, params, resume_token_ids=resume_token_ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished and out.request_id == request_id:
+                return out.output_token_ids
+
+
+def test_a_seeded_request_resumed_elsewhere_continues_its_stream(engine):
+    """Stream 2 keys a seeded draw by (seed, output position): a request moved after k tokens (failover's
+    resume_token_ids) draws the rest of the tokens it would have drawn uninterrupted."""
+    prompt = [21, 22, 23, 24]
+    [whole] = engine.generate([prompt], seeded(77, top_p=0.9))
+    tokens = whole.output_token_ids
+    assert len(set(tokens)) > 1  # it really sampled
+    for k in (1, 5):
+        assert run(engine, prompt, seeded(77, top_p=0.9), resume_token_ids=tokens[:k]) == tokens  # resumed + new
+
+
+def test_choice_i_of_n_draws_what_a_single_request_with_seed_plus_i_draws(engine):
+    prompt = [31, 32, 33]
+    params = seeded(2**63 - 2)  # the choices' seeds wrap round
+    request = engine.add_request(prompt, params)
+    [out] = engine.step()
+    extra = [for_choice(params, i) for i in range(1, 4)]
+    firsts = [token for token, _, _ in engine.first_tokens(out, params, extra)]
+    engine.abort(request)
+    singles = [engine.generate([prompt], p)[0].output_token_ids for p in [params] + extra]
+    assert firsts == [tokens[0] for tokens in singles] and len(set(map(tuple, singles))) == 4
+    # A decode worker goes on from each choice's first token: the same tokens as the single request.
+    for p, tokens in zip(extra, singles[1:]):
+        assert run(engine, prompt, p, resume_token_ids=tokens[:1]) == tokens

@@ -1,3 +1,4 @@
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -6,12 +7,17 @@ import torch
 
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.model.logits_processors import process_logits
-from kvferry.common.model.sampler import sample
+from kvferry.common.model.sampler import sample, uniform
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams, for_choice
 
 
 def gen(seed):
     return torch.Generator().manual_seed(seed)
+
+
+def stream(seed):
+    """A seeded row's uniforms, output position after output position (sampler.py)."""
+    return (uniform(seed, position) for position in itertools.count())
 
 
 @pytest.mark.parametrize(
@@ -47,7 +53,7 @@ def test_vanishing_temperature_is_greedy_not_nan():
     logits = torch.tensor([[1.0, 3.0, 2.0]])
     params = SamplingParams(temperature=1e-40)
     assert params.greedy
-    assert sample(logits, [params], [gen(0)]) == [1]
+    assert sample(logits, [params], [next(stream(0))]) == [1]
 
 
 def test_seeded_row_is_independent_of_its_batch():
@@ -55,37 +61,37 @@ def test_seeded_row_is_independent_of_its_batch():
     vocab = 1000
     mine = torch.randn(vocab)
     params = SamplingParams(temperature=1.0, seed=42)
-    alone, g = [], gen(42)
+    alone, g = [], stream(42)
     for _ in range(20):
-        alone.extend(sample(mine[None], [params], [g]))
-    crowded, g = [], gen(42)
+        alone.extend(sample(mine[None], [params], [next(g)]))
+    crowded, g = [], stream(42)
     for step in range(20):
         others = torch.randn(1 + step % 4, vocab)
         logits = torch.cat([others[:1], mine[None], others[1:]])
         ps = [SamplingParams(temperature=0.7)] + [params] + [SamplingParams(top_k=5, seed=step)] * (len(others) - 1)
-        gens = [gen(step)] + [g] + [gen(100 + i) for i in range(len(others) - 1)]
-        crowded.append(sample(logits, ps, gens)[1])
+        us = [next(stream(step))] + [next(g)] + [next(stream(100 + i)) for i in range(len(others) - 1)]
+        crowded.append(sample(logits, ps, us)[1])
     assert alone == crowded
     assert len(set(alone)) > 1  # it really sampled
 
 
 def test_top_k_and_top_p_restrict_the_support():
     logits = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.0, -1.0]])
-    g = gen(1)
-    seen_k = {sample(logits, [SamplingParams(top_k=2)], [g])[0] for _ in range(300)}
+    g = stream(1)
+    seen_k = {sample(logits, [SamplingParams(top_k=2)], [next(g)])[0] for _ in range(300)}
     assert seen_k == {0, 1}
     probs = torch.softmax(logits[0], -1)  # ~[.64, .24, .09, ...]: top_p .8 keeps the first two
     assert probs[0] < 0.8 < probs[0] + probs[1]
-    seen_p = {sample(logits, [SamplingParams(top_p=0.8)], [g])[0] for _ in range(300)}
+    seen_p = {sample(logits, [SamplingParams(top_p=0.8)], [next(g)])[0] for _ in range(300)}
     assert seen_p == {0, 1}
 
 
 def test_sampling_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]]))
-    g = gen(7)
+    g = stream(7)
     counts = torch.zeros(3)
     for _ in range(3000):
-        counts[sample(logits, [SamplingParams()], [g])[0]] += 1
+        counts[sample(logits, [SamplingParams()], [next(g)])[0]] += 1
     assert torch.allclose(counts / 3000, torch.tensor([0.5, 0.3, 0.2]), atol=0.04)
 
 
@@ -219,11 +225,11 @@ def test_min_p_keeps_the_tokens_within_min_p_of_the_most_likely(min_p, temperatu
         cut = sorted(want, reverse=True)[top_k - 1]
         want = [p / sum(q for q in want if q >= cut) if p >= cut else 0.0 for p in want]
     assert sum(p > 0 for p in want) == num_kept
-    # One row per draw, each with its own generator, beside greedy and unfiltered rows: per-row parameters.
+    # One row per draw, each with its own seed, beside greedy and unfiltered rows: per-row parameters.
     logits = torch.log(torch.tensor([PROBS] * (draws + 2)))
     params = [SamplingParams(min_p=min_p, temperature=temperature, top_k=top_k)] * draws
     params += [SamplingParams(temperature=0), SamplingParams(min_p=0.0)]
-    tokens = sample(logits, params, [gen(i) for i in range(draws + 2)])
+    tokens = sample(logits, params, [uniform(i, 0) for i in range(draws + 2)])
     counts = torch.bincount(torch.tensor(tokens[:draws]), minlength=len(PROBS)).float() / draws
     assert {t for t in tokens[:draws]} == {t for t, p in enumerate(want) if p > 0}
     assert torch.allclose(counts, torch.tensor(want), atol=0.04), (counts.tolist(), want)
@@ -234,5 +240,5 @@ def test_min_p_keeps_a_token_just_above_the_threshold_and_cuts_one_just_below():
     """p >= min_p * p_max: at min_p 0.5, a token at 0.50005 of the top one's probability stays, one at 0.49995
     goes (relative margins far above float32 rounding)."""
     logits = torch.log(torch.tensor([[1.0, 0.50005, 0.49995, 0.3]]))
-    seen = {sample(logits, [SamplingParams(min_p=0.5)], [gen(i)])[0] for i in range(200)}
+    seen = {sample(logits, [SamplingParams(min_p=0.5)], [uniform(i, 0)])[0] for i in range(200)}
     assert seen == {0, 1}

@@ -13,7 +13,7 @@ import torch
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
-from kvferry.common.model.sampler import mask_constrained, sample
+from kvferry.common.model.sampler import mask_constrained, sample, uniform
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.scheduler import Scheduler
 from kvferry.common.sequence import FinishReason, Sequence
@@ -165,8 +165,8 @@ def test_every_sampling_method_draws_only_allowed_tokens(grammars, tokenizer, pa
     for seed in range(5):
         logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(seed)) * 5
         state = ConstraintState(grammars.compile(YES_NO))
-        generator = None if params.greedy else torch.Generator().manual_seed(seed)
-        token_ids = sample(logits, [params, params], [generator, generator], [state, None])
+        u = None if params.greedy else uniform(seed, 0)
+        token_ids = sample(logits, [params, params], [u, u], [state, None])
         assert token_ids[0] in allowed_ids(state, vocab)
 
 

@@ -1,8 +1,10 @@
 """The model runner: the only part of the engine that knows about devices. It owns the model and the paged KV
 cache, turns a scheduler plan into tensors, runs the forward pass and samples. It keeps nothing per request: what a
-sequence needs from step to step (its seeded generator, its prompt's logprobs) lives on the Sequence.
+sequence needs from step to step (its prompt's logprobs) lives on the Sequence; a seeded row's randomness is keyed
+by its seed and output position alone (sampler.py).
 """
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +20,7 @@ from kvferry.common.model.int8_linear import interleave_linears
 from kvferry.common.model.kv_blocks import gather_blocks, scatter_blocks
 from kvferry.common.model.kv_gather import DeviceGather
 from kvferry.common.model.logits_processors import process_logits
-from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs
+from kvferry.common.model.sampler import SamplingTensors, sample, stage_sampling, token_logprobs, uniform
 from kvferry.common.scheduler import StepPlan
 from kvferry.common.sequence import Sequence
 from kvferry.kernels import cpu as cpu_kernels
@@ -106,12 +108,8 @@ class ModelRunner:
         if device.type == "cpu":  # decode: every layer in one call, where the model and the batch allow
             model.fused_decode = FusedDecode.for_model(model, self.k_caches, self.v_caches)
         self.device_gather = DeviceGather(device) if device.type == "cuda" else None  # KV going out to the host
-        # Unseeded random rows draw from this one; seeded rows get their own, on their Sequence (see sampler).
-        self.shared_generator = torch.Generator(device=device)
-        if seed is not None:
-            self.shared_generator.manual_seed(seed)
-        else:
-            self.shared_generator.seed()
+        # Unseeded random rows take their uniforms from this one, on the host; seeded rows from (seed, position).
+        self.shared_random = random.Random(seed)
         self.last_logits: torch.Tensor | None = None  # the latest step's sampled rows, for tests and logprobs
         self.last_sampled: list[Sequence] = []  # the sequences of last_logits' rows, in order
         self.last_logprobs: list = []  # per chunk of the latest step: TokenLogprobs where asked for, else None
@@ -143,21 +141,14 @@ class ModelRunner:
         """One block's K and V, in every layer, into another block (a choice's own copy of a shared one)."""
         self.kv_cache[:, dst] = self.kv_cache[:, src]
 
-    def _new_generator(self, params) -> torch.Generator | None:
-        """None for greedy, the shared generator without a seed, else a fresh one from the seed."""
+    def _uniform(self, params, position: int) -> float | None:
+        """A row's uniform for sampling output `position` (sampler.py): None for greedy, (seed, position)'s for a
+        seeded row, else the next of the shared host generator's."""
         if params.greedy:
             return None
         if params.seed is None:
-            return self.shared_generator
-        return torch.Generator(device=self.device).manual_seed(params.seed)
-
-    def _generator_for(self, seq: Sequence) -> torch.Generator | None:
-        """A seeded sequence keeps its generator from step to step (made here, on this runner's device)."""
-        if seq.params.greedy or seq.params.seed is None:
-            return self._new_generator(seq.params)
-        if seq.generator is None:
-            seq.generator = self._new_generator(seq.params)
-        return seq.generator
+            return self.shared_random.random()
+        return uniform(params.seed, position)
 
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The step's inputs on the device, sent as one copy (host_staging.py)."""
@@ -185,7 +176,9 @@ class ModelRunner:
             staging.add(cu, torch.int32),
             staging.add([cu[i + 1] - 1 for i in sampling], torch.long),  # each sampling chunk's last token
         ]
-        sampling_tensors = stage_sampling([plan.chunks[i].seq.params for i in sampling], staging)
+        seqs = [plan.chunks[i].seq for i in sampling]
+        uniforms = [self._uniform(s.params, len(s.output_token_ids)) for s in seqs]
+        sampling_tensors = stage_sampling([s.params for s in seqs], uniforms, staging)
         staging.upload()
         ids, pos, slot_mapping, block_tables, lens, cu_seqlens, last_tokens = (part.tensor for part in staged)
         batch = PagedBatch(
@@ -222,8 +215,7 @@ class ModelRunner:
         self.last_sampled = seqs
         processed = process_logits(logits, seqs, self.eos_token_ids)
         constraints = [s.constraint_state for s in seqs]
-        generators = [self._generator_for(s) for s in seqs]
-        token_ids = sample(processed, [s.params for s in seqs], generators, constraints, inputs.sampling_tensors)
+        token_ids = sample(processed, [s.params for s in seqs], None, constraints, inputs.sampling_tensors)
         result: list[int | None] = [None] * len(plan.chunks)
         for i, token_id in zip(sampling, token_ids):
             result[i] = token_id
@@ -237,9 +229,12 @@ class ModelRunner:
         return result
 
     @torch.inference_mode()
-    def sample_choices(self, seq: Sequence, choice_params: list, constraints: list) -> list[tuple[int, object]]:
+    def sample_choices(
+        self, seq: Sequence, choice_params: list, constraints: list, position: int
+    ) -> list[tuple[int, object]]:
         """More first tokens from the prompt sampled in the latest step, one per extra choice, each with its own
-        parameters and constraint state (or None): (token id, TokenLogprobs or None) each."""
+        parameters and constraint state (or None): (token id, TokenLogprobs or None) each. position: the output
+        position of the parent's token sampled there, which the choices draw at too (their seeds are their own)."""
         # By identity: a batch is short, and a dict of rows built for every step would cost each decode step.
         row = next(row for row, sampled in enumerate(self.last_sampled) if sampled is seq)
         logits = self.last_logits[row][None]  # [1, vocab]
@@ -247,7 +242,10 @@ class ModelRunner:
         for params, state in zip(choice_params, constraints):
             choice = Sequence(seq.request_id, seq.prompt_token_ids, params)
             [token_id] = sample(
-                process_logits(logits, [choice], self.eos_token_ids), [params], [self._new_generator(params)], [state]
+                process_logits(logits, [choice], self.eos_token_ids),
+                [params],
+                [self._uniform(params, position)],
+                [state],
             )
             found = token_logprobs(logits, [token_id], [params.logprobs])[0] if params.logprobs is not None else None
             out.append((token_id, found))

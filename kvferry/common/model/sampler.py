@@ -1,6 +1,22 @@
-"""Sampling a batch in which every row has its own parameters. Random rows draw by the exponential race (argmax
-of p / Exp(1) noise), which equals sampling from p; a seeded row draws its noise from its own generator, so its
-tokens depend only on its seed and its logits, never on what else shares the batch.
+"""Sampling a batch in which every row has its own parameters, by inverse CDF: one float64 uniform u per random row
+per step picks the token where u times the row's kept mass falls in its cumulative distribution.
+
+SAMPLING_STREAM = 2 names what decides a seeded row's tokens, given its logits; changing any of it changes seeded
+outputs, so it needs a new stream number, the pinned constants in tests/unit/test_sampler_draws.py, a protocol
+version (a prefill and a decode worker must draw the same stream) and a note in docs/operations.md (replay):
+- the uniform: uniform(seed, position) = (splitmix64(splitmix64(seed) ^ position) >> 11) * 2**-53, where position
+  is the index of the output token being sampled (len(seq.output_token_ids) before it is appended). Extra choices
+  draw from seed + i at their parent's position. It is keyed by nothing else, so a seeded request draws the same
+  tokens alone or in any batch, through preemption, failover (resume_token_ids) and the prefill→decode handoff.
+  Unseeded rows take u from the runner's random.Random(--engine-seed), in step order.
+- plain rows (no top_k, top_p or min_p): softmax(logits / T), then a two-level inverse CDF in float64 over the
+  vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block.
+- filtered rows: the kept set is today's rule (float32 prefix sums of the probabilities sorted by value, then
+  token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p); it is found
+  on a torch.topk pre-cut, checked exact per row and widened (topk(WIDE), then the full sort) where it is not, so
+  it is always the full sort's. The draw runs over the kept set in token-id order, in float64: the token does not
+  depend on how a device orders ties, nor on how wide the pre-cut was.
+A draw never lands on a token of zero mass; a row with no mass at all (a constraint's dead end) returns a valid id.
 """
 
 from dataclasses import dataclass
@@ -10,67 +26,117 @@ import torch
 from kvferry.common.model.host_staging import HostStaging, Staged
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
+SAMPLING_STREAM = 2
+BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
+PRE_CUT = 128  # the filtered rows' first candidates (at least, see candidates())
+WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
+_M64 = (1 << 64) - 1
+
+
+def _splitmix64(z: int) -> int:
+    z = (z + 0x9E3779B97F4A7C15) & _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """A seeded row's uniform in [0, 1) for output position `position`: 53 bits of a hash of (seed, position)."""
+    return (_splitmix64(_splitmix64(seed & _M64) ^ position) >> 11) * 2.0**-53
+
+
+def is_filtered(p: SamplingParams) -> bool:
+    return p.top_k > 0 or p.top_p < 1 or p.min_p > 0
+
+
+def pre_cut(top_ks: list[int]) -> int:
+    """The pre-cut's width for filtered rows with these top_ks (0: none): PRE_CUT, or one more than the largest
+    top_k up to WIDE, so that a row cut at its top_k can be told from a tie with the first token outside. A row
+    with a larger top_k goes on to the full sort. Capped at the vocabulary where it is used."""
+    return max(PRE_CUT, max((k for k in top_ks if k <= WIDE), default=0) + 1)
+
 
 @dataclass
 class SamplingTensors:
-    """The random rows' parameters, staged with a step's host arrays; which filters run is decided on the host."""
+    """The random rows' parameters and uniforms, staged with a step's host arrays; which path each row takes is
+    decided on the host."""
 
     random_rows: list[int]
     rows: Staged | None  # the random rows' indices; None when every row is random
     temperatures: Staged
-    top_ks: Staged | None  # None when no row filters by top_k or top_p; a top_k of 0 keeps the whole vocabulary
+    uniforms: Staged  # float64, one per random row
+    plain: Staged | None  # indices among the random rows of the plain ones; None when all or none are plain
+    filtered: Staged | None  # likewise of the filtered ones (top_k, top_p or min_p)
+    num_plain: int
+    num_filtered: int
+    pre_cut: int  # the filtered rows' pre-cut width (see pre_cut())
+    top_ks: Staged | None  # of the filtered rows (0: no top_k); None when there are none
     top_ps: Staged | None
-    min_ps: Staged | None  # None when no row has a min_p
+    min_ps: Staged | None  # None when no filtered row has a min_p
 
 
-def stage_sampling(params: list[SamplingParams], staging: HostStaging) -> SamplingTensors | None:
-    """None when every row is greedy."""
+def stage_sampling(
+    params: list[SamplingParams], uniforms: list[float | None], staging: HostStaging
+) -> SamplingTensors | None:
+    """uniforms: each row's u (None or anything for a greedy row). None when every row is greedy."""
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if not random_rows:
         return None
     chosen = [params[i] for i in random_rows]
-    filtered = any(p.top_k > 0 or p.top_p < 1 for p in chosen)
+    plain = [j for j, p in enumerate(chosen) if not is_filtered(p)]
+    filtered = [j for j, p in enumerate(chosen) if is_filtered(p)]
+    mixed = plain and filtered
+    kept = [chosen[j] for j in filtered]
     return SamplingTensors(
         random_rows,
         None if len(random_rows) == len(params) else staging.add(random_rows, torch.long),
         staging.add([p.temperature for p in chosen], torch.float32),
-        staging.add([p.top_k for p in chosen], torch.long) if filtered else None,
-        staging.add([p.top_p for p in chosen], torch.float32) if filtered else None,
-        staging.add([p.min_p for p in chosen], torch.float32) if any(p.min_p > 0 for p in chosen) else None,
+        staging.add([float(uniforms[i]) for i in random_rows], torch.float64),
+        staging.add(plain, torch.long) if mixed else None,
+        staging.add(filtered, torch.long) if mixed else None,
+        len(plain),
+        len(filtered),
+        pre_cut([p.top_k for p in kept]),
+        staging.add([p.top_k for p in kept], torch.long) if kept else None,
+        staging.add([p.top_p for p in kept], torch.float32) if kept else None,
+        staging.add([p.min_p for p in kept], torch.float32) if any(p.min_p > 0 for p in kept) else None,
     )
 
 
 def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
-    generators: list[torch.Generator | None],
+    uniforms: list[float | None] | None,
     constraints: list | None = None,
     staged: SamplingTensors | None = None,
 ) -> list[int]:
-    """logits [num_rows, vocab] -> one token id per row. constraints: a ConstraintState or None per row, which
-    limits the row's tokens. staged: params' tensors, staged with the step's inputs (default: staged here)."""
+    """logits [num_rows, vocab] -> one token id per row. uniforms: each random row's u in [0, 1) (see the module
+    docstring; None for a greedy row; unused when staged is given). constraints: a ConstraintState or None per row, which limits the row's
+    tokens. staged: params' tensors, staged with the step's inputs (default: staged here)."""
     if constraints is not None:
         logits = mask_constrained(logits, constraints)
     if staged is None:
         staging = HostStaging(logits.device)
-        staged = stage_sampling(params, staging)
+        staged = stage_sampling(params, uniforms, staging)
         staging.upload()
     if staged is None:
         return logits.argmax(dim=-1).tolist()
     rows = None if staged.rows is None else staged.rows.tensor
     sub = (logits if rows is None else logits[rows]).float()  # [R, vocab]
-    sub = sub / staged.temperatures.tensor[:, None]
-    if staged.top_ks is not None:
-        sub = _apply_top_k_top_p(sub, staged.top_ks.tensor, staged.top_ps.tensor)
-    probs = torch.softmax(sub, dim=-1)  # [R, vocab]
-    if staged.min_ps is not None:
-        # Relative to each row's likeliest token (0: removes nothing); the race needs no renormalisation.
-        min_ps = staged.min_ps.tensor
-        probs = probs.masked_fill(probs < min_ps[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
-    noise = torch.empty_like(probs)
-    for j, i in enumerate(staged.random_rows):
-        noise[j].exponential_(generator=generators[i])
-    sampled = exponential_race(probs, noise)
+    # A row with no mass at all (every token -inf: a dead end) is NaN here; as zeros it draws a valid id.
+    probs = torch.softmax(sub / staged.temperatures.tensor[:, None], dim=-1).nan_to_num_(0.0)
+    u = staged.uniforms.tensor
+    if not staged.num_filtered:
+        sampled = _draw_plain(probs, u)
+    elif not staged.num_plain:
+        sampled = _draw_filtered(probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u, staged)
+    else:
+        plain, filtered = staged.plain.tensor, staged.filtered.tensor
+        sampled = torch.empty(len(staged.random_rows), dtype=torch.long, device=logits.device)
+        sampled[plain] = _draw_plain(probs[plain], u[plain])
+        sampled[filtered] = _draw_filtered(
+            probs[filtered], staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u[filtered], staged
+        )
     if rows is None:
         return sampled.tolist()
     token_ids = logits.argmax(dim=-1)  # [N]: the greedy rows keep theirs
@@ -78,10 +144,105 @@ def sample(
     return token_ids.tolist()
 
 
-def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
-    """The argmax of probs / noise per row (noise: Exp(1) draws). CUDA can draw exactly 0, and 0 / 0 is NaN, which
-    argmax takes for the largest: a filtered token would win. So the draw is clamped to the smallest normal number."""
-    return (probs / noise.clamp_min(torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+def _min_ps(staged: SamplingTensors) -> torch.Tensor | None:
+    return None if staged.min_ps is None else staged.min_ps.tensor
+
+
+def _pick(cum: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """cum [R, C] float64, non-decreasing; u [R] in [0, 1) -> [R] the first index whose cumulative mass exceeds
+    u times the total, which has mass; where the target rounds up to the total, the first index reaching it."""
+    total = cum[:, -1:]
+    r = torch.searchsorted(cum, u[:, None] * total, right=True)
+    r = torch.where(r >= cum.shape[1], torch.searchsorted(cum, total.contiguous(), right=False), r)
+    return r[:, 0]
+
+
+def _draw_plain(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs [R, V] (zeros allowed) -> [R]: the block holding the target, then the token inside it."""
+    R, V = probs.shape
+    pad = (-V) % BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(R, -1, BLOCK)
+    sums = blocks.sum(-1, dtype=torch.float64)  # [R, V / BLOCK]
+    cb = sums.cumsum(-1)
+    total = cb[:, -1:]
+    target = u[:, None] * total
+    b = torch.searchsorted(cb, target, right=True)  # [R, 1]
+    b = torch.where(b >= cb.shape[1], torch.searchsorted(cb, total.contiguous(), right=False), b)
+    # What falls inside the block; at least 0, as the block's own sums round differently from cb's.
+    rest = (target - (cb.gather(-1, b) - sums.gather(-1, b))).clamp_min(0.0)
+    inner = blocks.gather(1, b[:, :, None].expand(R, 1, BLOCK))[:, 0].double().cumsum(-1)  # [R, BLOCK]
+    t = torch.searchsorted(inner, rest, right=True)
+    t = torch.where(t >= BLOCK, torch.searchsorted(inner, inner[:, -1:].contiguous(), right=False), t)
+    return (b * BLOCK + t)[:, 0]
+
+
+def _canonical(vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Candidates [R, C] in the order by value descending, then token id ascending, however topk left ties."""
+    by_id = idx.argsort(dim=-1)
+    vals, idx = vals.gather(-1, by_id), idx.gather(-1, by_id)
+    order = vals.sort(dim=-1, descending=True, stable=True).indices
+    return vals.gather(-1, order), idx.gather(-1, order)
+
+
+def _kept(vals, ks, ps, min_ps, vocab, full):
+    """vals [R, C] in canonical order -> (kept [R, C], exact [R]): today's cut, and whether the candidates prove it
+    equal to the full sort's (always, when full)."""
+    C = vals.shape[1]
+    ks = torch.where(ks > 0, ks, vocab)
+    k_in = ks <= C
+    ranks = torch.arange(C, device=vals.device)[None, :]
+    cum32 = vals.cumsum(-1)  # float32, as the cut has always been
+    mass_k = torch.where(k_in, cum32.gather(-1, (ks.clamp_max(C) - 1)[:, None])[:, 0], 1.0)
+    out = (ranks >= ks[:, None]) | ((ps < 1)[:, None] & ((cum32 - vals) >= (ps * mass_k)[:, None]))
+    if min_ps is not None:
+        out |= vals < min_ps[:, None] * vals[:, :1]
+    out[:, 0] = False  # the likeliest token is always kept
+    if full:
+        return ~out, torch.ones_like(k_in)
+    # Exact when the cut needs no token outside (top_k within, or no top_k and the last candidate cut) and the
+    # last kept token is strictly likelier than the last candidate, so no token outside ties with it.
+    last = (ranks * (~out)).amax(-1)  # [R] the last kept rank
+    exact = (
+        (k_in | ((ks == vocab) & out[:, -1])) & (last < C - 1) & (vals.gather(-1, last[:, None])[:, 0] > vals[:, -1])
+    )
+    return ~out, exact
+
+
+def _draw_kept(vals, idx, kept, u):
+    """The kept candidates' token, drawn in token-id order in float64."""
+    by_id = idx.argsort(dim=-1)
+    ids = idx.gather(-1, by_id)
+    mass = torch.where(kept, vals, 0.0).gather(-1, by_id).double()
+    return ids.gather(-1, _pick(mass.cumsum(-1), u)[:, None])[:, 0]
+
+
+def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
+    """probs [R, V]; ks [R] (0: none), ps [R] (1: none), min_ps [R] or None -> [R]. width: the pre-cut (default
+    pre_cut() of the rows); the kept set, and so the token, is the full sort's whatever the width."""
+    R, V = probs.shape
+    if width is None:
+        width = staged.pre_cut if staged is not None else pre_cut(ks.tolist())
+    widths = sorted({min(V, width), min(V, max(width, WIDE)), V})
+    tokens, rows, sub = None, None, (probs, ks, ps, min_ps, u)
+    for C in widths:
+        full = C >= V
+        if full:
+            s = sub[0].sort(dim=-1, descending=True, stable=True)
+            vals, idx = s.values, s.indices
+        else:
+            vals, idx = _canonical(*sub[0].topk(C, dim=-1))
+        kept, exact = _kept(vals, sub[1], sub[2], sub[3], V, full)
+        drawn = _draw_kept(vals, idx, kept, sub[4])
+        if rows is None:
+            tokens = drawn
+        else:
+            tokens[rows] = drawn
+        if full or bool(exact.all()):
+            break
+        inexact = (~exact).nonzero()[:, 0]
+        rows = inexact if rows is None else rows[inexact]
+        sub = tuple(None if t is None else t[inexact] for t in sub)
+    return tokens
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
@@ -102,21 +263,6 @@ def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
     out = logits.float().clone()  # [N, vocab]
     out[rows] = masked
     return out
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """top_ks [R] (0: no top_k), top_ps [R]: each row's kept tokens' logits, the others at -inf."""
-    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, vocab]
-    vocab = logits.shape[-1]
-    ks = torch.where(top_ks > 0, top_ks, vocab)
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
-    cut = ranks >= ks[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(cut, float("-inf")), dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token is cut when the mass before it already does.
-    mass_before = probs.cumsum(dim=-1) - probs
-    cut |= mass_before >= top_ps[:, None]
-    sorted_logits = sorted_logits.masked_fill(cut, float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: list[int], num_top: list[int]) -> list[TokenLogprobs]:
