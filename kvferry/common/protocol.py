@@ -36,7 +36,10 @@ from kvferry.common.sampling import (
     TokenLogprobs,
 )
 
-PROTOCOL_VERSION = 12  # 12: sampling parameters carry a structured-output constraint
+# 12: sampling parameters carry a structured-output constraint. 13: sampling stream 2 (model/sampler.py), seeded
+# draws keyed by (seed, output position): a prefill worker samples output 0 and a decode worker the rest, so the
+# two must draw the same stream; a mixed pair would splice two.
+PROTOCOL_VERSION = 13
 MAX_FRAME_BYTES = 1 << 31
 # Tokens in one sequence, prompt and output: a bound on the max_model_len of any worker (one with a longer one
 # refuses to start). It covers 256k-context models; the big messages' limits follow from it.
