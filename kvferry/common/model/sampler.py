@@ -11,8 +11,9 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
   Unseeded rows take u from the runner's random.Random(--engine-seed), in step order.
 - plain rows (no top_k, top_p or min_p): softmax(logits / T), then a two-level inverse CDF in float64 over the
   vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block.
-- filtered rows: the kept set is today's rule (float32 prefix sums of the probabilities sorted by value, then
-  token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p); it is found
+- filtered rows: the kept set follows the rule of the sampler before stream 2 (float32 prefix sums of the probabilities sorted by value, then
+  token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p), except that
+  top_p = 1 cuts nothing (the old float32 sums could reach 1 early and cut a negligible tail); it is found
   on a torch.topk pre-cut, checked exact per row and widened (topk(WIDE), then the full sort) where it is not, so
   it is always the full sort's. The draw runs over the kept set in token-id order, in float64: the token does not
   depend on how a device orders ties, nor on how wide the pre-cut was.
@@ -28,7 +29,7 @@ from kvferry.common.sampling import SamplingParams, TokenLogprobs
 
 SAMPLING_STREAM = 2
 BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
-PRE_CUT = 128  # the filtered rows' first candidates (at least, see candidates())
+PRE_CUT = 128  # the filtered rows' first candidates (at least, see pre_cut())
 WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
 _M64 = (1 << 64) - 1
 
@@ -185,10 +186,10 @@ def _canonical(vals: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, tor
 
 
 def _kept(vals, ks, ps, min_ps, vocab, full):
-    """vals [R, C] in canonical order -> (kept [R, C], exact [R]): today's cut, and whether the candidates prove it
+    """vals [R, C] in canonical order -> (kept [R, C], exact [R]): the cut, and whether the candidates prove it
     equal to the full sort's (always, when full)."""
     C = vals.shape[1]
-    ks = torch.where(ks > 0, ks, vocab)
+    ks = torch.where(ks > 0, ks, vocab).clamp_max(vocab)
     k_in = ks <= C
     ranks = torch.arange(C, device=vals.device)[None, :]
     cum32 = vals.cumsum(-1)  # float32, as the cut has always been
