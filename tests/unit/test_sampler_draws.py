@@ -246,3 +246,21 @@ def test_sampling_with_packed_parameters_matches_the_unpacked_draw():
 
     assert draw(packed=True) == draw(packed=False) == sample(logits, params, uniforms)
     assert draw(packed=True)[0] == logits[0].argmax().item()
+
+
+def test_without_a_top_k_the_cut_at_a_boundary_does_not_depend_on_the_candidates():
+    """No top_k: the mass is 1 on every path. The full sort's last prefix sum rounds away from 1, so taking it
+    instead cut this row's top_p boundary (top_p one float32 step from a prefix mass) differently at width 3,000."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(1, 3000, generator=g) * 3, -1)
+    ps, u, ks = torch.tensor([0.5339059829711914]), torch.tensor([0.3115], dtype=torch.float64), torch.tensor([0])
+    assert _draw_filtered(probs, ks, ps, None, u).item() == _draw_filtered(probs, ks, ps, None, u, width=3000).item()
+
+
+def test_a_row_whose_candidates_end_in_zero_mass_needs_no_wider_candidates():
+    """A constraint that leaves 3 tokens under top_k 40: every token past them has no mass and is never drawn, so
+    the pre-cut is exact (it used to widen to 1,024 and then sort the whole vocabulary, every step)."""
+    probs = torch.zeros(1, 3000)
+    probs[0, :3] = torch.tensor([0.5, 0.3, 0.2])
+    vals, _ = probs.topk(128)
+    assert sampler._kept(vals, torch.tensor([40]), torch.tensor([1.0]), None, 3000, False)[1].item()

@@ -193,19 +193,22 @@ def _kept(vals, ks, ps, min_ps, vocab, full):
     k_in = ks <= C
     ranks = torch.arange(C, device=vals.device)[None, :]
     cum32 = vals.cumsum(-1)  # float32, as the cut has always been
-    mass_k = torch.where(k_in, cum32.gather(-1, (ks.clamp_max(C) - 1)[:, None])[:, 0], 1.0)
+    # Without a top_k the mass is 1 on every path: the full sort's last prefix sum rounds away from 1, which would
+    # make the cut near a boundary depend on how wide the candidates were.
+    mass_k = torch.where(k_in & (ks < vocab), cum32.gather(-1, (ks.clamp_max(C) - 1)[:, None])[:, 0], 1.0)
     out = (ranks >= ks[:, None]) | ((ps < 1)[:, None] & ((cum32 - vals) >= (ps * mass_k)[:, None]))
     if min_ps is not None:
         out |= vals < min_ps[:, None] * vals[:, :1]
     out[:, 0] = False  # the likeliest token is always kept
     if full:
         return ~out, torch.ones_like(k_in)
-    # Exact when the cut needs no token outside (top_k within, or no top_k and the last candidate cut) and the
-    # last kept token is strictly likelier than the last candidate, so no token outside ties with it.
+    # Exact when the cut needs no token outside (top_k within, or no top_k and the last candidate cut) and no
+    # token outside can matter: the last kept token is strictly likelier than the last candidate (no tie with one
+    # outside), or the last candidate has no mass (then none outside has any, and a token of no mass is never drawn:
+    # a constraint that leaves fewer tokens than top_k, or a tail that underflows, needs no wider candidates).
     last = (ranks * (~out)).amax(-1)  # [R] the last kept rank
-    exact = (
-        (k_in | ((ks == vocab) & out[:, -1])) & (last < C - 1) & (vals.gather(-1, last[:, None])[:, 0] > vals[:, -1])
-    )
+    no_tie = (last < C - 1) & (vals.gather(-1, last[:, None])[:, 0] > vals[:, -1])
+    exact = (k_in | ((ks == vocab) & out[:, -1])) & (no_tie | (vals[:, -1] == 0))
     return ~out, exact
 
 
