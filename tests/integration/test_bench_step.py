@@ -75,3 +75,40 @@ def test_step_command_runs_the_measure_asked_for_and_refuses_another_measures_op
     assert "--batch does not apply to --measure roofline" in capsys.readouterr().err
     assert main(["bench", "breakdown", "--measure", "paging", *engine]) == 2
     assert "bench breakdown is bench step --measure breakdown" in capsys.readouterr().err
+
+
+def test_loop_measure_runs_a_real_decode_worker_whose_every_step_reaches_its_gateway(tmp_path, capsys):
+    """`--measure loop`: a DecodeWorker's own loop decodes the batch, a forward pass per step, and every
+    sequence's token of every step arrives at the bench's gateway as a Tokens message; the worker is left empty."""
+    from kvferry.tools.bench import loop
+
+    save_tiny_model("llama", tmp_path)
+    engine = ["--model", str(tmp_path), "--block-size", "8", "--kv-cache-memory", "1MiB", "--num-threads", "1"]
+    options = [
+        "--measure",
+        "loop",
+        "--batch",
+        "1,5",
+        "--context",
+        "12",
+        "--steps",
+        "3",
+        "--sampling",
+        "greedy,penalized",
+    ]
+    assert main(["bench", "step", *options, *engine, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = report["runs"]
+    assert [(r["sampling"], r["batch"]) for r in runs] == [
+        ("greedy", 1),
+        ("greedy", 5),
+        ("penalized", 1),
+        ("penalized", 5),
+    ]
+    for r in runs:
+        assert r["tokens_messages"] == r["batch"] * (loop.WARMUP_STEPS + 3 + 1), r
+        assert 0 < r["forward_ms"] <= r["step_ms"] and r["outside_ms"] >= 0 and r["process_cpu_ms_per_step"] > 0, r
+    assert main(["bench", "step", *options, "--sampling", "greedy,beam", *engine]) == 2
+    assert "--sampling takes greedy" in capsys.readouterr().err
+    assert main(["bench", "step", "--measure", "split", "--batch", "1,5", *engine]) == 2
+    assert "takes one --batch" in capsys.readouterr().err

@@ -37,6 +37,12 @@ def _positive_list(convert, what: str, example: str):
 
 _rates = _positive_list(float, "rates (requests per second)", "0.5,1,2,4")
 _threads = _positive_list(int, "thread counts", "1,2")
+_batches = _positive_list(int, "batch sizes", "1,32,256")
+
+
+def _names(text: str) -> list[str]:
+    """A comma-separated list of names (checked by the command that takes them)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
 
 
 def _against_the_floor(p, runs: str) -> None:
@@ -130,9 +136,15 @@ def add_bench_parser(sub) -> None:
         "named in their help, and are refused with another.",
     )
     p.add_argument(
-        "--measure", default=None, choices=["split", "breakdown", "paging", "roofline"], help="default: split"
+        "--measure", default=None, choices=["split", "breakdown", "paging", "roofline", "loop"], help="default: split"
     )
-    p.add_argument("--batch", type=int, default=None, help="split, breakdown, paging: decoding sequences (32)")
+    p.add_argument(
+        "--batch",
+        type=_batches,
+        default=None,
+        metavar="N[,N...]",
+        help="split, breakdown, paging: decoding sequences (32); loop: a list of them (1,32,64,256)",
+    )
     p.add_argument(
         "--context", type=int, default=None, help="split, breakdown, paging: prompt tokens of each sequence (256)"
     )
@@ -145,7 +157,18 @@ def add_bench_parser(sub) -> None:
     )
     p.add_argument("--chunk", type=int, default=None, help="breakdown: tokens of the prefill chunk (512)")
     p.add_argument(
-        "--profile", action="store_true", help="split: also print the top functions outside the model (cProfile)"
+        "--profile",
+        action="store_true",
+        help="split, loop: also print the top functions (cProfile; loop: of every run, over its timed steps)",
+    )
+    p.add_argument(
+        "--sampling",
+        type=_names,
+        default=None,
+        metavar="MODE[,MODE...]",
+        help="loop: each sequence's sampling: greedy, temperature (0.8, a seed each), sampled (temperature 0.8, top_p "
+        "0.95, a seed each) or penalized (sampled, with repetition, frequency and presence penalties) "
+        "(greedy,temperature,sampled)",
     )
     p.add_argument("--workload", default=None, choices=list(workload.WORKLOADS), help="roofline: the workload (std-32)")
     p.add_argument("--trials", type=int, default=None, help="roofline: trials of each limit; the best is kept (3)")

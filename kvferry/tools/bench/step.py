@@ -1,5 +1,5 @@
 """`kvferry bench step`: the engine's step measured in process, one --measure at a time: split (here), breakdown
-(breakdown.py), paging (paging.py), roofline (roofline_measure.py).
+(breakdown.py), paging (paging.py), roofline (roofline_measure.py), loop (loop.py: the decode worker's whole loop).
 
 The split: 32 sequences with 256-token prompts are prefilled, then decode steps are timed whole (`engine.step()`)
 and, inside them, the model's forward and logits alone (the eager forward, or the decode graph's run); the rest is
@@ -141,22 +141,61 @@ def _paging(engine, args) -> tuple[dict, str]:
 
 
 # --measure -> (what it runs on the engine, its defaults; an option absent here is refused with it). roofline
-# builds an engine only with --engine, after measuring the limits.
+# builds an engine only with --engine, after measuring the limits; loop builds a decode worker.
 MEASURES = {
     "split": (_split, {"batch": 32, "context": 256, "steps": 20, "profile": False}),
     "breakdown": (_breakdown, {"batch": 32, "context": 256, "steps": 6, "chunk": 512}),
     "paging": (_paging, {"batch": 32, "context": 256, "steps": 10}),
     "roofline": (None, {"workload": "std-32", "trials": 3, "measured_tok_s": None, "engine": False}),
+    "loop": (
+        None,
+        {
+            "batch": [1, 32, 64, 256],
+            "context": 256,
+            "steps": 20,
+            "profile": False,
+            "sampling": ["greedy", "temperature", "sampled"],
+        },
+    ),
 }
-OPTIONS = ("batch", "context", "steps", "chunk", "profile", "workload", "trials", "measured_tok_s", "engine")
+OPTIONS = (
+    "batch",
+    "context",
+    "steps",
+    "chunk",
+    "profile",
+    "workload",
+    "trials",
+    "measured_tok_s",
+    "engine",
+    "sampling",
+)
+
+
+def _config(args) -> EngineConfig:
+    config = EngineConfig.from_args(args)
+    config.num_threads = config.num_threads or 2
+    return config
 
 
 def _engine(args):
     from kvferry.common.engine import LLMEngine
 
-    config = EngineConfig.from_args(args)
-    config.num_threads = config.num_threads or 2
-    return LLMEngine(config)
+    return LLMEngine(_config(args))
+
+
+def _loop(args) -> tuple[dict, str]:
+    from kvferry.tools.bench import loop
+
+    config = _config(args)
+    most = max(args.batch)
+    config.max_num_seqs = max(config.max_num_seqs, most)  # every batch asked for runs whole
+    config.max_num_batched_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+    reports = loop.measure(config, args.batch, args.sampling, args.context, args.steps, args.profile)
+    threads = torch.get_num_threads()
+    return {"threads": threads, "context": args.context, "steps": args.steps, "runs": reports}, loop.text(
+        reports, threads
+    )
 
 
 def cmd_bench_step(args) -> int:
@@ -174,7 +213,13 @@ def cmd_bench_step(args) -> int:
             flag = "--" + option.replace("_", "-")
             users = ", ".join(m for m, (_, d) in MEASURES.items() if option in d)
             raise ConfigError(f"{flag} does not apply to --measure {args.measure} (it goes with --measure {users})")
-    if run is None:
+    if isinstance(args.batch, list) and args.measure != "loop":
+        if len(args.batch) > 1:
+            raise ConfigError(f"--measure {args.measure} takes one --batch (a list goes with --measure loop)")
+        args.batch = args.batch[0]
+    if args.measure == "loop":
+        report, text = _loop(args)
+    elif run is None:
         from kvferry.tools.bench.offline import run_engine
         from kvferry.tools.bench.roofline_measure import measure_workload
 

@@ -1,0 +1,325 @@
+"""`kvferry bench step --measure loop`: the decode worker's own loop, measured in process around a forward pass that
+costs little (a tiny model: `--model DIR`).
+
+A real DecodeWorker runs its real loop (Worker.serve_forever): this module plays its gateway (a ROUTER socket that
+answers the registration and then only lets the Tokens messages pile up, unread while the loop runs) and its prefill
+worker (one KVTransfer per request, zero KV, admitted before the timing starts). Every forward pass (the model and
+its logits, or a decode graph's run) is timed; the rest of the time between two forward passes is the loop's:
+scheduling, the step's tensors, sampling, the engine's bookkeeping, the Tokens messages, the loop's own turn. The
+process's CPU time (all its threads: ZeroMQ's, OpenMP's, the heartbeat's) is read at each forward's start.
+"""
+
+import contextlib
+import random
+import statistics
+import sys
+import time
+import uuid
+
+import torch
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.errors import ConfigError
+from kvferry.common.sampling import SamplingParams
+from kvferry.common.transport import Channel
+from kvferry.common.worker_config import WorkerConfig
+from kvferry.tools.bench import workload
+
+# --sampling: each sequence's parameters (seed: its index). "sampled" is the benchmark workloads' sampled twin;
+# "temperature" has no top_p: a tiny random model's distributions are nearly flat, and a top_p of 0.95 keeps most
+# of the vocabulary, whose exact cut needs the full sort (sampler.py) that a real model's peaked ones spare.
+SAMPLINGS = {
+    "greedy": dict(temperature=0.0),
+    "temperature": dict(temperature=0.8),
+    "sampled": dict(temperature=0.8, top_p=0.95),
+    "penalized": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+}
+WARMUP_STEPS = 3
+
+
+def sampling_params(mode: str, index: int, max_tokens: int) -> SamplingParams:
+    fields = SAMPLINGS[mode]
+    seed = None if fields["temperature"] == 0 else index
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed, **fields)
+
+
+class ForwardClock:
+    """Wraps the runner's forward calls; at each forward's start it records the wall time, the process's CPU time
+    and the loop thread's, and adds up the forward's own time, by the wall and by the thread's CPU. The thread's CPU
+    time is robust where the wall is not: on a machine whose cores are shared, a preempted loop waits, but it does
+    not run. On CUDA each call is waited for, so that its span is the device's."""
+
+    def __init__(self, runner, on_forward):
+        self.runner, self.on_forward = runner, on_forward
+        self.cuda = torch.device(runner.device).type == "cuda"
+        self.starts: list[tuple[float, float, float]] = []  # (perf_counter, process_time, thread_time) at each start
+        self.forward_s: list[float] = []  # each step's forward time (the model's and the logits' calls together)
+        self.forward_cpu_s: list[float] = []  # the same, by the loop thread's CPU time
+        self.model = runner.model
+        self.graphs = runner.decode_graphs
+
+    def install(self) -> None:
+        clock, model = self, self.model
+
+        class Timed:
+            def __call__(self, *args):
+                clock.start(args[0].shape[0])
+                return clock.timed(model, *args)
+
+            def compute_logits(self, hidden):
+                return clock.timed(model.compute_logits, hidden)
+
+            def __getattr__(self, name):
+                return getattr(model, name)
+
+        self.runner.model = Timed()
+        if self.graphs is not None:
+            graph_run = self.graphs.run
+
+            def run(*args):
+                clock.start(args[0].shape[0])
+                return clock.timed(graph_run, *args)
+
+            self.graphs.run = run
+
+    def uninstall(self) -> None:
+        self.runner.model = self.model
+        if self.graphs is not None:
+            del self.graphs.run  # the instance attribute: the method again
+
+    def start(self, num_rows: int) -> None:
+        self.starts.append((time.perf_counter(), time.process_time(), time.thread_time()))
+        self.forward_s.append(0.0)
+        self.forward_cpu_s.append(0.0)
+        self.on_forward(num_rows)
+
+    def timed(self, fn, *args):
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            if self.cuda:
+                torch.cuda.synchronize()
+            self.forward_s[-1] += time.perf_counter() - started
+            self.forward_cpu_s[-1] += time.thread_time() - started_cpu
+
+
+class Peers:
+    """The worker's gateway (a ROUTER it registers with) and its prefill worker (a DEALER on its KV ingress)."""
+
+    def __init__(self):
+        ctx = zmq.Context.instance()
+        self.gateway = ctx.socket(zmq.ROUTER)
+        self.gateway.setsockopt(zmq.LINGER, 0)
+        self.gateway.setsockopt(zmq.RCVHWM, 0)  # unread while the loop runs: every Tokens message is kept
+        port = self.gateway.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"tcp://127.0.0.1:{port}"
+        self.gateway_channel = Channel(self.gateway, "bench/gateway")
+        self.prefill = None
+        self.prefill_channel = None
+
+    def register(self, worker) -> None:
+        """The registration handshake, as a gateway answers it."""
+        link = worker.links[0]
+        link.register_if_due(worker.register_message(), time.monotonic())
+        if not self.gateway.poll(30_000):
+            raise RuntimeError("the worker did not register")
+        peer, env = self.gateway_channel.recv()
+        assert isinstance(env.message, p.Register), env.message
+        self.gateway_channel.send(p.RegisterReply(True, gateway_id="bench"), to=peer)
+        deadline = time.monotonic() + 30
+        while not link.registered and time.monotonic() < deadline:
+            if link.channel.socket.poll(100):
+                worker.read_socket(link.channel.socket)
+        if not link.registered:
+            raise RuntimeError("the worker did not take the registration reply")
+        self.prefill = zmq.Context.instance().socket(zmq.DEALER)
+        self.prefill.setsockopt(zmq.LINGER, 0)
+        self.prefill.connect(worker.kv_address())
+        self.prefill_channel = Channel(self.prefill, "bench/prefill")
+
+    def admit(self, worker, requests: list[tuple[str, list[int], int, SamplingParams]]) -> None:
+        """Send each request's KV (zeros) as its prefill worker would, and have the worker place it: every request
+        decodes from the loop's first step on. requests: (request id, prompt, first token, parameters)."""
+        engine = worker.engine
+        layout = engine.runner.layout
+        for request_id, prompt, first_token, params in requests:
+            num_blocks = engine.block_manager.num_blocks_for(len(prompt))
+            for lo, hi in engine.layer_groups:
+                shape = [hi - lo, num_blocks, layout.block_size, 2, layout.num_kv_heads, layout.head_dim]
+                kv = torch.zeros(shape, dtype=engine.dtype)  # [layers, blocks, block_size, 2, kvh, d]
+                message = p.KVTransfer(
+                    prefill_worker_id="bench",
+                    prompt_token_ids=prompt,
+                    output_token_ids=[first_token] if hi == engine.num_layers else [],
+                    choices=[0],
+                    sampling=params,
+                    num_computed_tokens=len(prompt),
+                    dtype=str(engine.dtype).removeprefix("torch."),
+                    shape=shape,
+                    deadline_s=time.time() + 600,
+                    gateway_id="bench",
+                    layer_start=lo,
+                )
+                self.prefill_channel.send(message, request_id, frames=[kv.numpy()])
+        acks = 0
+        deadline = time.monotonic() + 60
+        while acks < len(requests) and time.monotonic() < deadline:
+            if worker.kv_in.socket.poll(10):
+                worker.read_socket(worker.kv_in.socket)
+            while self.prefill.poll(0):
+                _, env = self.prefill_channel.recv()
+                if isinstance(env.message, p.KVAck):
+                    if not env.message.accepted:
+                        raise RuntimeError(f"the worker refused a transfer: {env.message.reason}")
+                    acks += 1
+        if acks < len(requests):
+            raise RuntimeError(f"{acks} of {len(requests)} transfers placed")
+
+    def drain(self) -> int:
+        """Read what the worker sent the gateway; returns how many Tokens messages came."""
+        count = 0
+        while self.gateway.poll(0):
+            received = self.gateway_channel.recv()
+            count += received is not None and isinstance(received[1].message, p.Tokens)
+        return count
+
+    def close(self) -> None:
+        for sock in (self.gateway, self.prefill):
+            if sock is not None:
+                sock.close()
+
+
+@contextlib.contextmanager
+def decode_worker(config):
+    """A DecodeWorker registered with the bench's gateway; its loop may run several times (close waits for the end)."""
+    from kvferry.services.decode.worker import DecodeWorker
+
+    peers = Peers()
+    worker = DecodeWorker(config, peers.address, "decode-bench", WorkerConfig(kv_bind="tcp://127.0.0.1:0"))
+    close = worker.close
+    worker.close = lambda: None  # serve_forever closes the worker as it ends: here, only once all runs are done
+    try:
+        peers.register(worker)
+        yield worker, peers
+    finally:
+        close()
+        peers.close()
+
+
+def run(worker, peers: Peers, batch: int, mode: str, context: int, steps: int, rng: random.Random, profile: bool):
+    """One loop run: batch sequences decoding with mode's sampling; the loop stops after WARMUP_STEPS + steps
+    forward passes of the whole batch. Returns the report, and the profile's text (or "")."""
+    engine = worker.engine
+    max_tokens = WARMUP_STEPS + steps + 8
+    run_id = uuid.uuid4().hex[:6]
+    requests = [
+        (
+            f"loop-{run_id}-{i}",
+            workload.random_prompt(rng, engine.vocab_size, context),
+            rng.randrange(engine.vocab_size),
+            sampling_params(mode, i, max_tokens),
+        )
+        for i in range(batch)
+    ]
+    peers.admit(worker, requests)
+    profiler = None
+    if profile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+    full = []  # indices into the clock's records of the forwards that ran the whole batch
+
+    def on_forward(num_rows: int) -> None:
+        index = len(clock.starts) - 1
+        if num_rows == batch:
+            full.append(index)
+        if profiler is not None and len(full) == WARMUP_STEPS + 1:
+            profiler.enable()
+        if len(full) > WARMUP_STEPS + steps:  # this forward only closes the last measured step
+            if profiler is not None:
+                profiler.disable()
+            worker.running = False
+
+    clock = ForwardClock(engine.runner, on_forward)
+    clock.install()
+    worker.running = True
+    try:
+        worker.serve_forever()
+    finally:
+        clock.uninstall()
+        for request_id, *_ in requests:
+            worker.forget_request(request_id, 0)
+        num_tokens_messages = peers.drain()
+    measured = full[WARMUP_STEPS:]
+    if len(measured) < steps + 1 or measured != list(range(measured[0], measured[0] + len(measured))):
+        raise RuntimeError(f"the batch of {batch} did not decode {steps} steps in a row")
+    periods, outside, outside_cpu, cpus = [], [], [], []
+    for i in measured[:-1]:
+        (wall, cpu, thread), (next_wall, next_cpu, next_thread) = clock.starts[i], clock.starts[i + 1]
+        periods.append(next_wall - wall)
+        outside.append(next_wall - wall - clock.forward_s[i])
+        outside_cpu.append(next_thread - thread - clock.forward_cpu_s[i])
+        cpus.append(next_cpu - cpu)
+    outside_s, outside_cpu_s = statistics.median(outside), statistics.median(outside_cpu)
+    cpu_s = sum(cpus) / len(cpus)  # a mean: the CPU of the threads beside the loop comes in lumps
+    report = {
+        "batch": batch,
+        "sampling": mode,
+        "step_ms": round(statistics.median(periods) * 1000, 3),
+        "forward_ms": round(statistics.median(clock.forward_s[i] for i in measured[:-1]) * 1000, 3),
+        "outside_ms": round(outside_s * 1000, 3),
+        "outside_cpu_ms": round(outside_cpu_s * 1000, 3),
+        "outside_cpu_us_per_seq": round(outside_cpu_s * 1e6 / batch, 1),
+        "process_cpu_ms_per_step": round(cpu_s * 1000, 3),
+        "process_cpu_us_per_token": round(cpu_s * 1e6 / batch, 1),
+        "tokens_messages": num_tokens_messages,  # every step's, the warm-up's too
+    }
+    return report, profile_text(profiler) if profiler is not None else ""
+
+
+def profile_text(profiler, top: int = 25) -> str:
+    import io
+    import pstats
+
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def measure(config, batches: list[int], modes: list[str], context: int, steps: int, profile: bool = False):
+    """Every (batch, sampling) pair on one worker; returns the reports in that order."""
+    unknown = [mode for mode in modes if mode not in SAMPLINGS]
+    if unknown or not modes:
+        raise ConfigError(f"--sampling takes {', '.join(SAMPLINGS)}, not {', '.join(unknown) or 'nothing'}")
+    rng = random.Random(0)
+    reports = []
+    with decode_worker(config) as (worker, peers):
+        for mode in modes:
+            for batch in batches:
+                run(worker, peers, batch, mode, context, 2, rng, False)  # the first steps at a size allocate
+                report, text = run(worker, peers, batch, mode, context, steps, rng, profile)
+                if text:
+                    print(
+                        f"== cProfile, batch {batch}, {mode}: the loop over {steps} steps ==\n{text}", file=sys.stderr
+                    )
+                reports.append(report)
+    return reports
+
+
+def text(reports: list[dict], threads: int) -> str:
+    lines = [
+        f"\n== the decode worker's loop: the time between two forward passes ({threads} threads) ==",
+        "step, forward, outside: wall ms, medians; outside CPU: the loop thread's CPU between two forwards (ms, and "
+        "us per sequence), medians; process CPU: all its threads, mean ms per step and us per token",
+        f"{'sampling':<10} {'batch':>5} {'step':>8} {'forward':>8} {'outside':>8} {'outside CPU':>11} {'us/seq':>7} "
+        f"{'process CPU':>11} {'us/tok':>7}",
+    ]
+    for r in reports:
+        lines.append(
+            f"{r['sampling']:<10} {r['batch']:>5} {r['step_ms']:>8.2f} {r['forward_ms']:>8.2f} {r['outside_ms']:>8.2f} "
+            f"{r['outside_cpu_ms']:>11.2f} {r['outside_cpu_us_per_seq']:>7.1f} {r['process_cpu_ms_per_step']:>11.2f} "
+            f"{r['process_cpu_us_per_token']:>7.1f}"
+        )
+    return "\n".join(lines)
