@@ -31,6 +31,7 @@ SAMPLING_STREAM = 2
 BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
 PRE_CUT = 128  # the filtered rows' first candidates (at least, see pre_cut())
 WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
+CHUNK_ELEMENTS = 1 << 19  # the plain rows' draw goes this many logits at a time (2 MB of float32)
 _M64 = (1 << 64) - 1
 
 
@@ -121,28 +122,66 @@ def sample(
         staged = stage_sampling(params, uniforms, staging)
         staging.upload()
     if staged is None:
-        return logits.argmax(dim=-1).tolist()
+        return greedy_tokens(logits).tolist()
     rows = None if staged.rows is None else staged.rows.tensor
     sub = (logits if rows is None else logits[rows]).float()  # [R, vocab]
-    # A row with no mass at all (every token -inf: a dead end) is NaN here; as zeros it draws a valid id.
-    probs = torch.softmax(sub / staged.temperatures.tensor[:, None], dim=-1).nan_to_num_(0.0)
-    u = staged.uniforms.tensor
+    temperatures, u = staged.temperatures.tensor, staged.uniforms.tensor
     if not staged.num_filtered:
-        sampled = _draw_plain(probs, u)
+        sampled = _draw_plain_rows(sub, temperatures, u)
     elif not staged.num_plain:
+        probs = _probs(sub, temperatures)
         sampled = _draw_filtered(probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u, staged)
     else:
         plain, filtered = staged.plain.tensor, staged.filtered.tensor
         sampled = torch.empty(len(staged.random_rows), dtype=torch.long, device=logits.device)
-        sampled[plain] = _draw_plain(probs[plain], u[plain])
+        sampled[plain] = _draw_plain_rows(sub[plain], temperatures[plain], u[plain])
+        probs = _probs(sub[filtered], temperatures[filtered])
         sampled[filtered] = _draw_filtered(
-            probs[filtered], staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u[filtered], staged
+            probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u[filtered], staged
         )
     if rows is None:
         return sampled.tolist()
-    token_ids = logits.argmax(dim=-1)  # [N]: the greedy rows keep theirs
+    token_ids = greedy_tokens(logits)  # [N]: the greedy rows keep theirs
     token_ids[rows] = sampled
     return token_ids.tolist()
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """logits [N, vocab] -> [N] each row's argmax (its first maximal index; a NaN counts as the maximum, as for
+    argmax). On the CPU argmax's index-tracking scan is several times slower than a max: the blocks' maxima first,
+    then argmax inside the first block holding the row's maximum."""
+    N, V = logits.shape
+    if logits.device.type != "cpu" or V < 2 * BLOCK:
+        return logits.argmax(dim=-1)
+    whole = V // BLOCK * BLOCK
+    blocks = logits[:, :whole].view(N, -1, BLOCK)  # [N, whole / BLOCK, BLOCK]
+    maxima = blocks.amax(-1)  # [N, whole / BLOCK]
+    if whole < V:  # the tail as one more block
+        maxima = torch.cat([maxima, logits[:, whole:].amax(-1, keepdim=True)], dim=1)
+    b = maxima.argmax(dim=-1)  # [N] the first block holding the maximum
+    in_block = blocks.gather(1, b.clamp_max(blocks.shape[1] - 1)[:, None, None].expand(N, 1, BLOCK))[:, 0]
+    token_ids = b * BLOCK + in_block.argmax(dim=-1)
+    if whole < V:
+        token_ids = torch.where(b == blocks.shape[1], whole + logits[:, whole:].argmax(dim=-1), token_ids)
+    return token_ids
+
+
+def _probs(sub: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """sub [R, vocab] float32 -> softmax(sub / T) per row. A row with no mass at all (every token -inf: a dead end)
+    is NaN there; as zeros it draws a valid id."""
+    return torch.softmax(sub / temperatures[:, None], dim=-1).nan_to_num_(0.0)
+
+
+def _draw_plain_rows(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """_draw_plain of _probs, a few rows at a time: each row's draw is its own, and a chunk's temporaries stay in
+    the cache (the whole batch's float64 block sums, past 32 MB, would be a fresh mapping, page-faulted every step)."""
+    R, V = sub.shape
+    step = max(1, CHUNK_ELEMENTS // V)
+    if R <= step:
+        return _draw_plain(_probs(sub, temperatures), u)
+    return torch.cat(
+        [_draw_plain(_probs(sub[i : i + step], temperatures[i : i + step]), u[i : i + step]) for i in range(0, R, step)]
+    )
 
 
 def _min_ps(staged: SamplingTensors) -> torch.Tensor | None:
@@ -220,6 +259,13 @@ def _draw_kept(vals, idx, kept, u):
     return ids.gather(-1, _pick(mass.cumsum(-1), u)[:, None])[:, 0]
 
 
+def _draw_all(vals, idx, kept, u):
+    """_draw_kept over the whole vocabulary: idx is a permutation of the token ids, so token-id order is where each
+    value came from (a scatter), not a second sort."""
+    mass = torch.zeros_like(vals).scatter_(-1, idx, torch.where(kept, vals, 0.0)).double()  # [R, V] by token id
+    return _pick(mass.cumsum(-1), u)
+
+
 def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
     """probs [R, V]; ks [R] (0: none), ps [R] (1: none), min_ps [R] or None -> [R]. width: the pre-cut (default
     pre_cut() of the rows); the kept set, and so the token, is the full sort's whatever the width."""
@@ -236,7 +282,7 @@ def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
         else:
             vals, idx = _canonical(*sub[0].topk(C, dim=-1))
         kept, exact = _kept(vals, sub[1], sub[2], sub[3], V, full)
-        drawn = _draw_kept(vals, idx, kept, sub[4])
+        drawn = _draw_all(vals, idx, kept, sub[4]) if full else _draw_kept(vals, idx, kept, sub[4])
         if rows is None:
             tokens = drawn
         else:
