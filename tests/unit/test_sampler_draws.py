@@ -206,6 +206,21 @@ def test_a_row_draws_the_same_alone_in_any_batch_and_on_any_thread_count():
         torch.set_num_threads(threads)
 
 
+def test_plain_rows_drawn_a_few_at_a_time_draw_what_each_draws_alone(monkeypatch):
+    """A batch's plain rows go through the draw in chunks of rows (CHUNK_ELEMENTS logits each, here 3 rows): every
+    row draws its own token whichever chunk it falls in, at either end of the uniforms too."""
+    vocab = 3 * sampler.BLOCK + 11
+    monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 3 * vocab)
+    logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(5)) * 2
+    logits[4] = float("-inf")  # a dead end among them
+    params = [SamplingParams(temperature=0.5 + 0.1 * i, seed=i) for i in range(10)]
+    us = [uniform(i, 3) for i in range(9)] + [LAST_U]
+    alone = [sample(logits[i : i + 1], [p], [u])[0] for i, (p, u) in enumerate(zip(params, us))]
+    assert sample(logits, params, us) == alone
+    mixed = [SamplingParams(temperature=0) if i % 4 == 1 else p for i, p in enumerate(params)]
+    assert sample(logits, mixed, us)[::4] == alone[::4]
+
+
 def test_staged_parts_pack_into_one_buffer_of_the_same_values():
     staging = HostStaging(torch.device("cpu"), packed=True)
     parts = [

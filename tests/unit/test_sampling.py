@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvferry.common.errors import InvalidRequest
+from kvferry.common.model import sampler
 from kvferry.common.model.logits_processors import process_logits
 from kvferry.common.model.sampler import sample, uniform
 from kvferry.common.sampling import MAX_LOGIT_BIAS, MAX_SEED, MAX_STOP_TOKEN_IDS, SamplingParams, for_choice
@@ -47,6 +48,22 @@ def test_greedy_rows_take_the_argmax():
     logits = torch.randn(3, 50, generator=gen(0))
     params = [SamplingParams(temperature=0), SamplingParams(top_k=1), SamplingParams(temperature=0, top_p=0.5)]
     assert sample(logits, params, [None, None, None]) == logits.argmax(-1).tolist()
+
+
+def test_greedy_rows_of_a_wide_vocabulary_take_the_first_maximal_index_as_argmax_does():
+    """On the CPU a wide row's argmax goes by its blocks' maxima: the same index wherever the maximum is (ties: the
+    first; a NaN counts as the maximum), in the tail past the last whole block too."""
+    vocab = 5 * sampler.BLOCK + 37
+    logits = (torch.randn(8, vocab, generator=gen(1)) * 2).round()  # many ties, across blocks too
+    logits[1, -5:] = 100.0  # the maximum in the tail, several times
+    logits[2, [7, sampler.BLOCK + 3]] = 100.0  # tied maxima in two blocks
+    logits[3, [sampler.BLOCK * 2 + 1, 40]] = float("nan")
+    logits[4] = float("-inf")
+    logits[5, -1] = float("nan")
+    params = [SamplingParams(temperature=0)] * len(logits)
+    want = logits.argmax(-1).tolist()
+    assert sample(logits, params, [None] * len(logits)) == want
+    assert want[1:6] == [vocab - 5, 7, 40, 0, vocab - 1]
 
 
 def test_vanishing_temperature_is_greedy_not_nan():
