@@ -212,6 +212,37 @@ def test_each_row_gets_its_own_penalties_and_rows_that_ask_for_none_are_untouche
     assert process_logits(logits, [rows[1]] * 3, eos_token_ids=()) is logits  # nothing asked: no copy
 
 
+def test_rows_processed_together_get_bit_for_bit_what_each_gets_alone():
+    """The processors run across the rows that share a penalty's value: a row's logits come out exactly as when it
+    is processed alone, and only its drawn tokens' change (a -0.0 elsewhere stays -0.0)."""
+    vocab = 64
+    logits = (torch.randn(8, vocab, generator=gen(4)) * 3).round()
+    logits[:, ::5] = -0.0  # logits a zero penalty may turn into 0.0
+    options = [
+        dict(frequency_penalty=-0.5, presence_penalty=-0.25),
+        dict(frequency_penalty=0.5, presence_penalty=-0.25),
+        dict(frequency_penalty=-0.0, presence_penalty=-0.25),
+        dict(frequency_penalty=0.0, presence_penalty=-0.25),
+        dict(repetition_penalty=1.25, presence_penalty=0.5, logit_bias=((3, 1.5), (3, -0.25), (9, 2.0))),
+        dict(repetition_penalty=1.25, min_tokens=4, stop_token_ids=(5, 6)),
+        dict(repetition_penalty=0.8, frequency_penalty=0.5),
+        dict(),
+    ]
+    rows = [
+        seq(SamplingParams(**option), [(7 * i + j) % vocab for j in range(9)], [(3 * i + j * j) % 20 for j in range(i)])
+        for i, option in enumerate(options)
+    ]
+    together = process_logits(logits, rows, eos_token_ids=(0,))
+    for i, row in enumerate(rows):
+        alone = process_logits(logits[i : i + 1], [row], eos_token_ids=(0,))[0]
+        assert torch.equal(together[i].view(torch.int32), alone.view(torch.int32)), i
+        changed = (
+            set(row.prompt_token_ids) | set(row.output_token_ids) | {t for t, _ in row.params.logit_bias} | {0, 5, 6}
+        )
+        kept = [t for t in range(vocab) if t not in changed]
+        assert torch.equal(together[i, kept].view(torch.int32), logits[i, kept].view(torch.int32)), i
+
+
 # Probabilities whose ratios to the most likely one are 1, .8, .6, .4, .27, .17, .1: each min_p below keeps a
 # different number of tokens, well clear of its threshold, and every token cut has mass enough to show if it leaked.
 PROBS = [0.30, 0.24, 0.18, 0.12, 0.08, 0.05, 0.03]
