@@ -237,20 +237,22 @@ class Scheduler:
 
     def _schedule_decode(self) -> StepPlan:
         plan = StepPlan(is_prefill=False)
+        bm, size = self.block_manager, self.block_manager.block_size
         for seq in list(self.running):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            while not self.block_manager.can_allocate(
-                self.block_manager.blocks_needed(seq.block_table, seq.num_tokens)
-            ):
-                victim = self.running[-1]
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is seq:
-                    break
-            if seq.status == SequenceStatus.RUNNING:
-                self.block_manager.grow(seq.block_table, seq.num_tokens)
-                plan.chunks.append(ScheduledChunk(seq, 1))
+            num_tokens = seq.num_tokens
+            if len(seq.block_table) * size < num_tokens:  # its new token starts a block
+                while not bm.can_allocate(bm.blocks_needed(seq.block_table, num_tokens)):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    continue
+                bm.grow(seq.block_table, num_tokens)
+            plan.chunks.append(ScheduledChunk(seq, 1))
         return plan
 
     def _preempt(self, seq: Sequence) -> None:

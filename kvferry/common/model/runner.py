@@ -63,6 +63,15 @@ class StepInputs:
     sampling_tensors: SamplingTensors | None  # their sampling parameters; None when all are greedy
 
 
+def _padded(tables: list[list[int]], width: int) -> list[int]:
+    """Block tables as one flat row-major list, each padded with 0 to width."""
+    flat = []
+    for table in tables:
+        flat += table
+        flat += [0] * (width - len(table))
+    return flat
+
+
 def enable_cpu_kernels() -> list[str]:
     """kernels.cpu.enable in the cache folder (this user's alone, as each library in it)."""
     build_dir = model_files.cache_folder("kernels")  # the cache root and it: this user's alone, or a ConfigError
@@ -153,17 +162,26 @@ class ModelRunner:
     def prepare(self, plan: StepPlan) -> StepInputs:
         """The step's inputs on the device, sent as one copy (host_staging.py)."""
         block_size = self.layout.block_size
-        input_ids, positions, slots, tables, context_lens, cu = [], [], [], [], [], [0]
-        for chunk in plan.chunks:
-            seq = chunk.seq
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
-            input_ids.extend(seq.token_ids[start:end] if plan.is_prefill else (seq.last_token_id,))
-            positions.extend(range(start, end))
-            table = seq.block_table
-            slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-            tables.append(table[: -(-end // block_size)])
-            context_lens.append(end)
-            cu.append(cu[-1] + chunk.num_new_tokens)
+        if plan.is_prefill:
+            input_ids, positions, slots, tables, context_lens, cu = [], [], [], [], [], [0]
+            for chunk in plan.chunks:
+                seq = chunk.seq
+                start, end = seq.num_computed_tokens, seq.num_computed_tokens + chunk.num_new_tokens
+                input_ids.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                table = seq.block_table
+                slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+                tables.append(table[: -(-end // block_size)])
+                context_lens.append(end)
+                cu.append(cu[-1] + chunk.num_new_tokens)
+        else:  # one token a sequence: the same arrays, built a whole list at a time
+            seqs = [chunk.seq for chunk in plan.chunks]
+            input_ids = [seq.last_token_id for seq in seqs]
+            positions = [seq.num_computed_tokens for seq in seqs]
+            slots = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)]
+            tables = [seq.block_table[: p // block_size + 1] for seq, p in zip(seqs, positions)]
+            context_lens = [p + 1 for p in positions]
+            cu = list(range(len(seqs) + 1))
         width = max(len(t) for t in tables)
         sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
         staging = HostStaging(self.device, self.pack_inputs)
@@ -171,7 +189,7 @@ class ModelRunner:
             staging.add(input_ids, torch.long),
             staging.add(positions, torch.long),
             staging.add(slots, torch.long),
-            staging.add([b for t in tables for b in t + [0] * (width - len(t))], torch.int32, (len(tables), width)),
+            staging.add(_padded(tables, width), torch.int32, (len(tables), width)),
             staging.add(context_lens, torch.int32),
             staging.add(cu, torch.int32),
             staging.add([cu[i + 1] - 1 for i in sampling], torch.long),  # each sampling chunk's last token
