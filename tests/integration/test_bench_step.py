@@ -108,6 +108,7 @@ def test_loop_measure_runs_a_real_decode_worker_whose_every_step_reaches_its_gat
     for r in runs:
         assert r["tokens_messages"] == r["batch"] * (loop.WARMUP_STEPS + 3 + 1), r
         assert 0 < r["forward_ms"] <= r["step_ms"] and r["outside_ms"] >= 0 and r["process_cpu_ms_per_step"] > 0, r
+        assert 0 < r["messages_cpu_ms"] <= r["outside_cpu_ms"], r  # each step's Tokens are part of the loop's time
     assert main(["bench", "step", *options, "--sampling", "greedy,beam", *engine]) == 2
     assert "--sampling takes greedy" in capsys.readouterr().err
     assert main(["bench", "step", "--measure", "split", "--batch", "1,5", *engine]) == 2

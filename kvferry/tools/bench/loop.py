@@ -5,11 +5,15 @@ A real DecodeWorker runs its real loop (Worker.serve_forever): this module plays
 answers the registration and then only lets the Tokens messages pile up, unread while the loop runs) and its prefill
 worker (one KVTransfer per request, zero KV, admitted before the timing starts). Every forward pass (the model and
 its logits, or a decode graph's run) is timed; the rest of the time between two forward passes is the loop's:
-scheduling, the step's tensors, sampling, the engine's bookkeeping, the Tokens messages, the loop's own turn. The
-process's CPU time (all its threads: ZeroMQ's, OpenMP's, the heartbeat's) is read at each forward's start.
+scheduling, the step's tensors, sampling, the engine's bookkeeping, the Tokens messages (timed apart too), the
+loop's own turn; by the wall, and by the loop thread's CPU time. The process's CPU time (all its threads: ZeroMQ's,
+OpenMP's, the heartbeat's) is read at the first and the last measured forward.
 """
 
 import contextlib
+import cProfile
+import io
+import pstats
 import random
 import statistics
 import sys
@@ -44,18 +48,22 @@ def sampling_params(mode: str, index: int, max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=seed, **fields)
 
 
+def _now() -> tuple[float, float]:
+    """(wall, this thread's CPU) seconds. The thread's CPU time is robust where the wall is not: on a machine whose
+    cores are shared, a preempted loop waits, but it does not run."""
+    return time.perf_counter(), time.thread_time()
+
+
 class ForwardClock:
-    """Wraps the runner's forward calls; at each forward's start it records the wall time, the process's CPU time
-    and the loop thread's, and adds up the forward's own time, by the wall and by the thread's CPU. The thread's CPU
-    time is robust where the wall is not: on a machine whose cores are shared, a preempted loop waits, but it does
-    not run. On CUDA each call is waited for, so that its span is the device's."""
+    """Wraps the runner's forward calls (the model and its logits, or a decode graph's run): at each forward's start
+    it records the time, and it adds up each forward's own time. On CUDA each call is waited for, so that its span
+    is the device's."""
 
     def __init__(self, runner, on_forward):
         self.runner, self.on_forward = runner, on_forward
         self.cuda = torch.device(runner.device).type == "cuda"
-        self.starts: list[tuple[float, float, float]] = []  # (perf_counter, process_time, thread_time) at each start
-        self.forward_s: list[float] = []  # each step's forward time (the model's and the logits' calls together)
-        self.forward_cpu_s: list[float] = []  # the same, by the loop thread's CPU time
+        self.starts: list[tuple[float, float]] = []  # _now() at each forward's start
+        self.forwards: list[list[float]] = []  # each forward's [wall, thread CPU], its model and logits together
         self.model = runner.model
         self.graphs = runner.decode_graphs
 
@@ -89,20 +97,40 @@ class ForwardClock:
             del self.graphs.run  # the instance attribute: the method again
 
     def start(self, num_rows: int) -> None:
-        self.starts.append((time.perf_counter(), time.process_time(), time.thread_time()))
-        self.forward_s.append(0.0)
-        self.forward_cpu_s.append(0.0)
+        self.starts.append(_now())
+        self.forwards.append([0.0, 0.0])
         self.on_forward(num_rows)
 
     def timed(self, fn, *args):
-        started, started_cpu = time.perf_counter(), time.thread_time()
+        wall, cpu = _now()
         try:
             return fn(*args)
         finally:
             if self.cuda:
                 torch.cuda.synchronize()
-            self.forward_s[-1] += time.perf_counter() - started
-            self.forward_cpu_s[-1] += time.thread_time() - started_cpu
+            now_wall, now_cpu = _now()
+            self.forwards[-1][0] += now_wall - wall
+            self.forwards[-1][1] += now_cpu - cpu
+
+
+@contextlib.contextmanager
+def spans_of(owner, name: str):
+    """Each call of owner.name while inside, as (wall, thread CPU) seconds, in a list."""
+    method, spans = getattr(owner, name), []
+
+    def timed(*args, **kwargs):
+        wall, cpu = _now()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            now_wall, now_cpu = _now()
+            spans.append((now_wall - wall, now_cpu - cpu))
+
+    setattr(owner, name, timed)
+    try:
+        yield spans
+    finally:
+        delattr(owner, name)  # the instance attribute: the method again
 
 
 class Peers:
@@ -224,29 +252,29 @@ def run(worker, peers: Peers, batch: int, mode: str, context: int, steps: int, r
         for i in range(batch)
     ]
     peers.admit(worker, requests)
-    profiler = None
-    if profile:
-        import cProfile
-
-        profiler = cProfile.Profile()
-    full = []  # indices into the clock's records of the forwards that ran the whole batch
+    profiler = cProfile.Profile() if profile else None
+    full = []  # the indices of the forwards that ran the whole batch
+    process_cpu = []  # the process's CPU time (all its threads) at the first measured forward and the last
 
     def on_forward(num_rows: int) -> None:
-        index = len(clock.starts) - 1
         if num_rows == batch:
-            full.append(index)
-        if profiler is not None and len(full) == WARMUP_STEPS + 1:
-            profiler.enable()
+            full.append(len(clock.starts) - 1)
+        if len(full) == WARMUP_STEPS + 1 and not process_cpu:
+            process_cpu.append(time.process_time())
+            if profiler is not None:
+                profiler.enable()
         if len(full) > WARMUP_STEPS + steps:  # this forward only closes the last measured step
             if profiler is not None:
                 profiler.disable()
+            process_cpu.append(time.process_time())
             worker.running = False
 
     clock = ForwardClock(engine.runner, on_forward)
     clock.install()
     worker.running = True
     try:
-        worker.serve_forever()
+        with spans_of(worker, "step") as worker_steps, spans_of(engine, "step") as engine_steps:
+            worker.serve_forever()
     finally:
         clock.uninstall()
         for request_id, *_ in requests:
@@ -255,34 +283,41 @@ def run(worker, peers: Peers, batch: int, mode: str, context: int, steps: int, r
     measured = full[WARMUP_STEPS:]
     if len(measured) < steps + 1 or measured != list(range(measured[0], measured[0] + len(measured))):
         raise RuntimeError(f"the batch of {batch} did not decode {steps} steps in a row")
-    periods, outside, outside_cpu, cpus = [], [], [], []
-    for i in measured[:-1]:
-        (wall, cpu, thread), (next_wall, next_cpu, next_thread) = clock.starts[i], clock.starts[i + 1]
-        periods.append(next_wall - wall)
-        outside.append(next_wall - wall - clock.forward_s[i])
-        outside_cpu.append(next_thread - thread - clock.forward_cpu_s[i])
-        cpus.append(next_cpu - cpu)
-    outside_s, outside_cpu_s = statistics.median(outside), statistics.median(outside_cpu)
-    cpu_s = sum(cpus) / len(cpus)  # a mean: the CPU of the threads beside the loop comes in lumps
+    if not len(worker_steps) == len(engine_steps) == len(clock.starts):  # then step k ran forward k
+        raise RuntimeError("a worker step ran no forward pass, or several")
+    steps_at = measured[:-1]  # step i: from forward i's start to forward i + 1's
+
+    def between(i: int, part: int) -> float:  # part 0: the wall, 1: the thread's CPU
+        return clock.starts[i + 1][part] - clock.starts[i][part]
+
+    def median_ms(values) -> float:
+        return round(statistics.median(values) * 1000, 3)
+
+    outside = [between(i, 0) - clock.forwards[i][0] for i in steps_at]
+    outside_cpu = [between(i, 1) - clock.forwards[i][1] for i in steps_at]
+    # The Tokens messages: the worker's step less the engine's (each output's Tokens, built and sent).
+    messages = [worker_steps[i][0] - engine_steps[i][0] for i in steps_at]
+    messages_cpu = [worker_steps[i][1] - engine_steps[i][1] for i in steps_at]
+    process_cpu_s = (process_cpu[1] - process_cpu[0]) / steps
     report = {
         "batch": batch,
         "sampling": mode,
-        "step_ms": round(statistics.median(periods) * 1000, 3),
-        "forward_ms": round(statistics.median(clock.forward_s[i] for i in measured[:-1]) * 1000, 3),
-        "outside_ms": round(outside_s * 1000, 3),
-        "outside_cpu_ms": round(outside_cpu_s * 1000, 3),
-        "outside_cpu_us_per_seq": round(outside_cpu_s * 1e6 / batch, 1),
-        "process_cpu_ms_per_step": round(cpu_s * 1000, 3),
-        "process_cpu_us_per_token": round(cpu_s * 1e6 / batch, 1),
+        "step_ms": median_ms([between(i, 0) for i in steps_at]),
+        "forward_ms": median_ms([clock.forwards[i][0] for i in steps_at]),
+        "outside_ms": median_ms(outside),
+        "outside_cpu_ms": median_ms(outside_cpu),
+        "outside_cpu_us_per_seq": round(statistics.median(outside_cpu) * 1e6 / batch, 1),
+        "messages_ms": median_ms(messages),
+        "messages_cpu_ms": median_ms(messages_cpu),
+        "rest_cpu_ms": median_ms([o - m for o, m in zip(outside_cpu, messages_cpu)]),
+        "process_cpu_ms_per_step": round(process_cpu_s * 1000, 3),  # a mean: other threads' CPU comes in lumps
+        "process_cpu_us_per_token": round(process_cpu_s * 1e6 / batch, 1),
         "tokens_messages": num_tokens_messages,  # every step's, the warm-up's too
     }
     return report, profile_text(profiler) if profiler is not None else ""
 
 
 def profile_text(profiler, top: int = 25) -> str:
-    import io
-    import pstats
-
     out = io.StringIO()
     pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(top)
     return out.getvalue()
@@ -311,15 +346,16 @@ def measure(config, batches: list[int], modes: list[str], context: int, steps: i
 def text(reports: list[dict], threads: int) -> str:
     lines = [
         f"\n== the decode worker's loop: the time between two forward passes ({threads} threads) ==",
-        "step, forward, outside: wall ms, medians; outside CPU: the loop thread's CPU between two forwards (ms, and "
-        "us per sequence), medians; process CPU: all its threads, mean ms per step and us per token",
-        f"{'sampling':<10} {'batch':>5} {'step':>8} {'forward':>8} {'outside':>8} {'outside CPU':>11} {'us/seq':>7} "
-        f"{'process CPU':>11} {'us/tok':>7}",
+        "wall ms (medians): the step, its forward, the rest; the loop thread's CPU ms outside the forward (medians):",
+        "all of it (and per sequence), the Tokens messages' part, the rest; the process's CPU (all its threads, a",
+        "mean): ms per step, us per token",
+        f"{'sampling':<11} {'batch':>5} {'step':>8} {'forward':>8} {'outside':>8} | {'CPU':>7} {'us/seq':>7} "
+        f"{'Tokens':>7} {'rest':>7} | {'process':>8} {'us/tok':>7}",
     ]
     for r in reports:
         lines.append(
-            f"{r['sampling']:<10} {r['batch']:>5} {r['step_ms']:>8.2f} {r['forward_ms']:>8.2f} {r['outside_ms']:>8.2f} "
-            f"{r['outside_cpu_ms']:>11.2f} {r['outside_cpu_us_per_seq']:>7.1f} {r['process_cpu_ms_per_step']:>11.2f} "
-            f"{r['process_cpu_us_per_token']:>7.1f}"
+            f"{r['sampling']:<11} {r['batch']:>5} {r['step_ms']:>8.2f} {r['forward_ms']:>8.2f} {r['outside_ms']:>8.2f} | "
+            f"{r['outside_cpu_ms']:>7.2f} {r['outside_cpu_us_per_seq']:>7.1f} {r['messages_cpu_ms']:>7.2f} "
+            f"{r['rest_cpu_ms']:>7.2f} | {r['process_cpu_ms_per_step']:>8.2f} {r['process_cpu_us_per_token']:>7.1f}"
         )
     return "\n".join(lines)
