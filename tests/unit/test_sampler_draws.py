@@ -221,6 +221,19 @@ def test_plain_rows_drawn_a_few_at_a_time_draw_what_each_draws_alone(monkeypatch
     assert sample(logits, mixed, us)[::4] == alone[::4]
 
 
+def test_the_full_sort_orders_as_torchs_stable_descending_sort():
+    """The CPU's radix sort of the probabilities' bits: by value descending, ties by token id, zeros and all."""
+    probs = torch.softmax(torch.randn(6, 3000, generator=torch.Generator().manual_seed(2)) * 4, dim=-1)
+    probs = (probs * 2**12).round() / 2**12  # many ties, and many zeros at the tail
+    probs[1] = 0.0
+    probs[2, ::7] = probs[2, 0]
+    probs[3, 5::9] = -0.0  # a zero by another name
+    want = probs.sort(dim=-1, descending=True, stable=True)
+    vals, idx = sampler.sort_descending(probs)
+    assert torch.equal(idx, want.indices) and torch.equal(vals, want.values)
+    assert torch.equal(sampler.sort_descending(probs[1:4])[1], want.indices[1:4])  # rows alone as in the batch
+
+
 def test_staged_parts_pack_into_one_buffer_of_the_same_values():
     staging = HostStaging(torch.device("cpu"), packed=True)
     parts = [

@@ -22,6 +22,7 @@ A draw never lands on a token of zero mass; a row with no mass at all (a constra
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvferry.common.model.host_staging import HostStaging, Staged
@@ -261,6 +262,21 @@ def _draw_kept(vals, idx, kept, u):
     return ids.gather(-1, _pick(mass.cumsum(-1), u)[:, None])[:, 0]
 
 
+def sort_descending(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """probs [R, V], none negative -> (values, token ids) [R, V] by value descending, then token id: torch's stable
+    descending sort. On the CPU a radix sort of the values' bits instead (a non-negative float's bits order as it
+    does), two stable passes over 16 bits each, numpy's radix sort, several times faster."""
+    if probs.device.type != "cpu" or probs.dtype != torch.float32:
+        s = probs.sort(dim=-1, descending=True, stable=True)
+        return s.values, s.indices
+    # Ascending: by value descending (without the sign bit, -0.0 is 0.0, as the float sort takes it).
+    key = ~(probs.contiguous().numpy().view(np.uint32) & 0x7FFFFFFF)
+    order = np.argsort((key & 0xFFFF).astype(np.uint16), axis=-1, kind="stable")
+    high = np.take_along_axis((key >> 16).astype(np.uint16), order, axis=-1)
+    idx = torch.from_numpy(np.take_along_axis(order, np.argsort(high, axis=-1, kind="stable"), axis=-1))
+    return probs.gather(-1, idx), idx
+
+
 def _draw_all(vals, idx, kept, u):
     """_draw_kept over the whole vocabulary: idx is a permutation of the token ids, so token-id order is where each
     value came from (a scatter), not a second sort."""
@@ -279,8 +295,7 @@ def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
     for C in widths:
         full = C >= V
         if full:
-            s = sub[0].sort(dim=-1, descending=True, stable=True)
-            vals, idx = s.values, s.indices
+            vals, idx = sort_descending(sub[0])
         else:
             vals, idx = _canonical(*sub[0].topk(C, dim=-1))
         kept, exact = _kept(vals, sub[1], sub[2], sub[3], V, full)
