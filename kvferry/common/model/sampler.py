@@ -32,9 +32,10 @@ SAMPLING_STREAM = 2
 BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
 PRE_CUT = 128  # the filtered rows' first candidates (at least, see pre_cut())
 WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
-# The plain rows' draw goes at most this many logits at a time: its float64 temporaries (24 MB) stay below glibc's
-# largest mmap threshold (32 MB), so they come from the heap, not from a fresh mapping page-faulted every step.
-CHUNK_ELEMENTS = 3 << 20
+# The plain rows' draw goes about this many logits at a time (a few MB of temporaries): a whole big batch's float64
+# block sums would spill the caches, and past glibc's largest mmap threshold (32 MB) be a fresh mapping, page-faulted
+# every step; much smaller chunks cost more in per-operation overhead than they save.
+CHUNK_ELEMENTS = 1 << 20
 _M64 = (1 << 64) - 1
 
 
@@ -176,8 +177,7 @@ def _probs(sub: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_plain_rows(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """_draw_plain of _probs, CHUNK_ELEMENTS logits at a time (each row's draw is its own). Not fewer: each chunk's
-    operations are parallel regions of their own, and a region costs most where the cores are shared."""
+    """_draw_plain of _probs, CHUNK_ELEMENTS logits at a time: each row's draw is its own."""
     R, V = sub.shape
     step = max(1, CHUNK_ELEMENTS // V)
     if R <= step:
