@@ -108,6 +108,21 @@ def test_the_pre_cut_draws_exactly_what_the_full_sort_draws(filters):
         assert _draw_filtered(*args).tolist() == full  # the default pre-cut
 
 
+def test_flat_rows_whose_cut_lies_past_the_wide_pre_cut_draw_what_the_full_sort_draws():
+    """A nearly flat distribution (a random model's) keeps most of its vocabulary under top_p: such rows go from the
+    pre-cut straight to the full sort, alone or beside a peaked row that the wide pre-cut settles."""
+    vocab = 3 * sampler.WIDE
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(8)) * 0.2
+    logits[5] *= 40  # peaked: its top_p cut falls among the likeliest few hundred
+    probs = torch.softmax(logits, dim=-1)
+    for params in ([SamplingParams(top_p=0.95)] * 6, [SamplingParams(top_p=0.9), SamplingParams(top_k=2000)] * 3):
+        for rows in (slice(0, 5), slice(0, 6)):
+            args = filtered_args(probs[rows], params[rows], [uniform(row, 3) for row in range(6)][rows])
+            full = _draw_filtered(*args, width=vocab).tolist()
+            assert _draw_filtered(*args).tolist() == full
+            assert _draw_filtered(*args, width=8).tolist() == full
+
+
 def sort_based_cut(logits, top_ks, top_ps, min_ps):
     """The sampler's cut before stream 2 (a full sort of the logits), kept as the oracle: the kept tokens [R, V]."""
     sorted_logits, order = logits.sort(dim=-1, descending=True)

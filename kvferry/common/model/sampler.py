@@ -292,9 +292,9 @@ def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
     R, V = probs.shape
     if width is None:
         width = staged.pre_cut if staged is not None else pre_cut(ks.tolist())
-    widths = sorted({min(V, width), min(V, max(width, WIDE)), V})
     tokens, rows, sub = None, None, (probs, ks, ps, min_ps, u)
-    for C in widths:
+    C = min(V, width)
+    while True:
         full = C >= V
         if full:
             vals, idx = sort_descending(sub[0])
@@ -307,11 +307,24 @@ def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
         else:
             tokens[rows] = drawn
         if full or bool(exact.all()):
-            break
+            return tokens
         inexact = (~exact).nonzero()[:, 0]
         rows = inexact if rows is None else rows[inexact]
         sub = tuple(None if t is None else t[inexact] for t in sub)
-    return tokens
+        wider = min(V, WIDE)
+        C = wider if C < wider and not _all_cut_past(vals[inexact], wider, *sub[1:4]) else V
+
+
+def _all_cut_past(vals, width, ks, ps, min_ps) -> bool:
+    """Whether no row of these candidates (canonical order) could have its cut proven within width candidates: no
+    top_k or min_p that could cut there, and a top_p that the likeliest width tokens cannot reach (at most the
+    candidates' mass and, for each token beyond them, the last one's). A flat distribution's rows: the widening to
+    width would only be undone by the full sort. A guess that errs costs time, never a token."""
+    if min_ps is not None and bool((min_ps > 0).any()):
+        return False
+    C = vals.shape[1]
+    reach = vals.sum(-1, dtype=torch.float64) + (width - C) * vals[:, -1].double()
+    return bool(((ks <= 0) | (ks > width)).all()) and bool((reach < ps.double() * (1 - 1e-3)).all())
 
 
 def mask_constrained(logits: torch.Tensor, constraints: list) -> torch.Tensor:
