@@ -14,8 +14,8 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
 - filtered rows: the kept set follows the rule of the sampler before stream 2 (float32 prefix sums of the probabilities sorted by value, then
   token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p), except that
   top_p = 1 cuts nothing (the old float32 sums could reach 1 early and cut a negligible tail); it is found
-  on a torch.topk pre-cut, checked exact per row and widened (topk(WIDE), then the full sort) where it is not, so
-  it is always the full sort's. The draw runs over the kept set in token-id order, in float64: the token does not
+  on a torch.topk pre-cut, checked exact per row and widened (topk(WIDE), unless WIDE cannot reach the cut, then
+  the full sort) where it is not, so it is always the full sort's. The draw runs over the kept set in token-id order, in float64: the token does not
   depend on how a device orders ties, nor on how wide the pre-cut was.
 A draw never lands on a token of zero mass; a row with no mass at all (a constraint's dead end) returns a valid id.
 """
