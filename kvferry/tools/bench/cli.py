@@ -58,7 +58,7 @@ def _against_the_floor(p, runs: str) -> None:
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="offline workload through the in-process engine")
-    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+    p.add_argument("--workload", default="std-32", choices=[*workload.WORKLOADS, *workload.SAMPLED])
     p.add_argument("--no-paging", action="store_true", help="skip the paged-vs-contiguous decode step")
     _against_the_floor(p, "runs of the engine and of the floor")
     settings.add_arguments(p, settings.BENCH)
