@@ -57,21 +57,27 @@ def _interrupt(*_):
 _handed_out: set[int] = set()
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
     """A port free now and not handed out before by this process, drawn below Linux's ephemeral range (32768 and
-    up): a port from bind(0) goes back to the pool outgoing connections draw from, and one could take it first."""
+    up): a port from bind(0) goes back to the pool outgoing connections draw from, and one could take it first.
+    count: the first of that many consecutive such ports (the control ports of --gateways N)."""
     for _ in range(200):
-        port = random.randrange(20000, 32768)
-        if port in _handed_out:
+        port = random.randrange(20000, 32768 - count + 1)
+        ports = range(port, port + count)
+        if _handed_out.intersection(ports) or not all(_is_free(p) for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
+        _handed_out.update(ports)
         return port
-    raise OSError("no free port found in 20000-32767")
+    raise OSError(f"no {count} free consecutive port(s) found in 20000-32767")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def start_services(
