@@ -195,3 +195,18 @@ def test_a_request_past_the_wire_bound_is_refused_before_anything_is_sent():
         assert not prefill.sock.poll(200)
 
     run(test)
+
+
+def test_with_several_gateway_processes_every_series_names_the_gateway_that_answered():
+    async def test(core):
+        await pair(core)
+        metrics = GatewayMetrics(core, labelled=True)
+        metrics.request_success.labels("stop").inc()
+        lines = [line for line in metrics.exposition().decode().splitlines() if not line.startswith("#")]
+        assert len(lines) > 50 and all(f'gateway="{core.gateway_id}"' in line for line in lines), lines
+        assert f'kvferry:request_success_total{{finished_reason="stop",gateway="{core.gateway_id}"}} 1.0' in lines
+        running = f'kvferry:num_requests_running{{gateway="{core.gateway_id}",role="decode",worker="decode-a"}} 0.0'
+        assert running in lines  # a worker's series keep their own labels beside it
+        assert b"gateway=" not in GatewayMetrics(core).exposition()  # one gateway's output is as it was
+
+    run(test)

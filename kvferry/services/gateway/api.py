@@ -85,7 +85,7 @@ class Api:
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
-        self.metrics = GatewayMetrics(core)
+        self.metrics = GatewayMetrics(core, labelled=config.gateways > 1)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)

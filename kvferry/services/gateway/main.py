@@ -91,10 +91,12 @@ def run_gateway(args) -> None:
     from kvferry.common.tracing import observe
 
     config = from_args(GatewayConfig, args)
-    observe(args, "gateway", "gateway")
+    index = getattr(args, "gateway_index", None)  # one of --gateways N processes (gateway_group.py starts them)
+    observe(args, "gateway", "gateway" if index is None else f"gateway-{index}")
     check_http_exposed(config.host, config.port, config.api_key, args.insecure)
-    # Bound before the model loads: a taken port fails at once, naming the setting.
-    http_socket = listen_tcp(config.host, config.port, settings.label("port"))
+    # Bound before the model loads: a taken port fails at once, naming the setting. One of several processes binds
+    # a socket of its own on the shared port, with SO_REUSEPORT.
+    http_socket = listen_tcp(config.host, config.port, settings.label("port"), reuse_port=config.gateways > 1)
     name = served_model_name(args.model)  # what workers register with; clients may know it by other names
     core = GatewayCore(
         config.control,
@@ -125,12 +127,13 @@ def run_gateway(args) -> None:
         loaded_at=loaded_at,
     )
     log.info(
-        "serving %s as %s on http://%s:%d, workers register at %s",
+        "serving %s as %s on http://%s:%d, workers register at %s%s",
         name,
         ", ".join(names),
         config.host,
         config.port,
         core.control_endpoint,
+        "" if index is None else f" (gateway {core.gateway_id}, process {index + 1} of {config.gateways})",
     )
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not

@@ -4,7 +4,7 @@ from the registry at scrape time, so a worker that leaves leaves the output with
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvferry.common import protocol as p
 
@@ -103,9 +103,25 @@ class WorkerFigures:
         yield CounterMetricFamily("kvferry:forged_messages", forged, core.num_forged)
 
 
+class GatewayLabel:
+    """A registry's series, each with one more label, gateway="<its id>". With several gateway processes behind one
+    port (--gateways), a scrape reaches whichever of them the kernel picks: the label says which one answered."""
+
+    def __init__(self, registry: CollectorRegistry, gateway_id: str):
+        self.registry, self.gateway_id = registry, gateway_id
+
+    def collect(self):
+        for metric in self.registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [s._replace(labels={**s.labels, "gateway": self.gateway_id}) for s in metric.samples]
+            yield labelled
+
+
 class GatewayMetrics:
-    def __init__(self, core):
+    def __init__(self, core, labelled: bool = False):
+        """labelled: every series carries the gateway's id (one of several processes behind one port)."""
         self.registry = registry = CollectorRegistry()
+        self.exposed = GatewayLabel(registry, core.gateway_id) if labelled else registry
         registry.register(WorkerFigures(core))
         self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.", registry=registry)
         self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
@@ -128,4 +144,4 @@ class GatewayMetrics:
         self.kv_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV transfer.", BYTE_BUCKETS)
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

@@ -1,0 +1,57 @@
+"""Where the processes of --gateways N listen. They share the HTTP port: each binds its own socket with SO_REUSEPORT,
+and the kernel hands each new connection to one of them. Each has a control port of its own, the first gateway's
+and the N-1 after it (tcp://HOST:5557 -> :5557, :5558, ...), and every worker is given all of them, so that it
+registers with each. Checked before any process starts: a taken port is refused at once, naming the setting.
+"""
+
+import re
+
+from kvferry.common import settings
+from kvferry.common.bind_check import check_port_free
+from kvferry.common.errors import ConfigError
+
+MAX_PORT = 65535
+TCP_ADDRESS = re.compile(r"tcp://(\[[^\]]*\]|[^:/]+):(\d+)")  # tcp://HOST:PORT, the host bracketed when IPv6
+
+
+def control_addresses(first: str, num_gateways: int, setting: str = "") -> list[str]:
+    """The control address of each of num_gateways gateway processes: first's port and those after it. One gateway
+    keeps first as it is (any ZeroMQ address). setting: how errors name where first came from (default --control)."""
+    setting = setting or settings.label("control")
+    if num_gateways == 1:
+        return [first]
+    match = TCP_ADDRESS.fullmatch(first)
+    if match is None or int(match.group(2)) == 0:
+        raise ConfigError(
+            f"{settings.label('gateways')} {num_gateways} needs {setting} as tcp://HOST:PORT with a "
+            f"fixed port (the gateway processes take PORT, PORT+1, ...), got {first!r}"
+        )
+    host, port = match.group(1), int(match.group(2))
+    if port + num_gateways - 1 > MAX_PORT:
+        raise ConfigError(
+            f"{settings.label('gateways')} {num_gateways} takes the control ports {port} to {port + num_gateways - 1}, "
+            f"beyond {MAX_PORT}: give {setting} a lower port"
+        )
+    return [f"tcp://{host}:{port + i}" for i in range(num_gateways)]
+
+
+def check_gateway_ports(http_host: str, http_port: int, controls: list[str], control_setting: str = "") -> None:
+    """A ConfigError when the HTTP port or a control port is taken: before the gateway processes start, because one
+    process that fails to bind would leave the others serving a part of the group. The HTTP port is checked only for
+    several processes: their SO_REUSEPORT sockets would otherwise join another group of this user's on that port;
+    one gateway's own bind refuses a taken port plainly. control_setting: as control_addresses' setting."""
+    if len(controls) > 1:
+        if http_port == 0:
+            raise ConfigError(
+                f"{settings.label('gateways')} {len(controls)} needs a fixed {settings.label('port')}: with 0 each "
+                "gateway process would listen on a port of its own"
+            )
+        check_port_free(http_host, http_port, settings.label("port"))
+    for address in controls:
+        match = TCP_ADDRESS.fullmatch(address)
+        if match is None or int(match.group(2)) == 0:
+            continue  # ipc://, or a port the system picks: nothing to collide with
+        host = match.group(1).strip("[]")
+        check_port_free(
+            "0.0.0.0" if host == "*" else host, int(match.group(2)), control_setting or settings.label("control")
+        )

@@ -1,0 +1,77 @@
+"""`kvferry gateway --gateways N`: N gateway processes behind one HTTP port, started and watched by this process,
+which serves nothing itself. Each child is a whole gateway (`kvferry gateway --gateway-index I`) with its own
+control port (common/gateway_ports.py); workers are given the list of them.
+
+Signals go on to every child: SIGTERM drains each (a second one stops each at once), Ctrl-C stops them. When one
+child exits of its own accord the others are stopped too, and this process exits 1, so that whatever supervises it
+restarts the group whole rather than leave it serving with fewer processes than asked.
+"""
+
+import logging
+import os
+import signal
+import subprocess
+import time
+
+from kvferry.common import settings
+from kvferry.common.bind_check import check_http_exposed
+from kvferry.common.gateway_config import GatewayConfig
+from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
+from kvferry.common.logs import setup_logging
+from kvferry.common.model_files import resolve_model
+from kvferry.common.setting import from_args
+from kvferry.services.launcher import spawn
+
+log = logging.getLogger("kvferry.gateway")
+
+
+def run_gateway_group(args) -> int:
+    config = from_args(GatewayConfig, args)
+    setup_logging(args.log_format, "gateway-group")
+    # Refused here, before any child starts: each would refuse it too, N times over.
+    check_http_exposed(config.host, config.port, config.api_key, args.insecure)
+    controls = control_addresses(config.control, config.gateways)
+    check_gateway_ports(config.host, config.port, controls)
+    resolve_model(args.model)  # convert once here, not in N processes at the same time
+    # Each child reads this command's settings from the environment, as it got them; --control its own.
+    env = settings.apply_environment(
+        dict(os.environ), settings.child_environment(args, settings.GATEWAY, (settings.GATEWAY,))
+    )
+    procs: list[subprocess.Popen] = []
+    signals: list[int] = []
+
+    def forward(sig, frame):
+        signals.append(sig)
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(sig)
+
+    # Set before the children start, so that a signal never finds this process without them knowing of it.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    for index, control in enumerate(controls):
+        procs.append(spawn("gateway", "--gateway-index", str(index), "--control", control, env=env))
+        if signals:  # it came while the earlier children were starting
+            procs[-1].send_signal(signals[-1])
+    log.info(
+        "%d gateway processes on http://%s:%d; workers register at %s (give each worker --gateway %s)",
+        len(procs),
+        config.host,
+        config.port,
+        ", ".join(controls),
+        ",".join(controls),
+    )
+    failed = False
+    while any(proc.poll() is None for proc in procs):
+        if not signals and not failed:
+            exited = next((i for i, proc in enumerate(procs) if proc.poll() is not None), None)
+            if exited is not None:
+                log.error(
+                    "gateway process %d exited (status %d); stopping the others", exited, procs[exited].returncode
+                )
+                failed = True
+                for proc in procs:
+                    if proc.poll() is None:
+                        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+    return 1 if failed or any(proc.returncode for proc in procs) else 0

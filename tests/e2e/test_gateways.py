@@ -1,0 +1,190 @@
+"""--gateways 2: two gateway processes behind one HTTP port, each with its own control port, every worker registered
+with both, on real processes over real HTTP, with CURVE and an API key on. Fresh connections reach both processes
+(each /v1/workers and /metrics answer says whose it is), requests through the one port are served by both, and
+SIGTERM to the process that started them stops every one. The serve stack is shared by this module's tests."""
+
+import concurrent.futures
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.stack import Stack
+from tests.e2e.test_procfile import descendants, running
+from tests.tiny_models import save_tiny_chat_model
+
+KEY = "gateways-key"
+BODY = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+NUM_TRIES = 60  # fresh connections before both processes must have answered: each misses one with p = 1/2
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("model") / "tiny-chat"
+    save_tiny_chat_model(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, tiny) -> Stack:
+    """`kvferry serve --gateways 2`, ready (serve says so once every worker is registered with each gateway)."""
+    folder = tmp_path_factory.mktemp("serve")
+    keys = folder / "keys"
+    done = subprocess.run([sys.executable, "-m", "kvferry.tools.cli", "keys", str(keys)], capture_output=True)
+    assert done.returncode == 0, done.stderr
+    stack = Stack(
+        folder,
+        model=tiny,
+        kv_cache_memory="16MiB",
+        extra_env={"KVFERRY_CURVE_KEYS": str(keys), "KVFERRY_API_KEY": KEY},
+    )
+    stack.control_port = free_control_ports()
+    try:
+        stack.start(
+            "serve",
+            "serve",
+            *("--gateways", "2", "--port", str(stack.port), "--control-port", str(stack.control_port)),
+            *("--prefill-threads", "1", "--decode-threads", "1"),
+        )
+        wait_for_line(stack, "serve", "kvferry: serving on", 240)
+        yield stack
+    finally:
+        stack.close()
+
+
+def free_control_ports() -> int:
+    from kvferry.services.launcher import free_port
+
+    return free_port(count=2)
+
+
+def wait_for_line(stack: Stack, name: str, text: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while text not in stack.log(name):
+        if stack.procs[name].poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(f"{name} never said {text!r}:\n{stack.log(name)[-3000:]}")
+        time.sleep(0.2)
+
+
+def answers_by_gateway(stack: Stack, path: str, parse) -> dict[str, object]:
+    """parse(answer) -> (gateway id, what it said), over fresh connections until two gateways have answered."""
+    seen: dict[str, object] = {}
+    for _ in range(NUM_TRIES):
+        gateway_id, said = parse(stack, path)
+        seen[gateway_id] = said
+        if len(seen) == 2:
+            break
+    return seen
+
+
+def workers_answer(stack: Stack, path: str):
+    status, answer = stack.get(path)  # urllib: a new connection each time, which the kernel hands to either process
+    assert status == 200, answer
+    return answer["gateway"]["id"], {w["id"]: w["role"] for w in answer["workers"]}
+
+
+def metrics_answer(stack: Stack, path: str):
+    text = stack.text(path)
+    [gateway_id] = set(re.findall(r'gateway="([^"]+)"', text))  # every series names the one process that answered
+    finished = re.findall(r"^kvferry:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return gateway_id, sum(float(n) for n in finished)
+
+
+def gateway_processes(serve_pid: int) -> dict[int, list[str]]:
+    """The gateway children of serve, as pid -> command line."""
+    lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0") for pid in descendants(serve_pid)}
+    return {pid: args for pid, args in lines.items() if "gateway" in args}
+
+
+def option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_every_worker_registers_with_both_gateway_processes_which_fresh_connections_reach(served):
+    gateways = gateway_processes(served.procs["serve"].pid)
+    controls = {option(args, "--gateway-index"): option(args, "--control") for args in gateways.values()}
+    first = served.control_port
+    assert controls == {"0": f"tcp://127.0.0.1:{first}", "1": f"tcp://127.0.0.1:{first + 1}"}
+    workers = [args for pid in descendants(served.procs["serve"].pid) if "--gateway" in (args := cmdline(pid))]
+    assert len(workers) == 2
+    assert all(option(args, "--gateway") == f"{controls['0']},{controls['1']}" for args in workers)
+
+    registered = answers_by_gateway(served, "/v1/workers", workers_answer)
+    assert len(registered) == 2, f"{NUM_TRIES} fresh connections reached one gateway process only"
+    [one, other] = registered.values()
+    assert one == other and sorted(one.values()) == ["decode", "prefill"], registered
+
+
+def cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def test_requests_through_the_one_port_are_served_by_both_processes(served):
+    def complete(i: int):
+        if i % 4 == 0:
+            events = served.stream("/v1/completions", BODY, timeout=120)
+            assert events[-1] == "[DONE]"
+            return events[0]["id"], "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+        status, reply = served.post("/v1/completions", BODY, timeout=120)
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+        return reply["id"], reply["choices"][0]["text"]
+
+    num_requests = 32
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(complete, range(num_requests)))
+    assert len({rid for rid, _ in replies}) == num_requests  # request ids stay unique across the processes
+    assert len({text for _, text in replies}) == 1  # greedy: the same text whichever gateway and worker path
+
+    finished = answers_by_gateway(served, "/metrics", metrics_answer)
+    assert len(finished) == 2, f"{NUM_TRIES} scrapes reached one gateway process only"
+    assert sum(finished.values()) == num_requests and all(n > 0 for n in finished.values()), finished
+    served.auth = {}
+    assert served.post("/v1/completions", BODY)[0] == 401  # each process holds the API key
+
+
+def test_sigterm_to_serve_stops_every_gateway_and_worker(served):
+    serve = served.procs["serve"]
+    children = descendants(serve.pid)
+    assert len(children) >= 4  # two gateways, two workers
+    os.kill(serve.pid, signal.SIGTERM)  # serve alone, not its process group: it must pass the stop on
+    assert serve.wait(timeout=60) == 0, served.log("serve")[-3000:]
+    deadline = time.monotonic() + 10
+    while running(children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not running(children), [cmdline(pid) for pid in running(children)]
+    assert "Traceback" not in served.log("serve")
+
+
+def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(tiny, tmp_path):
+    """The standalone command: it starts two gateways, logs their control addresses for the workers, passes SIGTERM
+    on, and when one of them dies stops the other and exits 1."""
+    stack = Stack(tmp_path, model=tiny)
+    first = free_control_ports()
+    control = f"tcp://127.0.0.1:{first}"
+    both = f"tcp://127.0.0.1:{first},tcp://127.0.0.1:{first + 1}"
+    try:
+        for ending in ("sigterm", "a child dies"):
+            group = stack.start("group", "gateway", "--gateways", "2", "--port", str(stack.port), "--control", control)
+            wait_for_line(stack, "group", f"give each worker --gateway {both}", 60)
+            stack.wait_for(lambda: len(answers_by_gateway(stack, "/v1/workers", workers_answer)) == 2, 60, "both")
+            children = descendants(group.pid)
+            assert len(gateway_processes(group.pid)) == 2
+            if ending == "sigterm":
+                os.kill(group.pid, signal.SIGTERM)
+                assert group.wait(timeout=60) == 0, stack.log("group")[-3000:]
+            else:
+                os.kill(next(iter(gateway_processes(group.pid))), signal.SIGKILL)
+                assert group.wait(timeout=60) == 1, stack.log("group")[-3000:]
+                assert "stopping the others" in stack.log("group")
+            deadline = time.monotonic() + 10
+            while running(children) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not running(children)
+            stack.procs.pop("group")
+    finally:
+        stack.close()
