@@ -138,9 +138,9 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
 def start_profile(pid: int, out: str, cpus: set[int] | None) -> subprocess.Popen:
     spy = Path(sys.executable).with_name("py-spy")
     command = [str(spy) if spy.exists() else "py-spy", "record", "--pid", str(pid), "--rate", "200"]
-    # --gil: only what holds the interpreter (idle threads of a pool would count otherwise); --nonblocking: the
-    # gateway is never paused to be read.
-    command += ["--gil", "--nonblocking", "--format", "raw", "--output", out]
+    # --gil: only what holds the interpreter (idle threads of a pool would count otherwise). Blocking (the gateway
+    # paused for each sample): read without pausing, a third of the stacks came out cut short.
+    command += ["--gil", "--format", "raw", "--output", out]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     try:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
