@@ -22,7 +22,7 @@ from pathlib import Path
 from kvferry.common.errors import KvferryError
 from kvferry.tools.bench.report import say
 from kvferry.tools.bench.synthetic.model_folder import prepare_model_folder
-from kvferry.tools.bench.synthetic.stack import SyntheticStack, synthetic_stack
+from kvferry.tools.bench.synthetic.stack import SyntheticStack, child_setup, synthetic_stack
 
 NEVER_MATCHES = "<|kvferry never matches|>"  # a stop string no cycle word starts: the detokenizer holds nothing back
 WARMUP_STREAMS, WARMUP_TOKENS = 8, 16
@@ -79,7 +79,6 @@ def _quantile(bounds: list[float], counts: list[float], q: float) -> float:
 def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpus: set[int] | None) -> dict:
     """streams spread over client processes, started together once every process's CPU is read; the figures."""
     shares = [streams // clients + (i < streams % clients) for i in range(clients)]
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     procs = [
         subprocess.Popen(
             [sys.executable, "-m", "kvferry.tools.bench.sse_load", "127.0.0.1", str(stack.port), str(n), str(tokens)]
@@ -87,7 +86,7 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=pin,
+            preexec_fn=child_setup(cpus),
         )
         for n in shares
         if n
@@ -141,9 +140,10 @@ def start_profile(pid: int, out: str, cpus: set[int] | None) -> subprocess.Popen
     # --gil: only what holds the interpreter (idle threads of a pool would count otherwise). Blocking (the gateway
     # paused for each sample): read without pausing, a third of the stacks came out cut short.
     command += ["--gil", "--format", "raw", "--output", out]
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     try:
-        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=pin)
+        proc = subprocess.Popen(
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_setup(cpus)
+        )
     except FileNotFoundError:
         raise KvferryError("--profile needs py-spy: pip install py-spy") from None
     time.sleep(1.0)  # attached before the load starts

@@ -3,8 +3,10 @@ decode worker beside it, on free 127.0.0.1 ports: for `kvferry bench gateway` an
 pinned to a set of CPUs from its start, so that every thread it starts later is pinned too."""
 
 import contextlib
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -15,6 +17,8 @@ from kvferry.common.errors import KvferryError
 from kvferry.services.launcher import free_port, stop_all, wait_until
 
 READY_TIMEOUT_S = 60.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_LIBC = ctypes.CDLL(None, use_errno=True)  # looked up here: a child between fork and exec must not load a library
 # The caller's settings the stack keeps: where the default model's files are, and the block size (the gateway and
 # the doubles read it alike). Any other (an API key, tracing, a served name) would change what is measured.
 KEPT_SETTINGS = tuple(settings.env_name(name) for name in ("cache_dir", "block_size"))
@@ -38,12 +42,23 @@ class SyntheticStack:
         )
 
 
+def child_setup(cpus: set[int] | None):
+    """What a child does before it runs: take its CPUs, and ask for a SIGTERM when this process dies, so that a
+    bench killed outright (a test's timeout) leaves no gateway or double behind."""
+
+    def setup() -> None:
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
+
+
 def start(name: str, command: list[str], log_dir: Path, cpus: set[int] | None, env: dict) -> subprocess.Popen:
     log = open(log_dir / f"{name}.log", "w")
-    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     with log:
         return subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=pin, start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup(cpus), start_new_session=True
         )
 
 
