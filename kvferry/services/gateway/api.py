@@ -37,6 +37,7 @@ from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
 from kvferry.services.gateway.constraints import request_constraint
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
+from kvferry.services.gateway.loop_lag import watch_loop_lag
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import Generation, check_fields, parse_generations
@@ -146,9 +147,11 @@ class Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.core.start()
+        lag_watch = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag))
         try:
             yield
         finally:
+            lag_watch.cancel()
             for work in list(self.running_checks):  # a check still running stops at its next look: the process can exit
                 work.cancel()
             await self.core.stop()

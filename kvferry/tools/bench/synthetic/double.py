@@ -1,0 +1,180 @@
+"""What the two synthetic workers (TEST DOUBLES) share: registration and heartbeats over the real GatewayLink, the
+loop, and a send that waits for room. Like a real worker (services/worker.py), one refused by a gateway for any
+reason but "unknown worker" stops with that reason (Refused: exit status 2), and one the gateway forgot registers
+again; unlike one, it serves no CURVE keys (loopback benchmarks and tests only) and has no drain.
+"""
+
+import logging
+import time
+import uuid
+
+import zmq
+
+from kvferry.common import protocol as p
+from kvferry.common.errors import FatalError
+from kvferry.common.text_tokenizer import TextTokenizer
+from kvferry.common.transport import Channel
+from kvferry.services.gateway_link import GatewayLink, parse_gateways
+from kvferry.tools.bench.synthetic.model_folder import (
+    SYNTHETIC_MODEL_NAME,
+    check_model_folder,
+    model_max_len,
+    token_cycle,
+)
+
+log = logging.getLogger("kvferry.synthetic")
+NUM_BLOCKS = 1 << 20  # what the doubles report: never short of room, so the gateway's routing never waits on them
+SEND_TIMEOUT_MS = 2000  # a send to a gateway that takes nothing this long is dropped (the gateway is gone or stuck)
+IDLE_POLL_MS = 50  # the loop's longest sleep: heartbeats and a SIGTERM are seen this soon
+
+
+class Refused(FatalError):
+    """A gateway refused the double's registration (a gateway serving a real model: "model mismatch")."""
+
+
+class SyntheticWorker:
+    role: p.Role
+
+    def __init__(self, gateways: str | list[str], model_folder, worker_id: str | None = None, block_size: int = 16):
+        self.ctx = zmq.Context.instance()
+        self.worker_id = worker_id or f"synthetic-{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
+        self.instance_id = uuid.uuid4().hex[:12]
+        folder = check_model_folder(model_folder)
+        self.cycle = token_cycle(TextTokenizer(folder))
+        self.max_model_len = model_max_len(folder)
+        self.block_size = block_size
+        self.links = [GatewayLink(self.ctx, address, self.worker_id) for address in parse_gateways(gateways)]
+        if not self.links:
+            raise FatalError("a synthetic worker needs at least one gateway address (--gateway)")
+        self.heartbeats: dict[zmq.Socket, tuple[GatewayLink, Channel]] = {}
+        self.poller = zmq.Poller()
+        self.readers: dict = {}  # socket -> what reads it
+        for link in self.links:
+            link.channel.socket.setsockopt(zmq.SNDTIMEO, SEND_TIMEOUT_MS)
+            sock = link.heartbeat_socket(self.ctx)
+            self.heartbeats[sock] = (link, Channel(sock, f"{self.worker_id}/heartbeat", peer_name="gateway"))
+            self.watch(link.channel.socket, lambda link=link: self.read_control(link))
+            self.watch(sock, lambda sock=sock: self.read_heartbeat_replies(sock))
+        self.heartbeat_interval_s = 1.0
+        self.heartbeat_due = 0.0
+        self.running = True
+        self.num_unsent = 0
+
+    def watch(self, sock: zmq.Socket, reader) -> None:
+        self.readers[sock] = reader
+        self.poller.register(sock, zmq.POLLIN)
+
+    # -- gateways -----------------------------------------------------------------------------------------------
+    def kv_address(self) -> str:
+        return ""
+
+    def register_message(self) -> p.Register:
+        return p.Register(
+            role=int(self.role),
+            worker_id=self.worker_id,
+            model=SYNTHETIC_MODEL_NAME,
+            dtype="float32",
+            block_size=self.block_size,
+            num_blocks=NUM_BLOCKS,
+            max_model_len=self.max_model_len,
+            kv_address=self.kv_address(),
+            instance_id=self.instance_id,
+        )
+
+    def on_register_reply(self, link: GatewayLink, reply: p.RegisterReply) -> None:
+        if reply.accepted:
+            link.accepted(reply)
+            self.heartbeat_interval_s = reply.heartbeat_interval_s
+        elif reply.reason == p.UNKNOWN_WORKER:
+            link.must_register()
+        else:
+            raise Refused(f"the gateway at {link.address} refused synthetic worker {self.worker_id}: {reply.reason}")
+
+    def link_named(self, gateway_id: str) -> GatewayLink | None:
+        if len(self.links) == 1:
+            return self.links[0]
+        return next((link for link in self.links if link.registered and link.gateway_id == gateway_id), None)
+
+    def stats(self) -> p.WorkerStats:
+        return p.WorkerStats(NUM_BLOCKS, NUM_BLOCKS, self.num_running(), 0, 0, num_protocol_errors=self.num_errors())
+
+    def num_running(self) -> int:
+        return 0
+
+    def num_errors(self) -> int:
+        return sum(link.channel.num_protocol_errors for link in self.links)
+
+    def send_heartbeats(self, now: float) -> None:
+        if now < self.heartbeat_due:
+            return
+        self.heartbeat_due = now + self.heartbeat_interval_s
+        stats = self.stats()
+        for link, channel in self.heartbeats.values():
+            if link.registered:
+                channel.send(p.Heartbeat(self.worker_id, stats))
+
+    def read_heartbeat_replies(self, sock: zmq.Socket) -> None:
+        link, channel = self.heartbeats[sock]
+        while sock.poll(0):
+            received = channel.recv()
+            reply = received[1].message if received else None
+            if isinstance(reply, p.RegisterReply) and reply.reason == p.UNKNOWN_WORKER:
+                link.must_register()
+
+    def read_control(self, link: GatewayLink) -> None:
+        while link.channel.socket.poll(0):
+            received = link.channel.recv()
+            if received is None:
+                continue  # counted and logged
+            env = received[1]
+            if isinstance(env.message, p.RegisterReply):
+                self.on_register_reply(link, env.message)
+            else:
+                self.on_gateway_message(link, env)
+
+    def send_waiting(self, channel: Channel, message, request_id: str, trace, frames: list | None = None) -> None:
+        """Send, waiting for room (at most SEND_TIMEOUT_MS): a double that emits faster than the gateway reads
+        must be held back, not drop tokens as a non-blocking send past the high-water mark would."""
+        parts, _ = channel.pack(message, request_id, trace, frames)
+        try:
+            channel.socket.send_multipart(parts, copy=False)
+        except zmq.Again:
+            self.num_unsent += 1
+            log.warning("%s: a %s for %s could not be sent", self.worker_id, type(message).__name__, request_id)
+
+    # -- the loop ----------------------------------------------------------------------------------------------
+    def serve_forever(self) -> None:
+        try:
+            while self.running:
+                self.turn()
+        finally:
+            for link in self.links:
+                if link.registered:
+                    link.channel.send(p.Deregister(self.worker_id, final=True))
+            self.close()
+
+    def turn(self) -> None:
+        """One round of the loop: register where due, heartbeat where due, read what came, work."""
+        now = time.monotonic()
+        if any(not link.registered for link in self.links):
+            register = self.register_message()
+            for link in self.links:
+                link.register_if_due(register, now)
+        self.send_heartbeats(now)
+        for sock, _ in self.poller.poll(self.poll_timeout_ms(now)):
+            self.readers[sock]()
+        self.work()
+
+    def poll_timeout_ms(self, now: float) -> int:
+        return IDLE_POLL_MS
+
+    def work(self) -> None:
+        """A role's own work, once a loop."""
+
+    def on_gateway_message(self, link: GatewayLink, env: p.Envelope) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        for link, channel in self.heartbeats.values():
+            channel.close()
+            link.close()
