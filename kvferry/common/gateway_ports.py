@@ -4,14 +4,10 @@ and the N-1 after it (tcp://HOST:5557 -> :5557, :5558, ...), and every worker is
 registers with each. Checked before any process starts: a taken port is refused at once, naming the setting.
 """
 
-import re
-
 from kvferry.common import settings
 from kvferry.common.bind_check import check_port_free
 from kvferry.common.errors import ConfigError
-
-MAX_PORT = 65535
-TCP_ADDRESS = re.compile(r"tcp://(\[[^\]]*\]|[^:/]+):(\d+)")  # tcp://HOST:PORT, the host bracketed when IPv6
+from kvferry.common.peer_address import MAX_PORT, TCP
 
 
 def control_addresses(first: str, num_gateways: int, setting: str = "") -> list[str]:
@@ -20,13 +16,15 @@ def control_addresses(first: str, num_gateways: int, setting: str = "") -> list[
     setting = setting or settings.label("control")
     if num_gateways == 1:
         return [first]
-    match = TCP_ADDRESS.fullmatch(first)
-    if match is None or int(match.group(2)) == 0:
+    match = TCP.fullmatch(first)
+    if match is None or int(match["port"]) == 0:
         raise ConfigError(
             f"{settings.label('gateways')} {num_gateways} needs {setting} as tcp://HOST:PORT with a "
             f"fixed port (the gateway processes take PORT, PORT+1, ...), got {first!r}"
         )
-    host, port = match.group(1), int(match.group(2))
+    host, port = match["host"], int(match["port"])
+    if port > MAX_PORT:
+        raise ConfigError(f"{setting}: the port of {first!r} is past {MAX_PORT}, the last there is")
     if port + num_gateways - 1 > MAX_PORT:
         raise ConfigError(
             f"{settings.label('gateways')} {num_gateways} takes the control ports {port} to {port + num_gateways - 1}, "
@@ -48,10 +46,10 @@ def check_gateway_ports(http_host: str, http_port: int, controls: list[str], con
             )
         check_port_free(http_host, http_port, settings.label("port"))
     for address in controls:
-        match = TCP_ADDRESS.fullmatch(address)
-        if match is None or int(match.group(2)) == 0:
+        match = TCP.fullmatch(address)
+        if match is None or int(match["port"]) == 0:
             continue  # ipc://, or a port the system picks: nothing to collide with
-        host = match.group(1).strip("[]")
+        host = match["host"].strip("[]")
         check_port_free(
-            "0.0.0.0" if host == "*" else host, int(match.group(2)), control_setting or settings.label("control")
+            "0.0.0.0" if host == "*" else host, int(match["port"]), control_setting or settings.label("control")
         )

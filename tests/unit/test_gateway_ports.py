@@ -46,6 +46,15 @@ def test_several_gateways_need_a_tcp_control_port_with_room_after_it(address, nu
         control_addresses(address, num, "--control-port (KVFERRY_CONTROL_PORT)")
 
 
+def test_a_control_port_past_65535_is_refused_as_such_not_for_the_ports_after_it():
+    with pytest.raises(ConfigError) as refused:
+        control_addresses("tcp://127.0.0.1:70000", 2)
+    assert (
+        str(refused.value)
+        == "--control (KVFERRY_CONTROL): the port of 'tcp://127.0.0.1:70000' is past 65535, the last there is"
+    )
+
+
 @contextlib.contextmanager
 def listening(port: int, reuse_port: bool = False):
     sock = listen_tcp("127.0.0.1", port, "--port", reuse_port=reuse_port)
