@@ -34,10 +34,20 @@ def control_addresses(first: str, num_gateways: int, setting: str = "") -> list[
 
 
 def check_gateway_ports(http_host: str, http_port: int, controls: list[str], control_setting: str = "") -> None:
-    """A ConfigError when the HTTP port or a control port is taken: before the gateway processes start, because one
-    process that fails to bind would leave the others serving a part of the group. The HTTP port is checked only for
-    several processes: their SO_REUSEPORT sockets would otherwise join another group of this user's on that port;
-    one gateway's own bind refuses a taken port plainly. control_setting: as control_addresses' setting."""
+    """A ConfigError when the HTTP port is one of the control ports, or when it or a control port is taken: before
+    the gateway processes start, because one process that fails to bind would leave the others serving a part of the
+    group. The HTTP port is checked for being taken only for several processes: their SO_REUSEPORT sockets would
+    otherwise join another group of this user's on that port; one gateway's own bind refuses a taken port plainly.
+    control_setting: as control_addresses' setting."""
+    control_setting = control_setting or settings.label("control")
+    for address in controls:
+        # Refused whatever the hosts, which mostly overlap (0.0.0.0 takes the port on every interface): else a
+        # gateway process binds one of the two and fails on the other, once the group and its workers have started.
+        if (match := TCP.fullmatch(address)) and int(match["port"]) == http_port != 0:
+            raise ConfigError(
+                f"{settings.label('port')} {http_port} is also a control port ({address}, from {control_setting}): "
+                "give one of them another port"
+            )
     if len(controls) > 1:
         if http_port == 0:
             raise ConfigError(
@@ -50,6 +60,4 @@ def check_gateway_ports(http_host: str, http_port: int, controls: list[str], con
         if match is None or int(match["port"]) == 0:
             continue  # ipc://, or a port the system picks: nothing to collide with
         host = match["host"].strip("[]")
-        check_port_free(
-            "0.0.0.0" if host == "*" else host, int(match["port"]), control_setting or settings.label("control")
-        )
+        check_port_free("0.0.0.0" if host == "*" else host, int(match["port"]), control_setting)

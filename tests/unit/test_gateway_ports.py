@@ -110,3 +110,16 @@ def test_free_port_hands_out_runs_of_free_ports_never_twice():
     for port in taken:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", port))
+
+
+def test_an_http_port_among_the_control_ports_is_refused_naming_both_settings():
+    http = free_port(count=2)
+    controls = control_addresses(f"tcp://127.0.0.1:{http - 1}", 2)  # serve --gateways 2 --port P --control-port P-1
+    with pytest.raises(ConfigError) as refused:
+        check_gateway_ports("127.0.0.1", http, controls, "--control-port (KVFERRY_CONTROL_PORT)")
+    assert str(refused.value) == (
+        f"--port (KVFERRY_PORT) {http} is also a control port (tcp://127.0.0.1:{http}, from --control-port "
+        "(KVFERRY_CONTROL_PORT)): give one of them another port"
+    )
+    with pytest.raises(ConfigError, match=f"{http} is also a control port .* from --control "):  # one gateway too
+        check_gateway_ports("0.0.0.0", http, [f"tcp://*:{http}"])
