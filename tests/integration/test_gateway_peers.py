@@ -3,6 +3,7 @@ DEALER sockets on loopback playing the workers (a stuck one, a forger, a restart
 gateway never runs one."""
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -193,6 +194,18 @@ def test_a_request_past_the_wire_bound_is_refused_before_anything_is_sent():
             await stream.__anext__()
         assert refused.value.field == "prompt_token_ids" and not core.flights
         assert not prefill.sock.poll(200)
+
+    run(test)
+
+
+def test_a_worker_learns_the_gateways_id_which_carries_64_random_bits():
+    """Workers shared by several gateways route replies by it: 32 bits would let two of many gateways draw one."""
+
+    async def test(core):
+        worker = FakeWorker(core, "prefill-a", p.Role.PREFILL)
+        worker.register()
+        reply, _ = await worker.next(p.RegisterReply)
+        assert reply.gateway_id == core.gateway_id and re.fullmatch(r"gw-[0-9a-f]{16}", reply.gateway_id), reply
 
     run(test)
 
