@@ -72,7 +72,7 @@ def wait_for_line(stack: Stack, name: str, text: str, timeout: float) -> None:
 
 
 def answers_by_gateway(stack: Stack, path: str, parse) -> dict[str, object]:
-    """parse(answer) -> (gateway id, what it said), over fresh connections until two gateways have answered."""
+    """parse(answer) -> (which gateway, what it said), over fresh connections until two gateways have answered."""
     seen: dict[str, object] = {}
     for _ in range(NUM_TRIES):
         gateway_id, said = parse(stack, path)
@@ -90,9 +90,9 @@ def workers_answer(stack: Stack, path: str):
 
 def metrics_answer(stack: Stack, path: str):
     text = stack.text(path)
-    [gateway_id] = set(re.findall(r'gateway="([^"]+)"', text))  # every series names the one process that answered
+    [index] = set(re.findall(r'gateway="([^"]+)"', text))  # every series names the one process that answered
     finished = re.findall(r"^kvferry:request_success_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
-    return gateway_id, sum(float(n) for n in finished)
+    return index, sum(float(n) for n in finished)
 
 
 def gateway_processes(serve_pid: int) -> dict[int, list[str]]:
@@ -142,6 +142,7 @@ def test_requests_through_the_one_port_are_served_by_both_processes(served):
 
     finished = answers_by_gateway(served, "/metrics", metrics_answer)
     assert len(finished) == 2, f"{NUM_TRIES} scrapes reached one gateway process only"
+    assert set(finished) == {"0", "1"}  # labelled by the processes' indexes, the same at every start
     assert sum(finished.values()) == num_requests and all(n > 0 for n in finished.values()), finished
     served.auth = {}
     assert served.post("/v1/completions", BODY)[0] == 401  # each process holds the API key

@@ -75,9 +75,11 @@ class Api:
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
         loaded_at: float | None = None,
+        gateway_index: int | None = None,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created."""
+        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created; gateway_index:
+        this process's among several behind one port (--gateways), else None."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
@@ -86,7 +88,7 @@ class Api:
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
-        self.metrics = GatewayMetrics(core, labelled=config.gateways > 1)
+        self.metrics = GatewayMetrics(core, gateway_index)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)

@@ -125,6 +125,7 @@ def run_gateway(args) -> None:
         tool_prompt,
         capture,
         loaded_at=loaded_at,
+        gateway_index=index,
     )
     log.info(
         "serving %s as %s on http://%s:%d, workers register at %s%s",

@@ -106,24 +106,26 @@ class WorkerFigures:
 
 
 class GatewayLabel:
-    """A registry's series, each with one more label, gateway="<its id>". With several gateway processes behind one
-    port (--gateways), a scrape reaches whichever of them the kernel picks: the label says which one answered."""
+    """A registry's series, each with one more label, gateway="<its index>". With several gateway processes behind one
+    port (--gateways), a scrape reaches whichever of them the kernel picks: the label says which one answered, by
+    the index its logs and traces carry (0 to N-1). Not by its id, new at each start: each restart would begin new
+    series, and a dashboard's legend would change with it."""
 
-    def __init__(self, registry: CollectorRegistry, gateway_id: str):
-        self.registry, self.gateway_id = registry, gateway_id
+    def __init__(self, registry: CollectorRegistry, gateway_index: int):
+        self.registry, self.value = registry, str(gateway_index)
 
     def collect(self):
         for metric in self.registry.collect():
             labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            labelled.samples = [s._replace(labels={**s.labels, "gateway": self.gateway_id}) for s in metric.samples]
+            labelled.samples = [s._replace(labels={**s.labels, "gateway": self.value}) for s in metric.samples]
             yield labelled
 
 
 class GatewayMetrics:
-    def __init__(self, core, labelled: bool = False):
-        """labelled: every series carries the gateway's id (one of several processes behind one port)."""
+    def __init__(self, core, gateway_index: int | None = None):
+        """gateway_index: this process's among several behind one port (--gateways), which every series then carries."""
         self.registry = registry = CollectorRegistry()
-        self.exposed = GatewayLabel(registry, core.gateway_id) if labelled else registry
+        self.exposed = registry if gateway_index is None else GatewayLabel(registry, gateway_index)
         registry.register(WorkerFigures(core))
         self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.", registry=registry)
         self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
