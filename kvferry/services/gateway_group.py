@@ -14,7 +14,7 @@ import subprocess
 import time
 
 from kvferry.common import settings
-from kvferry.common.bind_check import check_http_exposed
+from kvferry.common.bind_check import check_exposed, check_http_exposed
 from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
 from kvferry.common.logs import setup_logging
@@ -31,6 +31,9 @@ def run_gateway_group(args) -> int:
     # Refused here, before any child starts: each would refuse it too, N times over.
     check_http_exposed(config.host, config.port, config.api_key, args.insecure)
     controls = control_addresses(config.control, config.gateways)
+    if not args.insecure:  # with it, each child warns as it binds
+        for control in controls:
+            check_exposed(control, "the gateway's control socket", curve=bool(args.curve_keys))
     check_gateway_ports(config.host, config.port, controls)
     resolve_model(args.model)  # convert once here, not in N processes at the same time
     # Each child reads this command's settings from the environment, as it got them; --control its own.

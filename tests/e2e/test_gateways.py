@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from kvferry.services.launcher import free_port
 from tests.e2e.stack import Stack
+from tests.e2e.test_open_gateway import refusal
 from tests.e2e.test_procfile import descendants, running
 from tests.tiny_models import save_tiny_chat_model
 
@@ -58,8 +60,6 @@ def served(tmp_path_factory, tiny) -> Stack:
 
 
 def free_control_ports() -> int:
-    from kvferry.services.launcher import free_port
-
     return free_port(count=2)
 
 
@@ -189,3 +189,10 @@ def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(ti
             stack.procs.pop("group")
     finally:
         stack.close()
+
+
+def test_a_control_port_beyond_loopback_without_curve_is_refused_before_any_gateway_starts():
+    env = {k: v for k, v in os.environ.items() if k not in ("KVFERRY_CURVE_KEYS", "KVFERRY_INSECURE")}
+    control = f"tcp://0.0.0.0:{free_control_ports()}"
+    line = refusal("gateway", "--gateways", "2", "--port", str(free_port()), "--control", control, env=env)
+    assert f"the gateway's control socket would listen on {control}, beyond this machine, without CURVE" in line
