@@ -1,7 +1,8 @@
 """--gateways 2: two gateway processes behind one HTTP port, each with its own control port, every worker registered
 with both, on real processes over real HTTP, with CURVE and an API key on. Fresh connections reach both processes
 (each /v1/workers and /metrics answer says whose it is), requests through the one port are served by both, and
-SIGTERM to the process that started them stops every one. The serve stack is shared by this module's tests."""
+SIGTERM to the process that started them stops every one. The serve stack is shared by this module's tests
+(ServeGroup)."""
 
 import concurrent.futures
 import os
@@ -32,31 +33,47 @@ def tiny(tmp_path_factory) -> str:
     return str(folder)
 
 
+class ServeGroup:
+    """`kvferry serve --gateways 2`, shared by this module's tests: started at the first test that asks for it, and
+    again for any test that comes after the one that stops it. That one is last in the file and pytest keeps the
+    file's order, so a plain run starts it once; under pytest-xdist each worker starts its own, and a test handed
+    to a worker after that one there still finds it running."""
+
+    def __init__(self, folder: Path, model: str):
+        keys = folder / "keys"
+        done = subprocess.run([sys.executable, "-m", "kvferry.tools.cli", "keys", str(keys)], capture_output=True)
+        assert done.returncode == 0, done.stderr
+        extra_env = {"KVFERRY_CURVE_KEYS": str(keys), "KVFERRY_API_KEY": KEY}
+        self.stack = Stack(folder, model=model, kv_cache_memory="16MiB", extra_env=extra_env)
+        self.stack.control_port = free_control_ports()
+
+    def running(self) -> Stack:
+        """The stack, ready (serve says so once every worker is registered with each gateway)."""
+        stack = self.stack
+        stack.auth = {"authorization": f"Bearer {KEY}"}  # a test may have taken it off
+        if "serve" not in stack.procs or stack.procs["serve"].poll() is not None:
+            stack.start(
+                "serve",
+                "serve",
+                *("--gateways", "2", "--port", str(stack.port), "--control-port", str(stack.control_port)),
+                *("--prefill-threads", "1", "--decode-threads", "1"),
+            )
+            wait_for_line(stack, "serve", "kvferry: serving on", 240)
+        return stack
+
+
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, tiny) -> Stack:
-    """`kvferry serve --gateways 2`, ready (serve says so once every worker is registered with each gateway)."""
-    folder = tmp_path_factory.mktemp("serve")
-    keys = folder / "keys"
-    done = subprocess.run([sys.executable, "-m", "kvferry.tools.cli", "keys", str(keys)], capture_output=True)
-    assert done.returncode == 0, done.stderr
-    stack = Stack(
-        folder,
-        model=tiny,
-        kv_cache_memory="16MiB",
-        extra_env={"KVFERRY_CURVE_KEYS": str(keys), "KVFERRY_API_KEY": KEY},
-    )
-    stack.control_port = free_control_ports()
+def serve_group(tmp_path_factory, tiny):
+    group = ServeGroup(tmp_path_factory.mktemp("serve"), tiny)
     try:
-        stack.start(
-            "serve",
-            "serve",
-            *("--gateways", "2", "--port", str(stack.port), "--control-port", str(stack.control_port)),
-            *("--prefill-threads", "1", "--decode-threads", "1"),
-        )
-        wait_for_line(stack, "serve", "kvferry: serving on", 240)
-        yield stack
+        yield group
     finally:
-        stack.close()
+        group.stack.close()
+
+
+@pytest.fixture
+def served(serve_group) -> Stack:
+    return serve_group.running()
 
 
 def free_control_ports() -> int:
@@ -149,6 +166,7 @@ def test_requests_through_the_one_port_are_served_by_both_processes(served):
 
 
 def test_sigterm_to_serve_stops_every_gateway_and_worker(served):
+    """The module's serve stack stops here: ServeGroup starts it again for any test that comes after."""
     serve = served.procs["serve"]
     children = descendants(serve.pid)
     assert len(children) >= 4  # two gateways, two workers
