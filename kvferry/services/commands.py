@@ -37,6 +37,7 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     from kvferry.common.curve import CurveKeys
     from kvferry.services.launcher import _interrupt
+    from kvferry.services.stop_signals import StopSignals
 
     role = cls.role.name.lower()
     worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -58,7 +59,11 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
     if health:
         health.worker = worker
 
-    def drain(*_):  # the first SIGTERM drains; a second one stops at once
+    stops = StopSignals()
+
+    def drain(*_):  # the first SIGTERM drains; a second one stops at once, unless it is the first's echo
+        if stops.is_echo(signal.SIGTERM):
+            return
         if worker.stop_requested:
             raise KeyboardInterrupt
         worker.stop_requested = True

@@ -2,9 +2,11 @@
 which serves nothing itself. Each child is a whole gateway (`kvferry gateway --gateway-index I`) with its own
 control port (common/gateway_ports.py); workers are given the list of them.
 
-Signals go on to every child: SIGTERM drains each (a second one stops each at once), Ctrl-C stops them. When one
-child exits of its own accord the others are stopped too, and this process exits 1, so that whatever supervises it
-restarts the group whole rather than leave it serving with fewer processes than asked.
+Signals go on to every child: SIGTERM drains each (a second one stops each at once), Ctrl-C stops them. A signal sent
+to the whole process group reaches each child twice, from the sender and from us: the child takes the second as the
+same stop (stop_signals.py). Stopped so, this process exits 0. When one child exits of its own accord the others are
+stopped too, and this process exits 1, so that whatever supervises it restarts the group whole rather than leave it
+serving with fewer processes than asked.
 """
 
 import logging
@@ -23,6 +25,9 @@ from kvferry.common.setting import from_args
 from kvferry.services.launcher import spawn
 
 log = logging.getLogger("kvferry.gateway")
+# How a child ends when a stop signal reaches it: drained (0), by Ctrl-C (130, `kvferry`'s status for it), or by the
+# signal itself (uvicorn raises it again once it has shut down, after a second SIGTERM).
+ENDED_BY_A_STOP = (0, 128 + signal.SIGINT, -signal.SIGTERM, -signal.SIGINT)
 
 
 def run_gateway_group(args) -> int:
@@ -77,4 +82,7 @@ def run_gateway_group(args) -> int:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
-    return 1 if failed or any(proc.returncode for proc in procs) else 0
+    if failed:
+        return 1
+    ended_well = ENDED_BY_A_STOP if signals else (0,)
+    return 0 if all(proc.returncode in ended_well for proc in procs) else 1

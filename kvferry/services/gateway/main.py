@@ -1,5 +1,6 @@
 """`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process. On SIGTERM it drains: new
-requests and /health get 503, those in flight finish within --drain-timeout; a second SIGTERM, or Ctrl-C, stops at once.
+requests and /health get 503, those in flight finish within --drain-timeout; a second SIGTERM, or Ctrl-C, stops at once
+(a repeat within a second of the first is its echo, and changes nothing: stop_signals.py).
 """
 
 import asyncio
@@ -27,6 +28,7 @@ from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 from kvferry.services.gateway.tool_prompt import ToolPrompt
+from kvferry.services.stop_signals import StopSignals
 
 log = logging.getLogger("kvferry.gateway")
 # The default model's own id on the Hugging Face Hub, where its tokenizer resolves (the GGUF it ships as is a
@@ -39,12 +41,15 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.core, self.drain_timeout_s = core, drain_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.stops = StopSignals()
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:
+        if self.stops.is_echo(sig):  # the group's signal and our parent's copy of it: one stop
+            return
         if sig == signal.SIGTERM and not self.core.draining and self.loop is not None:
             self.core.draining = True
             self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
