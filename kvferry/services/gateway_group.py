@@ -6,7 +6,7 @@ Signals go on to every child: SIGTERM drains each (a second one stops each at on
 to the whole process group reaches each child twice, from the sender and from us: the child takes the second as the
 same stop (stop_signals.py). Stopped so, this process exits 0. When one child exits of its own accord the others are
 stopped too, and this process exits 1, so that whatever supervises it restarts the group whole rather than leave it
-serving with fewer processes than asked.
+serving with fewer processes than asked. A child gets SIGTERM when this process dies, even by SIGKILL (spawn).
 """
 
 import logging
@@ -22,7 +22,7 @@ from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
 from kvferry.common.logs import setup_logging
 from kvferry.common.model_files import resolve_model
 from kvferry.common.setting import from_args
-from kvferry.services.launcher import spawn
+from kvferry.services.launcher import spawn, stop_all
 
 log = logging.getLogger("kvferry.gateway")
 # How a child ends when a stop signal reaches it: drained (0), by Ctrl-C (130, `kvferry`'s status for it), or by the
@@ -57,18 +57,34 @@ def run_gateway_group(args) -> int:
     # Set before the children start, so that a signal never finds this process without them knowing of it.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
-    for index, control in enumerate(controls):
-        procs.append(spawn("gateway", "--gateway-index", str(index), "--control", control, env=env))
-        if signals:  # it came while the earlier children were starting
-            procs[-1].send_signal(signals[-1])
-    log.info(
-        "%d gateway processes on http://%s:%d; workers register at %s (give each worker --gateway %s)",
-        len(procs),
-        config.host,
-        config.port,
-        ", ".join(controls),
-        ",".join(controls),
-    )
+    try:
+        for index, control in enumerate(controls):
+            if signals:  # a stop came while the earlier children were starting: start no more
+                break
+            procs.append(spawn("gateway", "--gateway-index", str(index), "--control", control, env=env))
+            if signals:  # it came while this one was starting, before forward knew of it
+                procs[-1].send_signal(signals[-1])
+        if not signals:
+            log.info(
+                "%d gateway processes on http://%s:%d; workers register at %s (give each worker --gateway %s)",
+                len(procs),
+                config.host,
+                config.port,
+                ", ".join(controls),
+                ",".join(controls),
+            )
+        failed = watch(procs, signals)
+    finally:
+        stop_all(procs)  # those still running after an error here; after a normal end, none is
+    if failed:
+        return 1
+    ended_well = ENDED_BY_A_STOP if signals else (0,)
+    return 0 if all(proc.returncode in ended_well for proc in procs) else 1
+
+
+def watch(procs: list[subprocess.Popen], signals: list[int]) -> bool:
+    """Wait until every child has exited; True when one exited of its own accord (no signal had come), and the
+    others were stopped for it."""
     failed = False
     while any(proc.poll() is None for proc in procs):
         if not signals and not failed:
@@ -82,7 +98,4 @@ def run_gateway_group(args) -> int:
                     if proc.poll() is None:
                         proc.send_signal(signal.SIGTERM)
         time.sleep(0.2)
-    if failed:
-        return 1
-    ended_well = ENDED_BY_A_STOP if signals else (0,)
-    return 0 if all(proc.returncode in ended_well for proc in procs) else 1
+    return failed

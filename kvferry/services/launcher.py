@@ -2,6 +2,7 @@
 processes of this one."""
 
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -20,12 +21,29 @@ from kvferry.common.serve_config import ServeConfig
 from kvferry.common.setting import from_args
 
 READY_TIMEOUT_S = 300.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up here: a child between fork and exec must not load a library. Elsewhere than Linux, no parent-death signal.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
-    """nice: the child's niceness, set before it starts a thread, so every thread it starts inherits it."""
+    """A child that gets SIGTERM when this process dies, even by SIGKILL, so that it never goes on holding its ports
+    (the thread that calls this must live as long as the child: Linux sends it when that thread ends). nice: the
+    child's niceness, set before it starts a thread, so every thread it starts inherits it."""
     command = [sys.executable, "-m", "kvferry.services.commands", *args]
-    return subprocess.Popen(command, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    return subprocess.Popen(command, env=env, preexec_fn=_child_setup(os.getpid(), nice))
+
+
+def _child_setup(parent: int, nice: int):
+    def setup() -> None:  # in the child, before it runs python
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before the prctl: its signal will never come
+                os._exit(1)
+        if nice:
+            os.nice(nice)
+
+    return setup
 
 
 def wait_until(request, answered, procs: list[subprocess.Popen], timeout_s: float) -> bool:

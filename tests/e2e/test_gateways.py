@@ -210,7 +210,7 @@ def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(tm
     control addresses for the workers. A SIGTERM to its whole process group (Ctrl-C, `kill -- -PGID`, systemd) reaches
     each gateway twice, directly and passed on: each drains all the same, a stream in flight ends whole, and the
     group exits 0; so does a SIGTERM to it alone, which it passes on. When one gateway dies it stops the other and
-    exits 1."""
+    exits 1; when it is killed outright, its gateways stop too."""
     folder = prepare_model_folder(tmp_path)
     stack = Stack(tmp_path)
     first = free_control_ports()
@@ -219,13 +219,14 @@ def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(tm
     where = ("--port", str(stack.port), "--control", control)
     doubles = [double_command(role, both, folder) for role in ("prefill", "decode")]
     doubles[1] += ["--step-interval", str(STEP_INTERVAL_S)]
+    children: dict[int, int] = {}
     try:
         for name, command in zip(("prefill", "decode"), doubles):
             with open(tmp_path / f"{name}.log", "w") as log:
                 stack.procs[name] = subprocess.Popen(
                     command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
                 )
-        for ending in ("the group gets SIGTERM", "it gets SIGTERM", "a gateway dies"):
+        for ending in ("the group gets SIGTERM", "it gets SIGTERM", "a gateway dies", "it is killed"):
             group = stack.start("group", "gateway", "--gateways", "2", "--model", str(folder), *where)
             wait_for_line(stack, "group", f"give each worker --gateway {both}", 60)
             children = descendants(group.pid)
@@ -249,11 +250,15 @@ def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(tm
                 stack.wait_for(lambda: both_serve(stack, set()), 60, "both gateways")
                 os.kill(group.pid, signal.SIGTERM)  # it alone: it passes the stop on
                 assert group.wait(timeout=60) == 0, stack.log("group")[-3000:]
-            else:
+            elif ending == "a gateway dies":
                 stack.wait_for(lambda: both_serve(stack, set()), 60, "both gateways")
                 os.kill(next(iter(gateway_processes(group.pid))), signal.SIGKILL)
                 assert group.wait(timeout=60) == 1, stack.log("group")[-3000:]
                 assert "stopping the others" in stack.log("group")
+            else:
+                stack.wait_for(lambda: both_serve(stack, set()), 60, "both gateways")
+                os.kill(group.pid, signal.SIGKILL)  # no chance to pass anything on: the kernel tells its children
+                group.wait(timeout=10)
             deadline = time.monotonic() + 10
             while running(children) and time.monotonic() < deadline:
                 time.sleep(0.1)
@@ -261,6 +266,8 @@ def test_kvferry_gateway_with_gateways_2_supervises_two_processes_on_one_port(tm
             stack.procs.pop("group")
     finally:
         stack.close()
+        for pid in running(children):  # left by a supervisor killed outright, had they not stopped
+            os.kill(pid, signal.SIGKILL)
 
 
 def both_serve(stack: Stack, roles: set[str]) -> bool:
