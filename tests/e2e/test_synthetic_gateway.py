@@ -1,6 +1,7 @@
 """The synthetic workers (test doubles, kvferry/tools/bench/synthetic/) against the real gateway: real processes,
 real sockets, real HTTP. Each stream's text is the doubles' token cycle as the gateway detokenizes it, stop strings
-cut it where they match, usage and finish reasons are a real worker's; `kvferry bench gateway` reports its figures;
+cut it where they match, usage and finish reasons are a real worker's; `kvferry bench gateway` reports its figures, for one gateway and
+for two on one port (the streams each served);
 and a gateway serving a real model refuses a double, which stops with the gateway's reason."""
 
 import concurrent.futures
@@ -87,16 +88,32 @@ def test_the_doubles_stream_their_cycle_through_the_real_gateway(tmp_path):
         assert status == 400 and "test double" in reply["error"]["message"], reply
 
 
-def test_bench_gateway_reports_every_figure(tmp_path):
+def test_bench_gateway_reports_every_figure_for_one_gateway_and_for_two(tmp_path):
     command = [sys.executable, "-m", "kvferry.tools.cli", "bench", "gateway", "--streams", "32", "--tokens", "64"]
-    done = subprocess.run([*command, "--repeat", "1", "--json"], capture_output=True, text=True, timeout=120)
+    command += ["--gateways", "1,2", "--repeat", "1", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
-    [run] = json.loads(done.stdout)["runs"]
-    assert (run["streams"], run["tokens"]) == (32, 32 * 64)
-    for figure in ("tok_per_s", "gateway_cpu_us_per_token", "decode_cpu_us_per_token", "client_cpu_us_per_token"):
-        assert run[figure] > 0, (figure, run)
-    assert run["loop_lag_samples"] > 0 and 0 < run["loop_lag_p50_ms"] <= run["loop_lag_p99_ms"], run
-    assert run["loop_lag_p99_ms"] <= run["loop_lag_max_ms"], run
+    report = json.loads(done.stdout)
+    one, two = report["runs"]
+    for run, num_gateways in ((one, 1), (two, 2)):
+        assert (run["streams"], run["gateways"], run["tokens"]) == (32, num_gateways, 32 * 64)
+        for figure in ("tok_per_s", "gateway_cpu_us_per_token", "decode_cpu_us_per_token", "client_cpu_us_per_token"):
+            assert run[figure] > 0, (figure, run)
+        assert run["loop_lag_samples"] > 0 and 0 < run["loop_lag_p50_ms"] <= run["loop_lag_p99_ms"], run
+        assert run["loop_lag_p99_ms"] <= run["loop_lag_max_ms"], run
+
+    # Each gateway process of the two counted the streams it served, read from its own /metrics through the shared
+    # port: together, every stream once. Each served some (32 connections all hashed to one: 1 in 2**31).
+    gateways = two["per_gateway"]
+    assert len({g["id"] for g in gateways}) == len({g["pid"] for g in gateways}) == 2, gateways
+    assert sum(g["streams"] for g in gateways) == two["streams_counted"] == 32, gateways
+    assert all(g["streams"] > 0 and g["cpu_us_per_token"] > 0 for g in gateways), gateways
+    assert abs(sum(g["share"] for g in gateways) - 1) < 1e-3, gateways
+    assert [g["streams"] for g in one["per_gateway"]] == [32], one["per_gateway"]
+    assert abs(two["gateway_cpu_s"] - sum(g["cpu_s"] for g in gateways)) < 1e-3, two
+    [against_one] = report["comparisons"]
+    assert (against_one["streams"], against_one["gateways"], against_one["against"]) == (32, 2, 1), against_one
+    assert against_one["cpu_per_token_ratio"] > 0 and len(against_one["per_round_ratios"]) == 1, against_one
 
 
 def test_a_gateway_serving_a_real_model_refuses_a_double(tmp_path):

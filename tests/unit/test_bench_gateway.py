@@ -1,7 +1,15 @@
-"""`kvferry bench gateway`'s arithmetic: the loop lag's quantiles from two readings of a histogram, and a py-spy
+"""`kvferry bench gateway`'s arithmetic: the loop lag's quantiles from two readings of a histogram, a gateway's
+reading of its own /metrics (which of several answered), the rounds pooled and set against one gateway, and a py-spy
 profile's top functions."""
 
-from kvferry.tools.bench.gateway import lag_figures, profile_top
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+from kvferry.common.errors import KvferryError
+from kvferry.services.gateway.metrics import GatewayLabel
+from kvferry.tools.bench.gateway_metrics import LAG_METRIC, lag_figures, merged_lag, parse_reading
+from kvferry.tools.bench.gateway_profile import profile_top
+from kvferry.tools.bench.gateway_report import balanced, comparisons, pool_runs
 
 INF = float("inf")
 
@@ -46,3 +54,78 @@ def test_profile_top_ranks_functions_by_self_and_by_cumulative_samples(tmp_path)
         ["_stream (gateway/response_consumer.py)", 0.2],
         ["dumps (json/__init__.py)", 0.2],
     ]
+
+
+def exposition(gateway_id: str | None, finished: dict[str, int], lags: list[float]) -> str:
+    """A gateway's /metrics text: its loop-lag histogram and its finished requests by reason; labelled with its id
+    as one of several processes labels them (gateway_id None: one gateway, unlabelled)."""
+    registry = CollectorRegistry()
+    lag = Histogram(LAG_METRIC, "lag", buckets=[0.001, 0.01], registry=registry)
+    for seconds in lags:
+        lag.observe(seconds)
+    success = Counter("kvferry:request_success", "finished", ["finished_reason"], registry=registry)
+    for reason, n in finished.items():
+        success.labels(reason).inc(n)
+    return generate_latest(GatewayLabel(registry, gateway_id) if gateway_id else registry).decode()
+
+
+def test_a_reading_says_which_gateway_answered_and_counts_its_finished_requests():
+    text = exposition("gw-0000000b", {"length": 5, "stop": 2}, [0.0005, 0.005, 0.5])
+    gateway_id, reading = parse_reading(text, {"gw-0000000a", "gw-0000000b"})
+    assert gateway_id == "gw-0000000b"
+    assert reading.num_finished == 7  # every reason, the counter's _total only (not its _created)
+    assert reading.lag == [(0.001, 1), (0.01, 2), (INF, 3)]
+    # One gateway labels nothing: the one id it was asked for stands for it; none finished yet reads 0.
+    assert parse_reading(exposition(None, {}, []), {"gw-0000000a"})[1].num_finished == 0
+    with pytest.raises(KvferryError, match="not one of"):
+        parse_reading(text, {"gw-0000000a"})
+
+
+def test_merged_lag_adds_the_gateways_buckets():
+    bounds = [0.001, 0.01, INF]
+    first = parse_reading(exposition("a", {}, [0.0005, 0.5]), {"a"})[1]
+    second = parse_reading(exposition("b", {}, [0.005]), {"b"})[1]
+    assert merged_lag([first, second]) == list(zip(bounds, [1, 2, 3]))
+
+
+def run(streams_by_gateway: dict[str, int], cpu_s: dict[str, float], tok_per_s: float, tokens_each: int = 10) -> dict:
+    """A run as run_load reports it, the figures pool_runs and comparisons read."""
+    counted = sum(streams_by_gateway.values())
+    per_gateway = [
+        {"id": gid, "streams": n, "cpu_s": cpu_s[gid], "share": n / counted} for gid, n in streams_by_gateway.items()
+    ]
+    tokens = counted * tokens_each
+    return {
+        "streams": counted,
+        "gateways": len(per_gateway),
+        "tokens_each": tokens_each,
+        "tokens": tokens,
+        "tok_per_s": tok_per_s,
+        "gateway_cpu_us_per_token": round(sum(cpu_s.values()) / tokens * 1e6, 1),
+        "per_gateway": per_gateway,
+    }
+
+
+def test_rounds_pool_into_shares_of_all_streams_and_a_ratio_against_one_gateway():
+    one = pool_runs([run({"g1": 100}, {"g1": 0.1}, 900.0), run({"g1": 100}, {"g1": 0.3}, 1000.0)])
+    two = pool_runs(
+        [
+            run({"a": 35, "b": 65}, {"a": 0.07, "b": 0.065}, 800.0),  # 35%: outside 40 to 60
+            run({"a": 55, "b": 45}, {"a": 0.11, "b": 0.045}, 700.0),
+        ]
+    )
+    assert one["tok_per_s"] == 1000.0 and one["all_tok_per_s"] == [900.0, 1000.0]  # the fastest run's figures
+    assert one["pooled"]["gateway_cpu_us_per_token"] == 200.0  # 0.4 s over 2,000 tokens
+    assert two["pooled"]["shares"] == {"a": 0.45, "b": 0.55}  # 90 and 110 of all 200 streams
+    assert two["pooled"]["per_process_cpu_us_per_token"] == {"a": 200.0, "b": 100.0}  # 0.18 s / 900, 0.11 / 1,100 tok
+    assert two["pooled"]["rounds_balanced"] == 1
+    [against] = comparisons([one, two], [1, 2])
+    assert against["cpu_per_token_ratio"] == 0.725  # 0.29 s against 0.4 over 2,000 tokens each
+    assert against["per_round_ratios"] == [1.35, 0.517]  # 135 against 100 µs, 155 against 300: side by side
+    assert against["shares"] == [0.45, 0.55] and (against["rounds_balanced"], against["rounds"]) == (1, 2)
+
+
+def test_balanced_is_every_share_within_ten_points_of_an_even_one():
+    assert balanced([0.4, 0.6]) and balanced([0.5, 0.5]) and balanced([1.0])
+    assert not balanced([0.39, 0.61]) and not balanced([0.5, None])
+    assert balanced([0.3, 0.3, 0.4]) and not balanced([0.2, 0.4, 0.4])

@@ -58,8 +58,8 @@ def _against_the_floor(p, runs: str) -> None:
 def _add_gateway_parser(bench) -> None:
     p = bench.add_parser(
         "gateway",
-        help="the real gateway alone on one core, against synthetic workers (test doubles): streamed tok/s, CPU per "
-        "token of each process, the event loop's lag",
+        help="the real gateway alone on one core (or --gateways N on one port), against synthetic workers (test "
+        "doubles): streamed tok/s, CPU per token of each process, the event loop's lag, each gateway's share",
     )
     p.add_argument(
         "--streams",
@@ -69,7 +69,22 @@ def _add_gateway_parser(bench) -> None:
         help="concurrent streaming chat completions, one measurement each",
     )
     p.add_argument("--tokens", type=int, default=256, help="tokens of each stream")
-    p.add_argument("--repeat", type=int, default=2, help="runs of each stream count; the fastest is reported")
+    p.add_argument(
+        "--gateways",
+        type=_positive_list(int, "gateway counts", "1,2"),
+        default=[1],
+        metavar="N1,N2,...",
+        help="gateway processes on the one port (`kvferry gateway --gateways N`); several counts run side by side in "
+        "alternated rounds, each set against the first: CPU per token summed over the processes, each one's share "
+        "of the streams. The gateways are pinned to as many cores as the largest count, the rest to the cores "
+        "left; with no core left, nothing is pinned",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="rounds: runs of each stream count (at each gateway count); the fastest is reported",
+    )
     p.add_argument("--clients", type=int, default=1, help="client processes the streams are spread over")
     p.add_argument(
         "--step-interval", type=float, default=0.0, help="the decode double's seconds between steps (0: no wait)"

@@ -1,15 +1,17 @@
-"""The real gateway (`kvferry gateway`, a process of its own) serving the synthetic model, and a synthetic prefill and
-decode worker beside it, on free 127.0.0.1 ports: for `kvferry bench gateway` and the tests. Each process may be
-pinned to a set of CPUs from its start, so that every thread it starts later is pinned too."""
+"""The real gateway (`kvferry gateway`, a process of its own, or `--gateways N` of them on one port) serving the
+synthetic model, and a synthetic prefill and decode worker beside it, registered with every gateway, on free 127.0.0.1
+ports: for `kvferry bench gateway` and the tests. Each process may be pinned to a set of CPUs from its start, so that
+every thread it starts later is pinned too (a group's gateway processes take their supervisor's CPUs)."""
 
 import contextlib
 import ctypes
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvferry.common import settings
@@ -28,11 +30,12 @@ KEPT_SETTINGS = tuple(settings.env_name(name) for name in ("cache_dir", "block_s
 class SyntheticStack:
     url: str
     port: int
-    control: str
-    gateway: subprocess.Popen
+    control: str  # every gateway's control address, comma-separated (as the doubles take them)
+    gateway: subprocess.Popen  # the gateway; with several, their supervisor (it serves nothing itself)
     prefill: subprocess.Popen
     decode: subprocess.Popen
     log_dir: Path
+    gateways: dict[str, int] = field(default_factory=dict)  # each gateway process's id -> its pid, in index order
 
     def logs(self) -> str:
         """Each process's last lines, for an error that needs them."""
@@ -75,26 +78,75 @@ def synthetic_stack(
     worker_cpus: set[int] | None = None,
     step_interval_s: float = 0.0,
     gateway_prefix: tuple[str, ...] = (),
+    num_gateways: int = 1,
 ):
-    """Yields a SyntheticStack once the gateway is healthy with both doubles registered; stops them all on exit.
-    folder: prepare_model_folder's. gateway_prefix: a command the gateway runs under (it must exec)."""
+    """Yields a SyntheticStack once every gateway is healthy with both doubles registered; stops them all on exit.
+    folder: prepare_model_folder's. gateway_prefix: a command the gateway runs under (it must exec). num_gateways:
+    more than 1 starts `kvferry gateway --gateways N`, the group, which the doubles register with whole. log_dir
+    takes each process's log; several stacks at once need a log_dir each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_") or k in KEPT_SETTINGS}
-    port, control = free_port(), f"tcp://127.0.0.1:{free_port()}"
+    port, first_control = free_port(), free_port(num_gateways)
+    controls = [f"tcp://127.0.0.1:{first_control + i}" for i in range(num_gateways)]
     gateway = [*gateway_prefix, sys.executable, "-m", "kvferry.services.commands", "gateway", "--model", str(folder)]
     # No admission bound: every stream of the load waits for its first token at once.
-    gateway += ["--host", "127.0.0.1", "--port", str(port), "--control", control, "--max-waiting", "0"]
+    gateway += ["--host", "127.0.0.1", "--port", str(port), "--control", controls[0], "--max-waiting", "0"]
+    gateway += ["--gateways", str(num_gateways)]
     procs = [start("gateway", gateway, log_dir, gateway_cpus, env)]
     try:
+        control = ",".join(controls)
         procs.append(start("prefill", double_command("prefill", control, folder), log_dir, worker_cpus, env))
         decode = double_command("decode", control, folder, "--step-interval", str(step_interval_s))
         procs.append(start("decode", decode, log_dir, worker_cpus, env))
         stack = SyntheticStack(f"http://127.0.0.1:{port}", port, control, *procs, log_dir)
-        if not wait_until(stack.url + "/v1/workers", lambda reply: num_workers(reply) == 2, procs, READY_TIMEOUT_S):
-            raise KvferryError(f"the gateway and its synthetic workers did not come up:\n{stack.logs()}")
+        ready = ReadyGateways()
+        if not wait_until(
+            stack.url + "/v1/workers", lambda reply: ready.seen(reply) == num_gateways, procs, READY_TIMEOUT_S
+        ):
+            raise KvferryError(f"the gateways and their synthetic workers did not come up:\n{stack.logs()}")
+        stack.gateways = gateway_processes(stack, ready.ids)
         yield stack
     finally:
         stop_all(procs)
 
 
-def num_workers(reply) -> int:
-    return len(json.loads(reply.read())["workers"])
+class ReadyGateways:
+    """The gateways behind the shared port that have answered /v1/workers with both doubles registered: the kernel
+    hands each new connection to one of them, so each is seen in some of the tries only."""
+
+    def __init__(self):
+        self.ids: set[str] = set()
+
+    def seen(self, reply) -> int:
+        answer = json.loads(reply.read())
+        if len(answer["workers"]) == 2:
+            self.ids.add(answer["gateway"]["id"])
+        return len(self.ids)
+
+
+def gateway_processes(stack: SyntheticStack, ids: set[str]) -> dict[str, int]:
+    """Each gateway's id -> its pid. One gateway is the process started; a group's are its supervisor's children,
+    each told its --gateway-index, and each logs its id with its place ("gateway gw-..., process I of N")."""
+    if len(ids) == 1:
+        return {next(iter(ids)): stack.gateway.pid}
+    log = (stack.log_dir / "gateway.log").read_text()
+    id_of = {int(i) - 1: gid for gid, i in re.findall(r"\(gateway (gw-[0-9a-f]+), process (\d+) of \d+\)", log)}
+    pid_of = {}
+    for pid in children(stack.gateway.pid):
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--gateway-index" in command:
+            pid_of[int(command[command.index(b"--gateway-index") + 1])] = pid
+    found = {id_of[i]: pid_of[i] for i in sorted(pid_of) if i in id_of}
+    if set(found) != ids:
+        raise KvferryError(f"the gateway processes ({pid_of}) and their ids ({id_of}) do not match:\n{stack.logs()}")
+    return found
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is pid."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):  # it ended as we looked
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+    return found
