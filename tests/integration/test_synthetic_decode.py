@@ -119,6 +119,29 @@ def test_it_registers_as_the_synthetic_model_and_streams_each_choice_to_its_end(
     assert got[-1].finish_reason == int(FinishReason.STOP) and not rig.double.requests
 
 
+def test_it_ends_a_choice_by_the_engines_rules(rig):
+    """As common/finish_rules.py says for the scheduler: a stop token id ends a choice even with ignore_eos, a stop
+    token that is also the last one allowed is a stop, and one before min_tokens (which the sampler would have
+    masked) ends nothing."""
+    rig.register()
+    cycle = rig.double.cycle
+    stop_at = 5
+    assert cycle[stop_at] not in cycle[:stop_at]
+    cases = [
+        (SamplingParams(max_tokens=100, stop_token_ids=(cycle[stop_at],), ignore_eos=True), stop_at, FinishReason.STOP),
+        (SamplingParams(max_tokens=stop_at + 1, stop_token_ids=(cycle[stop_at],)), stop_at, FinishReason.STOP),
+        (SamplingParams(max_tokens=stop_at + 1, stop_token_ids=(cycle[stop_at],), min_tokens=stop_at + 1), stop_at,
+         FinishReason.LENGTH),
+    ]  # fmt: skip
+    for i, (params, last, reason) in enumerate(cases):
+        assert rig.transfer(f"r{i}", [0], params).accepted
+        rig.steps(last - 1)
+        got = [t for _, t in rig.tokens(last)]
+        assert [t.start for t in got] == list(range(1, last + 1)), params
+        assert [t.finish_reason for t in got] == [-1] * (last - 1) + [int(reason)], params
+        assert not rig.double.requests
+
+
 def test_it_honours_a_choices_and_a_requests_abort_also_before_the_kv(rig):
     rig.register()
     assert rig.transfer("r1", [0, 1], SamplingParams(max_tokens=1000)).accepted

@@ -1,7 +1,7 @@
 """The synthetic decode worker (a TEST DOUBLE): takes a prompt's KVTransfer from a (synthetic) prefill worker on
 its KV ingress, acknowledges it, and from then on every step emits one token of the cycle for every sequence it
 holds, as a real decode worker streams them: a Tokens message per choice and step, the first carrying the transfer's
-time, the last its finish reason (max_tokens, the model's length, or a stop token id). An Abort ends a request or one
+time, the last its finish reason (by the real engine's rules, common/finish_rules.py). An Abort ends a request or one
 choice (a stop string at the gateway), also one whose KV has not come yet. Steps come every step_interval_s, or with
 0 as fast as the gateway takes the tokens (a full queue to it holds the loop back).
 """
@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import zmq
 
 from kvferry.common import protocol as p
-from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, limit_socket
 from kvferry.services.gateway_link import GatewayLink
 from kvferry.tools.bench.synthetic.double import IDLE_POLL_MS, SyntheticWorker
@@ -32,9 +31,8 @@ class Held:
     link: GatewayLink
     trace: p.TraceContext
     position: int  # the index in the choice's output of the next token
-    last: int  # the index of its last token: max_tokens, or the model's length
-    stop_token_ids: tuple[int, ...]
-    min_tokens: int
+    params: p.SamplingParams  # what its finish reason is judged by
+    num_prompt_tokens: int
     transfer_s: float  # told with the first Tokens message, then 0
 
 
@@ -114,8 +112,6 @@ class SyntheticDecode(SyntheticWorker):
             return
         key = (env.request_id, msg.attempt)
         ended = self.ended.get(key, set())
-        params = msg.sampling
-        last = min(params.max_tokens, self.max_model_len - len(msg.prompt_token_ids)) - 1
         transfer_s = max(0.0, time.time() - msg.sent_at) + msg.gather_s if msg.sent_at else 0.0
         position = len(msg.resume_token_ids) + 1  # the first token came from prefill
         if WHOLE not in ended and key not in self.requests:
@@ -127,9 +123,8 @@ class SyntheticDecode(SyntheticWorker):
                     link,
                     env.trace,
                     position,
-                    last,
-                    () if params.ignore_eos else params.stop_token_ids,
-                    params.min_tokens,
+                    msg.sampling,
+                    len(msg.prompt_token_ids),
                     transfer_s,
                 )
                 for choice in msg.choices
@@ -161,12 +156,7 @@ class SyntheticDecode(SyntheticWorker):
             for choice, seq in list(seqs.items()):
                 position = seq.position
                 token = cycle[position % num_cycle]
-                if position >= seq.last:
-                    reason = FinishReason.LENGTH
-                elif token in seq.stop_token_ids and position >= seq.min_tokens:
-                    reason = FinishReason.STOP
-                else:
-                    reason = -1
+                reason = self.finish_reason(seq.params, token, position, seq.num_prompt_tokens)
                 self.send_waiting(seq.link.channel, tokens_message(seq, [token], reason), seq.request_id, seq.trace)
                 if reason >= 0:
                     del seqs[choice]

@@ -18,13 +18,14 @@ from kvferry.services.gateway_link import GatewayLink, parse_gateways
 from kvferry.tools.bench.synthetic.model_folder import (
     SYNTHETIC_MODEL_NAME,
     check_model_folder,
-    model_max_len,
+    finish_rules,
     token_cycle,
 )
 
 log = logging.getLogger("kvferry.synthetic")
 NUM_BLOCKS = 1 << 20  # what the doubles report: never short of room, so the gateway's routing never waits on them
 SEND_TIMEOUT_MS = 2000  # a send to a gateway that takes nothing this long is dropped (the gateway is gone or stuck)
+NOT_A_TOKEN = -1  # what finish_reason judges in place of a token the sampler would have masked
 IDLE_POLL_MS = 50  # the loop's longest sleep: heartbeats and a SIGTERM are seen this soon
 
 
@@ -41,7 +42,8 @@ class SyntheticWorker:
         self.instance_id = uuid.uuid4().hex[:12]
         folder = check_model_folder(model_folder)
         self.cycle = token_cycle(TextTokenizer(folder))
-        self.max_model_len = model_max_len(folder)
+        self.rules = finish_rules(folder)
+        self.max_model_len = self.rules.max_model_len
         self.block_size = block_size
         self.links = [GatewayLink(self.ctx, address, self.worker_id) for address in parse_gateways(gateways)]
         if not self.links:
@@ -80,6 +82,14 @@ class SyntheticWorker:
             kv_address=self.kv_address(),
             instance_id=self.instance_id,
         )
+
+    def finish_reason(self, params: p.SamplingParams, token: int, position: int, num_prompt_tokens: int) -> int:
+        """How token, a choice's output at index position, ends it (-1: it goes on), by the real engine's rules
+        (common/finish_rules.py). Before min_tokens the real sampler masks the stop and EOS tokens; a double cannot
+        draw another token, so a stop token there goes out and ends nothing."""
+        judged = token if position >= params.min_tokens else NOT_A_TOKEN
+        reason = self.rules.finish_reason(params, judged, position + 1, num_prompt_tokens + position + 1)
+        return -1 if reason is None else int(reason)
 
     def on_register_reply(self, link: GatewayLink, reply: p.RegisterReply) -> None:
         if reply.accepted:

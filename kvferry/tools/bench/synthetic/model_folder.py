@@ -5,7 +5,8 @@ import shutil
 from pathlib import Path
 
 from kvferry.common.errors import KvferryError
-from kvferry.common.model_files import max_model_len_of, read_config, resolve_model
+from kvferry.common.finish_rules import FinishRules
+from kvferry.common.model_files import eos_token_ids, max_model_len_of, read_config, resolve_model
 from kvferry.common.text_tokenizer import TextTokenizer
 
 SYNTHETIC_MODEL_NAME = "kvferry-synthetic"  # what the doubles register as: no real model's name
@@ -48,5 +49,7 @@ def cycle_text(tokenizer: TextTokenizer, num_tokens: int, start: int = 0) -> str
     return tokenizer.decode([ids[i % len(ids)] for i in range(start, start + num_tokens)])
 
 
-def model_max_len(folder: Path) -> int:
-    return max_model_len_of(read_config(folder))
+def finish_rules(folder: Path) -> FinishRules:
+    """The model's ends of generation, as a real worker serving it reads them: its EOS ids and its length."""
+    config = read_config(folder)
+    return FinishRules(eos_token_ids(folder, config), max_model_len_of(config))

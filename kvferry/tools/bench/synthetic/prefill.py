@@ -13,7 +13,6 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common.errors import InvalidRequest
 from kvferry.common.peer_address import check_peer_address
-from kvferry.common.sequence import FinishReason
 from kvferry.common.transport import Channel, limit_socket
 from kvferry.services.gateway_link import GatewayLink
 from kvferry.tools.bench.synthetic.double import SEND_TIMEOUT_MS, SyntheticWorker, log
@@ -44,13 +43,7 @@ class SyntheticPrefill(SyntheticWorker):
         self.num_prompts += 1
         start = len(msg.resume_token_ids)
         token = self.cycle[start % len(self.cycle)]
-        params = msg.sampling
-        if start >= min(params.max_tokens, self.max_model_len - len(msg.prompt_token_ids)) - 1:
-            reason = int(FinishReason.LENGTH)
-        elif token in params.stop_token_ids and not params.ignore_eos and start >= params.min_tokens:
-            reason = int(FinishReason.STOP)
-        else:
-            reason = -1
+        reason = self.finish_reason(msg.sampling, token, start, len(msg.prompt_token_ids))
         choices = [msg.choice] if msg.resume_token_ids else list(range(msg.n))
         for choice in choices:
             first = p.FirstToken(token, reason, choice=choice, attempt=msg.attempt, start=start)
