@@ -2,6 +2,8 @@
 reading of its own /metrics (which of several answered), the rounds pooled and set against one gateway, and a py-spy
 profile's top functions."""
 
+import json
+
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -29,7 +31,24 @@ def test_lag_figures_take_the_wake_ups_between_the_readings():
 def test_lag_figures_without_wake_ups_say_so():
     reading = list(zip([0.001, INF], [3, 3]))
     figures = lag_figures(reading, reading)
-    assert figures == {"loop_lag_samples": 0, "loop_lag_p50_ms": None, "loop_lag_p99_ms": None, "loop_lag_max_ms": None}
+    assert figures == {
+        "loop_lag_samples": 0,
+        "loop_lag_p50_ms": None,
+        "loop_lag_p99_ms": None,
+        "loop_lag_max_ms": None,
+        "loop_lag_past_top_bucket": False,
+    }
+
+
+def test_lag_figures_past_the_top_bucket_give_no_max_and_say_so_in_valid_json():
+    bounds = [0.001, 60.0, INF]
+    before = list(zip(bounds, [0, 0, 0]))
+    after = list(zip(bounds, [90, 98, 100]))  # 2 periods past a minute: no bound is known
+    figures = lag_figures(before, after)
+    assert figures["loop_lag_max_ms"] is None and figures["loop_lag_past_top_bucket"] is True
+    assert figures["loop_lag_p99_ms"] == 60000.0  # in the +Inf bucket: its lower bound, a floor
+    assert json.loads(json.dumps(figures, allow_nan=False)) == figures
+    assert lag_figures(before, list(zip(bounds, [90, 100, 100])))["loop_lag_past_top_bucket"] is False
 
 
 def test_profile_top_ranks_functions_by_self_and_by_cumulative_samples(tmp_path):

@@ -28,7 +28,7 @@ from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
-from kvferry.services.gateway import fanout
+from kvferry.services.gateway import fanout, loop_lag
 from kvferry.services.gateway.admission import Admission, body_bytes
 from kvferry.services.gateway.api_error import ApiError, error_response
 from kvferry.services.gateway.capture import CaptureWriter
@@ -37,7 +37,6 @@ from kvferry.services.gateway.constraints import FIELDS as CONSTRAINT_FIELDS
 from kvferry.services.gateway.constraints import request_constraint
 from kvferry.services.gateway.guards import Guards
 from kvferry.services.gateway.json_body import parse_json_body
-from kvferry.services.gateway.loop_lag import watch_loop_lag
 from kvferry.services.gateway.metrics import GatewayMetrics
 from kvferry.services.gateway.openapi import openapi_spec
 from kvferry.services.gateway.request_parsing import Generation, check_fields, parse_generations
@@ -149,11 +148,11 @@ class Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.core.start()
-        lag_watch = asyncio.create_task(watch_loop_lag(self.metrics.loop_lag))
+        lag_watch = loop_lag.start_watch(self.metrics.loop_lag)
         try:
             yield
         finally:
-            lag_watch.cancel()
+            await loop_lag.stop_watch(lag_watch)
             for work in list(self.running_checks):  # a check still running stops at its next look: the process can exit
                 work.cancel()
             await self.core.stop()

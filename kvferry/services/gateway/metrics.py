@@ -33,8 +33,9 @@ LATENCY_BUCKETS = (
 )
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
-# From 0.1 ms, an idle loop's own wake-up jitter, to seconds: 1-2-5 steps, so a quantile's estimate stays close.
-LOOP_LAG_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (1, 2, 5)) + (10.0,)
+# From 0.1 ms, an idle loop's own wake-up jitter, to a minute (a saturated gateway's lag runs to seconds,
+# docs/benchmarks.md): 1-2-5 steps, so a quantile's estimate stays close, then 10, 30 and 60 s.
+LOOP_LAG_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (1, 2, 5)) + (10.0, 30.0, 60.0)
 disable_created_metrics()  # no `_created` series beside each counter and histogram (vLLM does the same)
 
 
@@ -148,7 +149,8 @@ class GatewayMetrics:
         self.kv_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV transfer.", BYTE_BUCKETS)
         self.loop_lag = histogram(
             "gateway_event_loop_lag_seconds",
-            "How late the gateway's event loop ran a wake-up it had asked for (services/gateway/loop_lag.py).",
+            "How late the gateway's event loop ran a wake-up it had asked for, once per period of time: a stall also "
+            "counts the wake-ups it held up (services/gateway/loop_lag.py).",
             LOOP_LAG_BUCKETS,
         )
 

@@ -188,7 +188,7 @@ def cmd_bench_gateway(args) -> int:
     if args.profile:
         report["profile"] = {"file": args.profile, **profile_top(args.profile)}
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report, allow_nan=False))  # an inf or a NaN would be no JSON: a bug, said here
         return 0
     print_report(report, args)
     return 0

@@ -5,7 +5,8 @@ gateway has answered. Each reading is taken with no load running, so a gateway's
 
 The loop lag over a load is the delta of its histogram between two readings: p50 and p99 interpolated within its
 buckets (as Prometheus' histogram_quantile), the max as the upper bound of the highest bucket reached. Several
-gateways' histograms add up, bucket by bucket, into one of all their wake-ups.
+gateways' histograms add up, bucket by bucket, into one of all their periods (the gateway observes its lag once a
+period of time, services/gateway/loop_lag.py).
 """
 
 import time
@@ -69,7 +70,9 @@ def merged_lag(readings: Collection[Reading]) -> list[tuple[float, float]]:
 
 def lag_figures(before: list, after: list) -> dict:
     """p50, p99 (linear within a bucket, as Prometheus' histogram_quantile) and max (the highest bucket reached's
-    bound) of the wake-ups between two readings, in ms."""
+    bound) of the lag between two readings, in ms; loop_lag_samples: the periods observed. Past the top finite bucket
+    no bound is known: the max is None and loop_lag_past_top_bucket says why, and a quantile there reads as that
+    bucket's bound (a floor, as Prometheus gives it). Never inf: the report is JSON."""
     bounds = [b for b, _ in after]
     counts = [a - b for (_, a), (_, b) in zip(after, before)]
     total = counts[-1]
@@ -77,7 +80,9 @@ def lag_figures(before: list, after: list) -> dict:
     for name, q in (("p50", 0.5), ("p99", 0.99)):
         figures[f"loop_lag_{name}_ms"] = None if not total else round(1000 * _quantile(bounds, counts, q), 3)
     reached = next((i for i, c in enumerate(counts) if c == total), len(counts) - 1)
-    figures["loop_lag_max_ms"] = None if not total else round(1000 * bounds[reached], 3)
+    past_top = bool(total) and bounds[reached] == float("inf")
+    figures["loop_lag_max_ms"] = None if not total or past_top else round(1000 * bounds[reached], 3)
+    figures["loop_lag_past_top_bucket"] = past_top
     return figures
 
 
