@@ -31,17 +31,22 @@ def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
     (the thread that calls this must live as long as the child: Linux sends it when that thread ends). nice: the
     child's niceness, set before it starts a thread, so every thread it starts inherits it."""
     command = [sys.executable, "-m", "kvferry.services.commands", *args]
-    return subprocess.Popen(command, env=env, preexec_fn=_child_setup(os.getpid(), nice))
+    return subprocess.Popen(command, env=env, preexec_fn=child_setup(os.getpid(), nice))
 
 
-def _child_setup(parent: int, nice: int):
-    def setup() -> None:  # in the child, before it runs python
+def child_setup(parent: int, nice: int = 0, cpus: set[int] | None = None):
+    """What a child of parent (this process's pid) does between fork and exec: ask for SIGTERM when parent dies,
+    then take its niceness and its CPUs (cpus: None, any), so that every thread it starts later has them too."""
+
+    def setup() -> None:
         if _LIBC is not None:
             _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
             if os.getppid() != parent:  # the parent died before the prctl: its signal will never come
                 os._exit(1)
         if nice:
             os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
 
     return setup
 

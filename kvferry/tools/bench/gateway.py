@@ -24,12 +24,13 @@ from pathlib import Path
 
 from kvferry.common.errors import KvferryError
 from kvferry.common.gateway_config import MAX_GATEWAYS
+from kvferry.services.launcher import child_setup
 from kvferry.tools.bench.gateway_metrics import lag_figures, merged_lag, read_gateways
 from kvferry.tools.bench.gateway_profile import profile_top, start_profile, stop_profile
 from kvferry.tools.bench.gateway_report import comparisons, pool_runs, print_report
 from kvferry.tools.bench.report import say
 from kvferry.tools.bench.synthetic.model_folder import prepare_model_folder
-from kvferry.tools.bench.synthetic.stack import SyntheticStack, child_setup, synthetic_stack
+from kvferry.tools.bench.synthetic.stack import SyntheticStack, synthetic_stack
 
 NEVER_MATCHES = "<|kvferry never matches|>"  # a stop string no cycle word starts: the detokenizer holds nothing back
 WARMUP_STREAMS, WARMUP_TOKENS = 8, 16  # the streams per gateway process
@@ -52,7 +53,7 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            preexec_fn=child_setup(cpus),
+            preexec_fn=child_setup(os.getpid(), cpus=cpus),
         )
         for n in shares
         if n

@@ -1,6 +1,7 @@
 """`kvferry bench gateway --profile`: py-spy records a gateway process over the measured runs, and its collapsed
 stacks come back as the functions most often on the CPU, themselves and anywhere on the stack."""
 
+import os
 import signal
 import subprocess
 import sys
@@ -8,7 +9,7 @@ import time
 from pathlib import Path
 
 from kvferry.common.errors import KvferryError
-from kvferry.tools.bench.synthetic.stack import child_setup
+from kvferry.services.launcher import child_setup
 
 PROFILE_TOP = 15
 
@@ -21,7 +22,7 @@ def start_profile(pid: int, out: str, cpus: set[int] | None) -> subprocess.Popen
     command += ["--gil", "--format", "raw", "--output", out]
     try:
         proc = subprocess.Popen(
-            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_setup(cpus)
+            command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=child_setup(os.getpid(), cpus=cpus)
         )
     except FileNotFoundError:
         raise KvferryError("--profile needs py-spy: pip install py-spy") from None

@@ -14,7 +14,7 @@ import zmq
 
 from kvferry.common import protocol as p
 from kvferry.common.transport import Channel, limit_socket
-from kvferry.services.gateway_link import GatewayLink
+from kvferry.services.gateway_link import GatewayLink, link_named
 from kvferry.tools.bench.synthetic.double import IDLE_POLL_MS, SyntheticWorker
 
 MAX_ENDED = 4096  # (request, attempt) pairs remembered as ended, for a KVTransfer that comes after its Abort
@@ -105,7 +105,7 @@ class SyntheticDecode(SyntheticWorker):
 
     def receive(self, peer: bytes, env: p.Envelope) -> None:
         msg: p.KVTransfer = env.message
-        link = self.link_named(msg.gateway_id)
+        link = link_named(self.links, msg.gateway_id)
         if link is None:
             reason = f"{self.worker_id} is not registered with gateway {msg.gateway_id!r}"
             self.kv_in.send(p.KVAck(False, reason, False, msg.attempt), env.request_id, env.trace, to=peer)

@@ -1,6 +1,6 @@
 """What the two synthetic workers (TEST DOUBLES) share: registration and heartbeats over the real GatewayLink, the
 loop, and a send that waits for room. Like a real worker (services/worker.py), one refused by a gateway for any
-reason but "unknown worker" stops with that reason (Refused: exit status 2), and one the gateway forgot registers
+reason but "unknown worker" stops with that reason (gateway_link.Refused: exit status 2), and one the gateway forgot registers
 again; unlike one, it serves no CURVE keys (loopback benchmarks and tests only) and has no drain.
 """
 
@@ -27,10 +27,6 @@ NUM_BLOCKS = 1 << 20  # what the doubles report: never short of room, so the gat
 SEND_TIMEOUT_MS = 2000  # a send to a gateway that takes nothing this long is dropped (the gateway is gone or stuck)
 NOT_A_TOKEN = -1  # what finish_reason judges in place of a token the sampler would have masked
 IDLE_POLL_MS = 50  # the loop's longest sleep: heartbeats and a SIGTERM are seen this soon
-
-
-class Refused(FatalError):
-    """A gateway refused the double's registration (a gateway serving a real model: "model mismatch")."""
 
 
 class SyntheticWorker:
@@ -92,18 +88,9 @@ class SyntheticWorker:
         return -1 if reason is None else int(reason)
 
     def on_register_reply(self, link: GatewayLink, reply: p.RegisterReply) -> None:
+        link.answered(reply)  # as a real worker: a gateway serving a real model refuses (Refused, "model mismatch")
         if reply.accepted:
-            link.accepted(reply)
             self.heartbeat_interval_s = reply.heartbeat_interval_s
-        elif reply.reason == p.UNKNOWN_WORKER:
-            link.must_register()
-        else:
-            raise Refused(f"the gateway at {link.address} refused synthetic worker {self.worker_id}: {reply.reason}")
-
-    def link_named(self, gateway_id: str) -> GatewayLink | None:
-        if len(self.links) == 1:
-            return self.links[0]
-        return next((link for link in self.links if link.registered and link.gateway_id == gateway_id), None)
 
     def stats(self) -> p.WorkerStats:
         return p.WorkerStats(NUM_BLOCKS, NUM_BLOCKS, self.num_running(), 0, 0, num_protocol_errors=self.num_errors())

@@ -4,11 +4,9 @@ ports: for `kvferry bench gateway` and the tests. Each process may be pinned to 
 every thread it starts later is pinned too (a group's gateway processes take their supervisor's CPUs)."""
 
 import contextlib
-import ctypes
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -16,11 +14,9 @@ from pathlib import Path
 
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
-from kvferry.services.launcher import free_port, stop_all, wait_until
+from kvferry.services.launcher import child_setup, free_port, stop_all, wait_until
 
 READY_TIMEOUT_S = 60.0
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_LIBC = ctypes.CDLL(None, use_errno=True)  # looked up here: a child between fork and exec must not load a library
 # The caller's settings the stack keeps: where the default model's files are, and the block size (the gateway and
 # the doubles read it alike). Any other (an API key, tracing, a served name) would change what is measured.
 KEPT_SETTINGS = tuple(settings.env_name(name) for name in ("cache_dir", "block_size"))
@@ -45,23 +41,13 @@ class SyntheticStack:
         )
 
 
-def child_setup(cpus: set[int] | None):
-    """What a child does before it runs: take its CPUs, and ask for a SIGTERM when this process dies, so that a
-    bench killed outright (a test's timeout) leaves no gateway or double behind."""
-
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, cpus)
-        _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return setup
-
-
 def start(name: str, command: list[str], log_dir: Path, cpus: set[int] | None, env: dict) -> subprocess.Popen:
-    log = open(log_dir / f"{name}.log", "w")
-    with log:
+    """A process of the stack, on cpus, logging to log_dir/name.log. It gets a SIGTERM when this process dies
+    (launcher.child_setup), so that a bench killed outright (a test's timeout) leaves no gateway or double behind."""
+    setup = child_setup(os.getpid(), cpus=cpus)
+    with open(log_dir / f"{name}.log", "w") as log:
         return subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=child_setup(cpus), start_new_session=True
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, preexec_fn=setup, start_new_session=True
         )
 
 
@@ -77,17 +63,16 @@ def synthetic_stack(
     gateway_cpus: set[int] | None = None,
     worker_cpus: set[int] | None = None,
     step_interval_s: float = 0.0,
-    gateway_prefix: tuple[str, ...] = (),
     num_gateways: int = 1,
 ):
     """Yields a SyntheticStack once every gateway is healthy with both doubles registered; stops them all on exit.
-    folder: prepare_model_folder's. gateway_prefix: a command the gateway runs under (it must exec). num_gateways:
-    more than 1 starts `kvferry gateway --gateways N`, the group, which the doubles register with whole. log_dir
-    takes each process's log; several stacks at once need a log_dir each."""
+    folder: prepare_model_folder's. num_gateways: more than 1 starts `kvferry gateway --gateways N`, the group,
+    which the doubles register with whole. log_dir takes each process's log; several stacks at once need a log_dir
+    each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_") or k in KEPT_SETTINGS}
     port, first_control = free_port(), free_port(num_gateways)
     controls = [f"tcp://127.0.0.1:{first_control + i}" for i in range(num_gateways)]
-    gateway = [*gateway_prefix, sys.executable, "-m", "kvferry.services.commands", "gateway", "--model", str(folder)]
+    gateway = [sys.executable, "-m", "kvferry.services.commands", "gateway", "--model", str(folder)]
     # No admission bound: every stream of the load waits for its first token at once.
     gateway += ["--host", "127.0.0.1", "--port", str(port), "--control", controls[0], "--max-waiting", "0"]
     gateway += ["--gateways", str(num_gateways)]
