@@ -20,7 +20,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from kvferry.common.errors import KvferryError
 from kvferry.common.gateway_config import MAX_GATEWAYS
@@ -29,7 +31,7 @@ from kvferry.tools.bench.gateway_metrics import lag_figures, merged_lag, read_ga
 from kvferry.tools.bench.gateway_profile import profile_top, start_profile, stop_profile
 from kvferry.tools.bench.gateway_report import comparisons, pool_runs, print_report
 from kvferry.tools.bench.report import say
-from kvferry.tools.bench.synthetic.model_folder import prepare_model_folder
+from kvferry.tools.bench.synthetic.model_folder import SYNTHETIC_MODEL_NAME, prepare_model_folder
 from kvferry.tools.bench.synthetic.stack import SyntheticStack, synthetic_stack
 
 NEVER_MATCHES = "<|kvferry never matches|>"  # a stop string no cycle word starts: the detokenizer holds nothing back
@@ -43,42 +45,75 @@ def cpu_s(pid: int) -> float:
 
 
 # -- one run -----------------------------------------------------------------------------------------------------
+@dataclass
+class Client:
+    """A client process (bench/sse_load.py) and the file its stderr goes to, read back if it fails."""
+
+    proc: subprocess.Popen
+    stderr: IO[str]
+
+    @classmethod
+    def start(cls, stack: SyntheticStack, streams: int, tokens: int, cpus: set[int] | None) -> "Client":
+        command = [sys.executable, "-m", "kvferry.tools.bench.sse_load", "127.0.0.1", str(stack.port), str(streams)]
+        command += [str(tokens), NEVER_MATCHES, SYNTHETIC_MODEL_NAME]
+        stderr = tempfile.TemporaryFile("w+")
+        setup = child_setup(os.getpid(), cpus=cpus)
+        proc = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, preexec_fn=setup
+        )
+        return cls(proc, stderr)
+
+    def line(self) -> str:
+        """Its next line; one that ends without it (a crash) is an error that says so, with its stderr's end."""
+        line = self.proc.stdout.readline()
+        if line.endswith("\n"):
+            return line
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+        self.stderr.seek(0)
+        said = self.stderr.read()[-2000:]
+        raise KvferryError(f"a client process ended (exit status {self.proc.returncode}) before its figures:\n{said}")
+
+    def figures(self) -> dict:
+        line = self.line()
+        try:
+            return json.loads(line)
+        except ValueError:
+            raise KvferryError(f"a client process printed {line[:300]!r}, not its figures") from None
+
+    def go(self) -> None:
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.stderr.close()
+
+
 def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpus: set[int] | None) -> dict:
     """streams spread over client processes, started together once every process's CPU is read; the figures."""
     shares = [streams // clients + (i < streams % clients) for i in range(clients)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "kvferry.tools.bench.sse_load", "127.0.0.1", str(stack.port), str(n), str(tokens)]
-            + [NEVER_MATCHES],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            preexec_fn=child_setup(os.getpid(), cpus=cpus),
-        )
-        for n in shares
-        if n
-    ]
+    loads = [Client.start(stack, n, tokens, cpus) for n in shares if n]
     gateways = stack.gateways
     processes = {"decode": stack.decode.pid, "prefill": stack.prefill.pid, **gateways}
     if len(gateways) > 1:
         processes["supervisor"] = stack.gateway.pid  # the group's: it serves nothing, it waits on its children
     try:
-        for proc in procs:
-            if proc.stdout.readline().strip() != "ready":
-                raise KvferryError("a client process did not start")
+        for client in loads:
+            if (said := client.line()) != "ready\n":
+                raise KvferryError(f"a client process said {said[:300]!r}, not ready")
         # Read before the CPU (and after it, below): a scrape's own cost stays out of the figures.
         before = read_gateways(stack.url, gateways)
         cpu_before = {name: cpu_s(pid) for name, pid in processes.items()}
-        for proc in procs:
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        results = [json.loads(proc.stdout.readline()) for proc in procs]
+        for client in loads:
+            client.go()
+        results = [client.figures() for client in loads]
         cpu_after = {name: cpu_s(pid) for name, pid in processes.items()}
         after = read_gateways(stack.url, gateways)
     finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+        for client in loads:
+            client.close()
     failures = [f for r in results for f in r["failures"]]
     if failures:
         num = sum(r["num_failures"] for r in results)
