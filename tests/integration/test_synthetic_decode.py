@@ -15,6 +15,7 @@ from kvferry.tools.bench.synthetic.decode import SyntheticDecode
 from kvferry.tools.bench.synthetic.model_folder import SYNTHETIC_MODEL_NAME, prepare_model_folder
 
 WAIT_S = 10.0  # a hang guard only: every wait below ends as soon as what it waits for is there
+BACKLOG_MESSAGES = 900  # of 12 KB: 10 MB, past the socket buffers (a few MB), within ZeroMQ's send queue of 1,000
 
 
 @pytest.fixture
@@ -22,6 +23,10 @@ def rig(tmp_path):
     ctx = zmq.Context.instance()
     gateway = ctx.socket(zmq.ROUTER)
     gateway.setsockopt(zmq.LINGER, 0)
+    # A gateway that takes little before it is read: a fixed kernel buffer (not one that grows to tens of MB) and a
+    # queue of 10 messages, so that what the double sends beyond them waits in its own queue.
+    gateway.setsockopt(zmq.RCVBUF, 1 << 16)
+    gateway.setsockopt(zmq.RCVHWM, 10)
     gateway.bind("tcp://127.0.0.1:*")
     double = SyntheticDecode(gateway.getsockopt(zmq.LAST_ENDPOINT).decode(), prepare_model_folder(tmp_path), "dx")
     prefill = ctx.socket(zmq.DEALER)
@@ -161,3 +166,19 @@ def test_it_honours_a_choices_and_a_requests_abort_also_before_the_kv(rig):
     # The next message: r3's one token past the first, finished; none of r1's or r2's came before it.
     [(rid, last)] = rig.tokens(1)
     assert (rid, last.finish_reason) == ("r3", int(FinishReason.LENGTH)) and not rig.double.requests
+
+
+def test_its_last_word_is_a_final_deregister_that_reaches_the_gateway(rig):
+    """Even behind a backlog the gateway has not read yet: the double closes its sockets on its way out, and what
+    it queued, its Deregister last, still goes out."""
+    rig.register()
+    backlog = p.Tokens(list(range(50_000, 54_000)))  # about 12 KB
+    channel = rig.double.links[0].channel
+    for _ in range(BACKLOG_MESSAGES):
+        rig.double.send_waiting(channel, backlog, "r1", None)
+    rig.double.running = False
+    rig.double.serve_forever()  # no turn: straight to its way out
+    for _ in range(BACKLOG_MESSAGES):  # read raw: decoding each would outlast the double's linger
+        assert rig.gateway.poll(int(WAIT_S * 1000)), "the backlog did not all arrive"
+        rig.gateway.recv_multipart()
+    assert rig.receive(rig.gateway).message == p.Deregister("dx", final=True)

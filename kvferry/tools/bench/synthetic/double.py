@@ -26,6 +26,7 @@ log = logging.getLogger("kvferry.synthetic")
 NUM_BLOCKS = 1 << 20  # what the doubles report: never short of room, so the gateway's routing never waits on them
 SEND_TIMEOUT_MS = 2000  # a send to a gateway that takes nothing this long is dropped (the gateway is gone or stuck)
 NOT_A_TOKEN = -1  # what finish_reason judges in place of a token the sampler would have masked
+FINAL_LINGER_MS = 1000  # what is queued to a gateway, the final Deregister last, has this long to go out at exit
 IDLE_POLL_MS = 50  # the loop's longest sleep: heartbeats and a SIGTERM are seen this soon
 
 
@@ -146,8 +147,9 @@ class SyntheticWorker:
                 self.turn()
         finally:
             for link in self.links:
-                if link.registered:
-                    link.channel.send(p.Deregister(self.worker_id, final=True))
+                if link.registered:  # its last word, after whatever is queued before it
+                    self.send_waiting(link.channel, p.Deregister(self.worker_id, final=True), "", None)
+                    link.channel.socket.close(linger=FINAL_LINGER_MS)  # not the sockets' 0: that drops the queue
             self.close()
 
     def turn(self) -> None:
