@@ -3,6 +3,7 @@ loop turn at a time, between raw ZeroMQ sockets on loopback playing its gateway 
 the synthetic model, streams one token a step for every choice it holds, ends each at its max_tokens or stop token
 with a finish reason, and honours a choice's and a request's Abort, also one that comes before the KV."""
 
+import threading
 import time
 
 import pytest
@@ -11,8 +12,10 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
+from kvferry.common.transport import Channel
 from kvferry.tools.bench.synthetic.decode import SyntheticDecode
 from kvferry.tools.bench.synthetic.model_folder import SYNTHETIC_MODEL_NAME, prepare_model_folder
+from kvferry.tools.bench.synthetic.send_counts import SENT, UNSENT, WAITED
 
 WAIT_S = 10.0  # a hang guard only: every wait below ends as soon as what it waits for is there
 BACKLOG_MESSAGES = 900  # of 12 KB: 10 MB, past the socket buffers (a few MB), within ZeroMQ's send queue of 1,000
@@ -182,3 +185,42 @@ def test_its_last_word_is_a_final_deregister_that_reaches_the_gateway(rig):
         assert rig.gateway.poll(int(WAIT_S * 1000)), "the backlog did not all arrive"
         rig.gateway.recv_multipart()
     assert rig.receive(rig.gateway).message == p.Deregister("dx", final=True)
+
+
+def test_a_send_that_finds_the_queue_full_waits_for_room_and_is_counted(rig):
+    """Where a real worker would drop the message (common/transport.py), a double waits, and counts the wait; one
+    that finds no room within its timeout is counted unsent."""
+    ctx = zmq.Context.instance()
+    reader = ctx.socket(zmq.ROUTER)
+    reader.setsockopt(zmq.RCVHWM, 2)
+    reader.bind("inproc://synthetic-send-counts")
+    sender = ctx.socket(zmq.DEALER)
+    sender.setsockopt(zmq.SNDHWM, 2)
+    sender.setsockopt(zmq.SNDTIMEO, int(WAIT_S * 1000))
+    sender.connect("inproc://synthetic-send-counts")
+    channel = Channel(sender, "test/sender")
+    counts = rig.double.send_counts.counts
+
+    def drain_once_a_send_waits() -> None:
+        while not counts[WAITED]:
+            time.sleep(0.001)
+        for _ in range(10):
+            assert reader.poll(int(WAIT_S * 1000))
+            reader.recv_multipart()
+
+    try:
+        thread = threading.Thread(target=drain_once_a_send_waits)
+        thread.start()
+        for _ in range(10):  # 4 fit in the two queues; the 5th waits until the reader takes them
+            rig.double.send_waiting(channel, p.Abort(), "r1", None)
+        thread.join()
+        assert rig.double.send_counts.snapshot() == {"sent": 10, "waited": counts[WAITED], "unsent": 0}
+        assert counts[WAITED] >= 1
+
+        sender.setsockopt(zmq.SNDTIMEO, 1)
+        for _ in range(5):  # nobody reads now: 4 fit, the 5th waits 1 ms in vain
+            rig.double.send_waiting(channel, p.Abort(), "r2", None)
+        assert counts[UNSENT] == 1 and counts[SENT] == 15
+    finally:
+        sender.close(linger=0)
+        reader.close(linger=0)

@@ -106,10 +106,12 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
         # Read before the CPU (and after it, below): a scrape's own cost stays out of the figures.
         before = read_gateways(stack.url, gateways)
         cpu_before = {name: cpu_s(pid) for name, pid in processes.items()}
+        sends_before = stack.send_counts()
         for client in loads:
             client.go()
         results = [client.figures() for client in loads]
         cpu_after = {name: cpu_s(pid) for name, pid in processes.items()}
+        sends_after = stack.send_counts()
         after = read_gateways(stack.url, gateways)
     finally:
         for client in loads:
@@ -121,6 +123,7 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
     elapsed = max(r["ended"] for r in results) - min(r["started"] for r in results)
     total = sum(r["tokens"] for r in results)
     cpu = {name: cpu_after[name] - cpu_before[name] for name in processes}
+    sends = {role: {k: n - sends_before[role][k] for k, n in counts.items()} for role, counts in sends_after.items()}
     gateway_cpu_s = sum(cpu[gid] for gid in gateways)
     per_gateway = []
     for gid, pid in gateways.items():
@@ -159,6 +162,13 @@ def run_load(stack: SyntheticStack, streams: int, tokens: int, clients: int, cpu
         "streams_counted": counted,  # by the gateways' own counters: the streams, when each one counted its own
         "per_gateway": per_gateway,
         **lag_figures(merged_lag(before.values()), merged_lag(after.values())),
+        # The doubles' sends that found the queue to the gateway (or to the decode double) full and waited for
+        # room: each one a message a real worker would have dropped (synthetic/double.py). Unsent: past the wait.
+        "decode_sends": sends["decode"]["sent"],
+        "decode_sends_waited": sends["decode"]["waited"],
+        "decode_sends_waited_share": round(sends["decode"]["waited"] / max(sends["decode"]["sent"], 1), 4),
+        "prefill_sends_waited": sends["prefill"]["waited"],
+        "sends_unsent": sends["decode"]["unsent"] + sends["prefill"]["unsent"],
     }
     if "supervisor" in cpu:
         run["supervisor_cpu_us_per_token"] = round(cpu["supervisor"] / total * 1e6, 2)

@@ -4,6 +4,7 @@ each gateway count's CPU per token against the first count's, pooled and round b
 
 from kvferry.services.gateway.metrics import LOOP_LAG_BUCKETS
 from kvferry.tools.bench.gateway_profile import PROFILE_TOP
+from kvferry.tools.bench.synthetic.double import SEND_TIMEOUT_MS
 
 BALANCE_BAND = 0.10  # a share within 1/N ± this of the streams counts as even (2 gateways: 40 to 60%)
 
@@ -76,7 +77,8 @@ def print_report(report: dict, args) -> None:
     )
     print(
         f"{'streams':>8} {'gateways':>8} {'tok/s':>9} {'gateway µs/tok':>15} {'tok/gateway-cpu-s':>18} "
-        f"{'cores busy':>10} {'decode µs/tok':>14} {'client µs/tok':>14} {'loop lag p50/p99/max ms':>24}  shares"
+        f"{'cores busy':>10} {'decode µs/tok':>14} {'client µs/tok':>14} {'loop lag p50/p99/max ms':>24} "
+        f"{'sends waited':>12}  shares"
     )
     for r in report["runs"]:
         top = f">{LOOP_LAG_BUCKETS[-1] * 1000:g}" if r["loop_lag_past_top_bucket"] else f"<={r['loop_lag_max_ms']}"
@@ -85,8 +87,17 @@ def print_report(report: dict, args) -> None:
         print(
             f"{r['streams']:>8} {r['gateways']:>8} {r['tok_per_s']:>9} {r['gateway_cpu_us_per_token']:>15} "
             f"{r['tok_per_gateway_cpu_s']:>18} {r['gateway_cores_busy']:>10.0%} {r['decode_cpu_us_per_token']:>14} "
-            f"{r['client_cpu_us_per_token']:>14} {lag:>24}  {shares}"
+            f"{r['client_cpu_us_per_token']:>14} {lag:>24} {r['decode_sends_waited_share']:>12.1%}  {shares}"
         )
+    if any(r["decode_sends_waited"] or r["prefill_sends_waited"] for r in report["runs"]):
+        print(
+            "  sends waited: the decode double's Tokens sends that found the queue to the gateway full and waited for "
+            "room, where a real worker\n  drops them: this load is backpressure a real stack does not have, and its "
+            "loop lag is a saturated loop's (--step-interval paces it)"
+        )
+    unsent = sum(r["sends_unsent"] for r in report["runs"])
+    if unsent:
+        print(f"  {unsent} sends of the doubles found no room in {SEND_TIMEOUT_MS} ms and were dropped")
     if report["comparisons"]:
         print(
             f"\nagainst {report['gateway_counts'][0]} gateway(s), over all {report['rounds']} rounds (gateway CPU per "
@@ -94,11 +105,11 @@ def print_report(report: dict, args) -> None:
         )
     pooled = {(r["streams"], r["gateways"]): r["pooled"] for r in report["runs"]}
     for c in report["comparisons"]:
-        p = pooled[(c["streams"], c["gateways"])]
+        p, base = pooled[(c["streams"], c["gateways"])], pooled[(c["streams"], c["against"])]
         per_process = "/".join(f"{v}" for v in p["per_process_cpu_us_per_token"].values())
         print(
             f"  {c['streams']} streams, {c['gateways']} gateways: CPU per token x{c['cpu_per_token_ratio']} "
-            f"({p['gateway_cpu_us_per_token']} against {pooled[(c['streams'], c['against'])]['gateway_cpu_us_per_token']} µs;"
+            f"({p['gateway_cpu_us_per_token']} against {base['gateway_cpu_us_per_token']} µs;"
             f" rounds {', '.join(f'x{x}' for x in c['per_round_ratios'])}); per process {per_process} µs; shares "
             f"{'/'.join(f'{s:.1%}' for s in c['shares'])}, each within {1 / c['gateways']:.0%} ± "
             f"{BALANCE_BAND:.0%} in {c['rounds_balanced']} of {c['rounds']} rounds"

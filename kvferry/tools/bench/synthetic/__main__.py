@@ -8,11 +8,12 @@ import sys
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
 from kvferry.common.logs import setup_logging
+from kvferry.tools.bench.synthetic.model_folder import SYNTHETIC_MODEL_NAME
 
 DESCRIPTION = (
     "TEST DOUBLE of a kvferry worker, for `kvferry bench gateway` and the tests: no model, it emits a fixed cycle of "
-    "plain-word tokens. It registers as model 'kvferry-synthetic', which a gateway serving a real model refuses; "
-    "never run it beside real workers."
+    f"plain-word tokens. It registers as model '{SYNTHETIC_MODEL_NAME}', which a gateway serving a real model "
+    "refuses; never run it beside real workers."
 )
 
 
@@ -23,10 +24,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model-folder",
         required=True,
-        help="the folder named kvferry-synthetic the gateway serves (bench/synthetic/model_folder.py makes one)",
+        help=f"the folder named {SYNTHETIC_MODEL_NAME} the gateway serves (bench/synthetic/model_folder.py makes one)",
     )
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--block-size", type=int, default=settings.from_env("block_size"), help="as the gateway's")
+    parser.add_argument(
+        "--counts-file",
+        default=None,
+        help="a file it keeps its send counts in, for the bench to read (bench/synthetic/send_counts.py)",
+    )
     parser.add_argument(
         "--step-interval",
         type=float,
@@ -45,10 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.role == "decode":
             worker = SyntheticDecode(
-                args.gateway, args.model_folder, args.worker_id, args.block_size, args.step_interval
+                args.gateway, args.model_folder, args.worker_id, args.block_size, args.step_interval, args.counts_file
             )
         else:
-            worker = SyntheticPrefill(args.gateway, args.model_folder, args.worker_id, args.block_size)
+            worker = SyntheticPrefill(
+                args.gateway, args.model_folder, args.worker_id, args.block_size, args.counts_file
+            )
 
         def stop(*_):
             worker.running = False

@@ -46,8 +46,8 @@ def tokens_message(seq: Held, token_ids: list[int], finish_reason: int) -> p.Tok
 class SyntheticDecode(SyntheticWorker):
     role = p.Role.DECODE
 
-    def __init__(self, gateways, model_folder, worker_id=None, block_size=16, step_interval_s: float = 0.0):
-        super().__init__(gateways, model_folder, worker_id, block_size)
+    def __init__(self, gateways, model_folder, worker_id=None, block_size=16, step_interval_s=0.0, counts_file=None):
+        super().__init__(gateways, model_folder, worker_id, block_size, counts_file)
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         limit_socket(sock, p.max_header_bytes(*p.KV_INGRESS_RECEIVES))

@@ -1,7 +1,16 @@
 """What the two synthetic workers (TEST DOUBLES) share: registration and heartbeats over the real GatewayLink, the
-loop, and a send that waits for room. Like a real worker (services/worker.py), one refused by a gateway for any
-reason but "unknown worker" stops with that reason (gateway_link.Refused: exit status 2), and one the gateway forgot registers
-again; unlike one, it serves no CURVE keys (loopback benchmarks and tests only) and has no drain.
+loop, and a send that waits for room.
+
+The send is where a double is not a real worker. A real one never blocks on a send (common/transport.py) and loses
+what finds the queue to the gateway full: the gateway sees the gap, waits for it, then moves the request to a new
+attempt. A double waits for room instead (up to SEND_TIMEOUT_MS), so that the gateway's pace holds a saturated bench
+back and every stream is whole. So a saturated `kvferry bench gateway` measures a backpressure that a real stack
+does not have: each send of a double that waited is a message a real worker would have dropped. The doubles count
+the sends that waited and those never sent (send_counts.py), and the bench reports them with its figures.
+
+Like a real worker (services/worker.py), one refused by a gateway for any reason but "unknown worker" stops with that
+reason (gateway_link.Refused: exit status 2), and one the gateway forgot registers again; unlike one, it serves no
+CURVE keys (loopback benchmarks and tests only) and has no drain.
 """
 
 import logging
@@ -21,6 +30,7 @@ from kvferry.tools.bench.synthetic.model_folder import (
     finish_rules,
     token_cycle,
 )
+from kvferry.tools.bench.synthetic.send_counts import SENT, UNSENT, WAITED, SendCounts
 
 log = logging.getLogger("kvferry.synthetic")
 NUM_BLOCKS = 1 << 20  # what the doubles report: never short of room, so the gateway's routing never waits on them
@@ -33,7 +43,10 @@ IDLE_POLL_MS = 50  # the loop's longest sleep: heartbeats and a SIGTERM are seen
 class SyntheticWorker:
     role: p.Role
 
-    def __init__(self, gateways: str | list[str], model_folder, worker_id: str | None = None, block_size: int = 16):
+    def __init__(
+        self, gateways: str | list[str], model_folder, worker_id: str | None = None, block_size: int = 16,
+        counts_file: str | None = None,
+    ):  # fmt: skip
         self.ctx = zmq.Context.instance()
         self.worker_id = worker_id or f"synthetic-{self.role.name.lower()}-{uuid.uuid4().hex[:8]}"
         self.instance_id = uuid.uuid4().hex[:12]
@@ -57,7 +70,7 @@ class SyntheticWorker:
         self.heartbeat_interval_s = 1.0
         self.heartbeat_due = 0.0
         self.running = True
-        self.num_unsent = 0
+        self.send_counts = SendCounts(counts_file)
 
     def watch(self, sock: zmq.Socket, reader) -> None:
         self.readers[sock] = reader
@@ -131,13 +144,20 @@ class SyntheticWorker:
                 self.on_gateway_message(link, env)
 
     def send_waiting(self, channel: Channel, message, request_id: str, trace, frames: list | None = None) -> None:
-        """Send, waiting for room (at most SEND_TIMEOUT_MS): a double that emits faster than the gateway reads
-        must be held back, not drop tokens as a non-blocking send past the high-water mark would."""
+        """Send, waiting for room (at most SEND_TIMEOUT_MS) where a real worker would drop the message (see the
+        module's docstring); each wait counted."""
         parts, _ = channel.pack(message, request_id, trace, frames)
+        counts = self.send_counts.counts
+        counts[SENT] += 1
+        try:
+            channel.socket.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:  # nothing of it went: a multipart message is queued whole or not at all
+            counts[WAITED] += 1
         try:
             channel.socket.send_multipart(parts, copy=False)
         except zmq.Again:
-            self.num_unsent += 1
+            counts[UNSENT] += 1
             log.warning("%s: a %s for %s could not be sent", self.worker_id, type(message).__name__, request_id)
 
     # -- the loop ----------------------------------------------------------------------------------------------
@@ -177,3 +197,4 @@ class SyntheticWorker:
         for link, channel in self.heartbeats.values():
             channel.close()
             link.close()
+        self.send_counts.close()

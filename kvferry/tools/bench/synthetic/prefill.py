@@ -23,8 +23,8 @@ NO_KV_SHAPE = [1, 0, 0, 2, 0, 0]  # [layers, blocks, block_size, 2, kv_heads, he
 class SyntheticPrefill(SyntheticWorker):
     role = p.Role.PREFILL
 
-    def __init__(self, gateways, model_folder, worker_id=None, block_size=16):
-        super().__init__(gateways, model_folder, worker_id, block_size)
+    def __init__(self, gateways, model_folder, worker_id=None, block_size=16, counts_file=None):
+        super().__init__(gateways, model_folder, worker_id, block_size, counts_file)
         self.to_decode: dict[str, Channel] = {}  # a decode worker's KV address -> the socket to it
         self.num_prompts = 0
 

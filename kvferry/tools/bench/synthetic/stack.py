@@ -15,6 +15,7 @@ from pathlib import Path
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
 from kvferry.services.launcher import child_setup, free_port, stop_all, wait_until
+from kvferry.tools.bench.synthetic.send_counts import read_send_counts
 
 READY_TIMEOUT_S = 60.0
 # The caller's settings the stack keeps: where the default model's files are, and the block size (the gateway and
@@ -32,6 +33,10 @@ class SyntheticStack:
     decode: subprocess.Popen
     log_dir: Path
     gateways: dict[str, int] = field(default_factory=dict)  # each gateway process's id -> its pid, in index order
+
+    def send_counts(self) -> dict[str, dict[str, int]]:
+        """Each double's send counts so far (send_counts.py), by role."""
+        return {role: read_send_counts(self.log_dir / f"{role}.counts") for role in ("prefill", "decode")}
 
     def logs(self) -> str:
         """Each process's last lines, for an error that needs them."""
@@ -79,8 +84,10 @@ def synthetic_stack(
     procs = [start("gateway", gateway, log_dir, gateway_cpus, env)]
     try:
         control = ",".join(controls)
-        procs.append(start("prefill", double_command("prefill", control, folder), log_dir, worker_cpus, env))
-        decode = double_command("decode", control, folder, "--step-interval", str(step_interval_s))
+        prefill = double_command("prefill", control, folder, "--counts-file", str(log_dir / "prefill.counts"))
+        procs.append(start("prefill", prefill, log_dir, worker_cpus, env))
+        decode = double_command("decode", control, folder, "--counts-file", str(log_dir / "decode.counts"))
+        decode += ["--step-interval", str(step_interval_s)]
         procs.append(start("decode", decode, log_dir, worker_cpus, env))
         stack = SyntheticStack(f"http://127.0.0.1:{port}", port, control, *procs, log_dir)
         ready = ReadyGateways()
