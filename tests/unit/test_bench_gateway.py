@@ -75,9 +75,9 @@ def test_profile_top_ranks_functions_by_self_and_by_cumulative_samples(tmp_path)
     ]
 
 
-def exposition(gateway_id: str | None, finished: dict[str, int], lags: list[float]) -> str:
-    """A gateway's /metrics text: its loop-lag histogram and its finished requests by reason; labelled with its id
-    as one of several processes labels them (gateway_id None: one gateway, unlabelled)."""
+def exposition(gateway_index: int | None, finished: dict[str, int], lags: list[float]) -> str:
+    """A gateway's /metrics text: its loop-lag histogram and its finished requests by reason; labelled with its
+    index as one of several processes labels them (None: one gateway, unlabelled)."""
     registry = CollectorRegistry()
     lag = Histogram(LAG_METRIC, "lag", buckets=[0.001, 0.01], registry=registry)
     for seconds in lags:
@@ -85,25 +85,25 @@ def exposition(gateway_id: str | None, finished: dict[str, int], lags: list[floa
     success = Counter("kvferry:request_success", "finished", ["finished_reason"], registry=registry)
     for reason, n in finished.items():
         success.labels(reason).inc(n)
-    return generate_latest(GatewayLabel(registry, gateway_id) if gateway_id else registry).decode()
+    return generate_latest(registry if gateway_index is None else GatewayLabel(registry, gateway_index)).decode()
 
 
 def test_a_reading_says_which_gateway_answered_and_counts_its_finished_requests():
-    text = exposition("gw-0000000b", {"length": 5, "stop": 2}, [0.0005, 0.005, 0.5])
-    gateway_id, reading = parse_reading(text, {"gw-0000000a", "gw-0000000b"})
+    text = exposition(1, {"length": 5, "stop": 2}, [0.0005, 0.005, 0.5])
+    gateway_id, reading = parse_reading(text, ["gw-0000000a", "gw-0000000b"])  # the ids in index order
     assert gateway_id == "gw-0000000b"
     assert reading.num_finished == 7  # every reason, the counter's _total only (not its _created)
     assert reading.lag == [(0.001, 1), (0.01, 2), (INF, 3)]
     # One gateway labels nothing: the one id it was asked for stands for it; none finished yet reads 0.
     assert parse_reading(exposition(None, {}, []), {"gw-0000000a"})[1].num_finished == 0
-    with pytest.raises(KvferryError, match="not one of"):
-        parse_reading(text, {"gw-0000000a"})
+    with pytest.raises(KvferryError, match="not one of the 1 indexes"):
+        parse_reading(text, ["gw-0000000a"])
 
 
 def test_merged_lag_adds_the_gateways_buckets():
     bounds = [0.001, 0.01, INF]
-    first = parse_reading(exposition("a", {}, [0.0005, 0.5]), {"a"})[1]
-    second = parse_reading(exposition("b", {}, [0.005]), {"b"})[1]
+    first = parse_reading(exposition(0, {}, [0.0005, 0.5]), ["a", "b"])[1]
+    second = parse_reading(exposition(1, {}, [0.005]), ["a", "b"])[1]
     assert merged_lag([first, second]) == list(zip(bounds, [1, 2, 3]))
 
 

@@ -28,8 +28,8 @@ class Reading:
 
 
 def read_gateways(url: str, ids: Collection[str]) -> dict[str, Reading]:
-    """Every gateway's reading, by its id: /metrics scraped over a fresh connection each time until each of ids has
-    answered (with one gateway, its series carry no id: the one id stands for them)."""
+    """Every gateway's reading, by its id: /metrics scraped over a fresh connection each time until each of ids (in
+    the order of the gateways' indexes, as stack.gateways holds them) has answered."""
     readings: dict[str, Reading] = {}
     deadline = time.monotonic() + SCRAPE_TIMEOUT_S
     while len(readings) < len(ids):
@@ -45,18 +45,21 @@ def read_gateways(url: str, ids: Collection[str]) -> dict[str, Reading]:
 
 
 def parse_reading(text: str, ids: Collection[str]) -> tuple[str, Reading]:
-    """The gateway that answered with text (its `gateway` label), and its reading."""
+    """The gateway that answered with text, and its reading. ids: the gateways' ids in the order of their index,
+    which a group's processes label their series with (`gateway="0"` to N-1; one gateway labels nothing)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     families = {family.name: family for family in text_string_to_metric_families(text)}
     if LAG_METRIC not in families:
         raise KvferryError(f"a gateway's /metrics has no {LAG_METRIC}")
     buckets = [s for s in families[LAG_METRIC].samples if s.name.endswith("_bucket")]
-    gateway_id = buckets[0].labels.get("gateway") if buckets else None
-    if gateway_id is None and len(ids) == 1:
-        gateway_id = next(iter(ids))
-    if gateway_id not in ids:
-        raise KvferryError(f"/metrics answered for gateway {gateway_id!r}, not one of {sorted(ids)}")
+    label = buckets[0].labels.get("gateway") if buckets else None
+    in_order = list(ids)
+    if label is None and len(in_order) == 1:
+        label = "0"
+    if label is None or not label.isdigit() or int(label) >= len(in_order):
+        raise KvferryError(f"/metrics answered for gateway {label!r}, not one of the {len(in_order)} indexes")
+    gateway_id = in_order[int(label)]
     finished = families.get(FINISHED_METRIC)
     num_finished = sum(s.value for s in finished.samples if s.name.endswith("_total")) if finished else 0.0
     return gateway_id, Reading([(float(s.labels["le"]), s.value) for s in buckets], num_finished)
