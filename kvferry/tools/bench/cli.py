@@ -95,7 +95,8 @@ def _add_gateway_parser(bench) -> None:
         default=None,
         metavar="FILE",
         help="record the gateway with py-spy over the measured runs (collapsed stacks into FILE) and print its top "
-        "functions, self and cumulative",
+        "functions, self and cumulative; py-spy pauses the gateway for each sample, so the runs' figures are marked "
+        "profiled, not comparable with others",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=_command("gateway", "cmd_bench_gateway"))

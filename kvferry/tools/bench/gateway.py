@@ -199,6 +199,7 @@ def cmd_bench_gateway(args) -> int:
         "num_cpus": len(cpus),
         "gateway_counts": counts,
         "rounds": args.repeat,
+        "profiled": bool(args.profile),  # then every run's figures are a paused gateway's (gateway_profile.PROFILED)
         "runs": [],
     }
     runs = {(streams, n): [] for streams in args.streams for n in counts}
@@ -221,9 +222,10 @@ def cmd_bench_gateway(args) -> int:
                         runs[(streams, n)].append(run)
                         shares = "/".join(f"{g['share']:.0%}" for g in run["per_gateway"]) if n > 1 else "-"
                         figures = {"tok/s": run["tok_per_s"], "gateway µs/tok": run["gateway_cpu_us_per_token"]}
+                        profiled = " (profiled)" if args.profile else ""
                         say(
                             args,
-                            f"round {round_index + 1}, {streams} streams, {n} gateway(s)",
+                            f"round {round_index + 1}, {streams} streams, {n} gateway(s){profiled}",
                             {**figures, "shares": shares},
                         )
         finally:

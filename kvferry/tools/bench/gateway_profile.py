@@ -12,11 +12,29 @@ from kvferry.common.errors import KvferryError
 from kvferry.services.launcher import child_setup
 
 PROFILE_TOP = 15
+PROFILE_RATE_HZ = 200  # py-spy pauses the gateway this often to read its stack: a profiled run's figures are slower
+PROFILED = (
+    f"profiled: py-spy paused the gateway {PROFILE_RATE_HZ} times a second, so its tok/s and CPU per token are not "
+    "comparable with an unprofiled run's"
+)
+# The event loop's own dispatch frames, as _function names them: on nearly every sample of the loop's thread, they
+# say nothing. By name, as a share misses them: Handle._run was on 98.4% of one profile's samples, not 99.
+LOOP_FRAMES = frozenset(
+    {
+        "Handle._run (asyncio/events.py)",
+        "BaseEventLoop._run_once (asyncio/base_events.py)",
+        "BaseEventLoop.run_forever (asyncio/base_events.py)",
+        "BaseEventLoop.run_until_complete (asyncio/base_events.py)",
+        "Runner.run (asyncio/runners.py)",
+        "run (asyncio/runners.py)",
+    }
+)
+ON_EVERY_SAMPLE = 0.99  # a frame on this share of its thread's samples (runpy's, the command's main) says nothing
 
 
 def start_profile(pid: int, out: str, cpus: set[int] | None) -> subprocess.Popen:
     spy = Path(sys.executable).with_name("py-spy")
-    command = [str(spy) if spy.exists() else "py-spy", "record", "--pid", str(pid), "--rate", "200"]
+    command = [str(spy) if spy.exists() else "py-spy", "record", "--pid", str(pid), "--rate", str(PROFILE_RATE_HZ)]
     # --gil: only what holds the interpreter (idle threads of a pool would count otherwise). Blocking (the gateway
     # paused for each sample): read without pausing, a third of the stacks came out cut short.
     command += ["--gil", "--format", "raw", "--output", out]
@@ -40,8 +58,8 @@ def stop_profile(proc: subprocess.Popen) -> None:
 def profile_top(path: str, top: int = PROFILE_TOP) -> dict:
     """py-spy's collapsed stacks (`frame;frame;... count`, each frame `function (file:line)`) as the functions
     most often on the CPU themselves (self) and anywhere on its stack (cumulative), as shares of the samples. The
-    cumulative list leaves out the frames on (nearly) every sample of their thread (runpy, the event loop's
-    run_forever...), which say nothing."""
+    cumulative list leaves out the event loop's dispatch frames (LOOP_FRAMES) and any frame on 99% or more of its
+    thread's samples (runpy's, the command's main), which say nothing."""
     own, anywhere, root_of, per_root, total = {}, {}, {}, {}, 0
     for line in Path(path).read_text().splitlines():
         stack, _, count = line.rpartition(" ")
@@ -54,7 +72,7 @@ def profile_top(path: str, top: int = PROFILE_TOP) -> dict:
         for frame in set(frames):
             anywhere[frame] = anywhere.get(frame, 0) + n
             root_of.setdefault(frame, frames[0])
-    telling = {f: n for f, n in anywhere.items() if n < 0.99 * per_root[root_of[f]]}
+    telling = {f: n for f, n in anywhere.items() if f not in LOOP_FRAMES and n < ON_EVERY_SAMPLE * per_root[root_of[f]]}
 
     def ranked(counts: dict) -> list:
         best = sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:top]

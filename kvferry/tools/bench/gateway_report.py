@@ -3,7 +3,7 @@ before) and the rounds pooled (CPU per token over all their tokens, each gateway
 each gateway count's CPU per token against the first count's, pooled and round by round."""
 
 from kvferry.services.gateway.metrics import LOOP_LAG_BUCKETS
-from kvferry.tools.bench.gateway_profile import PROFILE_TOP
+from kvferry.tools.bench.gateway_profile import PROFILE_TOP, PROFILED
 from kvferry.tools.bench.synthetic.double import SEND_TIMEOUT_MS
 
 BALANCE_BAND = 0.10  # a share within 1/N ± this of the streams counts as even (2 gateways: 40 to 60%)
@@ -75,6 +75,8 @@ def print_report(report: dict, args) -> None:
         f"\n== the gateway alone ({where}), synthetic workers, {args.tokens} tokens a stream, best of "
         f"{report['rounds']} round(s)"
     )
+    if report["profiled"]:
+        print(f"   {PROFILED}")
     print(
         f"{'streams':>8} {'gateways':>8} {'tok/s':>9} {'gateway µs/tok':>15} {'tok/gateway-cpu-s':>18} "
         f"{'cores busy':>10} {'decode µs/tok':>14} {'client µs/tok':>14} {'loop lag p50/p99/max ms':>24} "
