@@ -54,11 +54,13 @@ def test_lag_figures_past_the_top_bucket_give_no_max_and_say_so_in_valid_json():
 def test_profile_top_ranks_functions_by_self_and_by_cumulative_samples(tmp_path):
     loop = "<module> (kvferry/services/commands.py:1);run_forever (/usr/lib/asyncio/base_events.py:600)"
     handle = "Handle._run (/usr/lib/python3.11/asyncio/events.py:84)"
+    server, decode = "_handle (/x/kvferry/services/gateway/server.py:10)", "decode (/x/kvferry/common/protocol.py:5)"
+    stream = "_stream (/x/kvferry/services/gateway/response_consumer.py:7)"
     stacks = tmp_path / "stacks.txt"
     stacks.write_text(
-        f"{loop};{handle};_handle (/x/kvferry/services/gateway/server.py:10);decode (/x/kvferry/common/protocol.py:5) 60\n"
+        f"{loop};{handle};{server};{decode} 60\n"
         f"{loop};{handle};_handle (/x/kvferry/services/gateway/server.py:12) 18\n"
-        f"{loop};{handle};_stream (/x/kvferry/services/gateway/response_consumer.py:7);dumps (/usr/lib/json/__init__.py:9) 20\n"
+        f"{loop};{handle};{stream};dumps (/usr/lib/json/__init__.py:9) 20\n"
         f"{loop};select (/usr/lib/selectors.py:468) 2\n"  # the loop's poll: Handle._run is on 98 of 100 samples
     )
     top = profile_top(str(stacks))

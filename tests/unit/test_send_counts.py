@@ -16,7 +16,8 @@ def test_a_count_is_in_the_file_as_soon_as_it_moves(tmp_path):
         counts.counts[WAITED] += 2
         assert read_send_counts(path) == {"sent": 5, "waited": 2, "unsent": 0} == counts.snapshot()
         # Another process reads it as the bench does, while this one still holds it mapped.
-        read = "import sys; from kvferry.tools.bench.synthetic.send_counts import read_send_counts as r; print(r(sys.argv[1]))"
+        read = "import sys; from kvferry.tools.bench.synthetic import send_counts; "
+        read += "print(send_counts.read_send_counts(sys.argv[1]))"
         counts.counts[UNSENT] += 1
         done = subprocess.run([sys.executable, "-c", read, str(path)], capture_output=True, text=True, check=True)
         assert done.stdout.strip() == "{'sent': 5, 'waited': 2, 'unsent': 1}"

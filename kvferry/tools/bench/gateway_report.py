@@ -91,11 +91,15 @@ def print_report(report: dict, args) -> None:
             f"{r['tok_per_gateway_cpu_s']:>18} {r['gateway_cores_busy']:>10.0%} {r['decode_cpu_us_per_token']:>14} "
             f"{r['client_cpu_us_per_token']:>14} {lag:>24} {r['decode_sends_waited_share']:>12.1%}  {shares}"
         )
+    if not args.step_interval:
+        print(
+            "  saturated (--step-interval 0): the loop lag is a loop that always finds a message waiting; a paced run "
+            "(--step-interval)\n  gives the lag a gateway at a real pace adds"
+        )
     if any(r["decode_sends_waited"] or r["prefill_sends_waited"] for r in report["runs"]):
         print(
-            "  sends waited: the decode double's Tokens sends that found the queue to the gateway full and waited for "
-            "room, where a real worker\n  drops them: this load is backpressure a real stack does not have, and its "
-            "loop lag is a saturated loop's (--step-interval paces it)"
+            "  sends waited: the decode double's sends that found the queue to the gateway full and waited for room, "
+            "where a real worker\n  drops them: backpressure a real stack does not have"
         )
     unsent = sum(r["sends_unsent"] for r in report["runs"])
     if unsent:
