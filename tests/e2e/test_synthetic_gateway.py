@@ -105,8 +105,9 @@ def test_bench_gateway_reports_every_figure_for_one_gateway_and_for_two(tmp_path
         assert run["decode_cpu_us_per_token"] >= 0 and run["prefill_cpu_us_per_token"] >= 0, run
         assert run["loop_lag_samples"] > 0 and 0 < run["loop_lag_p50_ms"] <= run["loop_lag_p99_ms"], run
         assert not run["loop_lag_past_top_bucket"] and run["loop_lag_p99_ms"] <= run["loop_lag_max_ms"], run
-        # The decode double sent every token but each stream's first (prefill's), and counted those that waited.
-        assert run["decode_sends"] == 32 * 127 and 0 <= run["decode_sends_waited"] <= run["decode_sends"], run
+        # The decode double's sends, counted: at most a message per token past each stream's first (prefill's), fewer
+        # where a message carries a step's tokens; and those that waited among them.
+        assert 0 < run["decode_sends"] <= 32 * 127 and 0 <= run["decode_sends_waited"] <= run["decode_sends"], run
         assert run["sends_unsent"] == 0, run
 
     # Each gateway process of the two counted the streams it served, read from its own /metrics through the shared
