@@ -96,11 +96,15 @@ def bind_zmq(sock: zmq.Socket, address: str, setting: str) -> None:
         raise _cannot_bind(address, setting, os.strerror(exc.errno), exc.errno == errno.EADDRINUSE) from None
 
 
-def listen_tcp(host: str, port: int, setting: str) -> socket.socket:
-    """A listening TCP socket for an HTTP server, with the same errors as bind_zmq."""
+def listen_tcp(host: str, port: int, setting: str, reuse_port: bool = False) -> socket.socket:
+    """A listening TCP socket for an HTTP server, with the same errors as bind_zmq. reuse_port: one of several
+    processes' sockets on the same port (SO_REUSEPORT, set before the bind), among which the kernel spreads new
+    connections; check_port_free first, or the socket would join any other group of this user's on that port."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart need not wait out TIME_WAIT
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
         sock.listen(128)
@@ -108,3 +112,16 @@ def listen_tcp(host: str, port: int, setting: str) -> socket.socket:
         sock.close()
         raise _cannot_bind(f"{host}:{port}", setting, exc.strerror or str(exc), exc.errno == errno.EADDRINUSE) from None
     return sock
+
+
+def check_port_free(host: str, port: int, setting: str) -> None:
+    """A ConfigError naming the setting when a socket listens on host:port already (one with SO_REUSEPORT too: a bind
+    without it fails there). A host that cannot be bound for another reason passes: its own bind reports that."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the real bind: TIME_WAIT is no obstacle
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise _cannot_bind(f"{host}:{port}", setting, exc.strerror, True) from None

@@ -24,7 +24,6 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.engine_setup import (
     build_runner,
     capture_decode_graphs,
-    eos_token_ids,
     is_device_failure,
     load_tokenizer,
     resolve_device,
@@ -38,6 +37,7 @@ from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import kv_cache_layout
+from kvferry.common.model_files import eos_token_ids
 from kvferry.common.request_failure import failure_text
 from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs

@@ -1,7 +1,6 @@
-"""What an engine is built from: the device and dtype a config names, the tokenizer and EOS ids of a model folder,
-and which errors mean the device itself is broken."""
+"""What an engine is built from: the device and dtype a config names, the tokenizer of a model folder (its EOS ids:
+model_files.eos_token_ids), and which errors mean the device itself is broken."""
 
-import json
 import logging
 import os
 import time
@@ -66,21 +65,6 @@ def load_tokenizer(model_dir):
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     return AutoTokenizer.from_pretrained(model_dir)
-
-
-def eos_token_ids(model_dir, model_config) -> tuple[int, ...]:
-    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json. Read as
-    JSON: transformers' GenerationConfig takes the field as written."""
-    eos = None
-    generation_config = os.path.join(model_dir, "generation_config.json")
-    if os.path.isfile(generation_config):
-        with open(generation_config, encoding="utf-8") as f:
-            eos = json.load(f).get("eos_token_id")
-    if eos is None:
-        eos = model_config.eos_token_id
-    if eos is None:
-        return ()
-    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
 
 
 def build_runner(model, layout, num_blocks: int, device, dtype, config, scheduler):

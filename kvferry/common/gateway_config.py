@@ -2,15 +2,26 @@
 gateway` takes them all, and `kvferry serve` all but --control (serve's --control-port picks it) and --heartbeat-interval
 (serve's gateway reads its variable)."""
 
+from kvferry.common.peer_address import MAX_PORT
 from kvferry.common.setting import GATEWAY, NAMES, PATH, SERVE, SIZE, setting, settings_class
 
 _GATEWAY_ONLY = (GATEWAY,)
+MAX_GATEWAYS = 64  # each process holds the tokenizer and a link to every worker: more than cores gains nothing
 
 
 @settings_class((GATEWAY, SERVE), "gateway")
 class GatewayConfig:
     host: str = setting("127.0.0.1", "the HTTP API's address (0.0.0.0: every interface)")
-    port: int = setting(8000, "the HTTP API's port", min=0, max=65535)
+    port: int = setting(8000, "the HTTP API's port", min=0, max=MAX_PORT)
+    # More than one: the HTTP side's parsing, detokenizing and streaming spread over cores (common/gateway_ports.py).
+    gateways: int = setting(
+        1,
+        "gateway processes sharing the HTTP port (the kernel spreads new connections over them); each takes a control "
+        "port of its own, --control's (or serve's --control-port) and those after it, and every worker registers "
+        "with all of them",
+        min=1,
+        max=MAX_GATEWAYS,
+    )
     control: str = setting(
         "tcp://127.0.0.1:5557",
         "where workers register (beyond 127.0.0.1 only with --curve-keys, or --insecure)",

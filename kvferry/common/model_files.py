@@ -200,6 +200,21 @@ def max_model_len_of(config) -> int:
     return limit
 
 
+def eos_token_ids(model_dir, config) -> tuple[int, ...]:
+    """EOS ids as transformers' generate uses them: generation_config.json first, then config.json (config:
+    transformers' config object, or read_config's dict). Read as JSON: transformers' GenerationConfig takes the
+    field as written."""
+    eos = None
+    generation_config = Path(model_dir) / "generation_config.json"
+    if generation_config.is_file():
+        eos = json.loads(generation_config.read_text(encoding="utf-8")).get("eos_token_id")
+    if eos is None:
+        eos = config.get("eos_token_id") if isinstance(config, Mapping) else config.eos_token_id
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+
 def served_model_name(model: str | os.PathLike | None) -> str:
     """The name clients and workers use for --model: the default model's, a folder's name, or a file's stem
     (a folder such as `Qwen3-0.6B` keeps its dot; only a file's suffix, `.gguf`, is dropped)."""

@@ -5,6 +5,7 @@ import re
 
 from kvferry.common.errors import InvalidRequest
 
+MAX_PORT = 65535  # TCP's port field is 16 bits
 TCP = re.compile(r"tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})")
 HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 LOCAL = re.compile(r"(ipc|inproc)://\S+")
@@ -26,5 +27,5 @@ def check_peer_address(address: str) -> None:
     if isinstance(address, str) and LOCAL.fullmatch(address):
         return
     match = TCP.fullmatch(address) if isinstance(address, str) else None
-    if match is None or not _is_host(match["host"]) or not 0 < int(match["port"]) < 65536:
+    if match is None or not _is_host(match["host"]) or not 0 < int(match["port"]) <= MAX_PORT:
         raise InvalidRequest(f"{address!r} is not a tcp://host:port, ipc:// or inproc:// address")

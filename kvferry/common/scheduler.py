@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from kvferry.common.block_hash import block_hashes
 from kvferry.common.block_manager import BlockManager
 from kvferry.common.errors import ConfigError
-from kvferry.common.sampling import SamplingParams
+from kvferry.common.finish_rules import FinishRules
 from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -44,7 +44,7 @@ class StepPlan:
         return sum(c.num_new_tokens for c in self.chunks)
 
 
-class Scheduler:
+class Scheduler(FinishRules):
     def __init__(
         self,
         block_manager: BlockManager,
@@ -71,11 +71,10 @@ class Scheduler:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = max_model_len
+        FinishRules.__init__(self, eos_token_ids, max_model_len)  # self.max_model_len, self.eos_token_ids
         self.enable_chunked_prefill = enable_chunked_prefill
         # A prompt's most tokens in one step (0: the whole budget).
         self.long_prefill_threshold = min(long_prefill_threshold or max_num_batched_tokens, max_num_batched_tokens)
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: list[Sequence] = []  # sorted by arrival
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
@@ -290,19 +289,6 @@ class Scheduler:
                 self._finish(seq, reason)
                 finished.append(seq)
         return finished
-
-    def finish_reason(
-        self, params: SamplingParams, token_id: int, num_output_tokens: int, num_tokens: int, constraint_state=None
-    ) -> FinishReason | None:
-        """Whether a sequence ends with token_id, its num_output_tokens-th output (num_tokens in all), which its
-        constraint state (if any) has accepted."""
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
-            return FinishReason.STOP
-        if constraint_state is not None and constraint_state.terminated:  # complete: even ignore_eos ends here
-            return FinishReason.STOP
-        if num_output_tokens >= params.max_tokens or num_tokens >= self.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if reason == FinishReason.ABORT or not self.keep_finished_blocks:

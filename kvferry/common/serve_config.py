@@ -1,13 +1,14 @@
 """`kvferry serve`'s own settings (ServeConfig): how it starts its gateway and two workers. Each declared once as a
 field; serve takes the gateway's, the engine's and the workers' settings beside them, and hands them on."""
 
+from kvferry.common.peer_address import MAX_PORT
 from kvferry.common.setting import SERVE, setting, settings_class
 
 
 @settings_class((SERVE,), "gateway")
 class ServeConfig:
     control_port: int = setting(
-        5557, "the port on 127.0.0.1 where serve's workers register at its gateway", min=1, max=65535
+        5557, "the port on 127.0.0.1 where serve's workers register at its gateway", min=1, max=MAX_PORT
     )
     # On a small machine both workers take every core and the decode worker runs at a lower priority: a prompt's
     # prefill has the cores while it lasts (its GEMMs are the most efficient work, and its requests join the decode

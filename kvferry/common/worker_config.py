@@ -1,6 +1,7 @@
 """A worker's settings (WorkerConfig), each declared once as a field: its default, bounds and help. `kvferry prefill`
 and `kvferry decode` take them (the decode worker its KV ingress too), beside their engine's (EngineConfig)."""
 
+from kvferry.common.peer_address import MAX_PORT
 from kvferry.common.setting import DECODE, SERVE, SIZE, WORKERS, setting, settings_class
 
 _AND_SERVE = (*WORKERS, SERVE)
@@ -44,7 +45,7 @@ class WorkerConfig:
         "serve GET /health (registered and stepping) and /live (loop not stuck) on this port, on every "
         "interface: the kubelet probes the pod's address (default: off)",
         min=1,
-        max=65535,
+        max=MAX_PORT,
     )
     kv_bind: str = setting(
         "tcp://127.0.0.1:0", "where prefill workers send KV (port 0: any free port)", commands=_DECODE_ONLY

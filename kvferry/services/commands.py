@@ -17,6 +17,14 @@ from kvferry.common.worker_config import WorkerConfig
 
 
 def cmd_gateway(args) -> int:
+    if args.gateways > 1 and args.gateway_index is None:
+        from kvferry.services.gateway_group import run_gateway_group
+
+        return run_gateway_group(args)
+    if args.gateway_index is not None and not 0 <= args.gateway_index < args.gateways:
+        raise KvferryError(
+            f"--gateway-index {args.gateway_index} is not one of {settings.label('gateways')}'s 0 to {args.gateways - 1}"
+        )
     from kvferry.services.gateway.main import run_gateway
 
     run_gateway(args)
@@ -29,6 +37,7 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
 
     from kvferry.common.curve import CurveKeys
     from kvferry.services.launcher import _interrupt
+    from kvferry.services.stop_signals import StopSignals
 
     role = cls.role.name.lower()
     worker_id = config.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
@@ -50,7 +59,11 @@ def _run_worker(args, cls, config: WorkerConfig, process: ProcessConfig) -> int:
     if health:
         health.worker = worker
 
-    def drain(*_):  # the first SIGTERM drains; a second one stops at once
+    stops = StopSignals()
+
+    def drain(*_):  # the first SIGTERM drains; a second one stops at once, unless it is the first's echo
+        if stops.is_echo(signal.SIGTERM):
+            return
         if worker.stop_requested:
             raise KeyboardInterrupt
         worker.stop_requested = True
@@ -91,6 +104,8 @@ def add_service_parsers(sub) -> None:
 
     p = sub.add_parser("gateway", help="the HTTP API and the worker registry")
     settings.add_arguments(p, settings.GATEWAY)
+    # Not a setting: which of --gateways N processes this one is, given by the process that starts them.
+    p.add_argument("--gateway-index", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_gateway)
 
     for role, func in ((settings.PREFILL, cmd_prefill), (settings.DECODE, cmd_decode)):

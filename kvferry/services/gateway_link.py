@@ -11,10 +11,15 @@ import zmq
 from kvferry.common import protocol as p
 from kvferry.common import settings
 from kvferry.common.curve import CurveKeys
+from kvferry.common.errors import FatalError
 from kvferry.common.transport import Channel, limit_socket
 
 log = logging.getLogger("kvferry.worker")
 REGISTER_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between registration attempts; the last repeats
+
+
+class Refused(FatalError):
+    """A gateway refused this worker for good (a reason but "unknown worker": a model mismatch, a bad block size)."""
 
 
 class GatewayLink:
@@ -50,6 +55,15 @@ class GatewayLink:
         self.num_attempts += 1
         self.next_attempt_at = now + wait_s
 
+    def answered(self, reply: p.RegisterReply) -> None:
+        """The gateway's answer to a registration: accepted, forgot us (register again), or refused for good."""
+        if reply.accepted:
+            self.accepted(reply)
+        elif reply.reason == p.UNKNOWN_WORKER:
+            self.must_register()  # it forgot us (a restart, or a silence it took for death)
+        else:
+            raise Refused(f"the gateway at {self.address} refused {self.worker_id}: {reply.reason}")
+
     def accepted(self, reply: p.RegisterReply) -> None:
         self.registered, self.gateway_id = True, reply.gateway_id
         self.cache_sync_at = 0.0  # a gateway that (re)admits us knows nothing of our cache yet
@@ -73,6 +87,13 @@ class GatewayLink:
 
     def close(self) -> None:
         self.channel.close()
+
+
+def link_named(links: list[GatewayLink], gateway_id: str) -> GatewayLink | None:
+    """The link to the gateway of that name; with one gateway, that one (a peer may not name it)."""
+    if len(links) == 1:
+        return links[0]
+    return next((link for link in links if link.registered and link.gateway_id == gateway_id), None)
 
 
 def parse_gateways(text: str | list[str]) -> list[str]:

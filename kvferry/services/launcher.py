@@ -1,6 +1,8 @@
-"""`kvferry serve`: the gateway, one prefill and one decode worker as child processes of this one."""
+"""`kvferry serve`: the gateway (or --gateways N of them on one port), one prefill and one decode worker as child
+processes of this one."""
 
 import contextlib
+import ctypes
 import json
 import os
 import random
@@ -14,16 +16,39 @@ import urllib.request
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
 from kvferry.common.gateway_config import GatewayConfig
+from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
 from kvferry.common.serve_config import ServeConfig
 from kvferry.common.setting import from_args
 
 READY_TIMEOUT_S = 300.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+# Looked up here: a child between fork and exec must not load a library. Elsewhere than Linux, no parent-death signal.
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
 def spawn(*args: str, env: dict, nice: int = 0) -> subprocess.Popen:
-    """nice: the child's niceness, set before it starts a thread, so every thread it starts inherits it."""
+    """A child that gets SIGTERM when this process dies, even by SIGKILL, so that it never goes on holding its ports
+    (the thread that calls this must live as long as the child: Linux sends it when that thread ends). nice: the
+    child's niceness, set before it starts a thread, so every thread it starts inherits it."""
     command = [sys.executable, "-m", "kvferry.services.commands", *args]
-    return subprocess.Popen(command, env=env, preexec_fn=(lambda: os.nice(nice)) if nice else None)
+    return subprocess.Popen(command, env=env, preexec_fn=child_setup(os.getpid(), nice))
+
+
+def child_setup(parent: int, nice: int = 0, cpus: set[int] | None = None):
+    """What a child of parent (this process's pid) does between fork and exec: ask for SIGTERM when parent dies,
+    then take its niceness and its CPUs (cpus: None, any), so that every thread it starts later has them too."""
+
+    def setup() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # the parent died before the prctl: its signal will never come
+                os._exit(1)
+        if nice:
+            os.nice(nice)
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def wait_until(request, answered, procs: list[subprocess.Popen], timeout_s: float) -> bool:
@@ -57,21 +82,34 @@ def _interrupt(*_):
 _handed_out: set[int] = set()
 
 
-def free_port() -> int:
+def free_port(count: int = 1) -> int:
     """A port free now and not handed out before by this process, drawn below Linux's ephemeral range (32768 and
-    up): a port from bind(0) goes back to the pool outgoing connections draw from, and one could take it first."""
+    up): a port from bind(0) goes back to the pool outgoing connections draw from, and one could take it first.
+    count: the first of that many consecutive such ports (the control ports of --gateways N)."""
     for _ in range(200):
-        port = random.randrange(20000, 32768)
-        if port in _handed_out:
+        port = random.randrange(20000, 32768 - count + 1)
+        ports = range(port, port + count)
+        if _handed_out.intersection(ports) or not all(_is_free(p) for p in ports):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
+        _handed_out.update(ports)
         return port
-    raise OSError("no free port found in 20000-32767")
+    raise OSError(f"no {count} free consecutive port(s) found in 20000-32767")
+
+
+def _is_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def gateway_controls(host: str, port: int, control_port: int, num_gateways: int) -> list[str]:
+    """Each gateway's control address on 127.0.0.1, from control_port on; a ConfigError when a port is taken."""
+    controls = control_addresses(f"tcp://127.0.0.1:{control_port}", num_gateways, settings.label("control_port"))
+    check_gateway_ports(host, port, controls, settings.label("control_port"))
+    return controls
 
 
 def start_services(
@@ -85,11 +123,19 @@ def start_services(
     num_decode: int = 1,
     decode_nice: int = 0,
     prefill_env: dict | None = None,
+    num_gateways: int = 1,
 ) -> list[subprocess.Popen]:
-    """The gateway and the workers; returns once they are healthy (stopped again if they fail)."""
-    control = f"tcp://127.0.0.1:{control_port}"
-    procs = [spawn("gateway", "--host", host, "--port", str(port), "--control", control, env=env)]
+    """The gateways and the workers; returns once they are healthy (stopped again if they fail). num_gateways: gateway
+    processes sharing port, on control_port and the ports after it, every worker registered with each."""
+    controls = gateway_controls(host, port, control_port, num_gateways)
+    control = ",".join(controls)  # as workers take it
+    gateway_env = {**env, settings.env_name("gateways"): str(num_gateways)}
+    procs = []
     try:
+        for index, address in enumerate(controls):
+            one_of = ("--gateway-index", str(index)) if num_gateways > 1 else ()
+            gateway = ("--host", host, "--port", str(port), "--control", address, *one_of)
+            procs.append(spawn("gateway", *gateway, env=gateway_env))
         procs += [
             spawn("prefill", "--gateway", control, "--num-threads", str(prefill_threads), env=prefill_env or env)
             for _ in range(num_prefill)
@@ -106,10 +152,19 @@ def start_services(
             url + "/v1/workers", headers={"authorization": f"Bearer {api_key}"} if api_key else {}
         )
         num_workers = num_prefill + num_decode
-        if num_workers > 2 and not wait_until(
-            workers, lambda reply: len(json.loads(reply.read())["workers"]) >= num_workers, [], READY_TIMEOUT_S
+        # Each connection reaches one gateway process, the kernel's pick: asked until each has answered with every
+        # worker registered.
+        registered: dict[str, int] = {}  # gateway id -> its workers
+
+        def every_worker_at_every_gateway(reply) -> bool:
+            answer = json.loads(reply.read())
+            registered[answer["gateway"]["id"]] = len(answer["workers"])
+            return len(registered) >= num_gateways and min(registered.values()) >= num_workers
+
+        if (num_workers > 2 or num_gateways > 1) and not wait_until(
+            workers, every_worker_at_every_gateway, procs, READY_TIMEOUT_S
         ):
-            raise KvferryError("not every worker registered")
+            raise KvferryError("not every worker registered with every gateway")
     except BaseException:
         stop_all(procs)
         raise
@@ -123,6 +178,7 @@ def serve(args) -> int:
     config, gateway = from_args(ServeConfig, args), from_args(GatewayConfig, args)
     # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
     check_http_exposed(gateway.host, gateway.port, gateway.api_key, args.insecure)
+    gateway_controls(gateway.host, gateway.port, config.control_port, gateway.gateways)  # before the model, too
     resolve_model(args.model)  # convert once here, not in three processes at the same time
     # Ctrl-C and SIGTERM both stop the children; SIGINT set explicitly: a shell starts background jobs ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -146,8 +202,10 @@ def serve(args) -> int:
             env,
             decode_nice=config.decode_nice,
             prefill_env=prefill_env,
+            num_gateways=gateway.gateways,
         )
-        print(f"kvferry: serving on http://{gateway.host}:{gateway.port}  (Ctrl-C stops all)", flush=True)
+        processes = f", {gateway.gateways} gateway processes" if gateway.gateways > 1 else ""
+        print(f"kvferry: serving on http://{gateway.host}:{gateway.port}{processes}  (Ctrl-C stops all)", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)
         print("kvferry: a service exited; stopping the others", file=sys.stderr)

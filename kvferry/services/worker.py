@@ -28,7 +28,7 @@ from kvferry.common.startup_heap import freeze_startup_objects
 from kvferry.common.transport import Channel
 from kvferry.common.worker_config import WorkerConfig
 from kvferry.services.constraint_compiles import Compiled, ConstraintCompiles
-from kvferry.services.gateway_link import Failure, GatewayLink, parse_gateways
+from kvferry.services.gateway_link import Failure, GatewayLink, link_named, parse_gateways
 from kvferry.services.worker_timings import CACHE_SYNC_S
 
 log = logging.getLogger("kvferry.worker")
@@ -118,19 +118,12 @@ class Worker:
         return next((link for link in self.links if link.channel is channel), None)
 
     def link_named(self, gateway_id: str) -> GatewayLink | None:
-        """The link to the gateway of that name; with one gateway, that one (a peer may not name it)."""
-        if len(self.links) == 1:
-            return self.links[0]
-        return next((link for link in self.links if link.registered and link.gateway_id == gateway_id), None)
+        return link_named(self.links, gateway_id)
 
     def on_register_reply(self, link: GatewayLink, reply: p.RegisterReply) -> None:
+        link.answered(reply)  # a refusal for good raises Refused, a FatalError
         if reply.accepted:
-            link.accepted(reply)
             self.heartbeat_interval_s = reply.heartbeat_interval_s  # gateways sharing workers set the same
-        elif reply.reason == p.UNKNOWN_WORKER:
-            link.must_register()  # it forgot us (a restart, or a silence it took for death)
-        else:
-            raise FatalError(f"the gateway at {link.address} refused {self.worker_id}: {reply.reason}")
 
     def stats(self) -> p.WorkerStats:
         engine_counters = dataclasses.asdict(self.engine.stats())

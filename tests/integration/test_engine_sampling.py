@@ -77,3 +77,24 @@ def test_choice_i_of_n_draws_what_a_single_request_with_seed_plus_i_draws(engine
     # A decode worker goes on from each choice's first token: the same tokens as the single request.
     for p, tokens in zip(extra, singles[1:]):
         assert run(engine, prompt, p, resume_token_ids=tokens[:1]) == tokens
+
+
+def test_a_sampled_bench_workload_runs_sampled_in_process(engine):
+    """`kvferry bench engine --workload std-32-t0.8-top-p0.95`: each request reaches the engine with its sampling."""
+    from kvferry.tools.bench import workload
+    from kvferry.tools.bench.offline import run_engine
+
+    requests = [
+        dict(r, prompt_token_ids=[t % engine.vocab_size for t in r["prompt_token_ids"][:6]], max_tokens=4)
+        for r in workload.generate("std-32-t0.8-top-p0.95")[:3]
+    ]
+    received, add_request = [], engine.add_request
+    engine.add_request = lambda prompt, params, **kw: received.append(params) or add_request(prompt, params, **kw)
+    try:
+        report = run_engine(engine, requests)
+    finally:
+        del engine.add_request
+    assert report["output_tokens"] == 12
+    assert [(p.temperature, p.top_p, p.seed, p.ignore_eos) for p in received] == [
+        (0.8, 0.95, i, True) for i in range(3)
+    ]

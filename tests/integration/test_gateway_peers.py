@@ -3,6 +3,7 @@ DEALER sockets on loopback playing the workers (a stuck one, a forger, a restart
 gateway never runs one."""
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -193,5 +194,33 @@ def test_a_request_past_the_wire_bound_is_refused_before_anything_is_sent():
             await stream.__anext__()
         assert refused.value.field == "prompt_token_ids" and not core.flights
         assert not prefill.sock.poll(200)
+
+    run(test)
+
+
+def test_a_worker_learns_the_gateways_id_which_carries_64_random_bits():
+    """Workers shared by several gateways route replies by it: 32 bits would let two of many gateways draw one."""
+
+    async def test(core):
+        worker = FakeWorker(core, "prefill-a", p.Role.PREFILL)
+        worker.register()
+        reply, _ = await worker.next(p.RegisterReply)
+        assert reply.gateway_id == core.gateway_id and re.fullmatch(r"gw-[0-9a-f]{16}", reply.gateway_id), reply
+
+    run(test)
+
+
+def test_with_several_gateway_processes_every_series_names_the_gateway_that_answered():
+    async def test(core):
+        await pair(core)
+        metrics = GatewayMetrics(core, gateway_index=1)
+        metrics.request_success.labels("stop").inc()
+        lines = [line for line in metrics.exposition().decode().splitlines() if not line.startswith("#")]
+        # The process's index, the same at every start, not its id: a restart continues its series.
+        assert len(lines) > 50 and all('gateway="1"' in line for line in lines), lines
+        assert 'kvferry:request_success_total{finished_reason="stop",gateway="1"} 1.0' in lines
+        running = 'kvferry:num_requests_running{gateway="1",role="decode",worker="decode-a"} 0.0'
+        assert running in lines  # a worker's series keep their own labels beside it
+        assert b"gateway=" not in GatewayMetrics(core).exposition()  # one gateway's output is as it was
 
     run(test)

@@ -125,6 +125,13 @@ def test_switches_read_yes_and_no_and_negated_ones_store_their_opposite():
             "argument --log-format: must be text or json, got 'xml' (from KVFERRY_LOG_FORMAT)",
         ),
         ("serve", {}, ["--max-body-size", "lots"], "argument --max-body-size: not a size: 'lots'"),
+        ("serve", {}, ["--gateways", "0"], "argument --gateways: must be between 1 and 64, got 0"),
+        (
+            "gateway",
+            {"KVFERRY_GATEWAYS": "65"},
+            [],
+            "argument --gateways: must be between 1 and 64, got 65 (from KVFERRY_GATEWAYS)",
+        ),
         (
             "decode",
             {"KVFERRY_ENFORCE_EAGER": "maybe"},

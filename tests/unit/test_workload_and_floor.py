@@ -143,3 +143,36 @@ def test_single_stream_is_one_request_of_128_prompt_tokens_and_64_outputs():
     (request,) = workload.generate("single-stream")
     assert len(request["prompt_token_ids"]) == 128 and request["max_tokens"] == 64 and request["arrival_s"] == 0
     assert request["prompt_token_ids"] == workload.generate("single-stream")[0]["prompt_token_ids"]  # seeded
+
+
+def test_sampled_workloads_are_std_32_with_a_seed_per_request():
+    greedy = workload.generate("std-32")
+    for name, (base, sampling) in workload.SAMPLED.items():
+        sampled = workload.generate(name)
+        assert base == "std-32" and [{k: v for k, v in r.items() if k != "sampling"} for r in sampled] == greedy
+        assert [r["sampling"] for r in sampled] == [sampling | {"seed": i} for i in range(32)]
+        assert sampled[0]["sampling"]["temperature"] == 0.8
+    assert workload.SAMPLED["std-32-t0.8-top-p0.95"][1]["top_p"] == 0.95
+    assert workload.sampling(greedy[0]) == {"temperature": 0.0}
+
+
+def test_a_sampled_request_goes_over_http_with_its_sampling():
+    from kvferry.tools.bench.serve import request_body
+
+    greedy, sampled = workload.generate("std-32")[3], workload.generate("std-32-t0.8-top-p0.95")[3]
+    assert request_body("m", greedy, {})["temperature"] == 0
+    body = request_body("m", sampled, {"response_format": {"type": "json_object"}})
+    assert (body["temperature"], body["top_p"], body["seed"], body["ignore_eos"]) == (0.8, 0.95, 3, True)
+    assert body["max_tokens"] == sampled["max_tokens"] and body["response_format"] == {"type": "json_object"}
+
+
+def test_the_greedy_hf_baseline_is_refused_for_a_sampled_workload():
+    import argparse
+
+    from kvferry.common.errors import ConfigError
+    from kvferry.tools.bench.hf_baseline import refuse_sampled
+
+    refuse_sampled(argparse.Namespace(baseline="hf", workload="std-32"))
+    refuse_sampled(argparse.Namespace(baseline="none", workload="std-32-t0.8"))
+    with pytest.raises(ConfigError, match="decodes greedily"):
+        refuse_sampled(argparse.Namespace(baseline="hf", workload="std-32-t0.8"))

@@ -28,7 +28,7 @@ from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.logs import request_id_var
 from kvferry.common.protocol import MessageTooLarge
 from kvferry.common.work_budget import RequestWork, WorkBudget, WorkCancelled, current_request
-from kvferry.services.gateway import fanout
+from kvferry.services.gateway import fanout, loop_lag
 from kvferry.services.gateway.admission import Admission, body_bytes
 from kvferry.services.gateway.api_error import ApiError, error_response
 from kvferry.services.gateway.capture import CaptureWriter
@@ -74,9 +74,11 @@ class Api:
         tool_prompt: ToolPrompt | None = None,
         capture: CaptureWriter | None = None,
         loaded_at: float | None = None,
+        gateway_index: int | None = None,
     ):
         """model_names: the names a request may give (--served-model-name), the first the one responses report;
-        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created."""
+        loaded_at: when the model's files were loaded (Unix time; default now), /v1/models' created; gateway_index:
+        this process's among several behind one port (--gateways), else None."""
         self.core, self.tokenizer, self.model_max_len = core, tokenizer, max_model_len
         self.model_names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
         self.model_name = self.model_names[0]
@@ -85,7 +87,7 @@ class Api:
         self.tool_prompt = tool_prompt or ToolPrompt()  # tools shown to a model whose chat template has none
         self.capture = capture  # with --capture-dir: every finished request's line
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
-        self.metrics = GatewayMetrics(core)
+        self.metrics = GatewayMetrics(core, gateway_index)
         self.token_text = TokenText(tokenizer)
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
@@ -146,9 +148,11 @@ class Api:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.core.start()
+        lag_watch = loop_lag.start_watch(self.metrics.loop_lag)
         try:
             yield
         finally:
+            await loop_lag.stop_watch(lag_watch)
             for work in list(self.running_checks):  # a check still running stops at its next look: the process can exit
                 work.cancel()
             await self.core.stop()

@@ -1,5 +1,6 @@
 """`kvferry gateway`: the HTTP API and the worker registry, in one asyncio process. On SIGTERM it drains: new
-requests and /health get 503, those in flight finish within --drain-timeout; a second SIGTERM, or Ctrl-C, stops at once.
+requests and /health get 503, those in flight finish within --drain-timeout; a second SIGTERM, or Ctrl-C, stops at once
+(a repeat within a second of the first is its echo, and changes nothing: stop_signals.py).
 """
 
 import asyncio
@@ -27,6 +28,7 @@ from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
 from kvferry.services.gateway.server import Deadlines, GatewayCore
 from kvferry.services.gateway.tool_prompt import ToolPrompt
+from kvferry.services.stop_signals import StopSignals
 
 log = logging.getLogger("kvferry.gateway")
 # The default model's own id on the Hugging Face Hub, where its tokenizer resolves (the GGUF it ships as is a
@@ -39,12 +41,15 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.core, self.drain_timeout_s = core, drain_timeout_s
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.stops = StopSignals()
 
     async def startup(self, sockets=None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig, frame) -> None:
+        if self.stops.is_echo(sig):  # the group's signal and our parent's copy of it: one stop
+            return
         if sig == signal.SIGTERM and not self.core.draining and self.loop is not None:
             self.core.draining = True
             self.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self.drain()))
@@ -91,10 +96,12 @@ def run_gateway(args) -> None:
     from kvferry.common.tracing import observe
 
     config = from_args(GatewayConfig, args)
-    observe(args, "gateway", "gateway")
+    index = getattr(args, "gateway_index", None)  # one of --gateways N processes (gateway_group.py starts them)
+    observe(args, "gateway", "gateway" if index is None else f"gateway-{index}")
     check_http_exposed(config.host, config.port, config.api_key, args.insecure)
-    # Bound before the model loads: a taken port fails at once, naming the setting.
-    http_socket = listen_tcp(config.host, config.port, settings.label("port"))
+    # Bound before the model loads: a taken port fails at once, naming the setting. One of several processes binds
+    # a socket of its own on the shared port, with SO_REUSEPORT.
+    http_socket = listen_tcp(config.host, config.port, settings.label("port"), reuse_port=config.gateways > 1)
     name = served_model_name(args.model)  # what workers register with; clients may know it by other names
     core = GatewayCore(
         config.control,
@@ -123,14 +130,16 @@ def run_gateway(args) -> None:
         tool_prompt,
         capture,
         loaded_at=loaded_at,
+        gateway_index=index,
     )
     log.info(
-        "serving %s as %s on http://%s:%d, workers register at %s",
+        "serving %s as %s on http://%s:%d, workers register at %s%s",
         name,
         ", ".join(names),
         config.host,
         config.port,
         core.control_endpoint,
+        "" if index is None else f" (gateway {core.gateway_id}, process {index + 1} of {config.gateways})",
     )
     # log_config=None: uvicorn's own lines go through our handler (and its JSON format). Past limit_concurrency
     # connections (or requests at once) uvicorn answers 503 at once: a flood of clients costs a refusal each, not

@@ -4,7 +4,7 @@ from the registry at scrape time, so a worker that leaves leaves the output with
 """
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvferry.common import protocol as p
 
@@ -33,6 +33,9 @@ LATENCY_BUCKETS = (
 )
 STEP_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 BYTE_BUCKETS = tuple(float(4**k * 1024) for k in range(11))  # 1 KiB .. 1 GiB
+# From 0.1 ms, an idle loop's own wake-up jitter, to a minute (a saturated gateway's lag runs to seconds,
+# docs/benchmarks.md): 1-2-5 steps, so a quantile's estimate stays close, then 10, 30 and 60 s.
+LOOP_LAG_BUCKETS = tuple(m * 10.0**e for e in range(-4, 1) for m in (1, 2, 5)) + (10.0, 30.0, 60.0)
 disable_created_metrics()  # no `_created` series beside each counter and histogram (vLLM does the same)
 
 
@@ -103,9 +106,27 @@ class WorkerFigures:
         yield CounterMetricFamily("kvferry:forged_messages", forged, core.num_forged)
 
 
+class GatewayLabel:
+    """A registry's series, each with one more label, gateway="<its index>". With several gateway processes behind one
+    port (--gateways), a scrape reaches whichever of them the kernel picks: the label says which one answered, by
+    the index its logs and traces carry (0 to N-1). Not by its id, new at each start: each restart would begin new
+    series, and a dashboard's legend would change with it."""
+
+    def __init__(self, registry: CollectorRegistry, gateway_index: int):
+        self.registry, self.value = registry, str(gateway_index)
+
+    def collect(self):
+        for metric in self.registry.collect():
+            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+            labelled.samples = [s._replace(labels={**s.labels, "gateway": self.value}) for s in metric.samples]
+            yield labelled
+
+
 class GatewayMetrics:
-    def __init__(self, core):
+    def __init__(self, core, gateway_index: int | None = None):
+        """gateway_index: this process's among several behind one port (--gateways), which every series then carries."""
         self.registry = registry = CollectorRegistry()
+        self.exposed = registry if gateway_index is None else GatewayLabel(registry, gateway_index)
         registry.register(WorkerFigures(core))
         self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.", registry=registry)
         self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
@@ -126,6 +147,12 @@ class GatewayMetrics:
         self.prefill = histogram("request_prefill_time_seconds", "Prefill compute.", LATENCY_BUCKETS)
         self.kv_time = histogram("kv_transfer_time_seconds", "Prefill to decode KV transfer.", LATENCY_BUCKETS)
         self.kv_bytes = histogram("kv_transfer_bytes", "Bytes of one request's KV transfer.", BYTE_BUCKETS)
+        self.loop_lag = histogram(
+            "gateway_event_loop_lag_seconds",
+            "How late the gateway's event loop ran a wake-up it had asked for, once per period of time: a stall also "
+            "counts the wake-ups it held up (services/gateway/loop_lag.py).",
+            LOOP_LAG_BUCKETS,
+        )
 
     def exposition(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposed)

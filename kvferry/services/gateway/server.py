@@ -88,7 +88,7 @@ class GatewayCore:
         self.deadlines = deadlines or Deadlines()
         self.flights: dict[str, Flight] = {}
         self.tasks: list[asyncio.Task] = []
-        self.gateway_id = f"gw-{uuid.uuid4().hex[:8]}"  # workers shared by several gateways tell them apart
+        self.gateway_id = f"gw-{uuid.uuid4().hex[:16]}"  # shared workers route replies by it: 64 bits, never two alike
         self.draining = False
         self.num_moves = 0
         self._told_to_abort: OrderedDict[tuple[str, int], float] = OrderedDict()  # (request id, attempt) -> when

@@ -61,10 +61,57 @@ def _against_the_floor(p, runs: str) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def _add_gateway_parser(bench) -> None:
+    p = bench.add_parser(
+        "gateway",
+        help="the real gateway alone on one core (or --gateways N on one port), against synthetic workers (test "
+        "doubles): streamed tok/s, CPU per token of each process, the event loop's lag, each gateway's share",
+    )
+    p.add_argument(
+        "--streams",
+        type=_positive_list(int, "stream counts", "64,256"),
+        default=[64, 256],
+        metavar="N1,N2,...",
+        help="concurrent streaming chat completions, one measurement each",
+    )
+    p.add_argument("--tokens", type=int, default=256, help="tokens of each stream")
+    p.add_argument(
+        "--gateways",
+        type=_positive_list(int, "gateway counts", "1,2"),
+        default=[1],
+        metavar="N1,N2,...",
+        help="gateway processes on the one port (`kvferry gateway --gateways N`); several counts run side by side in "
+        "alternated rounds, each set against the first: CPU per token summed over the processes, each one's share "
+        "of the streams. The gateways are pinned to as many cores as the largest count, the rest to the cores "
+        "left; with no core left, nothing is pinned",
+    )
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=2,
+        help="rounds: runs of each stream count (at each gateway count); the fastest is reported",
+    )
+    p.add_argument("--clients", type=int, default=1, help="client processes the streams are spread over")
+    p.add_argument(
+        "--step-interval", type=float, default=0.0, help="the decode double's seconds between steps (0: no wait)"
+    )
+    p.add_argument("--no-pin", action="store_true", help="leave every process free to run on any core")
+    p.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="record the gateway with py-spy over the measured runs (collapsed stacks into FILE) and print its top "
+        "functions, self and cumulative; py-spy pauses the gateway for each sample, so the runs' figures are marked "
+        "profiled, not comparable with others",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.set_defaults(func=_command("gateway", "cmd_bench_gateway"))
+
+
 def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True)
     p = bench.add_parser("engine", help="offline workload through the in-process engine")
-    p.add_argument("--workload", default="std-32", choices=["std-32", "std-128"])
+    p.add_argument("--workload", default="std-32", choices=[*workload.WORKLOADS, *workload.SAMPLED])
     p.add_argument("--no-paging", action="store_true", help="skip the paged-vs-contiguous decode step")
     _against_the_floor(p, "runs of the engine and of the floor")
     settings.add_arguments(p, settings.BENCH)
@@ -185,6 +232,8 @@ def add_bench_parser(sub) -> None:
     sim_check.add_parser(bench)
     ab.add_parser(bench)
     quantization.add_parser(bench)
+
+    _add_gateway_parser(bench)
 
     p = bench.add_parser("overload", help="Poisson arrivals at half and at twice the capacity: 429s, completions, TTFT")
     p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals at each rate")

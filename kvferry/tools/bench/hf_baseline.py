@@ -172,6 +172,15 @@ def load_hf_model(engine):
     return load_hf_model_dir(resolve_model(engine.config.model), engine.device, engine.dtype)
 
 
+def refuse_sampled(args) -> None:
+    """transformers' run here decodes greedily: against a sampled workload it would measure different work."""
+    from kvferry.common.errors import ConfigError
+    from kvferry.tools.bench import workload
+
+    if args.baseline == "hf" and args.workload in workload.SAMPLED:
+        raise ConfigError(f"--baseline hf decodes greedily; {args.workload} samples: run it without --baseline hf")
+
+
 def add_hf_baseline(args, hf_model, requests: list[dict], report: dict) -> None:
     """`--baseline hf`: transformers' continuous batching on the workload, against kvferry's best run."""
     from kvferry.tools.bench.report import say

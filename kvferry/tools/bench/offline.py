@@ -5,6 +5,7 @@ import json
 import time
 
 from kvferry.common.sampling import SamplingParams
+from kvferry.tools.bench import workload
 from kvferry.tools.percentiles import summary
 
 
@@ -14,7 +15,7 @@ def run_engine(engine, requests: list[dict]) -> dict:
     for r in requests:
         engine.add_request(
             r["prompt_token_ids"],
-            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True, **workload.sampling(r)),
             request_id=r["id"],
         )
     num_steps = 0
@@ -52,11 +53,12 @@ def cmd_bench_engine(args) -> int:
     from kvferry.common.engine import LLMEngine
     from kvferry.common.errors import ConfigError
     from kvferry.common.model_files import resolve_model
-    from kvferry.tools.bench import hf_baseline, paging, workload
+    from kvferry.tools.bench import hf_baseline, paging
     from kvferry.tools.bench.floor import alternate_with_floor
     from kvferry.tools.bench.report import against_the_floor, say
     from kvferry.tools.bench.roofline_measure import add_quick_roofline
 
+    hf_baseline.refuse_sampled(args)
     config = EngineConfig.from_args(args)
     config.num_threads = config.num_threads or 2
     engine = LLMEngine(config)

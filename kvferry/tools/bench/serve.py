@@ -4,13 +4,20 @@ import asyncio
 import json
 import time
 
+from kvferry.tools.bench import workload
 from kvferry.tools.percentiles import summary
 from kvferry.tools.sse_client import Refused, greedy_completion, open_stream
 
 
+def request_body(model: str, request: dict, extra_body: dict) -> dict:
+    """A workload request as a streamed /v1/completions body: exactly max_tokens tokens, sampled as it says."""
+    body = greedy_completion(model, request["prompt_token_ids"], request["max_tokens"], usage=True)
+    return body | extra_body | workload.sampling(request)
+
+
 async def _one(client, url: str, model: str, request: dict, start: float, extra_body: dict) -> dict:
     await asyncio.sleep(max(0.0, request["arrival_s"] - (time.perf_counter() - start)))
-    body = extra_body | greedy_completion(model, request["prompt_token_ids"], request["max_tokens"], usage=True)
+    body = request_body(model, request, extra_body)
     token_at, num_tokens, kv_transfer_s = [], 0, 0.0
     try:
         async with open_stream(client, url + "/v1/completions", body) as stream:
@@ -125,12 +132,13 @@ def cmd_bench_serve(args) -> int:
     from kvferry.common.engine_setup import resolve_device, resolve_dtype
     from kvferry.common.model_config import ModelConfig
     from kvferry.common.model_files import resolve_model
-    from kvferry.tools.bench import hf_baseline, workload
+    from kvferry.tools.bench import hf_baseline
     from kvferry.tools.bench.floor import alternate_with_floor
     from kvferry.tools.bench.report import against_the_floor, say
     from kvferry.tools.bench.roofline_measure import add_quick_roofline
     from kvferry.tools.bench.stack import served_model
 
+    hf_baseline.refuse_sampled(args)
     torch.set_num_threads(args.threads)
     model_name = served_model(args.url)
     model_dir = resolve_model(args.model)

@@ -5,6 +5,9 @@ std-*: request for request the reference generator the project was specified wit
 test_workload_and_floor.py holds this). The scenarios that measure one feature each: shared-prefix (prefix caching:
 32 requests behind one 400-token system prompt), head-of-line (chunked prefill: a 4,000-token prompt, then 16 short
 ones whose TTFT it must not hold back), single-stream (one request alone: its TPOT is the inter-token latency).
+The sampled twins of std-32 are its requests with the sampling real chat traffic uses, a seed per request so
+that every run samples the same tokens: greedy is the cheapest case, and a figure taken only greedy hides the
+sampler's cost.
 """
 
 import math
@@ -14,6 +17,11 @@ WORKLOADS = {  # name: (num_requests, (min, max) prompt tokens, (min, max) outpu
     "std-32": (32, (32, 384), (32, 256)),
     "std-128": (128, (32, 384), (32, 256)),
 }
+SAMPLED = {  # name: (the workload whose requests it takes, the sampling every request adds)
+    "std-32-t0.8": ("std-32", {"temperature": 0.8}),
+    "std-32-t0.8-top-p0.95": ("std-32", {"temperature": 0.8, "top_p": 0.95}),
+}
+GREEDY = {"temperature": 0.0}
 
 
 def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
@@ -21,10 +29,13 @@ def _log_uniform(rng: random.Random, lo: int, hi: int) -> int:
 
 
 def generate(name: str = "std-32", vocab_size: int = 49152, rate: float = 0.0, seed: int = 0) -> list[dict]:
-    """Requests as dicts: id, prompt_token_ids, max_tokens, arrival_s (0 for all when rate is 0), and a group
-    where a scenario reports some requests apart."""
+    """Requests as dicts: id, prompt_token_ids, max_tokens, arrival_s (0 for all when rate is 0), a group
+    where a scenario reports some requests apart, and the sampling fields of a sampled workload (else greedy)."""
     if name in SCENARIOS:
         return SCENARIOS[name](random.Random(f"{name}:{seed}"), vocab_size, rate)
+    if name in SAMPLED:
+        base, sampling = SAMPLED[name]
+        return [dict(r, sampling=sampling | {"seed": i}) for i, r in enumerate(generate(base, vocab_size, rate, seed))]
     num_requests, (prompt_lo, prompt_hi), (output_lo, output_hi) = WORKLOADS[name]
     rng = random.Random(f"{name}:{seed}")
     arrival = 0.0
@@ -119,4 +130,9 @@ def abort_all(engine) -> None:
 
 
 SCENARIOS = {"shared-prefix": _shared_prefix, "head-of-line": _head_of_line, "single-stream": _single_stream}
-NAMES = [*WORKLOADS, *SCENARIOS]
+NAMES = [*WORKLOADS, *SAMPLED, *SCENARIOS]
+
+
+def sampling(request: dict) -> dict:
+    """A request's sampling fields, as the API and SamplingParams both name them."""
+    return request.get("sampling", GREEDY)
