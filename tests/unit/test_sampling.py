@@ -64,6 +64,7 @@ def test_greedy_rows_of_a_wide_vocabulary_take_the_first_maximal_index_as_argmax
     want = logits.argmax(-1).tolist()
     assert sample(logits, params, [None] * len(logits)) == want
     assert want[1:6] == [vocab - 5, 7, 40, 0, vocab - 1]
+    assert sampler.greedy_tokens(logits[:0]).tolist() == []  # no rows: no tokens, as argmax
 
 
 def test_vanishing_temperature_is_greedy_not_nan():

@@ -155,7 +155,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     argmax). On the CPU argmax's index-tracking scan is several times slower than a max: the blocks' maxima first,
     then argmax inside the first block holding the row's maximum."""
     N, V = logits.shape
-    if logits.device.type != "cpu" or V < 2 * BLOCK:
+    if logits.device.type != "cpu" or V < 2 * BLOCK or N == 0:
         return logits.argmax(dim=-1)
     whole = V // BLOCK * BLOCK
     blocks = logits[:, :whole].view(N, -1, BLOCK)  # [N, whole / BLOCK, BLOCK]
@@ -177,10 +177,11 @@ def _probs(sub: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
 
 
 def _draw_plain_rows(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """_draw_plain of _probs, CHUNK_ELEMENTS logits at a time: each row's draw is its own."""
+    """_draw_plain of _probs, CHUNK_ELEMENTS logits at a time on the CPU (the temporaries stay in cache and below
+    glibc's mmap threshold): each row's draw is its own. On a GPU in one go: a chunk there is only more launches."""
     R, V = sub.shape
     step = max(1, CHUNK_ELEMENTS // V)
-    if R <= step:
+    if R <= step or sub.device.type != "cpu":
         return _draw_plain(_probs(sub, temperatures), u)
     return torch.cat(
         [_draw_plain(_probs(sub[i : i + step], temperatures[i : i + step]), u[i : i + step]) for i in range(0, R, step)]
