@@ -38,8 +38,9 @@ from kvferry.common.sampling import (
 
 # 12: sampling parameters carry a structured-output constraint. 13: sampling stream 2 (model/sampler.py), seeded
 # draws keyed by (seed, output position): a prefill worker samples output 0 and a decode worker the rest, so the
-# two must draw the same stream; a mixed pair would splice two.
-PROTOCOL_VERSION = 13
+# two must draw the same stream; a mixed pair would splice two. 14: TokenBatch, a decode step's tokens for one gateway
+# in one message (RegisterReply.token_batches).
+PROTOCOL_VERSION = 14
 MAX_FRAME_BYTES = 1 << 31
 # Tokens in one sequence, prompt and output: a bound on the max_model_len of any worker (one with a longer one
 # refuses to start). It covers 256k-context models; the big messages' limits follow from it.
@@ -84,6 +85,7 @@ class Kind(enum.IntEnum):
     CACHE_UPDATE = 12
     KV_QUERY = 13
     KV_HELD = 14
+    TOKEN_BATCH = 15
 
 
 class Role(enum.IntEnum):
@@ -157,6 +159,8 @@ class RegisterReply:
     reason: str = ""
     heartbeat_interval_s: float = GatewayConfig.heartbeat_interval
     gateway_id: str = ""  # the gateway's name for itself: replies about its requests go back to it
+    # The gateway takes TokenBatch: a decode worker sends each step's tokens for it as one (else a Tokens each).
+    token_batches: bool = False
 
 
 @message(Kind.HEARTBEAT)
@@ -280,6 +284,15 @@ class Tokens:
     start: int = 0  # the first token's index in its choice's output: the gateway drops repeats, spots gaps
 
 
+@message(Kind.TOKEN_BATCH)
+class TokenBatch:
+    """One decode step's Tokens for one gateway, each with its request's id, in the order the step made them: one
+    message (one receive, one decode) per step in place of one per sequence. A step whose Tokens would pass the
+    kind's size limit goes as several (token_batches)."""
+
+    sequences: list[tuple[str, Tokens]]
+
+
 @message(Kind.ABORT)
 class Abort:
     choice: int = -1  # -1: the whole request; else only that choice (it ended early: a stop string)
@@ -320,16 +333,42 @@ class Envelope:
 
 
 # --- encoding -----------------------------------------------------------------------------------------------------
-def _to_wire(value):
+_NO_DEFAULT = object()
+
+
+def _default(f) -> object:
+    if f.default is not MISSING:
+        return f.default
+    return _NO_DEFAULT if f.default_factory is MISSING else f.default_factory()
+
+
+@functools.cache
+def _wire_fields(cls) -> tuple[tuple[str, object], ...]:
+    """(name, default) per field of a message class, _NO_DEFAULT for a required one."""
+    return tuple((f.name, _default(f)) for f in fields(cls))
+
+
+def _to_wire(value, omit_defaults: bool = True):
+    """A message as msgpack takes it. A field at its default is left out (the receiver fills it in): most of a
+    token message's fields are, and both ends pay for every byte."""
     if hasattr(value, "__dataclass_fields__"):
-        return {f.name: _to_wire(getattr(value, f.name)) for f in fields(value)}
+        out = {}
+        for name, default in _wire_fields(type(value)):
+            v = getattr(value, name)
+            if omit_defaults and type(v) is type(default) and v == default:
+                continue
+            out[name] = _to_wire(v, omit_defaults)
+        return out
     if isinstance(value, (list, tuple)):
-        return [_to_wire(v) for v in value]
+        if value and type(value[0]) is int:  # token ids: nothing inside to convert
+            return value
+        return [_to_wire(v, omit_defaults) for v in value]
     return value
 
 
 def _packed_bytes(value) -> int:
-    return len(msgpack.packb(_to_wire(value), use_bin_type=True))
+    """What value packs to with every field present (as a bound on the size of messages holding it)."""
+    return len(msgpack.packb(_to_wire(value, omit_defaults=False), use_bin_type=True))
 
 
 # --- size limits ----------------------------------------------------------------------------------------------
@@ -360,9 +399,43 @@ _CONTENT_BYTES = {  # beyond SMALL_HEADER_BYTES; a kind not named carries nothin
     Kind.KV_TRANSFER: _SAMPLING_BYTES + (MAX_CONTEXT_TOKENS + 2 * MAX_CHOICES) * _TOKEN_BYTES,
     Kind.FIRST_TOKEN: (MAX_CONTEXT_TOKENS + 1) * _LOGPROBS_BYTES,  # the prompt's logprobs (echo), and the token's
     Kind.TOKENS: MAX_CONTEXT_TOKENS * (_TOKEN_BYTES + _LOGPROBS_BYTES),
+    # As much as one Tokens carries at most (TOKEN_BATCH_BYTES, what token_batches fills a batch up to), and the
+    # small fields of one more: a batch is cut before the entry that would take it past TOKEN_BATCH_BYTES.
+    Kind.TOKEN_BATCH: MAX_CONTEXT_TOKENS * (_TOKEN_BYTES + _LOGPROBS_BYTES),
     Kind.KV_QUERY: MAX_CONTEXT_TOKENS // MIN_BLOCK_SIZE * _HASH_BYTES,
     Kind.CACHE_UPDATE: MAX_CACHE_UPDATE_HASHES * _HASH_BYTES,
 }
+
+
+# What token_batches fills a batch up to (its entries' bounds together): as much as one Tokens may carry.
+TOKEN_BATCH_BYTES = _CONTENT_BYTES[Kind.TOKEN_BATCH]
+# An entry's bound but for its request id and lists' items: its widest small fields, and the widest headers of the
+# id's string and the two lists.
+_ENTRY_BYTES = 4 + 2 * 4 + _packed_bytes(("", Tokens([], _WIDEST_INT, -1.0, _WIDEST_INT, [], *(3 * [_WIDEST_INT]))))
+
+
+def token_batch_entry_bytes(request_id: str, tokens: Tokens) -> int:
+    """At least what one (request id, Tokens) packs to inside a TokenBatch."""
+    num_tokens, num_logprobs = len(tokens.token_ids), len(tokens.logprobs)
+    return _ENTRY_BYTES + len(request_id.encode()) + num_tokens * _TOKEN_BYTES + num_logprobs * _LOGPROBS_BYTES
+
+
+def token_batches(sequences: list[tuple[str, Tokens]], max_bytes: int = TOKEN_BATCH_BYTES) -> list[TokenBatch]:
+    """One step's (request id, Tokens) for one gateway as TokenBatch messages, in order: one, unless together they
+    could pass max_bytes; then each batch is cut before the entry that would take it past. An entry alone past it
+    (as large as a Tokens may be, with a long request id) goes alone, and encode refuses it if it is too large,
+    as it would the Tokens."""
+    batches, batch, size = [], [], 0
+    for request_id, tokens in sequences:
+        num_bytes = token_batch_entry_bytes(request_id, tokens)
+        if batch and size + num_bytes > max_bytes:
+            batches.append(TokenBatch(batch))
+            batch, size = [], 0
+        batch.append((request_id, tokens))
+        size += num_bytes
+    if batch:
+        batches.append(TokenBatch(batch))
+    return batches
 
 
 def max_header_bytes(*kinds: Kind) -> int:
@@ -380,6 +453,7 @@ GATEWAY_RECEIVES = (
     Kind.CACHE_UPDATE,
     Kind.FIRST_TOKEN,
     Kind.TOKENS,
+    Kind.TOKEN_BATCH,
     Kind.REQUEST_FAILED,
 )
 WORKER_RECEIVES = (Kind.REGISTER_REPLY, Kind.PREFILL_REQUEST, Kind.ABORT)  # on a worker's control socket
@@ -442,73 +516,125 @@ def encode(message, request_id: str = "", trace: TraceContext | None = None, fra
 
 
 # --- strict decoding ------------------------------------------------------------------------------------------
-def _check(value, annotation, where: str):
-    """Validate a decoded msgpack value against a field annotation; returns the typed value."""
+def _checker(annotation, where: str):
+    """A function that validates a decoded msgpack value against a field annotation and returns the typed value,
+    worked out once per field (where: its dotted name, for the error): looking the annotation over at every value
+    took most of a token message's decode, and the gateway decodes one per step."""
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
-        options = typing.get_args(annotation)
-        if value is None and type(None) in options:
-            return None
-        for option in options:
-            if option is type(None):
-                continue
-            try:
-                return _check(value, option, where)
-            except ProtocolError:
-                pass
-        raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
+        return _union_checker(annotation, where)
     if origin in (list, tuple):  # list[X], tuple[X, ...] or a fixed tuple[X, Y]: msgpack carries all as lists
-        if not isinstance(value, list):
-            raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
-        args = typing.get_args(annotation)
-        if origin is list or args[1:] == (Ellipsis,):
-            items = [_check(v, args[0], f"{where}[]") for v in value]
-            return items if origin is list else tuple(items)
-        if len(value) != len(args):
-            raise ProtocolError(f"{where}: expected {len(args)} items, got {len(value)}")
-        return tuple(_check(v, a, f"{where}[]") for v, a in zip(value, args))
+        return _sequence_checker(origin, typing.get_args(annotation), where)
     if hasattr(annotation, "__dataclass_fields__"):
-        return _build(annotation, value, where)
+        return _builder(annotation, where)
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
-        return float(value)
+
+        def check_float(value):
+            if type(value) is not float and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ProtocolError(f"{where}: expected a number, got {type(value).__name__}")
+            return float(value)
+
+        return check_float
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
-        return value
+
+        def check_int(value):
+            if type(value) is not int:  # msgpack makes no other int type but bool
+                raise ProtocolError(f"{where}: expected an int, got {type(value).__name__}")
+            return value
+
+        return check_int
     if annotation in (str, bool, bytes):
-        if type(value) is not annotation:
-            raise ProtocolError(f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
-        return value
+
+        def check_exact(value):
+            if type(value) is not annotation:
+                raise ProtocolError(f"{where}: expected {annotation.__name__}, got {type(value).__name__}")
+            return value
+
+        return check_exact
     raise ProtocolError(f"{where}: unsupported field type {annotation}")
 
 
+def _union_checker(annotation, where: str):
+    options = typing.get_args(annotation)
+    nullable = type(None) in options
+    checks = [_checker(option, where) for option in options if option is not type(None)]
+
+    def check_union(value):
+        if value is None and nullable:
+            return None
+        for check in checks:
+            try:
+                return check(value)
+            except ProtocolError:
+                pass
+        raise ProtocolError(f"{where}: {type(value).__name__} is not {annotation}")
+
+    return check_union
+
+
+def _sequence_checker(origin, args: tuple, where: str):
+    if origin is list or args[1:] == (Ellipsis,):
+        as_tuple = origin is tuple
+        if args[0] is int:  # token ids: the values' types checked in one pass
+
+            def check_ints(value):
+                if type(value) is not list:
+                    raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+                kinds = set(map(type, value))
+                if kinds - {int}:
+                    bad = next(iter(kinds - {int}))
+                    raise ProtocolError(f"{where}[]: expected an int, got {bad.__name__}")
+                return tuple(value) if as_tuple else value
+
+            return check_ints
+        check_item = _checker(args[0], f"{where}[]")
+
+        def check_items(value):
+            if type(value) is not list:
+                raise ProtocolError(f"{where}: expected a list, got {type(value).__name__}")
+            items = [check_item(v) for v in value]
+            return tuple(items) if as_tuple else items
+
+        return check_items
+    checks = [_checker(arg, f"{where}[]") for arg in args]
+
+    def check_fixed(value):
+        if type(value) is not list or len(value) != len(checks):
+            what = f"a list of {len(value)}" if type(value) is list else type(value).__name__
+            raise ProtocolError(f"{where}: expected a list of {len(checks)}, got {what}")
+        if len(checks) == 2:  # a TokenBatch's (request id, Tokens), at every token
+            return checks[0](value[0]), checks[1](value[1])
+        return tuple([check(v) for check, v in zip(checks, value)])
+
+    return check_fixed
+
+
 @functools.cache
-def _schema(cls) -> tuple[dict, dict]:
-    """A message class's field types and fields, worked out once: typing.get_type_hints alone took most of a
-    small message's decode, at every token."""
-    return typing.get_type_hints(cls), {f.name: f for f in fields(cls)}
+def _builder(cls, where: str):
+    """A function that builds a message class (or a dataclass inside one) from its decoded map, at where."""
+    hints, known = typing.get_type_hints(cls), fields(cls)
+    checks = {f.name: _checker(hints[f.name], f"{where}.{f.name}") for f in known}
+    names = frozenset(checks)
+    required = frozenset(f.name for f in known if f.default is MISSING and f.default_factory is MISSING)
+
+    def build(body):
+        if type(body) is not dict:
+            raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
+        keys = body.keys()
+        if not keys <= names:
+            raise ProtocolError(f"{where}: unknown fields {sorted(map(str, keys - names))}")
+        if not required <= keys:
+            raise ProtocolError(f"{where}: missing field {min(required - keys)!r}")
+        try:
+            return cls(**{name: checks[name](value) for name, value in body.items()})
+        except InvalidRequest as exc:  # a type that validates itself (SamplingParams): out-of-range values
+            raise ProtocolError(f"{where}: {exc}") from None
+
+    return build
 
 
 def _build(cls, body, where: str):
-    if not isinstance(body, dict):
-        raise ProtocolError(f"{where}: expected a map, got {type(body).__name__}")
-    hints, known = _schema(cls)
-    extra = body.keys() - known.keys()
-    if extra:
-        raise ProtocolError(f"{where}: unknown fields {sorted(map(str, extra))}")
-    values = {}
-    for name, f in known.items():
-        if name not in body:
-            if f.default is MISSING and f.default_factory is MISSING:
-                raise ProtocolError(f"{where}: missing field {name!r}")
-            continue
-        values[name] = _check(body[name], hints[name], f"{where}.{name}")
-    try:
-        return cls(**values)
-    except InvalidRequest as exc:  # a type that validates itself (SamplingParams): out-of-range values
-        raise ProtocolError(f"{where}: {exc}") from None
+    return _builder(cls, where)(body)
 
 
 def _check_frames(kind: int, frames: list, field: str = "") -> None:

@@ -74,8 +74,10 @@ class Channel:
         parent: TraceContext | None = None,
         frames: list | None = None,
         to: bytes | None = None,
+        entries: list | None = None,
     ) -> tuple[list, TraceContext]:
-        """-> (multipart message, the message's own trace context)."""
+        """-> (multipart message, the message's own trace context). entries: a batch message's, traced with it
+        (trace_entries)."""
         ctx = tracing.child_of(parent)
         parts = protocol.encode(message, request_id, ctx, frames)
         if self.tracer.enabled:
@@ -88,6 +90,8 @@ class Channel:
                 len(parts[0]),
                 sum(protocol.frame_bytes(f) for f in parts[1:]),
             )
+            if entries:  # before it leaves: a send traced after its receive would skew the clocks' reconciliation
+                self.trace_entries("send", "Tokens", to, ctx, entries)
         if self.is_router:
             if to is None:
                 raise ValueError(f"{self.name}: a ROUTER send needs the peer identity")
@@ -101,8 +105,9 @@ class Channel:
         parent: TraceContext | None = None,
         frames: list | None = None,
         to: bytes | None = None,
+        entries: list | None = None,
     ) -> TraceContext:
-        parts, ctx = self.pack(message, request_id, parent, frames, to)
+        parts, ctx = self.pack(message, request_id, parent, frames, to, entries)
         copies = 1
         if self.faults:
             copies, wait_s = self.faults.plan()
@@ -127,6 +132,17 @@ class Channel:
             await asyncio.sleep(wait_s)
         for _ in range(copies):
             await self.socket.send_multipart(parts, copy=False, flags=zmq.DONTWAIT)
+
+    def trace_entries(self, direction: str, kind: str, peer: bytes | None, batch: TraceContext, entries) -> None:
+        """With tracing on, a batch message's entries as the messages they stand for (a TokenBatch's Tokens): each
+        under its request's id and trace (entries: (request id, its trace context or None)), with the batch's span
+        id, which pairs a send with its receive."""
+        if not self.tracer.enabled:
+            return
+        who = peer_label(peer) if peer else self.peer_name
+        for request_id, ctx in entries:
+            trace_id, parent_id = (ctx.trace_id, ctx.span_id) if ctx is not None else (batch.trace_id, "")
+            self.tracer.message(direction, kind, who, request_id, TraceContext(trace_id, batch.span_id, parent_id), 0)
 
     def is_duplicate(self, message_id: str) -> bool:
         """Remember message_id; True when it was seen among the latest MAX_SEEN_IDS."""

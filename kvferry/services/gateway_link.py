@@ -28,6 +28,7 @@ class GatewayLink:
         sock = self._socket(ctx, b"", p.max_header_bytes(*p.WORKER_RECEIVES), p.max_header_bytes(*p.GATEWAY_RECEIVES))
         self.channel = Channel(sock, f"{worker_id}/control", peer_name="gateway")
         self.gateway_id = ""  # the gateway's name for itself, once it has accepted us
+        self.token_batches = False  # it takes a step's tokens as one TokenBatch
         self.registered = False
         self.num_attempts = 0
         self.next_attempt_at = 0.0  # monotonic
@@ -65,7 +66,7 @@ class GatewayLink:
             raise Refused(f"the gateway at {self.address} refused {self.worker_id}: {reply.reason}")
 
     def accepted(self, reply: p.RegisterReply) -> None:
-        self.registered, self.gateway_id = True, reply.gateway_id
+        self.registered, self.gateway_id, self.token_batches = True, reply.gateway_id, reply.token_batches
         self.cache_sync_at = 0.0  # a gateway that (re)admits us knows nothing of our cache yet
         log.info("%s registered with the gateway at %s", self.worker_id, self.address)
 

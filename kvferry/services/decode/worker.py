@@ -124,17 +124,31 @@ class DecodeWorker(Worker):
             if self.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         try:
+            by_gateway: dict[GatewayLink, list] = {}
             for out in outputs:
                 sent = self.connector.on_output(out)
                 if sent is not None:
-                    self.send_tokens(out.request_id.attempt_key, *sent)
+                    link, tokens, trace = sent
+                    by_gateway.setdefault(link, []).append((out.request_id.attempt_key, tokens, trace))
+            for link, sends in by_gateway.items():
+                self.send_tokens(link, sends)
         finally:
             self.flush()
 
-    def send_tokens(self, key: AttemptKey, link: GatewayLink, tokens: p.Tokens, trace) -> None:
-        """A choice's tokens to its gateway; a send that raises fails its request alone."""
-        with fails_alone(lambda exc: self.connector.unsent(key, link, trace, exc)):
-            link.channel.send(tokens, key.request_id, trace)
+    def send_tokens(self, link: GatewayLink, sends: list[tuple[AttemptKey, p.Tokens, p.TraceContext | None]]) -> None:
+        """A step's tokens for one gateway: one TokenBatch (more past its size limit) where the gateway takes them,
+        else a Tokens per choice. A send that raises fails the requests it carried alone."""
+        if not link.token_batches:
+            for key, tokens, trace in sends:
+                with fails_alone(lambda exc: self.connector.unsent(key, link, trace, exc)):
+                    link.channel.send(tokens, key.request_id, trace)
+            return
+        done = 0
+        for batch in p.token_batches([(key.request_id, tokens) for key, tokens, _ in sends]):
+            carried = sends[done : done + len(batch.sequences)]
+            done += len(carried)
+            with fails_alone(lambda exc: [self.connector.unsent(key, link, trace, exc) for key, _, trace in carried]):
+                link.channel.send(batch, entries=[(key.request_id, trace) for key, _, trace in carried])
 
     def trace_step(self, plan, started: float) -> None:
         """The step as a span, naming its requests (not their choices' engine ids)."""

@@ -33,6 +33,7 @@ from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, Worke
 
 log = logging.getLogger("kvferry.gateway")
 MAX_TOLD_TO_ABORT = 4096  # remembered (request, attempt) pairs an Abort was repeated for
+UNKNOWN = "unknown"  # a worker's message about a request (attempt) this gateway no longer runs
 
 
 class NoWorkers(Exception):
@@ -170,14 +171,27 @@ class GatewayCore:
                 else:
                     worker.draining = True
                     log.info("worker %s is draining: nothing new goes to it", msg.worker_id)
-        elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
-            flight = self.flights.get(rid)
-            current = flight is not None and msg.attempt == flight.attempt
-            if not current:  # a worker still busy with an attempt that moved on, or a request that ended
-                await self._abort_unknown(peer, rid, msg.attempt, env.trace)
+        elif isinstance(msg, p.TokenBatch):
+            # One sender for all: the connection's worker, under its key (as below, once for the batch).
+            if self._spoofed(msg, peer, user_id, self.registry.workers.get(peer.decode(errors="replace"))):
                 return
-            if peer not in (flight.prefill_identity, flight.decode_identity):
-                self._forged(msg, peer, "a request's message from a connection it is not assigned to")
+            taken, unknown = [], []
+            for request_id, tokens in msg.sequences:
+                flight = self._assigned(peer, request_id, tokens)
+                if flight is UNKNOWN:
+                    unknown.append((request_id, tokens.attempt))
+                elif flight is not None:
+                    taken.append((request_id, tokens, flight))
+            self.control.trace_entries("recv", "Tokens", peer, env.trace, [(r, f.trace) for r, _, f in taken])
+            for _, tokens, flight in taken:
+                flight.post(self._event(tokens, flight))
+            for request_id, attempt in unknown:
+                await self._abort_unknown(peer, request_id, attempt, env.trace)
+        elif isinstance(msg, (p.FirstToken, p.Tokens, p.RequestFailed)):
+            flight = self._assigned(peer, rid, msg)
+            if flight is UNKNOWN:
+                await self._abort_unknown(peer, rid, msg.attempt, env.trace)
+            if not isinstance(flight, Flight):
                 return
             # The connection is the assigned worker's (by name): and its key, the one that registered that worker.
             if self._spoofed(msg, peer, user_id, self.registry.workers.get(peer.decode(errors="replace"))):
@@ -188,8 +202,22 @@ class GatewayCore:
                 flight.pending_prefill_tokens = 0
             flight.post(self._event(msg, flight))
 
+    def _assigned(self, peer: bytes, rid: str, msg):
+        """The flight a worker's message about request rid is for; UNKNOWN when the request ended or moved on to
+        another attempt (the caller tells the worker to abort it), None when peer is not one of its workers
+        (forged)."""
+        flight = self.flights.get(rid)
+        if flight is None or msg.attempt != flight.attempt:  # a worker still busy with an attempt left behind
+            return UNKNOWN
+        if peer not in (flight.prefill_identity, flight.decode_identity):
+            self._forged(msg, peer, "a request's message from a connection it is not assigned to")
+            return None
+        return flight
+
     async def _register_reply(self, refused: str | None, peer: bytes, trace) -> None:
-        reply = p.RegisterReply(refused is None, refused or "", self.registry.heartbeat_interval_s, self.gateway_id)
+        reply = p.RegisterReply(
+            refused is None, refused or "", self.registry.heartbeat_interval_s, self.gateway_id, token_batches=True
+        )
         await self._send(reply, peer, parent=trace)
 
     def _check_registration(self, msg: p.Register, peer: bytes, key: KeyHolder | None) -> str | None:
