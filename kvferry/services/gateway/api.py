@@ -45,6 +45,7 @@ from kvferry.services.gateway.response_consumer import ResponseConsumer
 from kvferry.services.gateway.response_size import check_response_size
 from kvferry.services.gateway.responses import ChatShape, CompletionShape, TokenText
 from kvferry.services.gateway.server import GatewayCore, NoWorkers
+from kvferry.services.gateway.token_bytes import token_bytes
 from kvferry.services.gateway.tokenizer_routes import TokenizerRoutes
 from kvferry.services.gateway.tool_prompt import ToolPrompt
 from kvferry.services.gateway.tools import Tools, parse_tools
@@ -89,6 +90,7 @@ class Api:
         self.admission = Admission(config.max_waiting, config.max_waiting_bytes)
         self.metrics = GatewayMetrics(core, gateway_index)
         self.token_text = TokenText(tokenizer)
+        token_bytes(tokenizer)  # worked out now (a fraction of a second), not in the first request's turn of the loop
         self.vocab_size = len(tokenizer)
         self.tokenizer_routes = TokenizerRoutes(self, tokenizer)
         self.text_threads = ThreadPoolExecutor(TEXT_THREADS, thread_name_prefix="kvferry-text")

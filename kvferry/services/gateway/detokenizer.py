@@ -1,14 +1,20 @@
 """Incremental detokenization with stop strings, its work per new token bounded however long the output (decoding
 all of it again per token once let one request freeze the event loop).
 
-- Tokens are decoded in a short window, as vLLM's and tokenizers' DecodeStream: it starts a token or two before the
-  unread ones, so the tokenizer sees the context it needs (a word's leading space, a character's first bytes).
+- A byte-level BPE tokenizer's tokens are decoded without it: their bytes (token_bytes.py) through an incremental
+  UTF-8 decoder, which holds back the bytes of a character not yet complete.
+- Other tokenizers' tokens are decoded in a short window, as vLLM's and tokenizers' DecodeStream: it starts a token or
+  two before the unread ones, so the tokenizer sees the context it needs (a word's leading space, a character's first
+  bytes).
 - Stop strings are found by one Aho-Corasick automaton; its state is the longest suffix of the text that begins a
   stop string, which is also what must be held back.
 """
 
+import codecs
 from collections import deque
 from functools import lru_cache
+
+from kvferry.services.gateway.token_bytes import token_bytes
 
 PARTIAL = "\ufffd"  # what decode shows for the bytes of a character not yet complete (and for invalid bytes)
 SETTLE_AFTER = 4  # a UTF-8 character has at most 4 bytes: a window partial for longer is looked into
@@ -33,6 +39,7 @@ class StopStrings:
                     self.matched.append(0)
                 node = self.children[node][ch]
             self.matched[node] = len(stop)
+        self.starts = frozenset(self.children[0])  # the first characters of the stop strings
         self.fallback = [0] * len(self.children)  # the state of the longest proper suffix of the state's text
         queue = deque(self.children[0].values())
         while queue:  # breadth first: a state's fallback is shallower, so it is complete by then
@@ -45,6 +52,8 @@ class StopStrings:
     def scan(self, state: int, text: str) -> tuple[int, int, int]:
         """Feed text from state: (the state after it, or after its first match; the index just past that match in
         text, -1 for none; the steps taken, each one character compared)."""
+        if state == 0 and self.starts.isdisjoint(text):  # most text: nothing in it starts a stop string
+            return 0, -1, len(text)
         children, fallback, matched = self.children, self.fallback, self.matched
         steps = 0
         for i, ch in enumerate(text):
@@ -82,6 +91,8 @@ class IncrementalText:
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
         self.stops = stop_strings(tuple(s for s in stop if s))
+        self.token_bytes = token_bytes(tokenizer)
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")
         self.skipped = skipped_ids(tokenizer)
         self.token_ids: list[int] = []
         # The window is token_ids[prefix_offset:]; its text starts with prefix_text, the text of the tokens up to
@@ -102,6 +113,12 @@ class IncrementalText:
         """Take new tokens; return the text that is now safe to send."""
         if self.stopped:
             return ""
+        if self.token_bytes is not None:
+            table, size = self.token_bytes, len(self.token_bytes)
+            new = self.utf8.decode(b"".join([table[t] if 0 <= t < size else b"" for t in token_ids]))
+            self.tokens_decoded += len(token_ids)
+            self.chars_decoded += len(new)
+            return self._pass_on(new)
         self.token_ids.extend(t for t in token_ids if t not in self.skipped)
         return self._pass_on(self._read())
 
@@ -109,8 +126,11 @@ class IncrementalText:
         """At the end, whatever was held back (a partial character at the end stays as decode shows it)."""
         if self.stopped:
             return ""
-        text = self._pass_on(self.unread[self.known :])
-        self.known = len(self.unread)
+        if self.token_bytes is not None:
+            text = self._pass_on(self.utf8.decode(b"", final=True))
+        else:
+            text = self._pass_on(self.unread[self.known :])
+            self.known = len(self.unread)
         if not self.stopped:
             text, self.held = text + self.held, ""
         return text
