@@ -38,11 +38,11 @@ def served(api, monkeypatch):
     """A client, and the events the fake workers answer each request with."""
     answer: list[Event] = []
 
-    async def generate(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
+    async def generate_batches(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
         for event in answer:
-            yield event
+            yield [event]
 
-    monkeypatch.setattr(api.core, "generate", generate)
+    monkeypatch.setattr(api.core, "generate_batches", generate_batches)
     return TestClient(api.app(), raise_server_exceptions=False), answer
 
 

@@ -433,12 +433,12 @@ def served(api, monkeypatch):
     answer: list[Event] = []
     received: list = []
 
-    async def generate(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
+    async def generate_batches(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
         received.append(params)
         for event in answer:
-            yield event
+            yield [event]
 
-    monkeypatch.setattr(api.core, "generate", generate)
+    monkeypatch.setattr(api.core, "generate_batches", generate_batches)
     return TestClient(api.app(), raise_server_exceptions=False), answer, received
 
 

@@ -455,16 +455,16 @@ def served(api, monkeypatch):
     outputs: list[tuple[str, FinishReason]] = []
     received = []
 
-    async def generate(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
+    async def generate_batches(prompt_ids, params, request_id=None, trace=None, n=1, flights=None):
         received.append((prompt_ids, params))
         ids = [api.tokenizer.encode(text, add_special_tokens=False) for text, _ in outputs]
         for at in range(0, max(map(len, ids)), 3):  # the choices' events interleaved
             for choice, (tokens, (_, reason)) in enumerate(zip(ids, outputs)):
                 if at < len(tokens):
                     last = at + 3 >= len(tokens)
-                    yield Event(tokens[at : at + 3], reason if last else None, choice, at)
+                    yield [Event(tokens[at : at + 3], reason if last else None, choice, at)]
 
-    monkeypatch.setattr(api.core, "generate", generate)
+    monkeypatch.setattr(api.core, "generate_batches", generate_batches)
     return TestClient(api.app(), raise_server_exceptions=False), outputs, received
 
 

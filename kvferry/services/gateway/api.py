@@ -275,13 +275,13 @@ class Api:
         return response
 
     async def _route(self, prompts: list[list[int]], generations: list[Generation], rid: str, ctx, flights=None):
-        """Route every prompt: the request's events, and the first of them. flights: a list that gets each prompt's
-        Flight, for the capture."""
+        """Route every prompt: the request's event lists, and the first of them. flights: a list that gets each
+        prompt's Flight, for the capture."""
         if len(prompts) == 1:
-            events = self.core.generate(prompts[0], generations[0].params, rid, ctx, generations[0].n, flights)
+            events = self.core.generate_batches(prompts[0], generations[0].params, rid, ctx, generations[0].n, flights)
         else:  # one flight per prompt, its id the request's with /p<prompt> (kvferry trace groups them)
             streams = [
-                self.core.generate(ids, g.params, f"{rid}/p{p}", ctx, g.n, flights)
+                self.core.generate_batches(ids, g.params, f"{rid}/p{p}", ctx, g.n, flights)
                 for p, (ids, g) in enumerate(zip(prompts, generations))
             ]
             events = fanout.merged(streams, await fanout.start(streams), generations[0].n)

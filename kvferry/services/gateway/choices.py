@@ -63,6 +63,7 @@ class Choices:
         self.echoed: dict[int, str] = {}
         self.echoed_logprobs: dict[int, tuple[dict, int]] = {}
         self.flight_ids: list[str] = []  # per prompt: the id its flight carries on the wire
+        self.num_finished = 0  # choices with a finish reason: done is asked after every event
 
     def flight_of(self, index: int) -> tuple[str, int]:
         """Choice index -> (its prompt's flight id, the choice's number within that flight)."""
@@ -71,7 +72,7 @@ class Choices:
 
     @property
     def done(self) -> bool:
-        return all(s.reason is not None for s in self.states)
+        return self.num_finished == len(self.states)
 
     @property
     def reasons(self) -> str:
@@ -85,7 +86,7 @@ class Choices:
     def apply(self, event) -> Delta:
         """One event's delta for its choice (event.choice)."""
         state = self.states[event.choice]
-        g = state.generation
+        g, going = state.generation, state.reason is None
         text, parts, stopped = "", [], False
         first = event.first_token
         if first is not None and first.prompt_logprobs:
@@ -125,6 +126,7 @@ class Choices:
             pieces = delta_pieces(parser.feed(text) + (parser.finish() if state.reason else []))
             if state.reason == "stop" and parser.num_complete:
                 state.reason = "tool_calls"
+        self.num_finished += going and state.reason is not None
         kept = event.token_ids if g.return_token_ids and not g.prompt_only else []
         return Delta(text, state.reason, logprobs, stopped, pieces, state.error, kept)
 

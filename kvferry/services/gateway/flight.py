@@ -5,13 +5,13 @@ Each token message says where its tokens start in their choice's output, so the 
 once and in order, holds back what comes early, and notices a gap; a new attempt resumes from what was delivered.
 """
 
-import asyncio
 import time
 from dataclasses import dataclass, field
 
 from kvferry.common import protocol as p
 from kvferry.common.sampling import SamplingParams
 from kvferry.common.sequence import FinishReason
+from kvferry.services.gateway.inbox import Inbox
 
 MAX_QUEUED_EVENTS = 4096  # token messages per choice waiting for a request's consumer; many seconds of stream
 
@@ -73,25 +73,25 @@ class Flight:
     num_moves: int = 0
     # The workers an attempt failed on: the next attempt goes elsewhere if it can.
     failed_on: set[bytes] = field(default_factory=set)
-    queue: asyncio.Queue = field(init=False)  # bounded: MAX_QUEUED_EVENTS per choice
+    inbox: Inbox = field(init=False)  # bounded: MAX_QUEUED_EVENTS per choice
     deadline: float = float("inf")  # monotonic: the request's end-to-end bound
     failure: Event | None = None  # set by the gateway's watchdog: the request ends with this error
 
     def __post_init__(self):
         self.outputs = [[] for _ in range(self.n)]
         self.finished = [False] * self.n
-        self.queue = asyncio.Queue(MAX_QUEUED_EVENTS * self.n)  # each step brings one message per choice
+        self.inbox = Inbox(MAX_QUEUED_EVENTS * self.n)  # each step brings one message per choice
 
     def post(self, item: "Event | Lost") -> None:
         """Queue a worker's message for the consumer. A consumer that has fallen MAX_QUEUED_EVENTS behind (a client
         that does not read its stream) fails the request instead of holding ever more of it in memory."""
-        try:
-            self.queue.put_nowait(item)
-        except asyncio.QueueFull:
-            if self.failure is None:
-                self.failure = Event(
-                    error=f"the client fell {self.queue.maxsize} messages behind the stream", error_code=408
-                )
+        if not self.inbox.put(item) and self.failure is None:
+            self.fail(Event(error=f"the client fell {self.inbox.max_items} messages behind the stream", error_code=408))
+
+    def fail(self, failure: Event) -> None:
+        """End the request with this error: its consumer gets it next."""
+        self.failure = failure
+        self.inbox.wake()
 
     @property
     def done(self) -> bool:
@@ -107,10 +107,17 @@ class Flight:
         now = time.monotonic()
         self.last_progress = now
         self.got_first_token = True
-        self.decode_started |= event.decode_tokens is not None
+        self.decode_started = self.decode_started or event.decode_tokens is not None
         c = event.choice
         if self.finished[c]:
             return []
+        output = self.outputs[c]
+        if event.start == len(output) and not self.early:  # in order, nothing held back: most events
+            if not event.token_ids and event.finish_reason is None:
+                return []
+            output.extend(event.token_ids)
+            self.finished[c] = event.finish_reason is not None
+            return [event]
         if event.start > len(self.outputs[c]):
             self.early_since = self.early_since or now
             self.early[(c, event.start)] = event
@@ -128,7 +135,8 @@ class Flight:
             if self.finished[c]:
                 break
             event = self.early.pop((c, len(self.outputs[c])), None)
-        self.early = {k: e for k, e in self.early.items() if not (k[0] == c and self.finished[c])}
+        if self.early:
+            self.early = {k: e for k, e in self.early.items() if not (k[0] == c and self.finished[c])}
         self.early_since = self.early_since if self.early else 0.0
         return ready
 

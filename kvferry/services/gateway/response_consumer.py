@@ -32,9 +32,9 @@ def worker_error(event) -> ApiError:
 
 
 class ResponseConsumer:
-    def __init__(self, api, events, first, choices: Choices, shape, trace: RequestTrace):
+    def __init__(self, api, events, first: list, choices: Choices, shape, trace: RequestTrace):
         """api: what runs work off the loop (off_loop), aborts a choice (core.abort_choice) and waits unless the
-        client leaves; events: the request's, first its first."""
+        client leaves; events: the request's event lists (GatewayCore.generate_batches), first its first."""
         self.api, self.events, self.first = api, events, first
         self.choices, self.shape, self.trace = choices, shape, trace
         self.kv_transfer_s = 0.0  # the longest KV transfer among the choices
@@ -42,9 +42,10 @@ class ResponseConsumer:
     async def check_first(self) -> None:
         """A refusal with the first event (a constraint that does not compile) is the HTTP status, for a stream
         too: raised as an ApiError, before any byte is sent."""
-        if self.first.error is not None and 400 <= self.first.error_code < 500:
+        first = self.first[0]
+        if first.error is not None and 400 <= first.error_code < 500:
             await self.events.aclose()
-            raise worker_error(self.first)
+            raise worker_error(first)
 
     async def respond(self, request: Request, headers: dict) -> Response:
         if self.choices.generation.stream:
@@ -52,35 +53,44 @@ class ResponseConsumer:
         return await self._whole(request, headers)
 
     async def _deltas(self):
-        """(event, its delta, whether it was heavy) for each event that went into a choice still going, until every
-        choice is done; a worker's error raises its ApiError."""
-        event, choices = self.first, self.choices
+        """For each list of events, (event, its delta, whether it was heavy, the choices' tokens out after it) for
+        those that went into a choice still going (an event of a choice that ended early, at a stop string, is
+        dropped), until every choice is done; a worker's error raises its ApiError."""
+        events, choices, trace, states = self.first, self.choices, self.trace, self.choices.states
+        counted = choices.generation.continuous_usage  # else the tokens out are not asked for
+        timed = trace.tracer.enabled  # detokenization spans
+        # A long prompt's logprobs shown with its first event (echo) are built on a text thread: heavy.
+        echoes = any(s.generation.echo and s.logprobs is not None for s in states)
+        observed = not choices.generation.prompt_only
         while True:
-            if event.error:
-                raise worker_error(event)
-            if event.decode_tokens is not None:  # a choice's first tokens from decode report their KV's transfer
-                self.kv_transfer_s = max(self.kv_transfer_s, event.decode_tokens.kv_transfer_s)
-            heavy = choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES  # a long prompt's logprobs, built now
-            delta = await self._apply(event, heavy)
-            if delta is not None:
-                yield event, delta, heavy
+            deltas = []
+            for event in events:
+                if event.error:
+                    if deltas:  # what came before it goes out first
+                        yield deltas
+                    raise worker_error(event)
+                decoded = event.decode_tokens  # a choice's first tokens from decode report their KV's transfer
+                if decoded is not None and decoded.kv_transfer_s > self.kv_transfer_s:
+                    self.kv_transfer_s = decoded.kv_transfer_s
+                if states[event.choice].reason is not None:
+                    continue
+                if observed:
+                    trace.tokens(event)
+                started = time.time() if timed else 0.0
+                heavy = echoes and choices.num_echo_entries(event.choice) > OFF_LOOP_ENTRIES
+                delta = await self.api.off_loop(choices.apply, event) if heavy else choices.apply(event)
+                if timed:
+                    trace.detokenized(started, len(event.token_ids))
+                if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
+                    await self.api.core.abort_choice(*choices.flight_of(event.choice))
+                deltas.append((event, delta, heavy, choices.num_out if counted else 0))
+                if choices.done:
+                    break
+            if deltas:
+                yield deltas
             if choices.done:
                 return
-            event = await self.events.__anext__()
-
-    async def _apply(self, event, heavy: bool):
-        """One event into its choice; None when the choice had already ended (a stop string) and it is dropped."""
-        choices, trace = self.choices, self.trace
-        if choices.states[event.choice].reason is not None:
-            return None
-        if not choices.generation.prompt_only:
-            trace.tokens(event)
-        started = time.time()
-        delta = await self.api.off_loop(choices.apply, event) if heavy else choices.apply(event)
-        trace.detokenized(started, len(event.token_ids))
-        if delta.stopped and not choices.done:  # the other choices go on: free this one's sequence now
-            await self.api.core.abort_choice(*choices.flight_of(event.choice))
-        return delta
+            events = await self.events.__anext__()
 
     async def _collect(self) -> None:
         try:
@@ -110,26 +120,30 @@ class ResponseConsumer:
     async def _stream(self):
         choices, shape, trace, generation = self.choices, self.shape, self.trace, self.choices.generation
         # stream_options.continuous_usage_stats: every chunk carries the request's usage so far (vLLM's field)
-        so_far = (lambda: usage(trace.num_prompt, choices.num_out)) if generation.continuous_usage else lambda: None
+        so_far = (lambda num_out: usage(trace.num_prompt, num_out)) if generation.continuous_usage else lambda _: None
         try:
             if shape.has_role_chunk:
                 role = {"role": "assistant", "content": ""}
                 first_chunks = [shape.delta_choice(s.index, "", None, None, piece=role) for s in choices.states]
-                yield sse(shape.chunk(first_chunks, so_far()))
-            async for event, delta, heavy in self._deltas():
+                yield sse(shape.chunk(first_chunks, so_far(choices.num_out)))
+            async for deltas in self._deltas():
                 # At least one chunk per token event, even when the text is held back: clients time tokens by
-                # chunks. A chat with tools sends one per content or tool-call piece.
-                use = so_far()
-                chunks = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
-                if choices.states[event.choice].generation.return_token_ids:
-                    chunks[0]["choices"][0]["token_ids"] = delta.token_ids
-                if choices.done:
-                    chunks[-1]["kvferry"] = {"kv_transfer_s": round(self.kv_transfer_s, 6)}
+                # chunks. A chat with tools sends one per content or tool-call piece. The events that came
+                # together go out in one write.
+                chunks, heavy = [], False
+                for event, delta, was_heavy, num_out in deltas:
+                    heavy |= was_heavy
+                    use, with_ids = so_far(num_out), choices.states[event.choice].generation.return_token_ids
+                    made = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
+                    if with_ids:
+                        made[0]["choices"][0]["token_ids"] = delta.token_ids
+                    if choices.done and event is deltas[-1][0]:
+                        made[-1]["kvferry"] = {"kv_transfer_s": round(self.kv_transfer_s, 6)}
+                    chunks += made
                 if heavy:  # a long echoed prompt's logprobs: serialized on a text thread
-                    yield await self.api.off_loop(lambda: b"".join(map(sse, chunks)))
+                    yield await self.api.off_loop(serialized, chunks)
                 else:
-                    for chunk in chunks:
-                        yield sse(chunk)
+                    yield serialized(chunks)
             if generation.include_usage:
                 yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))
             trace.finish(200, choices.reasons)
@@ -142,6 +156,11 @@ class ResponseConsumer:
             await self.events.aclose()  # a client gone mid-stream aborts the request on its workers
             trace.finish(499)  # a client gone mid-stream (else this does nothing): counted as an abort
         yield b"data: [DONE]\n\n"
+
+
+def serialized(chunks: list) -> bytes:
+    """Stream chunks as server-sent events."""
+    return b"".join([sse(chunk) for chunk in chunks])
 
 
 def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, headers: dict) -> JSONResponse:

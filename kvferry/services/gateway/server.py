@@ -33,7 +33,10 @@ from kvferry.services.gateway.registry import MISSED_HEARTBEATS, Registry, Worke
 
 log = logging.getLogger("kvferry.gateway")
 MAX_TOLD_TO_ABORT = 4096  # remembered (request, attempt) pairs an Abort was repeated for
+RECEIVE_SLICE_S = 0.002  # the longest the control socket's backlog holds the event loop at a time
 UNKNOWN = "unknown"  # a worker's message about a request (attempt) this gateway no longer runs
+FINISH_REASONS = tuple(sorted(FinishReason))  # by value, which indexes it: no enum call per token
+assert [int(r) for r in FINISH_REASONS] == list(range(len(FINISH_REASONS)))
 
 
 class NoWorkers(Exception):
@@ -111,16 +114,27 @@ class GatewayCore:
 
     # -- control messages -------------------------------------------------------------------------------------
     async def _receive_loop(self) -> None:
+        # Messages already waiting are taken one after another, so that a stream behind by several steps gets their
+        # tokens together (one write for them all); the loop is let go at least every RECEIVE_SLICE_S, so that
+        # the streams and new requests never wait long behind a backlog.
+        waiting = zmq.Socket.shadow(self.control.socket.underlying)  # the plain side: what is there already
+        slice_ends = 0.0  # time.monotonic: uvloop's loop.time() stands still while a callback runs
         while True:
-            parts = await self.control.socket.recv_multipart(copy=False)
-            received = self.control.unpack(parts)
-            if received is None:
-                continue  # counted and logged
-            peer, env = received
             try:
-                await self._handle(peer, env, self._key_of(parts[-1]))
-            except Exception:  # one bad message must not stop the gateway
-                log.exception("while handling %s from %r", type(env.message).__name__, peer)
+                parts = waiting.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                parts = await self.control.socket.recv_multipart(copy=False)
+                slice_ends = time.monotonic() + RECEIVE_SLICE_S
+            received = self.control.unpack(parts)
+            if received is not None:  # else counted and logged
+                peer, env = received
+                try:
+                    await self._handle(peer, env, self._key_of(parts[-1]))
+                except Exception:  # one bad message must not stop the gateway
+                    log.exception("while handling %s from %r", type(env.message).__name__, peer)
+            if time.monotonic() >= slice_ends:
+                await asyncio.sleep(0)
+                slice_ends = time.monotonic() + RECEIVE_SLICE_S
 
     async def _send(self, message, identity: bytes, request_id: str = "", parent=None) -> bool:
         parts, _ = self.control.pack(message, request_id, parent, to=identity)
@@ -285,15 +299,18 @@ class GatewayCore:
 
     @staticmethod
     def _event(msg, flight: Flight) -> Event:
-        if isinstance(msg, p.RequestFailed):
+        kind = type(msg)
+        if kind is p.RequestFailed:
             return Event(error=msg.message, error_code=msg.code, retry=msg.retry, attempt=msg.attempt)
-        if msg.finish_reason >= len(FinishReason) or not 0 <= msg.choice < flight.n or msg.start < 0:
+        if msg.finish_reason >= len(FINISH_REASONS) or not 0 <= msg.choice < flight.n or msg.start < 0:
             return Event(
                 error=f"a worker sent finish reason {msg.finish_reason}, choice {msg.choice} and start "
                 f"{msg.start} for a request with {flight.n} choices",
                 attempt=msg.attempt,
             )
-        reason = FinishReason(msg.finish_reason) if msg.finish_reason >= 0 else None
+        reason = FINISH_REASONS[msg.finish_reason] if msg.finish_reason >= 0 else None
+        if kind is p.Tokens:  # at every step: the rest is for first tokens
+            return Event(list(msg.token_ids), reason, msg.choice, msg.start, msg.attempt, list(msg.logprobs), msg)
         if isinstance(msg, p.FirstToken) and msg.token_id < 0 and reason != FinishReason.DEAD_END:
             return Event(error=f"a worker sent the first token {msg.token_id}", attempt=msg.attempt)
         # A choice whose constraint allowed no token at all ends with no token: the first token says -1.
@@ -339,7 +356,7 @@ class GatewayCore:
         now = time.monotonic()
         for flight in list(self.flights.values()):
             if flight.failure is None and now >= flight.deadline:
-                flight.failure = self._too_long()
+                flight.fail(self._too_long())
             if flight.failure is not None:
                 self.flights.pop(flight.request_id, None)
                 await self.abort(flight)
@@ -348,7 +365,17 @@ class GatewayCore:
         return Event(error=f"the request took longer than {self.deadlines.request_s:.0f} s", error_code=504)
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def generate(
+    async def generate(self, *args, **kwargs):
+        """generate_batches' Events one at a time."""
+        batches = self.generate_batches(*args, **kwargs)
+        try:
+            async for events in batches:
+                for event in events:
+                    yield event
+        finally:
+            await batches.aclose()
+
+    async def generate_batches(
         self,
         prompt_token_ids: list[int],
         params: SamplingParams,
@@ -357,7 +384,8 @@ class GatewayCore:
         n: int = 1,
         flights: list | None = None,
     ):
-        """Route one request and yield its Events, in order and each token once, until it finishes or fails.
+        """Route one request and yield its Events, in order and each token once, until it finishes or fails: in
+        lists, each what came since the last (one, unless its consumer fell behind: it then catches up in one go).
         Raises NoWorkers when it cannot be routed at all. trace: the request's own span (the HTTP request's);
         the messages it causes are its children. flights: a list that gets the request's Flight."""
         rid = request_id or f"cmpl-{uuid.uuid4().hex}"
@@ -368,51 +396,59 @@ class GatewayCore:
         try:
             if not await self._dispatch(flight):  # inside the try: a client gone meanwhile must not leave the flight
                 raise NoWorkers(self.missing() or "the chosen workers are gone")
-            while True:
-                item = await self._next(flight, deadline)
-                if item.attempt != flight.attempt:
-                    continue  # about an attempt already left behind
-                if isinstance(item, Lost) or item.retry:
-                    failure = await self._move(flight, item.reason if isinstance(item, Lost) else item.error)
-                    if failure is None:
-                        continue
-                    item = failure
-                if item.error is not None:
-                    yield item
-                    return
-                for event in flight.accept(item):
-                    yield event
-                if flight.done:
-                    return
+            while not flight.done:
+                ready = []
+                for item in await self._next(flight, deadline):
+                    if item.attempt != flight.attempt:
+                        continue  # about an attempt already left behind
+                    if isinstance(item, Lost) or item.retry:
+                        failure = await self._move(flight, item.reason if isinstance(item, Lost) else item.error)
+                        if failure is None:
+                            continue
+                        item = failure
+                    if item.error is not None:
+                        if ready:
+                            yield ready
+                        yield [item]
+                        return
+                    ready += flight.accept(item)
+                    if flight.done:
+                        break
+                if ready:
+                    yield ready
         finally:
+            flight.inbox.close()
             self.flights.pop(rid, None)
             if not flight.done:  # an error, a timeout, a stop string or a client gone: free it everywhere
                 # Shielded: a disconnect cancels this task, and the Abort must still go out.
                 await asyncio.shield(self.abort(flight))
 
-    async def _next(self, flight: Flight, deadline: float):
-        """The flight's next message, or Lost when the wait for it runs past its bound."""
-        d, now = self.deadlines, time.monotonic()
-        if flight.failure is None and now >= deadline:
-            flight.failure = self._too_long()
-        if flight.failure is not None:
-            return dataclasses.replace(flight.failure, attempt=flight.attempt)
-        limit, what = (d.step_s, "a decode step") if flight.got_first_token else (d.first_token_s, "the first token")
-        waits = [
-            (flight.last_progress + limit - now, f"no word for {limit:.0f} s waiting for {what}"),
-            (deadline - now, ""),
-        ]
-        if flight.early:
-            waits.append((flight.early_since + d.gap_s - now, f"a message was lost (tokens waited {d.gap_s:.0f} s)"))
-        timeout, reason = min(waits)
-        try:
-            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancellation (a client gone).
-            async with asyncio.timeout(max(0.0, timeout)):
-                return await flight.queue.get()
-        except TimeoutError:
-            if reason:
-                return Lost(reason, flight.attempt)
-            return dataclasses.replace(self._too_long(), attempt=flight.attempt)
+    async def _next(self, flight: Flight, deadline: float) -> list:
+        """The flight's messages since the last call (at least one), or one Lost when the wait for the next runs
+        past its bound."""
+        d = self.deadlines
+        while True:
+            now = time.monotonic()
+            if flight.failure is None and now >= deadline:
+                flight.failure = self._too_long()
+            if flight.failure is not None:
+                return [dataclasses.replace(flight.failure, attempt=flight.attempt)]
+            items = flight.inbox.take()
+            if items:
+                return items
+            limit = d.step_s if flight.got_first_token else d.first_token_s
+            waits = [(flight.last_progress + limit, "no word"), (deadline, "")]
+            if flight.early:
+                waits.append((flight.early_since + d.gap_s, "gap"))
+            until, why = min(waits)
+            if now >= until:
+                if why == "no word":
+                    what = "a decode step" if flight.got_first_token else "the first token"
+                    return [Lost(f"no word for {limit:.0f} s waiting for {what}", flight.attempt)]
+                if why == "gap":
+                    return [Lost(f"a message was lost (tokens waited {d.gap_s:.0f} s)", flight.attempt)]
+                return [dataclasses.replace(self._too_long(), attempt=flight.attempt)]
+            await flight.inbox.wait(until)
 
     async def _dispatch(self, flight: Flight) -> bool:
         """Route the flight's current attempt to a prefill and a decode worker; False if none are live or the
