@@ -134,6 +134,9 @@ class ResponseConsumer:
                 for event, delta, was_heavy, num_out in deltas:
                     heavy |= was_heavy
                     use, with_ids = so_far(num_out), choices.states[event.choice].generation.return_token_ids
+                    if use is None and not with_ids and is_text_alone(delta):  # most of a stream
+                        chunks.append(shape.text_chunk(event.choice, delta.text))
+                        continue
                     made = [shape.chunk([choice], use) for choice in shape.delta_choices(event.choice, delta)]
                     if with_ids:
                         made[0]["choices"][0]["token_ids"] = delta.token_ids
@@ -143,7 +146,7 @@ class ResponseConsumer:
                 if heavy:  # a long echoed prompt's logprobs: serialized on a text thread
                     yield await self.api.off_loop(serialized, chunks)
                 else:
-                    yield serialized(chunks)
+                    yield chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else serialized(chunks)
             if generation.include_usage:
                 yield sse(shape.chunk([], usage(trace.num_prompt, choices.num_out)))
             trace.finish(200, choices.reasons)
@@ -159,8 +162,13 @@ class ResponseConsumer:
 
 
 def serialized(chunks: list) -> bytes:
-    """Stream chunks as server-sent events."""
-    return b"".join([sse(chunk) for chunk in chunks])
+    """Stream chunks (dicts, or bytes made already) as server-sent events."""
+    return b"".join([chunk if type(chunk) is bytes else sse(chunk) for chunk in chunks])
+
+
+def is_text_alone(delta) -> bool:
+    """A delta of text alone (perhaps none): no finish reason, logprobs, error or tool-call pieces."""
+    return delta.reason is None and delta.logprobs is None and delta.error is None and delta.pieces is None
 
 
 def whole_response(choices: Choices, shape, use: dict, kv_transfer_s: float, headers: dict) -> JSONResponse:

@@ -2,6 +2,7 @@
 
 import json
 import time
+from json.encoder import encode_basestring_ascii
 
 from kvferry.common.sequence import FinishReason
 
@@ -33,6 +34,9 @@ def sse(obj) -> bytes:
     return f"data: {json.dumps(obj)}\n\n".encode()
 
 
+TEXT_MARK = "\u2603kvferry text\u2603"  # stands for the text in a chunk's template
+
+
 def usage(num_prompt: int, num_out: int) -> dict:
     return {"prompt_tokens": num_prompt, "completion_tokens": num_out, "total_tokens": num_prompt + num_out}
 
@@ -47,6 +51,19 @@ class CompletionShape:
 
     def __init__(self, rid: str, model: str):
         self.base = {"id": rid, "created": int(time.time()), "model": model}
+        self.text_templates: dict[int, tuple[bytes, bytes]] = {}  # choice index -> the bytes around its text
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        """sse(self.chunk(self.delta_choices(index, delta))) for a delta of text alone (no finish reason, logprobs,
+        error or pieces), the same bytes without building and dumping the chunk: the text, JSON-encoded as dumps
+        does, between the bytes before and after it, made once per choice by dumping a chunk with TEXT_MARK."""
+        template = self.text_templates.get(index)
+        if template is None:
+            made = sse(self.chunk([self.delta_choice(index, TEXT_MARK, None, None)]))
+            head, tail = made.rsplit(json.dumps(TEXT_MARK).encode(), 1)  # the last: the text comes after the names
+            template = self.text_templates[index] = head, tail
+        head, tail = template
+        return b"%s%s%s" % (head, encode_basestring_ascii(text).encode(), tail)
 
     def choice(self, index: int, text: str | None, reason: str | None, logprobs, tool_calls=None, error=None) -> dict:
         return _with_error({"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}, error)
@@ -92,6 +109,11 @@ class ChatShape(CompletionShape):
         if piece is None:
             piece = {"content": text} if text else {}
         return _with_error({"index": index, "delta": piece, "logprobs": logprobs, "finish_reason": reason}, error)
+
+    def text_chunk(self, index: int, text: str) -> bytes:
+        if not text:  # its delta is {}: not the template's
+            return sse(self.chunk([self.delta_choice(index, text, None, None)]))
+        return super().text_chunk(index, text)
 
 
 class TokenText:
