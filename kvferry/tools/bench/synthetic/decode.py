@@ -1,9 +1,10 @@
 """The synthetic decode worker (a TEST DOUBLE): takes a prompt's KVTransfer from a (synthetic) prefill worker on
 its KV ingress, acknowledges it, and from then on every step emits one token of the cycle for every sequence it
-holds, as a real decode worker streams them: a Tokens message per choice and step, the first carrying the transfer's
-time, the last its finish reason (by the real engine's rules, common/finish_rules.py). An Abort ends a request or one
-choice (a stop string at the gateway), also one whose KV has not come yet. Steps come every step_interval_s, or with
-0 as fast as the gateway takes the tokens (a full queue to it holds the loop back).
+holds, as a real decode worker streams them: a step's Tokens (one per choice) in one TokenBatch per gateway, a
+choice's first Tokens carrying the transfer's time, its last its finish reason (by the real engine's rules,
+common/finish_rules.py). An Abort ends a request or one choice (a stop string at the gateway), also one whose KV has
+not come yet. Steps come every step_interval_s, or with 0 as fast as the gateway takes the tokens (a full queue to it
+holds the loop back).
 """
 
 import time
@@ -150,20 +151,29 @@ class SyntheticDecode(SyntheticWorker):
         self.step()
 
     def step(self) -> None:
-        """One token for every sequence held, each sent as the real worker sends a step's outputs."""
+        """One token for every sequence held, sent as the real worker sends a step's outputs (DecodeWorker.send_tokens):
+        one TokenBatch per gateway that takes them, else a Tokens per sequence."""
         cycle, num_cycle = self.cycle, len(self.cycle)
+        by_gateway: dict[GatewayLink, list[tuple[Held, p.Tokens]]] = {}
         for key, seqs in list(self.requests.items()):
             for choice, seq in list(seqs.items()):
                 position = seq.position
                 token = cycle[position % num_cycle]
                 reason = self.finish_reason(seq.params, token, position, seq.num_prompt_tokens)
-                self.send_waiting(seq.link.channel, tokens_message(seq, [token], reason), seq.request_id, seq.trace)
+                by_gateway.setdefault(seq.link, []).append((seq, tokens_message(seq, [token], reason)))
                 if reason >= 0:
                     del seqs[choice]
                 else:
                     seq.position = position + 1
             if not seqs:
                 del self.requests[key]
+        for link, sends in by_gateway.items():
+            if link.token_batches:
+                for batch in p.token_batches([(seq.request_id, tokens) for seq, tokens in sends]):
+                    self.send_waiting(link.channel, batch, "", None)
+            else:
+                for seq, tokens in sends:
+                    self.send_waiting(link.channel, tokens, seq.request_id, seq.trace)
         self.num_steps += 1
 
     def close(self) -> None:
