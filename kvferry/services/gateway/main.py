@@ -22,7 +22,7 @@ from kvferry.common.model_files import (
     served_model_name,
 )
 from kvferry.common.setting import from_args
-from kvferry.common.startup_heap import freeze_startup_objects
+from kvferry.common.startup_heap import collect_less_often, freeze_startup_objects
 from kvferry.common.text_tokenizer import TextTokenizer
 from kvferry.services.gateway.api import Api
 from kvferry.services.gateway.capture import CaptureLimits, CaptureWriter
@@ -155,4 +155,5 @@ def run_gateway(args) -> None:
     )
     server = DrainingServer(uvicorn_config, core, args.drain_timeout)
     freeze_startup_objects()  # the app, tokenizer and template: a full collection mid-stream would walk them all
+    collect_less_often()
     server.run(sockets=[http_socket])
