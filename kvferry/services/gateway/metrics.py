@@ -7,6 +7,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvferry.common import protocol as p
+from kvferry.services.gateway.loop_metrics import LoopCounter, LoopHistogram
 
 LATENCY_BUCKETS = (
     0.001,
@@ -129,7 +130,13 @@ class GatewayMetrics:
         self.exposed = registry if gateway_index is None else GatewayLabel(registry, gateway_index)
         registry.register(WorkerFigures(core))
         self.prompt_tokens = Counter("kvferry:prompt_tokens", "Prompt tokens of requests admitted.", registry=registry)
-        self.generation_tokens = Counter("kvferry:generation_tokens", "Tokens generated.", registry=registry)
+        # Updated at every token: kinds without a lock (loop_metrics.py).
+        self.generation_tokens = LoopCounter("kvferry:generation_tokens", "Tokens generated.")
+        self.itl = LoopHistogram(
+            "kvferry:inter_token_latency_seconds", "Time between a request's tokens.", STEP_BUCKETS
+        )
+        registry.register(self.generation_tokens)
+        registry.register(self.itl)
         self.request_success = Counter(
             "kvferry:request_success", "Requests finished, by finish reason.", ["finished_reason"], registry=registry
         )
@@ -141,7 +148,6 @@ class GatewayMetrics:
             return Histogram(f"kvferry:{name}", doc, buckets=buckets, registry=registry)
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first token.", LATENCY_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's tokens.", STEP_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last token.", LATENCY_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Waiting on the prefill worker.", LATENCY_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "Prefill compute.", LATENCY_BUCKETS)

@@ -51,8 +51,7 @@ class RequestTrace:
             m.queue.observe(first.queue_s)  # each prompt's first token: one prefill per prompt of a batch
             m.prefill.observe(first.prefill_s)
         if gap is not None:
-            for _ in range(n):
-                m.itl.observe(gap)
+            m.itl.observe(gap, n)
         self.last_token_at[event.choice] = now
         decoded = event.decode_tokens
         if decoded is not None and decoded.kv_transfer_bytes:
