@@ -38,7 +38,11 @@ def token_bytes(tokenizer) -> tuple[bytes, ...] | None:
     backend = getattr(tokenizer, "backend", None)  # TextTokenizer's tokenizers.Tokenizer
     if backend is None or type(backend.decoder).__name__ != "ByteLevel" or tokenizer.clean_up_tokenization_spaces:
         return None
-    size = backend.get_vocab_size(with_added_tokens=True)
+    # Its last id, not its count of tokens (get_vocab_size): ids may leave holes, and a token past one must be in.
+    ids = backend.get_vocab(with_added_tokens=True).values()
+    size = max(ids, default=-1) + 1
+    if size > 2 * len(ids):  # a vocabulary mostly holes: no table that large
+        return None
     special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
     table = tuple(b"" if i in special else _bytes_of(backend.id_to_token(i) or "") for i in range(size))
     alone = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
