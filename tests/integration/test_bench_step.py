@@ -106,7 +106,9 @@ def test_loop_measure_runs_a_real_decode_worker_whose_every_step_reaches_its_gat
         ("penalized", 5),
     ]
     for r in runs:
-        assert r["tokens_messages"] == r["batch"] * (loop.WARMUP_STEPS + 3 + 1), r
+        # As a gateway that takes TokenBatch: one message a step, each sequence's Tokens in it.
+        assert r["tokens_messages"] == loop.WARMUP_STEPS + 3 + 1, r
+        assert r["sequence_tokens"] == r["batch"] * (loop.WARMUP_STEPS + 3 + 1), r
         assert 0 < r["forward_ms"] <= r["step_ms"] and r["outside_ms"] >= 0 and r["process_cpu_ms_per_step"] > 0, r
         assert 0 < r["messages_cpu_ms"] <= r["outside_cpu_ms"], r  # each step's Tokens are part of the loop's time
     assert main(["bench", "step", *options, "--sampling", "greedy,beam", *engine]) == 2

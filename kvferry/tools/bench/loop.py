@@ -2,7 +2,8 @@
 costs little (a tiny model: `--model DIR`).
 
 A real DecodeWorker runs its real loop (Worker.serve_forever): this module plays its gateway (a ROUTER socket that
-answers the registration and then only lets the Tokens messages pile up, unread while the loop runs) and its prefill
+answers the registration as a gateway that takes TokenBatch, then lets a step's tokens pile up, unread while the loop
+runs: one TokenBatch a step, as production sends them) and its prefill
 worker (one KVTransfer per request, zero KV, admitted before the timing starts). Every forward pass (the model and
 its logits, or a decode graph's run) is timed; the rest of the time between two forward passes is the loop's:
 scheduling, the step's tensors, sampling, the engine's bookkeeping, the Tokens messages (timed apart too), the
@@ -155,7 +156,9 @@ class Peers:
             raise RuntimeError("the worker did not register")
         peer, env = self.gateway_channel.recv()
         assert isinstance(env.message, p.Register), env.message
-        self.gateway_channel.send(p.RegisterReply(True, gateway_id="bench"), to=peer)
+        self.gateway_channel.send(
+            p.RegisterReply(True, gateway_id="bench", token_batches=True), to=peer
+        )  # as a gateway
         deadline = time.monotonic() + 30
         while not link.registered and time.monotonic() < deadline:
             if link.channel.socket.poll(100):
@@ -205,13 +208,17 @@ class Peers:
         if acks < len(requests):
             raise RuntimeError(f"{acks} of {len(requests)} transfers placed")
 
-    def drain(self) -> int:
-        """Read what the worker sent the gateway; returns how many Tokens messages came."""
-        count = 0
+    def drain(self) -> tuple[int, int]:
+        """Read what the worker sent the gateway: (messages of tokens, the sequences' Tokens they carried)."""
+        messages = sequences = 0
         while self.gateway.poll(0):
             received = self.gateway_channel.recv()
-            count += received is not None and isinstance(received[1].message, p.Tokens)
-        return count
+            message = None if received is None else received[1].message
+            if isinstance(message, p.TokenBatch):
+                messages, sequences = messages + 1, sequences + len(message.sequences)
+            elif isinstance(message, p.Tokens):
+                messages, sequences = messages + 1, sequences + 1
+        return messages, sequences
 
     def close(self) -> None:
         for sock in (self.gateway, self.prefill):
@@ -279,7 +286,7 @@ def run(worker, peers: Peers, batch: int, mode: str, context: int, steps: int, r
         clock.uninstall()
         for request_id, *_ in requests:
             worker.forget_request(request_id, 0)
-        num_tokens_messages = peers.drain()
+        num_tokens_messages, num_sequence_tokens = peers.drain()
     measured = full[WARMUP_STEPS:]
     if len(measured) < steps + 1 or measured != list(range(measured[0], measured[0] + len(measured))):
         raise RuntimeError(f"the batch of {batch} did not decode {steps} steps in a row")
@@ -312,7 +319,8 @@ def run(worker, peers: Peers, batch: int, mode: str, context: int, steps: int, r
         "rest_cpu_ms": median_ms([o - m for o, m in zip(outside_cpu, messages_cpu)]),
         "process_cpu_ms_per_step": round(process_cpu_s * 1000, 3),  # a mean: other threads' CPU comes in lumps
         "process_cpu_us_per_token": round(process_cpu_s * 1e6 / batch, 1),
-        "tokens_messages": num_tokens_messages,  # every step's, the warm-up's too
+        "tokens_messages": num_tokens_messages,  # every step's, the warm-up's too: one TokenBatch a step
+        "sequence_tokens": num_sequence_tokens,  # the sequences' Tokens those carried, one a sequence a step
     }
     return report, profile_text(profiler) if profiler is not None else ""
 
