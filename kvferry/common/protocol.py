@@ -399,8 +399,8 @@ _CONTENT_BYTES = {  # beyond SMALL_HEADER_BYTES; a kind not named carries nothin
     Kind.KV_TRANSFER: _SAMPLING_BYTES + (MAX_CONTEXT_TOKENS + 2 * MAX_CHOICES) * _TOKEN_BYTES,
     Kind.FIRST_TOKEN: (MAX_CONTEXT_TOKENS + 1) * _LOGPROBS_BYTES,  # the prompt's logprobs (echo), and the token's
     Kind.TOKENS: MAX_CONTEXT_TOKENS * (_TOKEN_BYTES + _LOGPROBS_BYTES),
-    # As much as one Tokens carries at most (TOKEN_BATCH_BYTES, what token_batches fills a batch up to), and the
-    # small fields of one more: a batch is cut before the entry that would take it past TOKEN_BATCH_BYTES.
+    # As much as one Tokens carries at most (TOKEN_BATCH_BYTES, what token_batches fills a batch up to): a batch is
+    # cut before the entry that would take it past that; SMALL_HEADER_BYTES' allowance covers the framing.
     Kind.TOKEN_BATCH: MAX_CONTEXT_TOKENS * (_TOKEN_BYTES + _LOGPROBS_BYTES),
     Kind.KV_QUERY: MAX_CONTEXT_TOKENS // MIN_BLOCK_SIZE * _HASH_BYTES,
     Kind.CACHE_UPDATE: MAX_CACHE_UPDATE_HASHES * _HASH_BYTES,
