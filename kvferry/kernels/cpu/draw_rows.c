@@ -21,37 +21,30 @@ typedef double vdouble __attribute__((vector_size(LANES / 2 * sizeof(double))));
  * weigh nothing. */
 #define LOWEST -87.0f
 
-/* The row's largest logit into *top (-inf when all are); 0 when the row holds a NaN. */
-static inline int row_max(const float *x, int n, float *top) {
+/* The row's largest logit, NaN skipped (a comparison with NaN is false; the NaN shows in the sums instead): -inf when
+ * every token is -inf. Four accumulators: one's compare and blend would make each step wait for the last. */
+static inline float row_max(const float *x, int n) {
     vfloat acc[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};
-    vint nan = {0};
     int i = 0;
     for (; i + 4 * LANES <= n; i += 4 * LANES)
-        for (int k = 0; k < 4; k++) { /* four accumulators: one's compare and blend would make each step wait */
+        for (int k = 0; k < 4; k++) {
             vfloat v = load(x + i + k * LANES);
-            nan |= v != v;
             acc[k] = pick(v > acc[k], v, acc[k]);
         }
     float m = -INFINITY;
-    int any_nan = 0;
-    for (int lane = 0; lane < LANES; lane++) {
+    for (int lane = 0; lane < LANES; lane++)
         for (int k = 0; k < 4; k++)
             m = acc[k][lane] > m ? acc[k][lane] : m;
-        any_nan |= nan[lane];
-    }
-    for (; i < n; i++) {
+    for (; i < n; i++)
         m = x[i] > m ? x[i] : m;
-        any_nan |= x[i] != x[i];
-    }
-    *top = m;
-    return !any_nan;
+    return m;
 }
 
 /* e^(x / T - top), top the largest x / T: at most 0 (within rounding), so no upper clamp; below LOWEST (-inf among
- * them), whatever exp_in_range made of it, zero. */
+ * them), whatever exp_in_range made of it, zero. A NaN stays NaN, and so makes its row's sums. */
 static inline vfloat weight_lanes(vfloat x, vfloat inverse_t, vfloat top) {
     vfloat d = x * inverse_t - top;
-    return pick(d >= splat(LOWEST), exp_in_range(d), splat(0.0f));
+    return pick(d < splat(LOWEST), splat(0.0f), exp_in_range(d));
 }
 
 static inline void add_double(vdouble *sum, vfloat v) {
@@ -96,10 +89,10 @@ static inline int pick_index(const double *cum, int n, double target) {
 }
 
 static int64_t draw_row(const float *x, int vocab, int block, float t, double u) {
-    float top;
-    /* A NaN, +inf, every token -inf (a constraint's dead end) or an overflowing x / T: no mass, token 0, as the
-     * PyTorch path's NaN probabilities, zeroed, give. */
-    if (!row_max(x, vocab, &top) || !isfinite(top / t))
+    float top = row_max(x, vocab);
+    /* +inf, every token -inf (a constraint's dead end) or an overflowing x / T, and below a NaN: no mass, token 0,
+     * as the PyTorch path's NaN probabilities, zeroed, give. */
+    if (!isfinite(top / t))
         return 0;
     float inverse_t = 1.0f / t;
     top *= inverse_t;
@@ -113,6 +106,8 @@ static int64_t draw_row(const float *x, int vocab, int block, float t, double u)
         running += sums[b];
         cum[b] = running;
     }
+    if (isnan(running))
+        return 0;
     double target = u * running;
     int b = pick_index(cum, num_blocks, target);
     /* What falls inside the block; at least 0, as the block's own sums round differently from cum's. */
