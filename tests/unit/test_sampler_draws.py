@@ -1,4 +1,4 @@
-"""The sampler's draws (sampling stream 2, sampler.py): the pinned stream, the zero-mass edges of the inverse CDF,
+"""The sampler's draws (sampling stream 3, sampler.py): the pinned stream, by the C kernel and the PyTorch path, the zero-mass edges of the inverse CDF,
 the pre-cut's exactness against the full sort, the kept set against the sort-based cut the sampler had before, the
 distributions, batch invariance, dead ends; and the one-copy staging of a step's host arrays (its packed layout
 checked on the CPU, where the packing is optional)."""
@@ -18,14 +18,27 @@ from kvferry.common.model.sampler import (
     uniform,
 )
 from kvferry.common.sampling import SamplingParams
+from kvferry.kernels.cpu import draw_rows
 
 LAST_U = 1 - 2.0**-53  # the largest uniform
 
 
-def test_the_stream_is_pinned():
+@pytest.fixture(params=["kernel", "pytorch"])
+def plain_path(request, tmp_path_factory):
+    """The plain rows' draw by the C kernel (the CPU's, where it compiles) or by the PyTorch path (elsewhere)."""
+    if request.param == "kernel":
+        assert draw_rows.enable(tmp_path_factory.mktemp("kernels")) == ""
+    else:
+        draw_rows.disable()
+    yield request.param
+    draw_rows.disable()
+
+
+def test_the_stream_is_pinned(plain_path):
     """Changing any of these changes every seeded output: bump SAMPLING_STREAM and the protocol version, and say so
-    in docs/operations.md (replay), before editing the constants."""
-    assert SAMPLING_STREAM == 2
+    in docs/operations.md (replay), before editing the constants. Both paths draw them (stream 3's plain rows differ
+    between them only within rounding of a boundary: tests/unit/test_draw_rows.py)."""
+    assert SAMPLING_STREAM == 3
     assert uniform(0, 0) == 0.6524484863740322
     assert uniform(42, 0) == 0.34329192209867343
     assert uniform(42, 1) == 0.9504380907279257
@@ -35,6 +48,13 @@ def test_the_stream_is_pinned():
     drawn = {u: [sample(logits, [p], [u])[0] for p in methods] for u in (0.12, 0.55, 0.95)}
     # plain: token-id order, cumulative .05 .35 .45 .70 .90 1; top_k 2 and top_p .5 keep {1, 3}; min_p {1, 3, 4}
     assert drawn == {0.12: [1, 1, 1, 1], 0.55: [3, 3, 3, 3], 0.95: [5, 3, 3, 4]}
+    # Three blocks and a tail at temperature 0.7, logits exact in float32 on any machine.
+    vocab = 3 * sampler.BLOCK + 7
+    logits = (((torch.arange(vocab) * 7919) % 1000).float() / 100 - 5)[None]
+    params = SamplingParams(temperature=0.7, seed=42)
+    assert [sample(logits, [params], [uniform(42, i)])[0] for i in range(8)] == [
+        531, 1459, 680, 1507, 445, 1408, 1161, 138
+    ]  # fmt: skip
 
 
 def test_zero_mass_tokens_are_never_drawn_at_either_end_of_the_uniforms():
@@ -55,7 +75,7 @@ def test_zero_mass_tokens_are_never_drawn_at_either_end_of_the_uniforms():
     assert [_pick(cum, torch.tensor([u], dtype=torch.float64)).item() for u in (0.0, 0.5, LAST_U)] == [2, 4, 4]
 
 
-def test_a_dead_end_row_returns_a_token_in_range():
+def test_a_dead_end_row_returns_a_token_in_range(plain_path):
     """Every token -inf (a constraint allowed none): the scheduler ends the row; the draw must not fail first."""
     logits = torch.full((2, 300), float("-inf"))
     methods = [SamplingParams(), SamplingParams(top_k=5), SamplingParams(top_p=0.9), SamplingParams(min_p=0.2)]
@@ -141,7 +161,8 @@ def sort_based_cut(logits, top_ks, top_ps, min_ps):
 
 
 def kept_by_sampler(probs, ks, ps, min_ps):
-    """The kept set stream 2 draws from: the full sort's (the pre-cut is proven equal to it above)."""
+    """The kept set the sampler draws from (stream 2's rule, kept in stream 3): the full sort's (the pre-cut is
+    proven equal to it above)."""
     s = probs.sort(dim=-1, descending=True, stable=True)
     kept, _ = sampler._kept(s.values, ks, ps, min_ps, probs.shape[1], True)
     return torch.zeros_like(kept).scatter_(-1, s.indices, kept)
@@ -181,7 +202,7 @@ def chi_square(tokens, want):
     ],
     ids=["plain", "top_p", "min_p", "top_k"],
 )
-def test_draws_follow_the_distribution(filters, want):
+def test_draws_follow_the_distribution(filters, want, plain_path):
     """A fixed seed's first 20,000 positions (deterministic: it cannot flake). chi-square below the 0.1% point of
     its degrees of freedom, and no token outside the support."""
     draws = 20_000
@@ -192,7 +213,7 @@ def test_draws_follow_the_distribution(filters, want):
     assert chi2 < limit and not outside.any(), (chi2, outside)
 
 
-def test_a_row_draws_the_same_alone_in_any_batch_and_on_any_thread_count():
+def test_a_row_draws_the_same_alone_in_any_batch_and_on_any_thread_count(plain_path):
     vocab = 4000
     logits = torch.randn(9, vocab, generator=torch.Generator().manual_seed(3)) * 3
     params = [
@@ -224,6 +245,7 @@ def test_a_row_draws_the_same_alone_in_any_batch_and_on_any_thread_count():
 def test_plain_rows_drawn_a_few_at_a_time_draw_what_each_draws_alone(monkeypatch):
     """A batch's plain rows go through the draw in chunks of rows (CHUNK_ELEMENTS logits each, here 3 rows): every
     row draws its own token whichever chunk it falls in, at either end of the uniforms too."""
+    draw_rows.disable()  # the chunks are the PyTorch path's
     vocab = 3 * sampler.BLOCK + 11
     monkeypatch.setattr(sampler, "CHUNK_ELEMENTS", 3 * vocab)
     logits = torch.randn(10, vocab, generator=torch.Generator().manual_seed(5)) * 2
@@ -269,7 +291,7 @@ def test_staged_parts_pack_into_one_buffer_of_the_same_values():
     assert parts[1].tensor.shape == (2, 3)
 
 
-def test_sampling_with_packed_parameters_matches_the_unpacked_draw():
+def test_sampling_with_packed_parameters_matches_the_unpacked_draw(plain_path):
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0))
     params = [
         SamplingParams(temperature=0),

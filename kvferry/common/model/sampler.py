@@ -1,7 +1,7 @@
 """Sampling a batch in which every row has its own parameters, by inverse CDF: one float64 uniform u per random row
 per step picks the token where u times the row's kept mass falls in its cumulative distribution.
 
-SAMPLING_STREAM = 2 names what decides a seeded row's tokens, given its logits; changing any of it changes seeded
+SAMPLING_STREAM = 3 names what decides a seeded row's tokens, given its logits; changing any of it changes seeded
 outputs, so it needs a new stream number, the pinned constants in tests/unit/test_sampler_draws.py, a protocol
 version (a prefill and a decode worker must draw the same stream) and a note in docs/operations.md (replay):
 - the uniform: uniform(seed, position) = (splitmix64(splitmix64(seed) ^ position) >> 11) * 2**-53, where position
@@ -10,7 +10,11 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
   tokens alone or in any batch, through preemption, failover (resume_token_ids) and the prefill→decode handoff.
   Unseeded rows take u from the runner's random.Random(--engine-seed), in step order.
 - plain rows (no top_k, top_p or min_p): softmax(logits / T), then a two-level inverse CDF in float64 over the
-  vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block.
+  vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block. The weights are the CPU
+  kernel's (kernels/cpu/draw_rows.c: e^(x / T - max / T) in float32, summed in float64) where it is loaded and
+  takes the logits (float32 on the CPU); elsewhere (a GPU, no compiler) PyTorch's softmax, whose token is the same
+  except where u lands within rounding of a boundary of the cumulative distribution. Stream 3 is stream 2 with the
+  kernel's weights: the two differ only there too. A row with a NaN or +inf logit draws token 0.
 - filtered rows: the kept set follows the rule of the sampler before stream 2 (float32 prefix sums of the probabilities sorted by value, then
   token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p), except that
   top_p = 1 cuts nothing (the old float32 sums could reach 1 early and cut a negligible tail); it is found
@@ -27,8 +31,9 @@ import torch
 
 from kvferry.common.model.host_staging import HostStaging, Staged
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
+from kvferry.kernels.cpu import draw_rows
 
-SAMPLING_STREAM = 2
+SAMPLING_STREAM = 3
 BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
 PRE_CUT = 128  # the filtered rows' first candidates (at least, see pre_cut())
 WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
@@ -128,18 +133,17 @@ def sample(
     if staged is None:
         return greedy_tokens(logits).tolist()
     rows = None if staged.rows is None else staged.rows.tensor
-    sub = (logits if rows is None else logits[rows]).float()  # [R, vocab]
     temperatures, u = staged.temperatures.tensor, staged.uniforms.tensor
     if not staged.num_filtered:
-        sampled = _draw_plain_rows(sub, temperatures, u)
+        sampled = _draw_plain_rows(logits, rows, temperatures, u)
     elif not staged.num_plain:
-        probs = _probs(sub, temperatures)
+        probs = _probs(_rows(logits, rows), temperatures)
         sampled = _draw_filtered(probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u, staged)
     else:
         plain, filtered = staged.plain.tensor, staged.filtered.tensor
         sampled = torch.empty(len(staged.random_rows), dtype=torch.long, device=logits.device)
-        sampled[plain] = _draw_plain_rows(sub[plain], temperatures[plain], u[plain])
-        probs = _probs(sub[filtered], temperatures[filtered])
+        sampled[plain] = _draw_plain_rows(logits, plain if rows is None else rows[plain], temperatures[plain], u[plain])
+        probs = _probs(_rows(logits, filtered if rows is None else rows[filtered]), temperatures[filtered])
         sampled[filtered] = _draw_filtered(
             probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u[filtered], staged
         )
@@ -176,7 +180,21 @@ def _probs(sub: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     return torch.softmax(sub / temperatures[:, None], dim=-1).nan_to_num_(0.0)
 
 
-def _draw_plain_rows(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def _rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    return (logits if rows is None else logits[rows]).float()  # [R, vocab]
+
+
+def _draw_plain_rows(
+    logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The plain rows' tokens, of logits' rows `rows` (None: all): by the C kernel where it is loaded and takes the
+    logits (no copy of the rows, no [R, vocab] temporaries), else _draw_torch."""
+    if draw_rows.handles(logits):
+        return draw_rows.draw(logits, rows, temperatures, u, BLOCK)
+    return _draw_torch(_rows(logits, rows), temperatures, u)
+
+
+def _draw_torch(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """_draw_plain of _probs, CHUNK_ELEMENTS logits at a time on the CPU (the temporaries stay in cache and below
     glibc's mmap threshold): each row's draw is its own. On a GPU in one go: a chunk there is only more launches."""
     R, V = sub.shape

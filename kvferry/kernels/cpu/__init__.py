@@ -8,11 +8,12 @@ def enable(build_dir: Path) -> list[str]:
     from kvferry.kernels.cpu import (
         decode_attention,
         decode_layers,
+        draw_rows,
         layer_ops,
         panel_matmul,
         prefill_attention,
         small_matmul,
     )
 
-    kernels = (decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers)
+    kernels = (decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers, draw_rows)
     return [why for why in (kernel.enable(build_dir) for kernel in kernels) if why]

@@ -47,11 +47,9 @@ static inline float sum_lanes(vfloat v) {
     return v[0];
 }
 
-/* e^x within a few ulp, x clamped to [-87, 88] (e^-87 is about 1.6e-38, e^88 near float's top): x = n ln2 + r
+/* e^x within a few ulp for x in [-87, 88] (e^-87 is about 1.6e-38, e^88 near float's top), unchecked: x = n ln2 + r
  * with |r| <= ln2/2, e^r by a degree-6 polynomial, 2^n built in the exponent bits. */
-static inline vfloat exp_vector(vfloat x) {
-    x = pick(x < splat(-87.0f), splat(-87.0f), x);
-    x = pick(x > splat(88.0f), splat(88.0f), x);
+static inline vfloat exp_in_range(vfloat x) {
     const vfloat round = splat(12582912.0f); /* 1.5 * 2^23: adding and taking it off rounds to an integer */
     vfloat n = (x * splat(1.44269504088896341f) + round) - round;
     vfloat r = x - n * splat(0.693145751953125f) - n * splat(1.42860682030941723212e-6f);
@@ -64,6 +62,13 @@ static inline vfloat exp_vector(vfloat x) {
     p = p * r + splat(1.0f);
     vint bits = (__builtin_convertvector(n, vint) + 127) << 23;
     return p * (vfloat)bits;
+}
+
+/* exp_in_range of x clamped to [-87, 88]. */
+static inline vfloat exp_vector(vfloat x) {
+    x = pick(x < splat(-87.0f), splat(-87.0f), x);
+    x = pick(x > splat(88.0f), splat(88.0f), x);
+    return exp_in_range(x);
 }
 
 static inline float exp_one(float x) { return exp_vector(splat(x))[0]; }
