@@ -98,6 +98,19 @@ def test_rows_without_mass_give_the_pytorch_paths_token(kernel):
         assert mine == theirs == [0] * 5
 
 
+def test_a_row_whose_logits_over_t_pass_2_to_the_31_still_draws_a_token_of_mass(kernel):
+    """|x / T| past about 2**31 (logits of 3e4 at T = 1e-5): the fused multiply-add's x / T - max / T of the
+    likeliest tokens is off by up to half a float's spacing there, over 88, beyond exp_in_range's range. It gave
+    garbage weights, a NaN sum and token 0 (here masked); the PyTorch path draws the argmax."""
+    logits = torch.randn(64, 1000, generator=torch.Generator().manual_seed(0)) * 3
+    logits[:32] += 3e4
+    logits[32:] -= 3e4
+    logits[:, 0] = float("-inf")  # a constraint's mask
+    for u in (0.0, 0.5, LAST_U):
+        mine, theirs = both(logits, [1e-5] * 64, [u] * 64)
+        assert mine == theirs == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("position", [0, BLOCK - 1, BLOCK, 2 * BLOCK + 6])
 def test_a_row_with_one_finite_token_always_draws_it(kernel, position):
     logits = torch.full((3, 2 * BLOCK + 7), float("-inf"))
