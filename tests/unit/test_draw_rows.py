@@ -168,6 +168,22 @@ def test_the_sampler_draws_plain_rows_by_the_kernel_beside_greedy_and_filtered_r
         assert draw_rows.enable(kernel) == ""
 
 
+def test_a_cpu_batch_in_bfloat16_or_strided_draws_as_its_float32_copy(kernel):
+    """A bf16 CPU model's logits, and the same rows once another row's penalty or constraint made the batch a float32
+    copy (process_logits, mask_constrained): the same tokens, so a row's token does not depend on its batch. The
+    bf16 logits took the PyTorch path, the copy the kernel's: near a boundary they differed."""
+    x = (torch.randn(1, 600, generator=torch.Generator().manual_seed(1)) * 3 + 100).to(torch.bfloat16)
+    cum = torch.softmax(x[0].double() / 0.5, -1).cumsum(-1)
+    us = [min(float(c) + k * 2e-7, LAST_U) for c in cum[cum < 1 - 1e-6][-30:] for k in range(-10, 11)]
+    n = len(us)
+    params = [SamplingParams(temperature=0.5, seed=1)] * n
+    floated = sample(x.float().expand(n, -1), params, us)
+    assert sample(x.expand(n, -1), params, us) == floated
+    strided = torch.zeros(n, 600, 2)
+    strided[:, :, 0] = x.float()
+    assert strided[:, :, 0].stride(1) == 2 and sample(strided[:, :, 0], params, us) == floated
+
+
 def test_without_a_compiler_the_pytorch_path_draws(kernel, tmp_path, monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent-cc")
     draw_rows.disable()

@@ -11,9 +11,9 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
   Unseeded rows take u from the runner's random.Random(--engine-seed), in step order.
 - plain rows (no top_k, top_p or min_p): softmax(logits / T), then a two-level inverse CDF in float64 over the
   vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block. The weights are the CPU
-  kernel's (kernels/cpu/draw_rows.c: e^(x / T - max / T) in float32, summed in float64) where it is loaded and
-  takes the logits (float32 on the CPU); elsewhere (a GPU, no compiler) PyTorch's softmax, whose token is the same
-  except where u lands within rounding of a boundary of the cumulative distribution. Stream 3 is stream 2 with the
+  kernel's (kernels/cpu/draw_rows.c: e^(x / T - max / T) in float32, summed in float64) on the CPU where it is
+  loaded (logits of any float type, as float32); elsewhere (a GPU, no compiler) PyTorch's softmax, whose token is
+  the same except where u lands within rounding of a boundary of the cumulative distribution. Stream 3 is stream 2 with the
   kernel's weights: the two differ only there too. A row with a NaN or +inf logit draws token 0.
 - filtered rows: the kept set follows the rule of the sampler before stream 2 (float32 prefix sums of the probabilities sorted by value, then
   token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p), except that
@@ -187,11 +187,18 @@ def _rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 def _draw_plain_rows(
     logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor
 ) -> torch.Tensor:
-    """The plain rows' tokens, of logits' rows `rows` (None: all): by the C kernel where it is loaded and takes the
-    logits (no copy of the rows, no [R, vocab] temporaries), else _draw_torch."""
+    """The plain rows' tokens, of logits' rows `rows` (None: all): on the CPU by the C kernel wherever it is loaded
+    (float32 rows in place: no copy of the rows, no [R, vocab] temporaries), else _draw_torch. Other CPU logits
+    (bf16, fp16, strided) go to it as a float32 copy: the same batch's logits are float32 once another row's penalty
+    or constraint has been applied (process_logits, mask_constrained), and a row's token must not depend on that."""
     if draw_rows.handles(logits):
         return draw_rows.draw(logits, rows, temperatures, u, BLOCK)
-    return _draw_torch(_rows(logits, rows), temperatures, u)
+    sub = _rows(logits, rows)
+    if sub.device.type == "cpu":
+        sub = sub.contiguous()  # a copy only of strided rows
+        if draw_rows.handles(sub):
+            return draw_rows.draw(sub, None, temperatures, u, BLOCK)
+    return _draw_torch(sub, temperatures, u)
 
 
 def _draw_torch(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
