@@ -8,6 +8,9 @@ from kvferry.common.constraint import Constraint
 from kvferry.common.errors import InvalidRequest
 
 GREEDY_BELOW_TEMPERATURE = 1e-5
+# Far past any use (the distribution is flat long before), and below float32's top, where 1 / T would be 0 and a
+# masked token's -inf times it NaN.
+MAX_TEMPERATURE = 1e4
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs
 MAX_TOP_K = 2**31 - 1  # past the vocabulary it cuts nothing; beyond this it would overflow the wire (a 500, once)
 MAX_SEED = 2**63 - 1  # a signed 64-bit seed, as vLLM takes; fits torch's generator and msgpack
@@ -49,8 +52,8 @@ class SamplingParams:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise InvalidRequest(f"{name} must be a finite number, got {value!r}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidRequest(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or not -1 <= self.top_k <= MAX_TOP_K:

@@ -27,6 +27,8 @@ def stream(seed):
         dict(temperature=-0.5),
         dict(temperature=math.nan),
         dict(temperature=math.inf),
+        dict(temperature=1e5),
+        dict(temperature=1e39),
         dict(top_p=0.0),
         dict(top_p=1.5),
         dict(top_p=math.nan),
