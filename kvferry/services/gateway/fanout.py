@@ -20,19 +20,21 @@ async def start(streams: list) -> list:
 
 
 async def merged(streams: list, firsts: list, n: int):
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: a pump waits while its lists are unread, so a client that stops reading leaves the events in each
+    # flight's own bounded inbox, which fails the request with a 408, rather than in here, without end.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(prompt: int, stream, events: list) -> None:
         try:
             while True:
                 for event in events:
                     event.choice += prompt * n
-                queue.put_nowait(events)
+                await queue.put(events)
                 events = await stream.__anext__()
         except StopAsyncIteration:
             pass
         except Exception as exc:  # the reader waits on the queue: it must hear of it
-            queue.put_nowait([Event(error=f"prompt {prompt}: {exc}", error_code=500)])
+            await queue.put([Event(error=f"prompt {prompt}: {exc}", error_code=500)])
 
     tasks = [asyncio.create_task(pump(p, s, f)) for p, (s, f) in enumerate(zip(streams, firsts))]
     try:
