@@ -42,7 +42,7 @@ from kvferry.common.request_failure import failure_text
 from kvferry.common.request_output import EngineStats, RequestOutput
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
 from kvferry.common.scheduler import Scheduler, StepPlan
-from kvferry.common.sequence import FinishReason, Sequence
+from kvferry.common.sequence import FinishReason, Sequence, SequenceStatus
 from kvferry.common.structured.grammars import GrammarCache
 from kvferry.common.structured.matcher import ConstraintState
 
@@ -251,18 +251,25 @@ class LLMEngine:
                 raise FatalError(f"the device failed: {exc}") from exc
             return self._fail_step(plan, exc)
         outputs = []
+        ended = SequenceStatus.FINISHED
         for chunk, token_id, logprobs in zip(plan.chunks, sampled, self.runner.last_logprobs):
             if token_id is None:
                 continue
             seq = chunk.seq
-            done = id(seq) in finished
-            if seq.is_finished and not done:
-                continue  # ended while the step ran: not an output of it
-            if seq.finish_reason == FinishReason.DEAD_END:  # the token it drew was not allowed: not an output
-                token_id, logprobs = None, None
-            new_token_ids = [] if token_id is None else [token_id]
+            done = False
+            if seq.status is ended:  # the ones still running (most of a decode step's) skip the rest
+                done = id(seq) in finished
+                if not done:
+                    continue  # ended while the step ran: not an output of it
+                if seq.finish_reason == FinishReason.DEAD_END:  # the token it drew was not allowed: not an output
+                    token_id, logprobs = None, None
             out = RequestOutput(
-                seq.request_id, seq.prompt_token_ids, list(seq.output_token_ids), new_token_ids, done, seq.finish_reason
+                seq.request_id,
+                seq.prompt_token_ids,
+                list(seq.output_token_ids),
+                [] if token_id is None else [token_id],
+                done,
+                seq.finish_reason,
             )
             if logprobs is not None:
                 out.new_logprobs = [logprobs]

@@ -269,13 +269,17 @@ class Scheduler(FinishRules):
         Returns the sequences that finished in this step."""
         assert len(sampled_token_ids) == len(plan.chunks)
         finished = []
+        running, size = SequenceStatus.RUNNING, self.block_manager.block_size
         for chunk, token_id in zip(plan.chunks, sampled_token_ids):
             seq = chunk.seq
-            if seq.status != SequenceStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted while the step ran
-            assert (token_id is not None) == chunk.samples
-            seq.num_computed_tokens += chunk.num_new_tokens
-            self._register_full_blocks(seq)
+            num_computed = seq.num_computed_tokens + chunk.num_new_tokens
+            # chunk.samples, spelled out: a decode step asks it of every sequence
+            assert (token_id is not None) == (num_computed == len(seq.prompt_token_ids) + len(seq.output_token_ids))
+            seq.num_computed_tokens = num_computed
+            if num_computed // size > seq.num_registered_blocks:  # a block filled (the call's own first test)
+                self._register_full_blocks(seq)
             if token_id is None:
                 continue
             state = seq.constraint_state

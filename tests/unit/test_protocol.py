@@ -142,3 +142,30 @@ def test_sampling_params_out_of_range_on_the_wire_is_a_protocol_error():
     header = msgpack.packb([int(p.Kind.PREFILL_REQUEST), p.PROTOCOL_VERSION, "r", p._to_wire(p.TraceContext()), body])
     with pytest.raises(p.ProtocolError, match="top_p"):
         p.decode([header])
+
+
+def test_encode_packs_what_to_wire_makes():
+    """encode packs each dataclass through msgpack's hook, a level at a time: the bytes are those of the message
+    made whole first (_to_wire), for every kind, nested dataclasses and defaults left off included."""
+    trace = p.TraceContext("t" * 32, "s" * 16, "")
+    params = SamplingParams(max_tokens=9, temperature=0.7, seed=3, stop_token_ids=(3, 4), logit_bias=((7, -3.5),))
+    entry = TokenLogprobs(5, -0.25, (5, 6), (-0.25, -1.5))
+    messages = [
+        p.Heartbeat("d0", p.WorkerStats(1, 2, 3, 4, 5)),
+        p.PrefillRequest([1, 2], params, "d0", "tcp://x:1", 12.5, attempt=2, resume_token_ids=[5, 6]),
+        p.Tokens([1, 2], finish_reason=1, kv_transfer_s=0.01, logprobs=[entry, entry]),
+        p.TokenBatch([("a", p.Tokens([3], start=7)), ("b", p.Tokens([4], logprobs=[entry], choice=2, attempt=1))]),
+        p.KVQuery([b"\x01" * 16], attempt=1),
+        kv_message(),
+    ]
+    for message in messages:
+        frames = [bytes(2 * 2 * 4 * 2 * 1 * 2 * 4)] * p.FRAMED.get(message.KIND, 0)
+        for context in (trace, None):
+            made = p._to_wire(message)
+            wire = [int(message.KIND), p.PROTOCOL_VERSION, "r", p._to_wire(context or p.TraceContext()), made]
+            assert p.encode(message, "r", context, frames)[0] == msgpack.packb(wire, use_bin_type=True)
+    # And a step's batch by hand: each entry [request id, its fields not at their default].
+    batch = p.TokenBatch([("a", p.Tokens([3], start=7)), ("b", p.Tokens([4], finish_reason=0))])
+    body = {"sequences": [["a", {"token_ids": [3], "start": 7}], ["b", {"token_ids": [4], "finish_reason": 0}]]}
+    wire = [int(p.Kind.TOKEN_BATCH), p.PROTOCOL_VERSION, "", p._to_wire(trace), body]
+    assert p.encode(batch, "", trace)[0] == msgpack.packb(wire, use_bin_type=True)

@@ -174,27 +174,39 @@ class ModelRunner:
                 tables.append(table[: -(-end // block_size)])
                 context_lens.append(end)
                 cu.append(cu[-1] + chunk.num_new_tokens)
+            width = max(len(t) for t in tables)
+            flat_tables = _padded(tables, width)
+            sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+            last_tokens = [cu[i + 1] - 1 for i in sampling]  # each sampling chunk's last token
+            seqs = [plan.chunks[i].seq for i in sampling]
         else:  # one token a sequence: the same arrays, built a whole list at a time
             seqs = [chunk.seq for chunk in plan.chunks]
             input_ids = [seq.last_token_id for seq in seqs]
             positions = [seq.num_computed_tokens for seq in seqs]
-            slots = [seq.block_table[p // block_size] * block_size + p % block_size for seq, p in zip(seqs, positions)]
-            tables = [seq.block_table[: p // block_size + 1] for seq, p in zip(seqs, positions)]
+            num_blocks = [p // block_size + 1 for p in positions]  # each table as far as its new token
+            slots = [
+                seq.block_table[n - 1] * block_size + p % block_size for seq, p, n in zip(seqs, positions, num_blocks)
+            ]
+            width = max(num_blocks)
+            flat_tables = []
+            for seq, n in zip(seqs, num_blocks):
+                flat_tables += seq.block_table[:n]
+                flat_tables += [0] * (width - n)
             context_lens = [p + 1 for p in positions]
             cu = list(range(len(seqs) + 1))
-        width = max(len(t) for t in tables)
-        sampling = [i for i, c in enumerate(plan.chunks) if c.samples]
+            # Every sequence of a decode step samples: the scheduler runs one only when no prompt is left to compute
+            # (Scheduler.update asserts it of each).
+            sampling = last_tokens = list(range(len(seqs)))
         staging = HostStaging(self.device, self.pack_inputs)
         staged = [
             staging.add(input_ids, torch.long),
             staging.add(positions, torch.long),
             staging.add(slots, torch.long),
-            staging.add(_padded(tables, width), torch.int32, (len(tables), width)),
+            staging.add(flat_tables, torch.int32, (len(cu) - 1, width)),
             staging.add(context_lens, torch.int32),
             staging.add(cu, torch.int32),
-            staging.add([cu[i + 1] - 1 for i in sampling], torch.long),  # each sampling chunk's last token
+            staging.add(last_tokens, torch.long),
         ]
-        seqs = [plan.chunks[i].seq for i in sampling]
         uniforms = [self._uniform(s.params, len(s.output_token_ids)) for s in seqs]
         sampling_tensors = stage_sampling([s.params for s in seqs], uniforms, staging)
         staging.upload()

@@ -1,9 +1,9 @@
 """The decode side of the KV connector: it owns the worker's records (DecodeRecords) and every transition of them:
 blocks held for a KVQuery, a transfer's layer groups placed as they come, its choices admitted through
 `LLMEngine.admit_prefilled` once the last is in, choices and attempts ended, what ran out let go. Each entry point
-files the record it changed (DecodeRecords.file) on its way out, whatever happened (on_output: see there).
+files the record it changed (DecodeRecords.file) on its way out, whatever happened (on_outputs: see there).
 
-The loop hands it peer messages (`on_message`), finished compiles (`on_compiled`), the step's outputs (`on_output`)
+The loop hands it peer messages (`on_message`), finished compiles (`on_compiled`), the step's outputs (`on_outputs`)
 and the time (`tidy`). It touches no socket: what it has to say waits in its outbox for the loop (`take_outbox`).
 Engine side (KVConnector): `matched_blocks` holds a prompt's cached leading blocks; `load_blocks` places a group.
 """
@@ -92,17 +92,25 @@ class DecodeConnector(Receiving, KVConnector):
         if record is not None:
             self.end_record(record)
 
-    def on_output(self, out) -> tuple[GatewayLink, p.Tokens, p.TraceContext | None] | None:
-        """One choice's output of a step: the Tokens message to send and where (None: nothing to send). The record
-        ends with its last choice; a failed step's output fails its request. Not `filing`: a RUNNING record is
-        filed nowhere, and every path that changes its state (end_record) files it."""
-        record = self.records.get(out.request_id.attempt_key)
-        if record is None or record.state is not S.RUNNING:
-            return None
-        result = None
-        with fails_alone(lambda exc: self.output_failed(record, exc)):
-            result = self.tokens_of(record, out)
-        return result
+    def on_outputs(self, outputs: list) -> dict[GatewayLink, list[tuple[AttemptKey, p.Tokens, p.TraceContext | None]]]:
+        """A step's outputs, one per choice: the Tokens messages to send, by the gateway they go to, each with its
+        attempt and trace, in the step's order. A record ends with its last choice; a failed step's output fails its
+        request, and an output that fails here fails its request alone. Not `filing`: a RUNNING record is filed
+        nowhere, and every path that changes its state (end_record) files it."""
+        by_gateway: dict[GatewayLink, list] = {}
+        records = self.records
+        for out in outputs:
+            key = out.request_id.attempt_key
+            record = records.get(key)
+            if record is None or record.state is not S.RUNNING:
+                continue
+            sent = None
+            with fails_alone(lambda exc, record=record: self.output_failed(record, exc)):
+                sent = self.tokens_of(record, out)
+            if sent is not None:
+                link, tokens, trace = sent
+                by_gateway.setdefault(link, []).append((key, tokens, trace))
+        return by_gateway
 
     def tokens_of(self, record: DecodeAttempt, out):
         key, choice = record.key, out.request_id.choice

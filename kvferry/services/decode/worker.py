@@ -124,13 +124,7 @@ class DecodeWorker(Worker):
             if self.tracer.enabled:
                 self.trace_step(self.engine.last_plan, started)
         try:
-            by_gateway: dict[GatewayLink, list] = {}
-            for out in outputs:
-                sent = self.connector.on_output(out)
-                if sent is not None:
-                    link, tokens, trace = sent
-                    by_gateway.setdefault(link, []).append((out.request_id.attempt_key, tokens, trace))
-            for link, sends in by_gateway.items():
+            for link, sends in self.connector.on_outputs(outputs).items():
                 self.send_tokens(link, sends)
         finally:
             self.flush()
