@@ -352,7 +352,12 @@ def _wire_dict(value) -> dict:
     """A dataclass as encode's msgpack hook takes it: its fields not at their default, each as it is, for msgpack to
     pack (and to hand back here where it is a dataclass). What _to_wire makes, a level at a time: msgpack walks the
     lists in C, where _to_wire's recursion made a Python call per item (most of a TokenBatch's encode)."""
-    wire_fields = _wire_fields(type(value))  # a TypeError for what is no dataclass, as msgpack's own would be
+    try:
+        wire_fields = _wire_fields(type(value))
+    except TypeError:  # no dataclass: msgpack's own error, as packing without the hook raised it
+        if isinstance(value, int):  # msgpack hands the hook an int it cannot pack (past 64 bits)
+            raise OverflowError("Integer value out of range") from None
+        raise TypeError(f"can not serialize {type(value).__name__!r} object") from None
     values = value.__dict__
     out = {}
     for name, default in wire_fields:

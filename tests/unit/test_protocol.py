@@ -169,3 +169,15 @@ def test_encode_packs_what_to_wire_makes():
     body = {"sequences": [["a", {"token_ids": [3], "start": 7}], ["b", {"token_ids": [4], "finish_reason": 0}]]}
     wire = [int(p.Kind.TOKEN_BATCH), p.PROTOCOL_VERSION, "", p._to_wire(trace), body]
     assert p.encode(batch, "", trace)[0] == msgpack.packb(wire, use_bin_type=True)
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, object(), {1, 2}])
+def test_encode_fails_on_what_msgpack_cannot_pack_as_packing_to_wire_did(value):
+    """The hook must not turn msgpack's own errors into dataclasses.fields' (an OverflowError into a TypeError that
+    names no type): a request's failure text carries them."""
+    message = p.Tokens([1, value])
+    with pytest.raises(Exception) as before:
+        msgpack.packb(p._to_wire(message), use_bin_type=True)
+    with pytest.raises(Exception) as after:
+        p.encode(message, "r")
+    assert (type(after.value), str(after.value)) == (type(before.value), str(before.value))
