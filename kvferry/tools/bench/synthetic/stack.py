@@ -14,6 +14,7 @@ from pathlib import Path
 
 from kvferry.common import settings
 from kvferry.common.errors import KvferryError
+from kvferry.common.gateway_ports import control_addresses
 from kvferry.services.launcher import child_setup, free_port, stop_all, wait_until
 from kvferry.tools.bench.synthetic.send_counts import read_send_counts
 
@@ -75,8 +76,8 @@ def synthetic_stack(
     which the doubles register with whole. log_dir takes each process's log; several stacks at once need a log_dir
     each."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVFERRY_") or k in KEPT_SETTINGS}
-    port, first_control = free_port(), free_port(num_gateways)
-    controls = [f"tcp://127.0.0.1:{first_control + i}" for i in range(num_gateways)]
+    port = free_port()
+    controls = control_addresses(f"tcp://127.0.0.1:{free_port(num_gateways)}", num_gateways)  # as the group's
     gateway = [sys.executable, "-m", "kvferry.services.commands", "gateway", "--model", str(folder)]
     # No admission bound: every stream of the load waits for its first token at once.
     gateway += ["--host", "127.0.0.1", "--port", str(port), "--control", controls[0], "--max-waiting", "0"]
