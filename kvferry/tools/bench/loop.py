@@ -35,10 +35,13 @@ from kvferry.tools.bench import workload
 # "temperature" has no top_p: a tiny random model's distributions are nearly flat, and a top_p of 0.95 keeps most
 # of the vocabulary, whose exact cut needs the full sort (sampler.py) that a real model's peaked ones spare.
 SAMPLINGS = {
-    "greedy": dict(temperature=0.0),
-    "temperature": dict(temperature=0.8),
-    "sampled": dict(temperature=0.8, top_p=0.95),
-    "penalized": dict(temperature=0.8, top_p=0.95, repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+    "greedy": workload.GREEDY,
+    "temperature": workload.SAMPLED["std-32-t0.8"][1],
+    "sampled": workload.SAMPLED["std-32-t0.8-top-p0.95"][1],
+    "penalized": {
+        **workload.SAMPLED["std-32-t0.8-top-p0.95"][1],
+        **dict(repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.2),
+    },
 }
 WARMUP_STEPS = 3
 
