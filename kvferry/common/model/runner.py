@@ -188,10 +188,7 @@ class ModelRunner:
                 seq.block_table[n - 1] * block_size + p % block_size for seq, p, n in zip(seqs, positions, num_blocks)
             ]
             width = max(num_blocks)
-            flat_tables = []
-            for seq, n in zip(seqs, num_blocks):
-                flat_tables += seq.block_table[:n]
-                flat_tables += [0] * (width - n)
+            flat_tables = _padded([seq.block_table[:n] for seq, n in zip(seqs, num_blocks)], width)
             context_lens = [p + 1 for p in positions]
             cu = list(range(len(seqs) + 1))
             # Every sequence of a decode step samples: the scheduler runs one only when no prompt is left to compute
