@@ -13,6 +13,8 @@ from collections import defaultdict
 
 import torch
 
+from kvferry.common.model.host_staging import host_tensor
+
 
 def process_logits(logits: torch.Tensor, seqs: list, eos_token_ids: tuple[int, ...]) -> torch.Tensor:
     """logits [num_rows, vocab] (one row per seq) -> the logits to sample from; rows that need nothing are shared."""
@@ -74,6 +76,6 @@ def _occurrences(rows: list[int], token_lists: list[list[int]], logits: torch.Te
     vocab, device = logits.shape[-1], logits.device
     lengths = torch.tensor([len(tokens) for tokens in token_lists], device=device)
     offsets = torch.tensor(rows, device=device).repeat_interleave(lengths) * vocab
-    flat = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.long, device=device)
+    flat = host_tensor(list(itertools.chain.from_iterable(token_lists)), torch.long).to(device)
     keys, counts = torch.unique(offsets + flat, return_counts=True)  # sorted: each row's tokens in id order
     return (keys // vocab, keys % vocab), counts
