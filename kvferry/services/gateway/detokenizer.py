@@ -14,7 +14,7 @@ import codecs
 from collections import deque
 from functools import lru_cache
 
-from kvferry.services.gateway.token_bytes import token_bytes
+from kvferry.services.gateway.token_bytes import skipped_ids, token_bytes
 
 PARTIAL = "\ufffd"  # what decode shows for the bytes of a character not yet complete (and for invalid bytes)
 SETTLE_AFTER = 4  # a UTF-8 character has at most 4 bytes: a window partial for longer is looked into
@@ -71,16 +71,6 @@ class StopStrings:
 def stop_strings(stops: tuple[str, ...]) -> StopStrings | None:
     """Built once for a request's choices (and for requests that send the same stop strings)."""
     return StopStrings(stops) if stops else None
-
-
-@lru_cache(maxsize=8)
-def skipped_ids(tokenizer) -> frozenset[int]:
-    """The special tokens that decode skips. They never change the text (decode drops them before it joins the rest),
-    so they are dropped at once: a run of them must not grow the window."""
-    backend = getattr(tokenizer, "backend", None)  # TextTokenizer's tokenizers.Tokenizer
-    if backend is None:
-        return frozenset()
-    return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
 
 
 class IncrementalText:

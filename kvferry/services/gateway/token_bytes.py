@@ -32,6 +32,16 @@ def _bytes_of(token: str) -> bytes:
 
 
 @lru_cache(maxsize=8)
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The special tokens that decode skips. They never change the text (decode drops them before it joins the rest),
+    so they are dropped at once: a run of them must not grow the window."""
+    backend = getattr(tokenizer, "backend", None)  # TextTokenizer's tokenizers.Tokenizer
+    if backend is None:
+        return frozenset()
+    return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+
+
+@lru_cache(maxsize=8)
 def token_bytes(tokenizer) -> tuple[bytes, ...] | None:
     """Token id -> its bytes in decode(..., skip_special_tokens=True) (special tokens: none); None when this
     tokenizer's decode is not a join of its tokens' bytes."""
@@ -43,7 +53,7 @@ def token_bytes(tokenizer) -> tuple[bytes, ...] | None:
     size = max(ids, default=-1) + 1
     if size > 2 * len(ids):  # a vocabulary mostly holes: no table that large
         return None
-    special = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+    special = skipped_ids(tokenizer)
     table = tuple(b"" if i in special else _bytes_of(backend.id_to_token(i) or "") for i in range(size))
     alone = backend.decode_batch([[i] for i in range(size)], skip_special_tokens=True)
     if any(text != data.decode("utf-8", "replace") for text, data in zip(alone, table)):
