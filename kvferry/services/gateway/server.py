@@ -311,13 +311,10 @@ class GatewayCore:
         reason = FINISH_REASONS[msg.finish_reason] if msg.finish_reason >= 0 else None
         if kind is p.Tokens:  # at every step: the rest is for first tokens
             return Event(list(msg.token_ids), reason, msg.choice, msg.start, msg.attempt, list(msg.logprobs), msg)
-        if isinstance(msg, p.FirstToken) and msg.token_id < 0 and reason != FinishReason.DEAD_END:
+        if msg.token_id < 0 and reason != FinishReason.DEAD_END:
             return Event(error=f"a worker sent the first token {msg.token_id}", attempt=msg.attempt)
         # A choice whose constraint allowed no token at all ends with no token: the first token says -1.
-        if isinstance(msg, p.FirstToken):
-            token_ids = [msg.token_id] if msg.token_id >= 0 else []
-        else:
-            token_ids = list(msg.token_ids)
+        token_ids = [msg.token_id] if msg.token_id >= 0 else []
         return Event(token_ids, reason, msg.choice, msg.start, msg.attempt, list(msg.logprobs), message=msg)
 
     async def _abort_unknown(self, peer: bytes, rid: str, attempt: int, trace) -> None:
