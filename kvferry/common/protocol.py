@@ -40,7 +40,8 @@ from kvferry.common.sampling import (
 # draws keyed by (seed, output position): a prefill worker samples output 0 and a decode worker the rest, so the
 # two must draw the same stream; a mixed pair would splice two. 14: TokenBatch, a decode step's tokens for one gateway
 # in one message (RegisterReply.token_batches). 15: sampling stream 3, the plain rows' weights by the CPU's C kernel.
-PROTOCOL_VERSION = 15
+# 16: sampling stream 4, a filtered row's tries from its whole distribution before its kept set.
+PROTOCOL_VERSION = 16
 MAX_FRAME_BYTES = 1 << 31
 # Tokens in one sequence, prompt and output: a bound on the max_model_len of any worker (one with a longer one
 # refuses to start). It covers 256k-context models; the big messages' limits follow from it.

@@ -1,5 +1,5 @@
-"""The sampler's draws (sampling stream 3, sampler.py): the pinned stream, by the C kernel and the PyTorch path, the zero-mass edges of the inverse CDF,
-the pre-cut's exactness against the full sort, the kept set against the sort-based cut the sampler had before, the
+"""The sampler's draws (sampling stream 4, sampler.py): the pinned stream, by the C kernels and the PyTorch path, the zero-mass edges of the inverse CDF,
+the pre-cut's exactness against the full sort (the kept set's draw, where a filtered row's tries end), the kept set against the sort-based cut the sampler had before, the
 distributions, batch invariance, dead ends; and the one-copy staging of a step's host arrays (its packed layout
 checked on the CPU, where the packing is optional)."""
 
@@ -10,44 +10,54 @@ from kvferry.common.model import sampler
 from kvferry.common.model.host_staging import HostStaging
 from kvferry.common.model.sampler import (
     SAMPLING_STREAM,
-    _draw_filtered,
+    _draw_kept_set,
     _draw_plain,
     _pick,
+    next_uniform,
     sample,
     stage_sampling,
     uniform,
 )
 from kvferry.common.sampling import SamplingParams
-from kvferry.kernels.cpu import draw_rows
+from kvferry.kernels.cpu import draw_filtered, draw_rows
 
 LAST_U = 1 - 2.0**-53  # the largest uniform
 
 
 @pytest.fixture(params=["kernel", "pytorch"])
 def plain_path(request, tmp_path_factory):
-    """The plain rows' draw by the C kernel (the CPU's, where it compiles) or by the PyTorch path (elsewhere)."""
-    if request.param == "kernel":
-        assert draw_rows.enable(tmp_path_factory.mktemp("kernels")) == ""
-    else:
-        draw_rows.disable()
+    """The draws by the C kernels (the CPU's, where they compile: plain rows and filtered ones) or by the PyTorch
+    path (elsewhere)."""
+    kernels = (draw_rows, draw_filtered)
+    for kernel in kernels:
+        if request.param == "kernel":
+            assert kernel.enable(tmp_path_factory.mktemp("kernels")) == ""
+        else:
+            kernel.disable()
     yield request.param
-    draw_rows.disable()
+    for kernel in kernels:
+        kernel.disable()
 
 
 def test_the_stream_is_pinned(plain_path):
     """Changing any of these changes every seeded output: bump SAMPLING_STREAM and the protocol version, and say so
-    in docs/operations.md (replay), before editing the constants. Both paths draw them (stream 3's plain rows differ
-    between them only within rounding of a boundary: tests/unit/test_draw_rows.py)."""
-    assert SAMPLING_STREAM == 3
+    in docs/operations.md (replay), before editing the constants. Both paths draw them (their draws differ only
+    within rounding of a boundary: tests/unit/test_draw_rows.py and test_draw_filtered.py)."""
+    assert SAMPLING_STREAM == 4
     assert uniform(0, 0) == 0.6524484863740322
     assert uniform(42, 0) == 0.34329192209867343
     assert uniform(42, 1) == 0.9504380907279257
     assert uniform(2**63 - 1, 1000) == 0.6675415439314257
+    assert next_uniform(0.95) == 0.4984105020073555
+    assert next_uniform(0.0) == 0.8833108082136426
+    assert next_uniform(LAST_U) == 0.1434526250083874
     logits = torch.log(torch.tensor([[0.05, 0.3, 0.1, 0.25, 0.2, 0.1]]))
     methods = [SamplingParams(), SamplingParams(top_k=2), SamplingParams(top_p=0.5), SamplingParams(min_p=0.5)]
     drawn = {u: [sample(logits, [p], [u])[0] for p in methods] for u in (0.12, 0.55, 0.95)}
-    # plain: token-id order, cumulative .05 .35 .45 .70 .90 1; top_k 2 and top_p .5 keep {1, 3}; min_p {1, 3, 4}
-    assert drawn == {0.12: [1, 1, 1, 1], 0.55: [3, 3, 3, 3], 0.95: [5, 3, 3, 4]}
+    # plain: token-id order, cumulative .05 .35 .45 .70 .90 1; top_k 2 and top_p .5 keep {1, 3}; min_p {1, 3, 4}.
+    # A filtered row's first try is the plain draw; at 0.95 it is token 5, which none keeps, and the second try's
+    # uniform, 0.498..., falls on token 3, which all keep.
+    assert drawn == {0.12: [1, 1, 1, 1], 0.55: [3, 3, 3, 3], 0.95: [5, 3, 3, 3]}
     # Three blocks and a tail at temperature 0.7, logits exact in float32 on any machine.
     vocab = 3 * sampler.BLOCK + 7
     logits = (((torch.arange(vocab) * 7919) % 1000).float() / 100 - 5)[None]
@@ -55,6 +65,16 @@ def test_the_stream_is_pinned(plain_path):
     assert [sample(logits, [params], [uniform(42, i)])[0] for i in range(8)] == [
         531, 1459, 680, 1507, 445, 1408, 1161, 138
     ]  # fmt: skip
+    # Filtered rows of the same logits: their tries (the positions whose first try is the plain row's token above
+    # took it), and top_k 5 among ties, by the kept set's draw where the tries missed.
+    filtered = {
+        (0.7, 0.9, 0, 0.0): [531, 556, 680, 1507, 445, 1408, 1161, 717],
+        (1.5, 1.0, 5, 0.0): [642, 321, 284, 963, 963, 284, 642, 1321],
+        (0.7, 0.8, 0, 0.02): [531, 556, 680, 1507, 445, 1408, 1161, 717],
+    }
+    for (t, top_p, top_k, min_p), want in filtered.items():
+        params = SamplingParams(temperature=t, top_p=top_p, top_k=top_k, min_p=min_p, seed=42)
+        assert [sample(logits, [params], [uniform(42, i)])[0] for i in range(8)] == want
 
 
 def test_zero_mass_tokens_are_never_drawn_at_either_end_of_the_uniforms():
@@ -123,9 +143,9 @@ def test_the_pre_cut_draws_exactly_what_the_full_sort_draws(filters):
     params = [SamplingParams(**filters)] * 24
     for position in range(4):
         args = filtered_args(probs, params, [uniform(row, position) for row in range(24)])
-        full = _draw_filtered(*args, width=vocab).tolist()
-        assert _draw_filtered(*args, width=8).tolist() == full  # forces the widening and the sort
-        assert _draw_filtered(*args).tolist() == full  # the default pre-cut
+        full = _draw_kept_set(*args, width=vocab).tolist()
+        assert _draw_kept_set(*args, width=8).tolist() == full  # forces the widening and the sort
+        assert _draw_kept_set(*args).tolist() == full  # the default pre-cut
 
 
 def test_flat_rows_whose_cut_lies_past_the_wide_pre_cut_draw_what_the_full_sort_draws():
@@ -138,9 +158,9 @@ def test_flat_rows_whose_cut_lies_past_the_wide_pre_cut_draw_what_the_full_sort_
     for params in ([SamplingParams(top_p=0.95)] * 6, [SamplingParams(top_p=0.9), SamplingParams(top_k=2000)] * 3):
         for rows in (slice(0, 5), slice(0, 6)):
             args = filtered_args(probs[rows], params[rows], [uniform(row, 3) for row in range(6)][rows])
-            full = _draw_filtered(*args, width=vocab).tolist()
-            assert _draw_filtered(*args).tolist() == full
-            assert _draw_filtered(*args, width=8).tolist() == full
+            full = _draw_kept_set(*args, width=vocab).tolist()
+            assert _draw_kept_set(*args).tolist() == full
+            assert _draw_kept_set(*args, width=8).tolist() == full
 
 
 def sort_based_cut(logits, top_ks, top_ps, min_ps):
@@ -196,7 +216,7 @@ def chi_square(tokens, want):
     "filters,want",
     [
         (dict(), [0.40, 0.25, 0.15, 0.10, 0.06, 0.04]),
-        (dict(top_p=0.8), [0.50, 0.3125, 0.1875, 0, 0, 0]),
+        (dict(top_p=0.79), [0.50, 0.3125, 0.1875, 0, 0, 0]),  # 0.8 is the mass before token 3, within rounding
         (dict(min_p=0.3), [0.50, 0.3125, 0.1875, 0, 0, 0]),
         (dict(top_k=2), [0.40 / 0.65, 0.25 / 0.65, 0, 0, 0, 0]),
     ],
@@ -319,7 +339,7 @@ def test_without_a_top_k_the_cut_at_a_boundary_does_not_depend_on_the_candidates
     g = torch.Generator().manual_seed(0)
     probs = torch.softmax(torch.randn(1, 3000, generator=g) * 3, -1)
     ps, u, ks = torch.tensor([0.5339059829711914]), torch.tensor([0.3115], dtype=torch.float64), torch.tensor([0])
-    assert _draw_filtered(probs, ks, ps, None, u).item() == _draw_filtered(probs, ks, ps, None, u, width=3000).item()
+    assert _draw_kept_set(probs, ks, ps, None, u).item() == _draw_kept_set(probs, ks, ps, None, u, width=3000).item()
 
 
 def test_a_row_whose_candidates_end_in_zero_mass_needs_no_wider_candidates():

@@ -1,7 +1,7 @@
 """Sampling a batch in which every row has its own parameters, by inverse CDF: one float64 uniform u per random row
 per step picks the token where u times the row's kept mass falls in its cumulative distribution.
 
-SAMPLING_STREAM = 3 names what decides a seeded row's tokens, given its logits; changing any of it changes seeded
+SAMPLING_STREAM = 4 names what decides a seeded row's tokens, given its logits; changing any of it changes seeded
 outputs, so it needs a new stream number, the pinned constants in tests/unit/test_sampler_draws.py, a protocol
 version (a prefill and a decode worker must draw the same stream) and a note in docs/operations.md (replay):
 - the uniform: uniform(seed, position) = (splitmix64(splitmix64(seed) ^ position) >> 11) * 2**-53, where position
@@ -13,14 +13,19 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
   vocabulary in token-id order: blocks of BLOCK tokens, then the token inside the block. The weights are the CPU
   kernel's (kernels/cpu/draw_rows.c: e^(x / T - max / T) in float32, summed in float64) on the CPU where it is
   loaded (logits of any float type, as float32); elsewhere (a GPU, no compiler) PyTorch's softmax, whose token is
-  the same except where u lands within rounding of a boundary of the cumulative distribution. Stream 3 is stream 2 with the
-  kernel's weights: the two differ only there too. A row with a NaN or +inf logit draws token 0.
-- filtered rows: the kept set follows the rule of the sampler before stream 2 (float32 prefix sums of the probabilities sorted by value, then
-  token id, against top_p times the top_k mass; min_p relative to the likeliest token, after top_p), except that
-  top_p = 1 cuts nothing (the old float32 sums could reach 1 early and cut a negligible tail); it is found
-  on a torch.topk pre-cut, checked exact per row and widened (topk(WIDE), unless WIDE cannot reach the cut, then
-  the full sort) where it is not, so it is always the full sort's. The draw runs over the kept set in token-id order, in float64: the token does not
-  depend on how a device orders ties, nor on how wide the pre-cut was.
+  the same except where u lands within rounding of a boundary of the cumulative distribution. A row with a NaN or
+  +inf logit draws token 0.
+- filtered rows: the kept set is a prefix of the order by probability descending, then token id: the first top_k
+  tokens, those whose mass before them (float64) is below top_p times the top_k prefix's mass (1 without a top_k;
+  top_p = 1 cuts nothing), and those at least min_p times the likeliest token's probability; the likeliest is always
+  kept. A row tries up to FILTER_TRIES uniforms (u, then next_uniform of the last): each try is the plain rows'
+  draw over the whole row, and the first token the kept set holds is the row's (rejection: a draw from the kept set,
+  with no sort). Where none is, the kept set's draw at the next uniform: the kept set in token-id order, in
+  float64. On the CPU where it is loaded, kernels/cpu/draw_filtered.c does both (the kept set by radix selection);
+  elsewhere PyTorch (the kept set on a torch.topk pre-cut, checked exact per row and widened where it is not, so it
+  is always the full sort's). The two differ only where a uniform, or a token's mass before it, lies within
+  rounding of a boundary. Stream 4 is stream 3 with the tries, and float64 prefix sums for the cut (stream 3's
+  were float32).
 A draw never lands on a token of zero mass; a row with no mass at all (a constraint's dead end) returns a valid id.
 """
 
@@ -31,11 +36,12 @@ import torch
 
 from kvferry.common.model.host_staging import HostStaging, Staged
 from kvferry.common.sampling import SamplingParams, TokenLogprobs
-from kvferry.kernels.cpu import draw_rows
+from kvferry.kernels.cpu import draw_filtered, draw_rows
 
-SAMPLING_STREAM = 3
+SAMPLING_STREAM = 4
 BLOCK = 512  # tokens per block of the plain rows' two-level inverse CDF
 PRE_CUT = 128  # the filtered rows' first candidates (at least, see pre_cut())
+FILTER_TRIES = 8  # a filtered row's tries from its whole distribution before its kept set is found (draw_filtered.c)
 WIDE = 1024  # the candidates of the rows whose kept set the pre-cut could not prove exact; then the full sort
 # The plain rows' draw goes about this many logits at a time (a few MB of temporaries): a whole big batch's float64
 # block sums would spill the caches, and past glibc's largest mmap threshold (32 MB) be a fresh mapping, page-faulted
@@ -137,15 +143,13 @@ def sample(
     if not staged.num_filtered:
         sampled = _draw_plain_rows(logits, rows, temperatures, u)
     elif not staged.num_plain:
-        probs = _probs(_rows(logits, rows), temperatures)
-        sampled = _draw_filtered(probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u, staged)
+        sampled = _draw_filtered_rows(logits, rows, temperatures, u, staged)
     else:
         plain, filtered = staged.plain.tensor, staged.filtered.tensor
         sampled = torch.empty(len(staged.random_rows), dtype=torch.long, device=logits.device)
         sampled[plain] = _draw_plain_rows(logits, plain if rows is None else rows[plain], temperatures[plain], u[plain])
-        probs = _probs(_rows(logits, filtered if rows is None else rows[filtered]), temperatures[filtered])
-        sampled[filtered] = _draw_filtered(
-            probs, staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged), u[filtered], staged
+        sampled[filtered] = _draw_filtered_rows(
+            logits, filtered if rows is None else rows[filtered], temperatures[filtered], u[filtered], staged
         )
     if rows is None:
         return sampled.tolist()
@@ -199,6 +203,22 @@ def _draw_plain_rows(
         if draw_rows.handles(sub):
             return draw_rows.draw(sub, None, temperatures, u, BLOCK)
     return _draw_torch(sub, temperatures, u)
+
+
+def _draw_filtered_rows(
+    logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor, staged
+) -> torch.Tensor:
+    """The filtered rows' tokens, of logits' rows `rows` (None: all), as _draw_plain_rows: by the C kernel wherever
+    it is loaded, else _draw_filtered of _probs."""
+    ks, ps, min_ps = staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged)
+    if draw_filtered.handles(logits):
+        return draw_filtered.draw(logits, rows, temperatures, ks, ps, min_ps, u, BLOCK)
+    sub = _rows(logits, rows)
+    if sub.device.type == "cpu":
+        sub = sub.contiguous()
+        if draw_filtered.handles(sub):
+            return draw_filtered.draw(sub, None, temperatures, ks, ps, min_ps, u, BLOCK)
+    return _draw_filtered(_probs(sub, temperatures), ks, ps, min_ps, u, staged)
 
 
 def _draw_torch(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -260,11 +280,11 @@ def _kept(vals, ks, ps, min_ps, vocab, full):
     ks = torch.where(ks > 0, ks, vocab).clamp_max(vocab)
     k_in = ks <= C
     ranks = torch.arange(C, device=vals.device)[None, :]
-    cum32 = vals.cumsum(-1)  # float32, as the cut has always been
+    cum = vals.double().cumsum(-1)
     # Without a top_k the mass is 1 on every path: the full sort's last prefix sum rounds away from 1, which would
     # make the cut near a boundary depend on how wide the candidates were.
-    mass_k = torch.where(k_in & (ks < vocab), cum32.gather(-1, (ks.clamp_max(C) - 1)[:, None])[:, 0], 1.0)
-    out = (ranks >= ks[:, None]) | ((ps < 1)[:, None] & ((cum32 - vals) >= (ps * mass_k)[:, None]))
+    mass_k = torch.where(k_in & (ks < vocab), cum.gather(-1, (ks.clamp_max(C) - 1)[:, None])[:, 0], 1.0)
+    out = (ranks >= ks[:, None]) | ((ps < 1)[:, None] & ((cum - vals) >= (ps.double() * mass_k)[:, None]))
     if min_ps is not None:
         out |= vals < min_ps[:, None] * vals[:, :1]
     out[:, 0] = False  # the likeliest token is always kept
@@ -312,9 +332,65 @@ def _draw_all(vals, idx, kept, u):
     return _pick(mass.cumsum(-1), u)
 
 
-def _draw_filtered(probs, ks, ps, min_ps, u, staged=None, width=None):
-    """probs [R, V]; ks [R] (0: none), ps [R] (1: none), min_ps [R] or None -> [R]. width: the pre-cut (default
-    pre_cut() of the rows); the kept set, and so the token, is the full sort's whatever the width."""
+def next_uniform(u: float) -> float:
+    """A filtered row's uniform for its next try: 53 bits of splitmix64 of u's own 53 bits."""
+    return (_splitmix64(int(u * 2.0**53)) >> 11) * 2.0**-53
+
+
+def _is_kept(probs, tokens, ks, targets, thresholds):
+    """probs [R, V], tokens [R] -> [R] whether each token is in its row's kept set: fewer than ks tokens before it
+    in canonical order (value descending, then token id), their float64 mass below targets, its own value not below
+    thresholds."""
+    value = probs.gather(-1, tokens[:, None])  # [R, 1]
+    ids = torch.arange(probs.shape[1], device=probs.device)[None, :]
+    before = (probs > value) | ((probs == value) & (ids < tokens[:, None]))  # [R, V]
+    mass = torch.where(before, probs, 0.0).sum(-1, dtype=torch.float64)
+    return (before.sum(-1) < ks) & (mass < targets) & (value[:, 0] >= thresholds)
+
+
+def _draw_filtered(probs, ks, ps, min_ps, u, staged=None):
+    """probs [R, V]; ks [R] (0: none), ps [R] (1: none), min_ps [R] or None -> [R]: FILTER_TRIES tries from the
+    whole row, kept where the filters keep the token, then the kept set's draw (_draw_kept_set) at the next uniform
+    for the rows that none of their tries settled (kernels/cpu/draw_filtered.c draws the same)."""
+    R, V = probs.shape
+    ks = torch.where((ks > 0) & (ks < V), ks, V)
+    targets = torch.full((R,), float("inf"), dtype=torch.float64, device=probs.device)
+    if bool((ps < 1).any()):
+        mass_k = torch.where(ks < V, _top_k_mass(probs, ks), 1.0)  # as _kept takes it
+        targets = torch.where(ps < 1, ps.double() * mass_k, targets)
+    thresholds = probs.amax(-1) * min_ps if min_ps is not None else torch.zeros(R, device=probs.device)
+    tokens = torch.zeros(R, dtype=torch.long, device=probs.device)
+    pending = (probs.amax(-1) > 0).nonzero()[:, 0]  # a row without mass (NaN, +inf, a dead end): token 0
+    us = u.tolist()
+    for _ in range(FILTER_TRIES):
+        if not len(pending):
+            return tokens
+        at = pending.tolist()
+        drawn = _draw_plain(probs[pending], torch.tensor([us[i] for i in at], dtype=torch.float64, device=u.device))
+        kept = _is_kept(probs[pending], drawn, ks[pending], targets[pending], thresholds[pending])
+        tokens[pending[kept]] = drawn[kept]
+        for i in at:
+            us[i] = next_uniform(us[i])
+        pending = pending[~kept]
+    if not len(pending):
+        return tokens
+    rest = torch.tensor([us[i] for i in pending.tolist()], dtype=torch.float64, device=u.device)
+    sub = tuple(None if t is None else t[pending] for t in (probs, ks, ps, min_ps))
+    tokens[pending] = _draw_kept_set(*sub, rest, staged)
+    return tokens
+
+
+def _top_k_mass(probs, ks):
+    """[R] the float64 mass of each row's ks likeliest tokens (ks <= V); ties at the edge weigh alike."""
+    values = probs.topk(int(ks.max()), dim=-1).values  # [R, max k], descending
+    within = torch.arange(values.shape[1], device=probs.device)[None, :] < ks[:, None]
+    return torch.where(within, values, 0.0).sum(-1, dtype=torch.float64)
+
+
+def _draw_kept_set(probs, ks, ps, min_ps, u, staged=None, width=None):
+    """probs [R, V]; ks [R] (0: none), ps [R] (1: none), min_ps [R] or None -> [R], drawn over the kept set. width:
+    the pre-cut (default pre_cut() of the rows); the kept set, and so the token, is the full sort's whatever the
+    width."""
     R, V = probs.shape
     if width is None:
         width = staged.pre_cut if staged is not None else pre_cut(ks.tolist())

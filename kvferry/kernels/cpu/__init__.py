@@ -8,6 +8,7 @@ def enable(build_dir: Path) -> list[str]:
     from kvferry.kernels.cpu import (
         decode_attention,
         decode_layers,
+        draw_filtered,
         draw_rows,
         layer_ops,
         panel_matmul,
@@ -15,5 +16,8 @@ def enable(build_dir: Path) -> list[str]:
         small_matmul,
     )
 
-    kernels = (decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers, draw_rows)
+    kernels = (
+        decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers, draw_rows,
+        draw_filtered,
+    )  # fmt: skip
     return [why for why in (kernel.enable(build_dir) for kernel in kernels) if why]

@@ -32,8 +32,8 @@ from kvferry.common.worker_config import WorkerConfig
 from kvferry.tools.bench import workload
 
 # --sampling: each sequence's parameters (seed: its index). "sampled" is the benchmark workloads' sampled twin;
-# "temperature" has no top_p: a tiny random model's distributions are nearly flat, and a top_p of 0.95 keeps most
-# of the vocabulary, whose exact cut needs the full sort (sampler.py) that a real model's peaked ones spare.
+# "temperature" has no top_p. A tiny random model's distributions are nearly flat: a top_p of 0.95 keeps most of
+# the vocabulary, the case that once needed a full sort (sampler.py draws it by tries now).
 SAMPLINGS = {
     "greedy": workload.GREEDY,
     "temperature": workload.SAMPLED["std-32-t0.8"][1],
