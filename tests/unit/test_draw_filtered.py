@@ -68,6 +68,8 @@ FILTERS = [
     dict(min_p=0.05),
     dict(top_p=0.9, min_p=0.1),
     dict(top_k=100_000, top_p=0.99),  # a top_k past the vocabulary cuts nothing
+    dict(top_k=1100, top_p=0.9),  # past the kernel's heap (HEAP_K, 1,024): its radix selection
+    dict(top_k=1100, min_p=0.2),
 ]
 
 
@@ -170,3 +172,13 @@ def test_without_the_kernel_the_filtered_rows_take_the_pytorch_path():
     assert not draw_filtered.handles(torch.zeros(1, 10))
     logits = torch.log(torch.tensor([[0.05, 0.3, 0.1, 0.25, 0.2, 0.1]]))
     assert sampler.sample(logits, [SamplingParams(top_p=0.5)], [0.95]) == [3]
+
+
+def test_min_p_of_one_keeps_every_token_tied_with_the_likeliest(path):
+    """The threshold is min_p times the likeliest token's weight as the row's weights have it: a scalar exponential
+    of the maximum rounded above the tied tokens' own weights once, and min_p 1 kept none of them in the tries."""
+    logits = torch.full((1, 700), -5.0)
+    logits[0, [157, 300]] = 11.5
+    params = SamplingParams(temperature=0.30628502368927, min_p=1.0, top_k=2, seed=3)
+    drawn = {sample(logits, [params], [uniform(3, position)])[0] for position in range(200)}
+    assert drawn == {157, 300}

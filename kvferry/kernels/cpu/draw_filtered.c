@@ -1,14 +1,16 @@
 /* The filtered rows' draw (top_k, top_p, min_p; common/model/sampler.py), without sorting the vocabulary. Per row:
- * its weights (row_weights.h) stored, the kept set's last token found by selection on the weights' bits, the weights
- * after it zeroed, then the inverse CDF over what is left in token-id order, two levels as the plain rows' draw.
+ * its weights (row_weights.h), stored; then up to MAX_TRIES tries, each the plain rows' inverse CDF over the whole
+ * row at the next uniform, and the first token the filters keep is the row's (rejection: a draw from the kept set
+ * that never builds it); where none is, the kept set itself, the weights after its last token zeroed, and the
+ * inverse CDF over what is left at the uniform after the last try's.
  *
  * The canonical order is by weight descending, then token id ascending, and each filter keeps a prefix of it: top_k
- * its first k tokens; top_p the tokens whose mass before them is below top_p times the top_k prefix's mass (the
- * row's, without a top_k); min_p the tokens weighing at least min_p times the likeliest. The kept set is the
- * shortest of the three. Each prefix ends at the first token where a running count (top_k, min_p) or mass (top_p)
- * reaches a target: a radix selection, ten bits of the weight at a time from the top (a non-negative float's bits
- * order as its value), with the mass of the tokens above summed digit by digit in float64. The PyTorch path sums in
- * canonical order: a cut differs from its only where a token's mass before it is within rounding of the target.
+ * its first k tokens; top_p the tokens whose float64 mass before them is below top_p times the top_k prefix's mass
+ * (the row's, without a top_k); min_p the tokens weighing at least min_p times the likeliest. A try's token is kept
+ * when it is in all three: its count and mass before it are two vector passes over the row, or with a top_k of at
+ * most HEAP_K a search among the k likeliest, found first by heap. The kept set's end is found among those k, or by
+ * radix selection (token_selection.h). The PyTorch path sums in canonical order: a token differs from its only
+ * where a uniform, or a token's mass before it, is within rounding of a boundary.
  */
 #include <math.h>
 #include <omp.h>
@@ -16,129 +18,16 @@
 #include <stdlib.h>
 
 #include "row_weights.h"
+#include "token_selection.h"
 
-#define DIGITS 1024
+#define HEAP_K 1024 /* the largest top_k found among the k likeliest by heap, not by radix selection */
 #define MAX_TRIES 8 /* sampler.py's FILTER_TRIES */
-/* A weight is at most 1 (bits 0x3F800000), within rounding: its bits from 20 up stay below DIGITS. */
-static const int SHIFTS[3] = {20, 10, 0};
-
-typedef struct {
-    float w;
-    int32_t id;
-} token;
-
-typedef struct {
-    float *w;     /* the row's weights, vocab of them */
-    token *cand;  /* the selection's candidates, in token-id order */
-    uint16_t *digits; /* each token's first digit */
-} scratch;
-
-static inline uint32_t bits_of(float v) {
-    uint32_t b;
-    memcpy(&b, &v, sizeof b);
-    return b;
-}
-
-static inline int digit_of(float v, int shift) {
-    uint32_t d = bits_of(v) >> shift;
-    return shift == SHIFTS[0] ? (d < DIGITS ? (int)d : DIGITS - 1) : (int)(d & (DIGITS - 1));
-}
 
 /* Of two tokens, the one earlier in canonical order (-1: none yet). */
 static inline int32_t earlier(const float *w, int32_t a, int32_t b) {
     if (a < 0)
         return b;
     return w[a] > w[b] || (w[a] == w[b] && a < b) ? a : b;
-}
-
-/* The first digit's counts and masses over the whole row: each token's digit first (vectors), then four
- * histograms, token i into the (i % 4)th, summed at the end. In a flat row most tokens share a few digits, and one
- * histogram's additions would each wait for the last one's store; and left to itself GCC makes the four into
- * AVX-512 scatters, which run at half the speed. */
-__attribute__((optimize("no-tree-vectorize"))) static void count_digits(const float *w, const uint16_t *digits,
-                                                                       int n, int32_t *count, double *mass) {
-    int32_t counts[4][DIGITS] = {{0}};
-    double masses[4][DIGITS] = {{0}};
-    int i = 0;
-    for (; i + 4 <= n; i += 4)
-        for (int k = 0; k < 4; k++) {
-            counts[k][digits[i + k]]++;
-            masses[k][digits[i + k]] += w[i + k];
-        }
-    for (; i < n; i++) {
-        counts[0][digits[i]]++;
-        masses[0][digits[i]] += w[i];
-    }
-    for (int d = 0; d < DIGITS; d++) {
-        count[d] = (counts[0][d] + counts[1][d]) + (counts[2][d] + counts[3][d]);
-        mass[d] = (masses[0][d] + masses[1][d]) + (masses[2][d] + masses[3][d]);
-    }
-}
-
-static void histogram(const float *w, int n, int32_t *count, double *mass, uint16_t *digits) {
-    for (int i = 0; i < n; i++)
-        digits[i] = (uint16_t)digit_of(w[i], SHIFTS[0]);
-    count_digits(w, digits, n, count, mass);
-}
-
-/* The first token in canonical order at which the running count (by_mass 0) or mass (by_mass 1) of the tokens up
- * to it reaches target; where rounding leaves none, the last token. *through (unless NULL): that running mass. */
-static int32_t locate(const float *w, int n, double target, int by_mass, scratch *s, double *through) {
-    double above_count = 0.0, above_mass = 0.0; /* the tokens before every candidate */
-    int m = 0;
-    for (int level = 0; level < 3; level++) {
-        int shift = SHIFTS[level];
-        int32_t count[DIGITS] = {0};
-        double mass[DIGITS] = {0};
-        if (level == 0)
-            histogram(w, n, count, mass, s->digits);
-        else
-            for (int j = 0; j < m; j++) {
-                int d = digit_of(s->cand[j].w, shift);
-                count[d]++;
-                mass[d] += s->cand[j].w;
-            }
-        int lowest = 0;
-        while (count[lowest] == 0)
-            lowest++;
-        int chosen = lowest;
-        for (int d = DIGITS - 1; d > lowest; d--) {
-            if (count[d] == 0)
-                continue;
-            if ((by_mass ? above_mass + mass[d] : above_count + count[d]) >= target) {
-                chosen = d;
-                break;
-            }
-            above_count += count[d];
-            above_mass += mass[d];
-        }
-        int kept = 0; /* the chosen digit's tokens, in token-id order (written always, kept where they match) */
-        if (level == 0) {
-            for (int i = 0; i < n; i++) {
-                s->cand[kept] = (token){w[i], i};
-                kept += s->digits[i] == chosen;
-            }
-        } else {
-            for (int j = 0; j < m; j++) {
-                s->cand[kept] = s->cand[j];
-                kept += digit_of(s->cand[j].w, shift) == chosen;
-            }
-        }
-        m = kept;
-    }
-    /* Every candidate now weighs the same: in canonical order, they go by token id. */
-    int j = 0;
-    for (; j < m - 1; j++) {
-        above_count += 1.0;
-        above_mass += s->cand[j].w;
-        if ((by_mass ? above_mass : above_count) >= target)
-            break;
-    }
-    if (j == m - 1)
-        above_mass += s->cand[j].w;
-    if (through != NULL)
-        *through = above_mass;
-    return s->cand[j].id;
 }
 
 static int count_at_least(const float *w, int n, float threshold) {
@@ -241,6 +130,44 @@ static double next_uniform(double u) {
     return (double)((z ^ (z >> 31)) >> 11) * 0x1p-53;
 }
 
+/* A row with a top_k of at most HEAP_K: its k likeliest tokens in canonical order (by heap, then sorted) and their
+ * running masses. A try's token is kept when it is among them, the mass before it is below the target and its weight
+ * not below the threshold; the kept set ends at the first of them whose running mass reaches the target, or at the
+ * last not below the threshold. */
+static int64_t draw_within_top_k(float *w, int n, int block, int k, float top_p, float threshold, double u,
+                                 double *sums, double *cum, scratch *s) {
+    token *top = s->cand;
+    double run[k];
+    likeliest_by_heap(w, n, k, top);
+    qsort(top, k, sizeof *top, by_canonical_order);
+    double running = 0.0;
+    for (int j = 0; j < k; j++)
+        run[j] = running += top[j].w;
+    double target = top_p < 1.0f ? (double)top_p * run[k - 1] : INFINITY;
+    for (int try = 0; try < MAX_TRIES; try++, u = next_uniform(u)) {
+        token drawn = {0.0f, draw_at(w, n, block, sums, cum, u)};
+        drawn.w = w[drawn.id];
+        if (after(drawn, top[k - 1]) || drawn.w < threshold)
+            continue;
+        int lo = 0, hi = k - 1; /* its place among the k: the first not before it */
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (after(drawn, top[mid]))
+                lo = mid + 1;
+            else
+                hi = mid;
+        }
+        if ((lo > 0 ? run[lo - 1] : 0.0) < target)
+            return drawn.id;
+    }
+    int last = 0;
+    while (last < k - 1 && run[last] < target && top[last + 1].w >= threshold)
+        last++;
+    cut_after(w, n, top[last].id);
+    block_sums(w, n, block, sums, cum);
+    return draw_at(w, n, block, sums, cum, u);
+}
+
 static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, int64_t top_k, float top_p,
                                  float min_p, double u, scratch *s) {
     row_scale sc;
@@ -251,14 +178,16 @@ static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, 
     if (isnan(total))
         return 0;
     int64_t k = top_k > 0 && top_k < vocab ? top_k : vocab;
-    double mass_k = total; /* the top_k prefix's mass: only top_p's target needs it before the fallback */
-    int32_t last_k = k < vocab && top_p < 1.0f ? locate(w, vocab, (double)k, 0, s, &mass_k) : -1;
-    double target = top_p < 1.0f ? (double)top_p * mass_k : INFINITY;
-    float likeliest = weight_lanes(splat(sc.max), splat(sc.inverse_t), splat(sc.top), splat(sc.max), sc.wide)[0];
-    float threshold = min_p > 0.0f ? min_p * likeliest : 0.0f;
+    /* The likeliest token's weight as stored (about 1; a scalar exponential of the maximum can round otherwise). */
+    float threshold = min_p > 0.0f ? min_p * row_max(w, vocab) : 0.0f;
     int num_blocks = (vocab + block - 1) / block;
     double sums[num_blocks], cum[num_blocks];
     block_sums(w, vocab, block, sums, cum);
+    if (k < vocab && k <= HEAP_K)
+        return draw_within_top_k(w, vocab, block, (int)k, top_p, threshold, u, sums, cum, s);
+    double mass_k = total; /* the top_k prefix's mass: only top_p's target needs it before the fallback */
+    int32_t last_k = k < vocab && top_p < 1.0f ? locate(w, vocab, (double)k, 0, s, &mass_k) : -1;
+    double target = top_p < 1.0f ? (double)top_p * mass_k : INFINITY;
     /* Tries: a token drawn from the whole row, kept if the filters keep it, which draws from the kept set. */
     for (int try = 0; try < MAX_TRIES; try++, u = next_uniform(u)) {
         int32_t token = draw_at(w, vocab, block, sums, cum, u);
@@ -287,11 +216,10 @@ int kvferry_draw_filtered_f32(const float *logits, int64_t row_stride, const int
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (num_rows > 1) reduction(| : failed)
     {
-        /* The candidates start 64 bytes past a multiple of 4 KiB from the weights: loads of one and stores to the
-         * other at the same offset would look alike to the CPU's store forwarding (4K aliasing). */
-        size_t offset = ((size_t)vocab * sizeof(float) + 4095) / 4096 * 4096 + 64;
-        char *memory = malloc(offset + (size_t)vocab * (sizeof(token) + sizeof(uint16_t)));
-        scratch s = {(float *)memory, (token *)(memory + offset), (uint16_t *)(memory + offset + vocab * sizeof(token))};
+        char *memory = malloc((size_t)vocab * (sizeof(token) + sizeof(float) + sizeof(uint16_t)));
+        token *cand = (token *)memory; /* first: its 8-byte tokens aligned as malloc aligns */
+        float *w = (float *)(cand + vocab);
+        scratch s = {w, cand, (uint16_t *)(w + vocab)};
         failed = memory == NULL;
 #pragma omp for
         for (int r = 0; r < num_rows; r++) {
