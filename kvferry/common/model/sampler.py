@@ -21,7 +21,8 @@ version (a prefill and a decode worker must draw the same stream) and a note in 
   kept. A row tries up to FILTER_TRIES uniforms (u, then next_uniform of the last): each try is the plain rows'
   draw over the whole row, and the first token the kept set holds is the row's (rejection: a draw from the kept set,
   with no sort). Where none is, the kept set's draw at the next uniform: the kept set in token-id order, in
-  float64. On the CPU where it is loaded, kernels/cpu/draw_filtered.c does both (the kept set by radix selection);
+  float64. On the CPU where it is loaded, kernels/cpu/draw_filtered.c does both (the kept set among the top_k
+  likeliest, found by heap, or by radix selection);
   elsewhere PyTorch (the kept set on a torch.topk pre-cut, checked exact per row and widened where it is not, so it
   is always the full sort's). The two differ only where a uniform, or a token's mass before it, lies within
   rounding of a boundary. Stream 4 is stream 3 with the tries, and float64 prefix sums for the cut (stream 3's
@@ -356,7 +357,10 @@ def _draw_filtered(probs, ks, ps, min_ps, u, staged=None):
     ks = torch.where((ks > 0) & (ks < V), ks, V)
     targets = torch.full((R,), float("inf"), dtype=torch.float64, device=probs.device)
     if bool((ps < 1).any()):
-        mass_k = torch.where(ks < V, _top_k_mass(probs, ks), 1.0)  # as _kept takes it
+        mass_k = torch.ones(R, dtype=torch.float64, device=probs.device)  # without a top_k, as _kept takes it
+        cut = ((ks < V) & (ps < 1)).nonzero()[:, 0]
+        if len(cut):  # only these rows' topk: a row without a top_k would make it the whole vocabulary's
+            mass_k[cut] = _top_k_mass(probs[cut], ks[cut])
         targets = torch.where(ps < 1, ps.double() * mass_k, targets)
     thresholds = probs.amax(-1) * min_ps if min_ps is not None else torch.zeros(R, device=probs.device)
     tokens = torch.zeros(R, dtype=torch.long, device=probs.device)

@@ -1,6 +1,7 @@
 """The filtered rows' draw (top_k, top_p, min_p; common/model/sampler.py) on the CPU by the C function in
-draw_filtered.c: each row's kept set found by selection on its weights' bits, where the PyTorch path sorts (a
-pre-cut, or the whole vocabulary for a flat row), then the draw over it."""
+draw_filtered.c: each row's tries from its whole distribution, each checked against the filters, then, where none
+is kept, the kept set (by heap among the top_k likeliest, or by selection on the weights' bits) and the draw over
+it."""
 
 import ctypes
 from pathlib import Path

@@ -10,9 +10,12 @@
 
 #include "vectors.h"
 
-#define DIGITS 1024
-/* A weight is at most 1 (bits 0x3F800000), within rounding: its bits from 20 up stay below DIGITS. */
-static const int SHIFTS[3] = {20, 10, 0};
+/* Three digits of a non-negative float's 31 bits: 10 from bit 21 (any finite weight's: below 0x7F800000, so no
+ * clamp, where a fused multiply-add can leave the likeliest tokens' weights above 1; row_weights.h), 11 from bit
+ * 10, then the last 10. */
+#define DIGITS 2048
+static const int SHIFTS[3] = {21, 10, 0};
+static const uint32_t MASKS[3] = {0x3FF, 0x7FF, 0x3FF};
 
 typedef struct {
     float w;
@@ -32,10 +35,7 @@ static inline uint32_t bits_of(float v) {
     return b;
 }
 
-static inline int digit_of(float v, int shift) {
-    uint32_t d = bits_of(v) >> shift;
-    return shift == SHIFTS[0] ? (d < DIGITS ? (int)d : DIGITS - 1) : (int)(d & (DIGITS - 1));
-}
+static inline int digit_of(float v, int level) { return (int)(bits_of(v) >> SHIFTS[level] & MASKS[level]); }
 
 /* The first digit's counts and masses over the whole row: each token's digit first (vectors), then four
  * histograms, token i into the (i % 4)th, summed at the end. In a flat row most tokens share a few digits, and one
@@ -43,8 +43,9 @@ static inline int digit_of(float v, int shift) {
  * AVX-512 scatters, which run at half the speed. */
 __attribute__((optimize("no-tree-vectorize"))) static void count_digits(const float *w, const uint16_t *digits,
                                                                        int n, int32_t *count, double *mass) {
-    int32_t counts[4][DIGITS] = {{0}};
-    double masses[4][DIGITS] = {{0}};
+    enum { FIRST = 1024 }; /* MASKS[0] + 1: the first digit's values */
+    int32_t counts[4][FIRST] = {{0}};
+    double masses[4][FIRST] = {{0}};
     int i = 0;
     for (; i + 4 <= n; i += 4)
         for (int k = 0; k < 4; k++) {
@@ -55,7 +56,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void count_digits(const fl
         counts[0][digits[i]]++;
         masses[0][digits[i]] += w[i];
     }
-    for (int d = 0; d < DIGITS; d++) {
+    for (int d = 0; d < FIRST; d++) {
         count[d] = (counts[0][d] + counts[1][d]) + (counts[2][d] + counts[3][d]);
         mass[d] = (masses[0][d] + masses[1][d]) + (masses[2][d] + masses[3][d]);
     }
@@ -63,7 +64,7 @@ __attribute__((optimize("no-tree-vectorize"))) static void count_digits(const fl
 
 static void histogram(const float *w, int n, int32_t *count, double *mass, uint16_t *digits) {
     for (int i = 0; i < n; i++)
-        digits[i] = (uint16_t)digit_of(w[i], SHIFTS[0]);
+        digits[i] = (uint16_t)digit_of(w[i], 0);
     count_digits(w, digits, n, count, mass);
 }
 
@@ -73,14 +74,13 @@ static int32_t locate(const float *w, int n, double target, int by_mass, scratch
     double above_count = 0.0, above_mass = 0.0; /* the tokens before every candidate */
     int m = 0;
     for (int level = 0; level < 3; level++) {
-        int shift = SHIFTS[level];
         int32_t count[DIGITS] = {0};
         double mass[DIGITS] = {0};
         if (level == 0)
             histogram(w, n, count, mass, s->digits);
         else
             for (int j = 0; j < m; j++) {
-                int d = digit_of(s->cand[j].w, shift);
+                int d = digit_of(s->cand[j].w, level);
                 count[d]++;
                 mass[d] += s->cand[j].w;
             }
@@ -107,7 +107,7 @@ static int32_t locate(const float *w, int n, double target, int by_mass, scratch
         } else {
             for (int j = 0; j < m; j++) {
                 s->cand[kept] = s->cand[j];
-                kept += digit_of(s->cand[j].w, shift) == chosen;
+                kept += digit_of(s->cand[j].w, level) == chosen;
             }
         }
         m = kept;
