@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.kernels.cpu import build
+from kvferry.kernels.cpu import build, draw_rows
 
 SOURCE = Path(__file__).with_suffix(".c")
 pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -19,14 +19,8 @@ enable, disable = _lib.enable, _lib.disable
 
 
 def handles(logits: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes these logits: [N, vocab] fp32 on the CPU, each row contiguous."""
-    return (
-        _lib.loaded is not None
-        and logits.dtype == torch.float32
-        and logits.device.type == "cpu"
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-    )
+    """Whether the function is loaded and takes these logits (draw_rows.float_rows)."""
+    return _lib.loaded is not None and draw_rows.float_rows(logits)
 
 
 def _checked(t: torch.Tensor, dtype: torch.dtype, num_rows: int) -> int:

@@ -17,15 +17,15 @@ _lib = build.Library(SOURCE, SIGNATURES, "PyTorch's plain draw (softmax, block s
 enable, disable = _lib.enable, _lib.disable
 
 
+def float_rows(logits: torch.Tensor) -> bool:
+    """Whether the CPU draws (this one, draw_filtered's) take these logits as they are: [N, vocab] fp32 on the CPU,
+    each row contiguous."""
+    return logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2 and logits.stride(1) == 1
+
+
 def handles(logits: torch.Tensor) -> bool:
-    """Whether the function is loaded and takes these logits: [N, vocab] fp32 on the CPU, each row contiguous."""
-    return (
-        _lib.loaded is not None
-        and logits.dtype == torch.float32
-        and logits.device.type == "cpu"
-        and logits.dim() == 2
-        and logits.stride(1) == 1
-    )
+    """Whether the function is loaded and takes these logits (float_rows)."""
+    return _lib.loaded is not None and float_rows(logits)
 
 
 def draw(
