@@ -80,8 +80,11 @@ static int32_t draw_at(const float *w, int n, int block, const double *sums, con
     return b * block + pick_index(inner, len, rest);
 }
 
-/* The count and the float64 mass of tokens [start, end) weighing at least `edge` (or more, when strict). */
-static void count_above(const float *w, int start, int end, float edge, int strict, double *count, double *mass) {
+/* The float64 mass of tokens [start, end) weighing at least `edge` (or more, when strict), and their count (when
+ * counting). Inlined where strict and counting are constants: a pass has no branch, and the mass alone no count. */
+static inline __attribute__((always_inline)) void count_above(const float *w, int start, int end, float edge,
+                                                              int strict, int counting, double *count,
+                                                              double *mass) {
     vint counted = {0};
     vdouble acc = {0};
     vfloat e = splat(edge), zero = splat(0.0f);
@@ -91,7 +94,8 @@ static void count_above(const float *w, int start, int end, float edge, int stri
         for (int k = 0; k < 4; k++) {
             vfloat x = load(w + i + k * LANES);
             vint in = strict ? x > e : x >= e;
-            counted -= in;
+            if (counting)
+                counted -= in;
             v[k] = pick(in, x, zero);
         }
         add_double(&acc, (v[0] + v[1]) + (v[2] + v[3]));
@@ -112,13 +116,18 @@ static void count_above(const float *w, int start, int end, float edge, int stri
 
 /* Whether token x is in the kept set: the count and the mass of the tokens before it in canonical order (ties
  * with a lower id, and every heavier token) below top_k and the top_p target, its weight not below min_p's
- * threshold. */
+ * threshold. Passes over the row only for what a filter asks (top_k < n, a finite target). */
 static int is_kept(const float *w, int n, int32_t x, int64_t top_k, double target, float threshold) {
     if (w[x] < threshold)
         return 0;
     double count = 0.0, mass = 0.0;
-    count_above(w, 0, x, w[x], 0, &count, &mass);
-    count_above(w, x, n, w[x], 1, &count, &mass);
+    if (top_k < n) {
+        count_above(w, 0, x, w[x], 0, 1, &count, &mass);
+        count_above(w, x, n, w[x], 1, 1, &count, &mass);
+    } else if (isfinite(target)) {
+        count_above(w, 0, x, w[x], 0, 0, &count, &mass);
+        count_above(w, x, n, w[x], 1, 0, &count, &mass);
+    }
     return count < (double)top_k && mass < target;
 }
 
@@ -174,15 +183,19 @@ static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, 
     if (!scale_of(x, vocab, t, &sc))
         return 0;
     float *w = s->w;
-    double total = block_weights(x, vocab, sc.inverse_t, sc.top, sc.max, sc.wide, w);
+    int num_blocks = (vocab + block - 1) / block;
+    double sums[num_blocks], cum[num_blocks], total = 0.0;
+    for (int b = 0; b < num_blocks; b++) { /* the weights, stored, and their sums as block_sums adds them */
+        int len = vocab - b * block < block ? vocab - b * block : block;
+        int64_t at = (int64_t)b * block;
+        sums[b] = block_weights(x + at, len, sc.inverse_t, sc.top, sc.max, sc.wide, w + at);
+        cum[b] = total += sums[b];
+    }
     if (isnan(total))
         return 0;
     int64_t k = top_k > 0 && top_k < vocab ? top_k : vocab;
     /* The likeliest token's weight as stored (about 1; a scalar exponential of the maximum can round otherwise). */
     float threshold = min_p > 0.0f ? min_p * row_max(w, vocab) : 0.0f;
-    int num_blocks = (vocab + block - 1) / block;
-    double sums[num_blocks], cum[num_blocks];
-    block_sums(w, vocab, block, sums, cum);
     if (k < vocab && k <= HEAP_K)
         return draw_within_top_k(w, vocab, block, (int)k, top_p, threshold, u, sums, cum, s);
     double mass_k = total; /* the top_k prefix's mass: only top_p's target needs it before the fallback */
