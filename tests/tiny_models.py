@@ -87,25 +87,6 @@ def save_tiny_model(arch: str, folder, seed: int = 0):
 def save_tiny_chat_model(folder, seed: int = 0):
     """A tiny random Llama with the default model's tokenizer and chat template (vocabulary and all): for
     tests of the serving system, where the model's size only costs time."""
-    import shutil
+    from kvferry.tools.bench.random_model import save_random_model
 
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from kvferry.common.model_files import resolve_model
-
-    default = resolve_model(None)
-    config = AutoConfig.from_pretrained(default)
-    for name, value in dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    ).items():
-        setattr(config, name, value)
-    torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval().save_pretrained(folder)
-    for path in default.iterdir():
-        if path.name.startswith(("tokenizer", "chat_template", "generation_config")):
-            shutil.copy(path, folder)
+    save_random_model(folder, "tiny", "float32", seed)
