@@ -27,15 +27,6 @@ KVFERRY_MODULES = (
     "kvferry.tools.bench.cli",
     "kvferry.tools.bench.hf_baseline",
 )
-# The dry run's model: SmolLM2's tokenizer and vocabulary, two small layers.
-TINY = dict(
-    num_hidden_layers=2,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
 
 
 def environment(ctx: Context) -> None:
@@ -152,8 +143,10 @@ def model(ctx: Context) -> None:
     shutil.copytree(source, ctx.model_dir)
     config = AutoConfig.from_pretrained(ctx.model_dir)
     ctx.record("tokenizer", _tokenizer(ctx, config))
-    if ctx.dry_run:
-        for key, value in TINY.items():
+    if ctx.dry_run:  # SmolLM2's tokenizer and vocabulary, two small layers
+        from kvferry.tools.bench.random_model import SHAPES
+
+        for key, value in SHAPES["tiny"].items():
             setattr(config, key, value)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
