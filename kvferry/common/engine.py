@@ -32,6 +32,7 @@ from kvferry.common.engine_setup import (
 )
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
 from kvferry.common.kv_connector import KVConnector
+from kvferry.common.memory_budget import budget_of
 from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
@@ -60,6 +61,10 @@ class LLMEngine:
         use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_dir = model_dir = resolve_model(config.model)
+        if self.device.type == "cpu":  # a GPU's own memory fails as the cache is allocated (build_runner)
+            budget = budget_of(model_dir, self.dtype.itemsize, config.kv_cache_memory)
+            log.info("memory budget: %s", budget.describe())
+            budget.check()  # before loading: Linux would start what cannot fit, and kill it later
         self.model, self.model_config, max_model_len = load_model(
             model_dir, self.dtype, self.device, config.max_model_len
         )

@@ -147,6 +147,16 @@ def test_cli_prints_one_line_errors_without_traceback(tiny_dir, args, expected):
     assert "Traceback" not in result.stderr
 
 
+def test_a_kv_cache_larger_than_the_machine_fails_before_the_model_loads(tiny_dir):
+    """Linux over-commits memory: without the check the cache would be granted, and the process killed later."""
+    result = run_cli("generate", "--prompt", "hi", "--model", str(tiny_dir), "--kv-cache-memory", "100000GiB")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kvferry: error: not enough memory" in result.stderr
+    assert "--kv-cache-memory asks 100000.00 GiB" in result.stderr and "lower --kv-cache-memory" in result.stderr
+    assert "memory budget: weights" in result.stderr and "KV cache" in result.stderr
+    assert "blocks x" not in result.stderr  # the engine never sized its cache: nothing was loaded
+
+
 def test_cli_bad_environment_value_is_a_usage_error(tiny_dir):
     import os
 
