@@ -12,21 +12,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.errors import ConfigError
+from kvferry.common.model.loader import weight_files
 
 _HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
 
 
 def parameter_count(model_dir: Path) -> int:
-    """The number of weights in the folder's safetensors files, from their headers alone."""
+    """The number of weights the model loads, from its safetensors headers alone: the files the loader reads
+    (loader.weight_files: not a consolidated.safetensors beside them), and a tied model's stored lm_head once."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    tied = bool(config.get("tie_word_embeddings", False))  # model_files.CONFIG_DEFAULTS: untied unless it says
     total = 0
-    for path in sorted(Path(model_dir).glob("*.safetensors")):
+    for path in weight_files(model_dir):
         with open(path, "rb") as f:
             (length,) = struct.unpack("<Q", f.read(8))
             if length > _HEADER_LIMIT:
                 raise ConfigError(f"{path} is not a safetensors file (a header of {length} bytes)")
             header = json.loads(f.read(length))
         for name, entry in header.items():
-            if name != "__metadata__":
+            if name != "__metadata__" and not (tied and name.startswith("lm_head.")):
                 count = 1
                 for dim in entry["shape"]:
                     count *= dim

@@ -1,6 +1,7 @@
 """A worker's memory budget before its model loads (common/memory_budget.py): the weights counted from the
 safetensors headers, the check's message, and the machine's available memory."""
 
+import json
 import struct
 
 import pytest
@@ -11,14 +12,22 @@ from kvferry.common.errors import ConfigError
 from kvferry.common.memory_budget import Budget, available_memory, parameter_count
 
 
-def test_the_weights_are_counted_from_every_safetensors_header(tmp_path):
-    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, tmp_path / "one.safetensors")
-    save_file({"c": torch.zeros(2, 2, 2, dtype=torch.int8)}, tmp_path / "two.safetensors", metadata={"k": "v"})
+def test_the_weights_are_counted_from_the_headers_of_the_files_the_loader_reads(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    one, two = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7, dtype=torch.bfloat16)}, tmp_path / one)
+    save_file({"c": torch.zeros(2, 2, 2, dtype=torch.int8), "lm_head.weight": torch.zeros(4)}, tmp_path / two)
+    index = {"weight_map": {"a": one, "b": one, "c": two, "lm_head.weight": two}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"all": torch.zeros(1000)}, tmp_path / "consolidated.safetensors")  # Mistral's own copy: not loaded
     (tmp_path / "notes.txt").write_text("not weights")
-    assert parameter_count(tmp_path) == 15 + 7 + 8
+    assert parameter_count(tmp_path) == 15 + 7 + 8 + 4
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mistral", "tie_word_embeddings": True}))
+    assert parameter_count(tmp_path) == 15 + 7 + 8  # a tied model keeps one copy of a stored lm_head
 
 
 def test_a_file_whose_header_is_not_one_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", 2**40) + b"{}")
     with pytest.raises(ConfigError, match="not a safetensors file"):
         parameter_count(tmp_path)
