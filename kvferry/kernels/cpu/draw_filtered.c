@@ -27,7 +27,7 @@
 static inline int32_t earlier(const float *w, int32_t a, int32_t b) {
     if (a < 0)
         return b;
-    return w[a] > w[b] || (w[a] == w[b] && a < b) ? a : b;
+    return after((token){w[a], a}, (token){w[b], b}) ? b : a;
 }
 
 static int count_at_least(const float *w, int n, float threshold) {
@@ -53,31 +53,24 @@ static void cut_after(float *w, int n, int32_t last) {
         w[i] = w[i] > edge[0] ? w[i] : 0.0f;
 }
 
-/* The inverse CDF over stored weights: each block's sum and their running sums. */
-static void block_sums(const float *w, int n, int block, double *sums, double *cum) {
-    double running = 0.0;
-    for (int b = 0; b * block < n; b++) {
-        int len = n - b * block < block ? n - b * block : block;
-        sums[b] = sum_of(w + (int64_t)b * block, len);
-        running += sums[b];
-        cum[b] = running;
-    }
+/* The inverse CDF over stored weights, at u (sums, cum: their blocks' sums and running sums). */
+static int32_t draw_at(const float *w, int n, int block, const double *sums, const double *cum, double u) {
+    double rest;
+    int b = pick_block(sums, cum, (n + block - 1) / block, u, &rest);
+    return b * block + pick_weight(w + (int64_t)b * block, block_len(n, block, b), rest);
 }
 
-/* Then the token at u: the block holding u times the total, then the token inside it. */
-static int32_t draw_at(const float *w, int n, int block, const double *sums, const double *cum, double u) {
-    int num_blocks = (n + block - 1) / block;
-    double target = u * cum[num_blocks - 1];
-    int b = pick_index(cum, num_blocks, target);
-    double rest = target - (cum[b] - sums[b]); /* at least 0: the block's own sums round differently from cum's */
-    rest = rest > 0.0 ? rest : 0.0;
-    int len = n - b * block < block ? n - b * block : block;
-    double inner[block], running = 0.0;
-    for (int i = 0; i < len; i++) {
-        running += w[(int64_t)b * block + i];
-        inner[i] = running;
+/* The kept set's draw: the weights after token last zeroed (none where last < 0), the blocks summed again, and the
+ * token at u. */
+static int32_t draw_cut(float *w, int n, int block, int32_t last, double *sums, double *cum, double u) {
+    if (last >= 0)
+        cut_after(w, n, last);
+    double running = 0.0;
+    for (int b = 0; b * block < n; b++) {
+        sums[b] = sum_of(w + (int64_t)b * block, block_len(n, block, b));
+        cum[b] = running += sums[b];
     }
-    return b * block + pick_index(inner, len, rest);
+    return draw_at(w, n, block, sums, cum, u);
 }
 
 /* The float64 mass of tokens [start, end) weighing at least `edge` (or more, when strict), and their count (when
@@ -172,9 +165,7 @@ static int64_t draw_within_top_k(float *w, int n, int block, int k, float top_p,
     int last = 0;
     while (last < k - 1 && run[last] < target && top[last + 1].w >= threshold)
         last++;
-    cut_after(w, n, top[last].id);
-    block_sums(w, n, block, sums, cum);
-    return draw_at(w, n, block, sums, cum, u);
+    return draw_cut(w, n, block, top[last].id, sums, cum, u);
 }
 
 static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, int64_t top_k, float top_p,
@@ -184,13 +175,8 @@ static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, 
         return 0;
     float *w = s->w;
     int num_blocks = (vocab + block - 1) / block;
-    double sums[num_blocks], cum[num_blocks], total = 0.0;
-    for (int b = 0; b < num_blocks; b++) { /* the weights, stored, and their sums as block_sums adds them */
-        int len = vocab - b * block < block ? vocab - b * block : block;
-        int64_t at = (int64_t)b * block;
-        sums[b] = block_weights(x + at, len, sc.inverse_t, sc.top, sc.max, sc.wide, w + at);
-        cum[b] = total += sums[b];
-    }
+    double sums[num_blocks], cum[num_blocks];
+    double total = row_block_weights(x, vocab, block, &sc, w, 1, sums, cum); /* sums as draw_cut's sum_of adds */
     if (isnan(total))
         return 0;
     int64_t k = top_k > 0 && top_k < vocab ? top_k : vocab;
@@ -213,10 +199,7 @@ static int64_t draw_filtered_row(const float *x, int vocab, int block, float t, 
         last = earlier(w, last, locate(w, vocab, target, 1, s, NULL));
     if (min_p > 0.0f)
         last = earlier(w, last, locate(w, vocab, (double)count_at_least(w, vocab, threshold), 0, s, NULL));
-    if (last >= 0)
-        cut_after(w, vocab, last);
-    block_sums(w, vocab, block, sums, cum);
-    return draw_at(w, vocab, block, sums, cum, u);
+    return draw_cut(w, vocab, block, last, sums, cum, u);
 }
 
 /* tokens[r] for each of num_rows rows: the row rows[r] of logits (r itself when rows is NULL), each row_stride

@@ -18,30 +18,14 @@ static int64_t draw_row(const float *x, int vocab, int block, float t, double u)
     if (!scale_of(x, vocab, t, &s))
         return 0;
     int num_blocks = (vocab + block - 1) / block;
-    double sums[num_blocks], cum[num_blocks], inner[block];
-    float w[block];
-    double running = 0.0;
-    for (int b = 0; b < num_blocks; b++) {
-        int n = vocab - b * block < block ? vocab - b * block : block;
-        sums[b] = block_weights(x + (int64_t)b * block, n, s.inverse_t, s.top, s.max, s.wide, w);
-        running += sums[b];
-        cum[b] = running;
-    }
-    if (isnan(running))
+    double sums[num_blocks], cum[num_blocks], rest;
+    float w[block]; /* one block's weights at a time */
+    if (isnan(row_block_weights(x, vocab, block, &s, w, 0, sums, cum)))
         return 0;
-    double target = u * running;
-    int b = pick_index(cum, num_blocks, target);
-    /* What falls inside the block; at least 0, as the block's own sums round differently from cum's. */
-    double rest = target - (cum[b] - sums[b]);
-    rest = rest > 0.0 ? rest : 0.0;
-    int n = vocab - b * block < block ? vocab - b * block : block;
+    int b = pick_block(sums, cum, num_blocks, u, &rest);
+    int n = block_len(vocab, block, b);
     block_weights(x + (int64_t)b * block, n, s.inverse_t, s.top, s.max, s.wide, w);
-    running = 0.0;
-    for (int i = 0; i < n; i++) {
-        running += w[i];
-        inner[i] = running;
-    }
-    return (int64_t)b * block + pick_index(inner, n, rest);
+    return (int64_t)b * block + pick_weight(w, n, rest);
 }
 
 /* tokens[r] for each of num_rows rows: the row rows[r] of logits (r itself when rows is NULL), each row_stride

@@ -131,4 +131,42 @@ static inline int scale_of(const float *x, int vocab, float t, row_scale *s) {
     return 1;
 }
 
+/* The length of block b of a row of n tokens in blocks of `block`: the last one may be short. */
+static inline int block_len(int n, int block, int b) { return n - b * block < block ? n - b * block : block; }
+
+/* The row's weights, block by block, into w: each block at its own place (keep), or each over the last (w: one
+ * block's room). Each block's sum into sums, their running sums into cum; returns the total. */
+static inline double row_block_weights(const float *x, int vocab, int block, const row_scale *s, float *w, int keep,
+                                       double *sums, double *cum) {
+    double running = 0.0;
+    for (int b = 0; b * block < vocab; b++) {
+        int64_t at = (int64_t)b * block;
+        sums[b] = block_weights(x + at, block_len(vocab, block, b), s->inverse_t, s->top, s->max, s->wide,
+                                keep ? w + at : w);
+        running += sums[b];
+        cum[b] = running;
+    }
+    return running;
+}
+
+/* The inverse CDF's first level: the block holding u times the total, of num_blocks with these sums and running
+ * sums; *rest: what of the target falls inside it, at least 0 (the block's own sums round differently from cum's). */
+static inline int pick_block(const double *sums, const double *cum, int num_blocks, double u, double *rest) {
+    double target = u * cum[num_blocks - 1];
+    int b = pick_index(cum, num_blocks, target);
+    *rest = target - (cum[b] - sums[b]);
+    *rest = *rest > 0.0 ? *rest : 0.0;
+    return b;
+}
+
+/* Its second level: of a block's n weights, the one where the running float64 sum passes rest (pick_index). */
+static inline int pick_weight(const float *w, int n, double rest) {
+    double inner[n], running = 0.0;
+    for (int i = 0; i < n; i++) {
+        running += w[i];
+        inner[i] = running;
+    }
+    return pick_index(inner, n, rest);
+}
+
 #endif

@@ -183,7 +183,7 @@ static void likeliest_by_heap(const float *w, int n, int k, token *heap) {
 
 static int by_canonical_order(const void *a, const void *b) {
     token x = *(const token *)a, y = *(const token *)b;
-    return x.w > y.w ? -1 : x.w < y.w ? 1 : (x.id > y.id) - (x.id < y.id);
+    return after(x, y) - after(y, x);
 }
 
 #endif
