@@ -13,6 +13,7 @@ from pathlib import Path
 
 from kvferry.common.errors import ConfigError
 from kvferry.common.model.loader import weight_files
+from kvferry.common.model_files import read_config
 
 _HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
 
@@ -21,8 +22,7 @@ def parameter_count(model_dir: Path) -> int:
     """The number of weights the model loads, from its safetensors headers alone: the files the loader reads
     (loader.weight_files: not a consolidated.safetensors beside them), and a tied model's stored lm_head once."""
     model_dir = Path(model_dir)
-    config = json.loads((model_dir / "config.json").read_text())
-    tied = bool(config.get("tie_word_embeddings", False))  # model_files.CONFIG_DEFAULTS: untied unless it says
+    tied = bool(read_config(model_dir).get("tie_word_embeddings"))
     total = 0
     for path in weight_files(model_dir):
         with open(path, "rb") as f:

@@ -189,37 +189,47 @@ def _rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return (logits if rows is None else logits[rows]).float()  # [R, vocab]
 
 
-def _draw_plain_rows(
-    logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor
-) -> torch.Tensor:
-    """The plain rows' tokens, of logits' rows `rows` (None: all): on the CPU by the C kernel wherever it is loaded
-    (float32 rows in place: no copy of the rows, no [R, vocab] temporaries), else _draw_torch. Other CPU logits
-    (bf16, fp16, strided) go to it as a float32 copy: the same batch's logits are float32 once another row's penalty
-    or constraint has been applied (process_logits, mask_constrained), and a row's token must not depend on that."""
-    if draw_rows.handles(logits):
-        return draw_rows.draw(logits, rows, temperatures, u, BLOCK)
+def _draw_rows(logits: torch.Tensor, rows: torch.Tensor | None, kernel, by_kernel, by_torch) -> torch.Tensor:
+    """Logits' rows `rows` (None: all) drawn on the CPU by a C kernel module (draw_rows, draw_filtered) wherever it
+    is loaded: by_kernel(logits, rows), float32 rows in place (no copy of the rows, no [R, vocab] temporaries).
+    Other CPU logits (bf16, fp16, strided) go to it as a float32 copy: the same batch's logits are float32 once
+    another row's penalty or constraint has been applied (process_logits, mask_constrained), and a row's token must
+    not depend on that. Elsewhere by_torch(the rows as float32)."""
+    if kernel.handles(logits):
+        return by_kernel(logits, rows)
     sub = _rows(logits, rows)
     if sub.device.type == "cpu":
         sub = sub.contiguous()  # a copy only of strided rows
-        if draw_rows.handles(sub):
-            return draw_rows.draw(sub, None, temperatures, u, BLOCK)
-    return _draw_torch(sub, temperatures, u)
+        if kernel.handles(sub):
+            return by_kernel(sub, None)
+    return by_torch(sub)
+
+
+def _draw_plain_rows(
+    logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor
+) -> torch.Tensor:
+    """The plain rows' tokens (_draw_rows): draw_rows.c, else _draw_torch."""
+    return _draw_rows(
+        logits,
+        rows,
+        draw_rows,
+        lambda x, r: draw_rows.draw(x, r, temperatures, u, BLOCK),
+        lambda sub: _draw_torch(sub, temperatures, u),
+    )
 
 
 def _draw_filtered_rows(
     logits: torch.Tensor, rows: torch.Tensor | None, temperatures: torch.Tensor, u: torch.Tensor, staged
 ) -> torch.Tensor:
-    """The filtered rows' tokens, of logits' rows `rows` (None: all), as _draw_plain_rows: by the C kernel wherever
-    it is loaded, else _draw_filtered of _probs."""
+    """The filtered rows' tokens (_draw_rows): draw_filtered.c, else _draw_filtered of _probs."""
     ks, ps, min_ps = staged.top_ks.tensor, staged.top_ps.tensor, _min_ps(staged)
-    if draw_filtered.handles(logits):
-        return draw_filtered.draw(logits, rows, temperatures, ks, ps, min_ps, u, BLOCK)
-    sub = _rows(logits, rows)
-    if sub.device.type == "cpu":
-        sub = sub.contiguous()
-        if draw_filtered.handles(sub):
-            return draw_filtered.draw(sub, None, temperatures, ks, ps, min_ps, u, BLOCK)
-    return _draw_filtered(_probs(sub, temperatures), ks, ps, min_ps, u, staged)
+    return _draw_rows(
+        logits,
+        rows,
+        draw_filtered,
+        lambda x, r: draw_filtered.draw(x, r, temperatures, ks, ps, min_ps, u, BLOCK),
+        lambda sub: _draw_filtered(_probs(sub, temperatures), ks, ps, min_ps, u, staged),
+    )
 
 
 def _draw_torch(sub: torch.Tensor, temperatures: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
