@@ -31,7 +31,8 @@ class EngineConfig:
     device: str = setting("auto", "auto (cuda when present, else cpu), cpu, cuda or cuda:N")
     dtype: str = setting(
         "auto",
-        "the weights' and KV cache's type; auto: float32 on the CPU, bfloat16 on CUDA",
+        "the weights' type (and the KV cache's, unless --kv-cache-dtype says); auto: float32 on the CPU, bfloat16 on "
+        "CUDA",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
     # None ("none"): weights in dtype; "int8": see model/int8_linear.py
@@ -48,7 +49,28 @@ class EngineConfig:
         choices=(8, 16, 32),
         commands=_AND_GATEWAY,
     )
-    kv_cache_memory: int = setting("1GiB", "memory budget of the paged KV cache, e.g. 512MiB", kind=SIZE, min=1)
+    kv_cache_memory: int | None = setting(
+        None,
+        "memory budget of the paged KV cache, e.g. 512MiB; default: sized from the machine's memory "
+        "(--memory-utilization), under `kvferry serve` for all its workers together",
+        kind=SIZE,
+        min=1,
+    )
+    memory_utilization: float = setting(
+        0.9,
+        "the share of memory a worker's weights and default-sized KV cache may take: on the CPU of what the "
+        "machine has available at start (under `kvferry serve`, for all its workers together), on CUDA of the "
+        "GPU's whole memory",
+        above=0,
+        max=1,
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "the KV cache's element type; auto: float16 on the CPU for a float32 model (bfloat16 where the CPU cannot "
+        "convert float16: no F16C), else the model's dtype. float32 keeps the CPU's token-exact path; on CUDA only "
+        "the model's dtype is served",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
     max_num_seqs: int = setting(128, "the most sequences in one step", min=1)
     max_num_batched_tokens: int = setting(2048, "the most tokens one step computes", min=1)
     max_model_len: int | None = setting(

@@ -24,15 +24,17 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.engine_setup import (
     build_runner,
     capture_decode_graphs,
+    gpu_kv_cache_memory,
     is_device_failure,
     load_tokenizer,
     resolve_device,
     resolve_dtype,
+    resolve_kv_dtype,
     use_device,
 )
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
 from kvferry.common.kv_connector import KVConnector
-from kvferry.common.memory_budget import budget_of
+from kvferry.common.memory_budget import budget_of, most_kv_cache
 from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model.loader import load_model, resolve_model
@@ -60,19 +62,29 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
         self.model_dir = model_dir = resolve_model(config.model)
+        kv_cache_memory = config.kv_cache_memory
         if self.device.type == "cpu":  # a GPU's own memory fails as the cache is allocated (build_runner)
-            budget = budget_of(model_dir, self.dtype.itemsize, config.kv_cache_memory)
+            most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
+            budget = budget_of(model_dir, self.dtype.itemsize, kv_cache_memory, config.memory_utilization, most)
             log.info("memory budget: %s", budget.describe())
             budget.check()  # before loading: Linux would start what cannot fit, and kill it later
+            kv_cache_memory = budget.kv_cache
         self.model, self.model_config, max_model_len = load_model(
             model_dir, self.dtype, self.device, config.max_model_len
         )
-        layout = kv_cache_layout(self.model_config, config.block_size, self.dtype)
-        num_blocks = layout.num_blocks_for_budget(config.kv_cache_memory)
+        if config.quantization == "int8":  # before the cache: its errors are not the cache's
+            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.model_config.vocab_size))
+        if kv_cache_memory is None:  # CUDA: what the utilization leaves of the GPU beside the weights now loaded
+            most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
+            kv_cache_memory = min(gpu_kv_cache_memory(self.device, config.memory_utilization), most)
+        self.kv_cache_memory = kv_cache_memory
+        layout = kv_cache_layout(self.model_config, config.block_size, self.kv_dtype)
+        num_blocks = layout.num_blocks_for_budget(kv_cache_memory)
         if num_blocks < 1:
             raise ConfigError(
-                f"--kv-cache-memory {config.kv_cache_memory} bytes holds no block ({layout.bytes_per_block} bytes each)"
+                f"--kv-cache-memory {kv_cache_memory} bytes holds no block ({layout.bytes_per_block} bytes each)"
             )
         if num_blocks * config.block_size < max_model_len:
             max_model_len = num_blocks * config.block_size
@@ -84,7 +96,7 @@ class LLMEngine:
             config.block_size,
             num_blocks * config.block_size,
             num_blocks * layout.bytes_per_block / 2**20,
-            self.dtype,
+            self.kv_dtype,
             self.device,
             config.quantization or self.dtype,
         )
@@ -99,9 +111,9 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             long_prefill_threshold=config.long_prefill_threshold,
         )
-        if config.quantization == "int8":  # before the cache: its errors are not the cache's
-            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.model_config.vocab_size))
-        self.runner = build_runner(self.model, layout, num_blocks, self.device, self.dtype, config, self.scheduler)
+        self.runner = build_runner(
+            self.model, layout, num_blocks, self.device, self.dtype, self.kv_dtype, config, self.scheduler
+        )
         # A prefill worker's engine (keep_finished_blocks) never runs a decode step: no graphs to keep for it.
         if self.device.type == "cuda" and not config.enforce_eager and not keep_finished_blocks:
             capture_decode_graphs(self.runner, config, max_model_len)

@@ -1,9 +1,11 @@
-"""What an engine is built from: the device and dtype a config names, the tokenizer of a model folder (its EOS ids:
+"""What an engine is built from: the device, dtype and KV cache dtype a config names, the tokenizer of a model folder (its EOS ids:
 model_files.eos_token_ids), and which errors mean the device itself is broken."""
 
+import contextlib
 import logging
 import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -40,6 +42,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
+def _converts_float16() -> bool:
+    """Whether this CPU converts float16 in hardware (x86's F16C, which every AVX-512 CPU has), as the C attention
+    kernels need to read a float16 cache (kernels/cpu/vectors.h); elsewhere bfloat16, which they read anywhere."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return " f16c" in line or " avx512f" in line
+    return False
+
+
+def resolve_kv_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's element type: half precision on the CPU by default, where the model computes in float32 (the C
+    attention kernels widen each element as they read it); the model's own type on CUDA, the only one its kernels
+    read (a ConfigError for any other)."""
+    if device.type == "cuda":
+        if name not in ("auto", str(model_dtype).removeprefix("torch.")):
+            raise ConfigError(
+                f"--kv-cache-dtype {name} is not served on CUDA beside --dtype {str(model_dtype).removeprefix('torch.')}"
+                ": the Triton kernels read the cache in the model's type; pass --kv-cache-dtype auto"
+            )
+        return model_dtype
+    if name != "auto":
+        return getattr(torch, name)
+    if model_dtype != torch.float32:
+        return model_dtype
+    return torch.float16 if _converts_float16() else torch.bfloat16
+
+
 def is_device_failure(exc: Exception) -> bool:
     """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
@@ -67,7 +97,21 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def build_runner(model, layout, num_blocks: int, device, dtype, config, scheduler):
+def gpu_kv_cache_memory(device: torch.device, utilization: float) -> int:
+    """The KV cache's bytes on a GPU when not given: the utilization's share of its whole memory, less what this
+    process holds now (the weights), as vLLM's gpu_memory_utilization. A ConfigError where nothing is left."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    held = torch.cuda.memory_reserved(device)
+    left = int(utilization * total) - held
+    if left < 2**20:
+        raise ConfigError(
+            f"--memory-utilization {utilization:g} of {device}'s {total / 2**30:.2f} GiB leaves no KV cache beside "
+            f"the {held / 2**30:.2f} GiB this worker holds: raise it, or set --kv-cache-memory"
+        )
+    return left
+
+
+def build_runner(model, layout, num_blocks: int, device, dtype, kv_dtype, config, scheduler):
     """The model runner with its KV cache; a cache that does not fit is a ConfigError naming the setting."""
     try:
         return ModelRunner(
@@ -76,6 +120,7 @@ def build_runner(model, layout, num_blocks: int, device, dtype, config, schedule
             num_blocks,
             device,
             dtype,
+            kv_dtype=kv_dtype,
             seed=config.seed,
             eos_token_ids=scheduler.eos_token_ids,
             kv_huge_pages=config.kv_huge_pages,
@@ -84,7 +129,8 @@ def build_runner(model, layout, num_blocks: int, device, dtype, config, schedule
         if "memory" not in str(exc).lower():
             raise
         raise ConfigError(
-            f"--kv-cache-memory {config.kv_cache_memory} bytes does not fit on {device}: lower it"
+            f"a KV cache of {layout.bytes_per_block * num_blocks} bytes does not fit on {device}: lower "
+            "--kv-cache-memory or --memory-utilization"
         ) from None
 
 

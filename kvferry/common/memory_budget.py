@@ -4,16 +4,21 @@ cannot fit would otherwise start, and be killed later by the kernel's OOM killer
 
 Loading holds every weight in the engine's dtype at its peak (int8 quantization happens after), so that is what
 counts, whatever --quantization says.
+
+Without --kv-cache-memory the KV cache takes what --memory-utilization leaves after the weights: of MemAvailable at
+start, for one worker alone or, under `kvferry serve`, for all its workers together (plan_workers: serve sizes each
+worker's cache before any starts, as workers starting together would each count the same free memory).
 """
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.errors import ConfigError
 from kvferry.common.model.loader import weight_files
-from kvferry.common.model_files import read_config
+from kvferry.common.model_files import max_model_len_of, read_config
 
 _HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
 
@@ -51,15 +56,56 @@ def available_memory() -> int | None:
     return None
 
 
+def kv_cache_ceiling() -> int:
+    """More than any KV cache sized from memory here can take: the machine's physical memory (a transfer's frames
+    land in it, whatever the device)."""
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
+
+
+UTILIZATION = "--memory-utilization (KVFERRY_MEMORY_UTILIZATION)"
+KV_CACHE_MEMORY = "--kv-cache-memory (KVFERRY_KV_CACHE_MEMORY)"
+FALLBACK_KV_CACHE = 2**30  # where the machine's memory cannot be read (no /proc/meminfo)
+
+
+def kv_bytes_per_token(model_config: dict, itemsize: int) -> int:
+    """K and V of one token in every layer, from the model's config.json (read_config's dict)."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    return 2 * model_config["num_hidden_layers"] * kv_heads * head_dim * itemsize
+
+
+def sized_kv_cache(weights: int, available: int | None, utilization: float, workers: int = 1, most: int = 0) -> int:
+    """Each worker's KV cache when sized from memory: the utilization's share of what is available, less every
+    worker's weights, split evenly, and no more than `most` (when set): what the worker could ever fill. A
+    ConfigError naming the numbers where nothing is left."""
+    if available is None:
+        return min(FALLBACK_KV_CACHE, most or FALLBACK_KV_CACHE)
+    left = int(utilization * available) - workers * weights
+    if left < workers * 2**20:
+        each = (
+            f"{workers} workers' weights take {gib(workers * weights)}"
+            if workers > 1
+            else f"the weights take {gib(weights)}"
+        )
+        raise ConfigError(
+            f"not enough memory for a KV cache: {each} while loading, and {UTILIZATION} {utilization:g} of the "
+            f"{gib(available)} available is {gib(int(utilization * available))}: raise it, set {KV_CACHE_MEMORY}, "
+            "or serve a smaller model or --dtype"
+        )
+    return min(left // workers, most or left)
 
 
 @dataclass(frozen=True)
 class Budget:
     weights: int  # bytes the weights take at the peak of loading
-    kv_cache: int  # --kv-cache-memory
+    kv_cache: int  # --kv-cache-memory, or its size from memory
     available: int | None  # bytes available now (None: unknown)
+    sized: bool = False  # the KV cache was sized from memory, not given
 
     @property
     def need(self) -> int:
@@ -67,7 +113,8 @@ class Budget:
 
     def describe(self) -> str:
         have = "unknown" if self.available is None else gib(self.available)
-        return f"weights {gib(self.weights)} + KV cache {gib(self.kv_cache)} = {gib(self.need)}; available {have}"
+        how = " (sized from memory)" if self.sized else ""
+        return f"weights {gib(self.weights)} + KV cache {gib(self.kv_cache)}{how} = {gib(self.need)}; available {have}"
 
     def check(self) -> None:
         """A ConfigError naming the numbers and the settings to change, where the budget cannot fit."""
@@ -80,5 +127,38 @@ class Budget:
         )
 
 
-def budget_of(model_dir: Path, itemsize: int, kv_cache_memory: int) -> Budget:
-    return Budget(parameter_count(model_dir) * itemsize, kv_cache_memory, available_memory())
+def most_kv_cache(model_dir: Path, config, itemsize: int) -> int:
+    """The most KV cache an engine with this config could fill: max_num_seqs sequences of max_model_len tokens (the
+    model's own limit unless set), with one block of rounding each. A cache sized from memory takes no more."""
+    model_config = read_config(model_dir)
+    longest = config.max_model_len or max_model_len_of(model_config)
+    tokens = config.max_num_seqs * (longest + config.block_size)
+    return tokens * kv_bytes_per_token(model_config, itemsize)
+
+
+def budget_of(
+    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float = 0.9, most: int = 0
+) -> Budget:
+    """One worker's budget; kv_cache_memory None: sized from memory, at most `most` bytes (0: no bound)."""
+    weights, available = parameter_count(model_dir) * itemsize, available_memory()
+    if kv_cache_memory is not None:
+        return Budget(weights, kv_cache_memory, available)
+    return Budget(weights, sized_kv_cache(weights, available, utilization, most=most), available, sized=True)
+
+
+def plan_workers(
+    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float, workers: int, most: int = 0
+) -> int:
+    """`kvferry serve`'s check of its workers together on one host, before any starts: each worker's KV cache
+    bytes (given, or sized from memory, at most `most`), or a ConfigError naming the numbers."""
+    weights, available = parameter_count(model_dir) * itemsize, available_memory()
+    if kv_cache_memory is None:
+        return sized_kv_cache(weights, available, utilization, workers, most)
+    need = workers * (weights + kv_cache_memory)
+    if available is not None and need > available:
+        raise ConfigError(
+            f"not enough memory: {workers} workers each take {gib(weights)} of weights while loading and "
+            f"{gib(kv_cache_memory)} of KV cache ({KV_CACHE_MEMORY}), {gib(need)} in all, but {gib(available)} is "
+            "available: lower it, leave it unset to size it from memory, or serve a smaller model or --dtype"
+        )
+    return kv_cache_memory

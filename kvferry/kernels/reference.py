@@ -1,6 +1,8 @@
 """PyTorch versions of the paged-attention operations: the CPU's fallback, and the oracle the kernels are tested
 against. Cache layout, per layer: [num_blocks, block_size, num_kv_heads, head_dim] for K and for V, two tensors or
 (the runner's) the halves of one [num_blocks, block_size, 2, kvh, d]. Block table entries past a context are padding.
+The cache's type may differ from the query's (an fp16 cache beside an fp32 model): K and V are stored in the cache's
+type and read back in the query's.
 """
 
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ def store_kv(
     if slot_mapping.numel() and slot_mapping.min() < 0:
         keep = slot_mapping >= 0
         key, value, slot_mapping = key[keep], value[keep], slot_mapping[keep]
+    key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)  # [num_slots, kvh, d]
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
@@ -107,6 +110,7 @@ def paged_decode_attention(
             shape = (n, -1, num_kv_heads, head_dim)
             keys = k_rows.index_select(0, c.rows).view(shape)[:, : c.longest].transpose(1, 2)  # [n, kvh, len, d]
             values = v_rows.index_select(0, c.rows).view(shape)[:, : c.longest].transpose(1, 2)  # [n, kvh, len, d]
+        keys, values = keys.to(query.dtype), values.to(query.dtype)
         out[c.start : c.end] = F.scaled_dot_product_attention(
             query[c.start : c.end, :, None, :], keys, values, attn_mask=c.mask, scale=scale, enable_gqa=True
         )[:, :, 0, :]  # [n, H, d]
@@ -129,8 +133,8 @@ def paged_prefill_attention(
     for i, context_len in enumerate(context_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_start
-        keys = gather_context(k_cache, block_tables[i], context_len).transpose(0, 1)  # [kvh, ctx, d]
-        values = gather_context(v_cache, block_tables[i], context_len).transpose(0, 1)  # [kvh, ctx, d]
+        keys = gather_context(k_cache, block_tables[i], context_len).transpose(0, 1).to(query.dtype)  # [kvh, ctx, d]
+        values = gather_context(v_cache, block_tables[i], context_len).transpose(0, 1).to(query.dtype)
         q = query[q_start:q_end].transpose(0, 1)  # [H, q_len, d]
         if q_len == context_len:
             mask, causal = None, True

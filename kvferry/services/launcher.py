@@ -14,9 +14,11 @@ import time
 import urllib.request
 
 from kvferry.common import settings
+from kvferry.common.config import EngineConfig
 from kvferry.common.errors import KvferryError
 from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
+from kvferry.common.memory_budget import most_kv_cache, plan_workers
 from kvferry.common.serve_config import ServeConfig
 from kvferry.common.setting import from_args
 
@@ -171,6 +173,23 @@ def start_services(
     return procs
 
 
+def share_memory(model_dir, engine: EngineConfig, workers: int) -> dict[str, str]:
+    """The memory settings that let serve's workers on this host fit together (memory_budget.plan_workers): on the
+    CPU each worker's KV cache bytes, given or sized here for all of them (each worker alone would count the same
+    free memory); on a GPU, which the workers share, each worker's share of --memory-utilization. A ConfigError,
+    before anything starts, where they cannot fit."""
+    gpu = engine.device.startswith("cuda") or (engine.device == "auto" and os.path.exists("/dev/nvidiactl"))
+    if gpu:
+        if engine.kv_cache_memory is not None:
+            return {}
+        return {settings.env_name("memory_utilization"): repr(engine.memory_utilization / workers)}
+    weight_bytes = 4 if engine.dtype in ("auto", "float32") else 2  # as loading holds them on the CPU
+    kv_bytes = 4 if engine.kv_cache_dtype == "float32" else 2  # auto: half precision on the CPU, whatever the model's
+    most = most_kv_cache(model_dir, engine, kv_bytes)
+    each = plan_workers(model_dir, weight_bytes, engine.kv_cache_memory, engine.memory_utilization, workers, most)
+    return {settings.env_name("kv_cache_memory"): str(each)}
+
+
 def serve(args) -> int:
     from kvferry.common.bind_check import check_http_exposed
     from kvferry.common.model_files import resolve_model
@@ -179,13 +198,15 @@ def serve(args) -> int:
     # Refused here, before the model and the children: the gateway child would refuse it too, less plainly.
     check_http_exposed(gateway.host, gateway.port, gateway.api_key, args.insecure)
     gateway_controls(gateway.host, gateway.port, config.control_port, gateway.gateways)  # before the model, too
-    resolve_model(args.model)  # convert once here, not in three processes at the same time
+    model_dir = resolve_model(args.model)  # convert once here, not in three processes at the same time
+    engine = from_args(EngineConfig, args)
     # Ctrl-C and SIGTERM both stop the children; SIGINT set explicitly: a shell starts background jobs ignoring it.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
     # The children read serve's settings from the environment: each that serve and a child take, as serve got it.
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
+    env.update(share_memory(model_dir, engine, workers=2))  # before any worker starts: it fits, or nothing starts
     # The workers share the cores, and an idle OpenMP thread spins 300,000 rounds before it sleeps, taking a core
     # from the other worker. Prefill's spin 10,000: awake across one step's short gaps, no longer. Decode keeps the
     # default: it runs niced, so its spinning yields, and its many short parallel regions run faster with threads

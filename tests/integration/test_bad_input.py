@@ -6,10 +6,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.engine import LLMEngine
-from kvferry.common.errors import InvalidRequest, ModelLoadError
+from kvferry.common.engine_setup import resolve_kv_dtype
+from kvferry.common.errors import ConfigError, InvalidRequest, ModelLoadError
 from kvferry.common.model_files import resolve_model
 from kvferry.common.sampling import SamplingParams
 from tests.tiny_models import save_tiny_model
@@ -64,6 +66,10 @@ def test_a_bad_prompt_in_a_batch_queues_none_of_it(engine):
         (dict(num_threads=0), "num_threads must be at least 1"),
         (dict(max_model_len=1), "max_model_len must be at least 2"),
         (dict(max_model_len=10**6), "exceeds the model's limit 256"),
+        (dict(kv_cache_dtype="int8"), "kv_cache_dtype must be auto, float32, bfloat16 or float16"),
+        (dict(memory_utilization=0), "memory_utilization must be more than 0 and at most 1"),
+        (dict(memory_utilization=1.5), "memory_utilization must be more than 0 and at most 1"),
+        (dict(memory_utilization=1e-9), "not enough memory for a KV cache"),
     ],
 )
 def test_bad_engine_settings_are_refused_by_name(tiny_dir, kwargs, expected):
@@ -155,6 +161,30 @@ def test_a_kv_cache_larger_than_the_machine_fails_before_the_model_loads(tiny_di
     assert "--kv-cache-memory asks 100000.00 GiB" in result.stderr and "lower --kv-cache-memory" in result.stderr
     assert "memory budget: weights" in result.stderr and "KV cache" in result.stderr
     assert "blocks x" not in result.stderr  # the engine never sized its cache: nothing was loaded
+
+
+def test_serve_refuses_workers_that_cannot_fit_together_before_starting_any(tiny_dir):
+    result = run_cli("serve", "--model", str(tiny_dir), "--kv-cache-memory", "100000GiB", "--port", "1")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kvferry: error: not enough memory: 2 workers each take" in result.stderr
+    assert "--kv-cache-memory (KVFERRY_KV_CACHE_MEMORY)" in result.stderr
+    assert "serving on" not in result.stdout
+
+
+def test_a_kv_cache_sized_from_memory_is_logged_and_bounded_by_what_the_engine_can_fill(tiny_dir):
+    engine = LLMEngine(EngineConfig(model=str(tiny_dir), max_num_seqs=3, block_size=16))
+    per_token = engine.bytes_per_block // 16
+    assert engine.kv_cache_memory == 3 * (256 + 16) * per_token  # the tiny model's 256 tokens, 3 sequences
+    assert engine.runner.kv_cache.dtype in (torch.float16, torch.bfloat16)  # the CPU's default: half precision
+
+
+def test_a_kv_dtype_cuda_cannot_serve_is_refused_by_name():
+    with pytest.raises(ConfigError) as refused:
+        resolve_kv_dtype("float16", torch.device("cuda"), torch.bfloat16)
+    assert "--kv-cache-dtype float16 is not served on CUDA beside --dtype bfloat16" in str(refused.value)
+    assert resolve_kv_dtype("auto", torch.device("cuda"), torch.bfloat16) == torch.bfloat16
+    assert resolve_kv_dtype("auto", torch.device("cpu"), torch.bfloat16) == torch.bfloat16  # a half model's own
+    assert resolve_kv_dtype("float32", torch.device("cpu"), torch.float32) == torch.float32
 
 
 def test_cli_bad_environment_value_is_a_usage_error(tiny_dir):

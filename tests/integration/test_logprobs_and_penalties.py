@@ -15,7 +15,14 @@ def tiny(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     hf = save_tiny_model("llama", folder)
     engine = LLMEngine(
-        EngineConfig(model=str(folder), kv_cache_memory=2**20, block_size=8, max_num_seqs=4, max_num_batched_tokens=16)
+        EngineConfig(
+            model=str(folder),
+            kv_cache_memory=2**20,
+            block_size=8,
+            max_num_seqs=4,
+            max_num_batched_tokens=16,
+            kv_cache_dtype="float32",  # logprobs compared with transformers' to 1e-4
+        )
     )  # the 30-token prompt is prefilled in chunks
     return engine, hf
 

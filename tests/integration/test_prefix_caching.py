@@ -56,6 +56,7 @@ def test_shared_prefixes_of_every_length_match_caching_off_and_transformers(tmp_
                 kv_cache_memory=2**20,
                 max_num_seqs=16,
                 max_num_batched_tokens=64,
+                kv_cache_dtype="float32",  # transformers' own cache: compared token for token
                 **overrides,
             )
         )

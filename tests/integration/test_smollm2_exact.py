@@ -72,7 +72,8 @@ def reference(model_dir, prompts):
 
 
 def run_together(model_dir, prompts, **engine_kwargs):
-    engine = LLMEngine(EngineConfig(model=str(model_dir), **engine_kwargs))
+    # The exact path: a float32 KV cache, as transformers' own (the CPU's default is half precision)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_dtype="float32", **engine_kwargs))
     results = engine.generate(prompts, SamplingParams(max_tokens=MAX_NEW, temperature=0))
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     return [r.output_token_ids for r in results], engine

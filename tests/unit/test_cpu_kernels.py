@@ -79,6 +79,74 @@ def test_the_new_tokens_are_stored_in_the_same_call_as_store_kv_stores_them(kern
     torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
 
 
+HALF_TYPES = [torch.float16, torch.bfloat16]
+
+
+def _half_case(dtype, lens, seed):
+    """_case with the runner's interleaved pool in dtype; the query stays fp32, as the model's."""
+    query, k_cache, v_cache, tables, context_lens = _case(len(lens), 9, 3, 64, 16, lens, True, seed=seed)
+    pool = k_cache.as_strided((k_cache.shape[0], 16, 2, 3, 64), (16 * 2 * 3 * 64, 2 * 3 * 64, 3 * 64, 64, 1))
+    pool = pool.to(dtype)
+    return query, pool[:, :, 0], pool[:, :, 1], tables, context_lens
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_a_half_precision_cache_is_read_and_written_as_pytorch_converts_it(kernel, dtype):
+    if not cpu_decode.takes_kv_dtype(dtype):
+        pytest.skip(f"this CPU's build does not convert {dtype} (no F16C)")
+    lens = [1, 16, 17, 260, 33]
+    query, k_cache, v_cache, tables, context_lens = _half_case(dtype, lens, seed=5)
+    assert cpu_decode.handles(query, k_cache, v_cache)
+    new_k, new_v = torch.randn(2, len(lens), 3, 64).unbind(0)
+    new_k[0, 0, :4] = torch.tensor([1e-6, 6.1e4, -2.5e-8, 1 + 2**-12])  # below, above and between the steps
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    reference.store_kv(new_k, new_v, expected_k, expected_v, slots)  # PyTorch's rounding to dtype
+    expected = reference.paged_decode_attention(query, expected_k, expected_v, tables, context_lens, 0.125)
+    found = cpu_decode.paged_decode_attention(
+        query, k_cache, v_cache, tables, context_lens, 0.125, (new_k, new_v, slots)
+    )
+    assert k_cache.view(torch.int16).equal(expected_k.view(torch.int16)), "the stored bits differ from PyTorch's"
+    assert v_cache.view(torch.int16).equal(expected_v.view(torch.int16))
+    assert found.dtype == torch.float32
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx2_build_reads_and_writes_a_half_precision_cache_alike(kernel, tmp_path, monkeypatch):
+    # 8 lanes and F16C's conversions, as on a CPU without AVX-512: the same bits stored, the same output.
+    if not cpu_decode.takes_kv_dtype(torch.float16):
+        pytest.skip("this CPU's build does not convert float16 (no F16C)")
+    lens = [3, 40, 17]
+    query, k_cache, v_cache, tables, context_lens = _half_case(torch.float16, lens, seed=7)
+    new_k, new_v = torch.randn(2, len(lens), 3, 64).unbind(0)
+    slots = torch.tensor([int(tables[i, (n - 1) // 16]) * 16 + (n - 1) % 16 for i, n in enumerate(lens)])
+    outputs = []
+    for lib in (cpu_decode._lib, build.Library(cpu_decode.SOURCE, cpu_decode.SIGNATURES, "-", ("-mno-avx512f",))):
+        if lib.loaded is None:
+            assert lib.enable(tmp_path) == ""
+        monkeypatch.setattr(cpu_decode, "_lib", lib)
+        k, v = k_cache.clone(), v_cache.clone()
+        out = cpu_decode.paged_decode_attention(query, k, v, tables, context_lens, 0.125, (new_k, new_v, slots))
+        outputs.append((out, k.view(torch.int16), v.view(torch.int16)))
+    (out8, k8, v8), (out16, k16, v16) = outputs[1], outputs[0]
+    assert k8.equal(k16) and v8.equal(v16)
+    torch.testing.assert_close(out8, out16, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF_TYPES)
+def test_the_prefill_kernel_reads_a_half_precision_cache(prefill_kernel, dtype):
+    if not cpu_decode.takes_kv_dtype(dtype):
+        pytest.skip(f"this CPU's build does not convert {dtype} (no F16C)")
+    query, k_cache, v_cache, tables, lens = _half_case(dtype, [5, 100, 33, 70], seed=6)
+    q_lens = [5, 40, 17, 1]
+    query = torch.randn(sum(q_lens), 9, 64)
+    cu_seqlens = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    assert cpu_prefill.handles(query, k_cache, v_cache)
+    expected = reference.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, 0.125)
+    found = cpu_prefill.paged_prefill_attention(query, k_cache, v_cache, tables, cu_seqlens, lens, 0.125)
+    torch.testing.assert_close(found, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("lens, threads", [([300], 2), ([300], 4), ([260, 90], 4), ([200, 5, 64], 4), ([20], 2)])
 def test_heads_split_between_threads_give_the_same_output_bit_for_bit(kernel, lens, threads):
     # Fewer sequences than threads: each sequence's heads are shared out (9 heads in 2, 3 or 4 parts, cutting

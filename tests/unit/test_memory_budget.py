@@ -1,5 +1,6 @@
 """A worker's memory budget before its model loads (common/memory_budget.py): the weights counted from the
-safetensors headers, the check's message, and the machine's available memory."""
+safetensors headers, the check's message, the machine's available memory, and a KV cache sized from it, for one
+worker or serve's workers together."""
 
 import json
 import struct
@@ -8,8 +9,17 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
-from kvferry.common.memory_budget import Budget, available_memory, parameter_count
+from kvferry.common.memory_budget import (
+    Budget,
+    available_memory,
+    kv_bytes_per_token,
+    most_kv_cache,
+    parameter_count,
+    plan_workers,
+    sized_kv_cache,
+)
 
 
 def test_the_weights_are_counted_from_the_headers_of_the_files_the_loader_reads(tmp_path):
@@ -47,3 +57,41 @@ def test_a_budget_that_fits_passes_and_one_that_does_not_names_the_numbers_and_t
 
 def test_this_machine_reports_its_available_memory():
     assert 0 < available_memory() < 2**50
+
+
+def test_a_kv_cache_sized_from_memory_takes_the_utilizations_share_less_every_workers_weights():
+    gib = 2**30
+    assert sized_kv_cache(2 * gib, 20 * gib, 0.9) == 16 * gib  # 18 of 20, less 2 of weights
+    assert sized_kv_cache(2 * gib, 20 * gib, 0.9, workers=2) == 7 * gib  # (18 - 2 x 2) / 2 each
+    assert sized_kv_cache(2 * gib, 20 * gib, 0.9, workers=2, most=3 * gib) == 3 * gib  # no more than it can fill
+    assert sized_kv_cache(2 * gib, None, 0.9, most=5 * 2**20) == 5 * 2**20  # no /proc/meminfo: 1 GiB, or less
+    with pytest.raises(ConfigError) as refused:
+        sized_kv_cache(6 * gib, 20 * gib, 0.5, workers=2)  # 10 of 20, all of it the weights' 12
+    text = str(refused.value)
+    assert "2 workers' weights take 12.00 GiB" in text and "--memory-utilization" in text and "0.5" in text
+    assert "--kv-cache-memory" in text
+
+
+def test_the_most_a_worker_could_fill_bounds_its_cache(tmp_path):
+    layers, kv_heads, head_dim = 4, 2, 16
+    config = {"num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": kv_heads,
+              "hidden_size": 64, "head_dim": head_dim, "max_position_embeddings": 1000}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    per_token = 2 * layers * kv_heads * head_dim * 2  # K and V, float16
+    assert kv_bytes_per_token(config, 2) == per_token
+    engine = EngineConfig(model=str(tmp_path), max_num_seqs=3, block_size=16)
+    assert most_kv_cache(tmp_path, engine, 2) == 3 * (1000 + 16) * per_token
+    engine = EngineConfig(model=str(tmp_path), max_num_seqs=3, block_size=16, max_model_len=100)
+    assert most_kv_cache(tmp_path, engine, 4) == 3 * (100 + 16) * per_token * 2
+
+
+def test_serves_workers_are_planned_together(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    save_file({"w": torch.zeros(2**20)}, tmp_path / "model.safetensors")  # 4 MiB in float32
+    available = available_memory()
+    each = plan_workers(tmp_path, 4, None, 0.5, workers=2)
+    assert abs(each - (available // 2 - 2 * 4 * 2**20) // 2) < 2**26  # MemAvailable moves a little between reads
+    assert plan_workers(tmp_path, 4, 2**20, 0.5, workers=2) == 2**20  # given: kept, where it fits
+    with pytest.raises(ConfigError) as refused:
+        plan_workers(tmp_path, 4, available, 0.5, workers=2)  # two of all there is
+    assert "2 workers each take" in str(refused.value) and "--kv-cache-memory" in str(refused.value)

@@ -43,7 +43,7 @@ def sample_text(s: settings.Setting) -> str:
         return str(next(c for c in reversed(s.choices) if c != s.value_default))
     return {
         settings.INT: str(int(s.max if s.max is not None else (s.min or 0) + 7)),
-        settings.FLOAT: "2.5",
+        settings.FLOAT: "2.5" if s.max is None else str(s.max / 2),  # a share (0, 1]: one half
         settings.SIZE: "3MiB",
     }.get(s.kind, f"/some/{s.name}")
 

@@ -321,6 +321,8 @@ def test_a_simulated_workers_blocks_are_sized_as_the_runners(tmp_path):
     save_tiny_chat_model(tmp_path / "tiny")
     raw, hf = read_config(tmp_path / "tiny"), AutoConfig.from_pretrained(tmp_path / "tiny")
     cpu = EngineConfig(model=str(tmp_path / "tiny"), device="cpu", block_size=16)
-    assert bytes_per_block(raw, 16, cpu) == kv_cache_layout(hf, 16, torch.float32).bytes_per_block
+    assert bytes_per_block(raw, 16, cpu) == kv_cache_layout(hf, 16, torch.float16).bytes_per_block  # half: auto's
+    exact = EngineConfig(model=str(tmp_path / "tiny"), device="cpu", block_size=16, kv_cache_dtype="float32")
+    assert bytes_per_block(raw, 16, exact) == kv_cache_layout(hf, 16, torch.float32).bytes_per_block
     gpu = EngineConfig(model=str(tmp_path / "tiny"), device="cuda", block_size=16)  # named: planned, not present
     assert bytes_per_block(raw, 16, gpu) == kv_cache_layout(hf, 16, torch.bfloat16).bytes_per_block

@@ -87,6 +87,7 @@ class ModelRunner:
         num_blocks: int,
         device: torch.device,
         dtype: torch.dtype,
+        kv_dtype: torch.dtype | None = None,
         seed: int | None = None,
         eos_token_ids: tuple[int, ...] = (),
         kv_huge_pages: bool = True,
@@ -108,10 +109,11 @@ class ModelRunner:
         # Zeroed here, so every page is touched now: else the resident size creeps up as blocks get their first use
         # (it looks like a leak), each first touch a page fault inside a step. On the CPU, huge pages unless
         # --no-kv-huge-pages: the kernel may compact memory to find them.
+        kv_dtype = kv_dtype or dtype  # --kv-cache-dtype: the model's, or half precision on the CPU
         if device.type == "cpu" and kv_huge_pages:
-            self.kv_cache = huge_page_zeros(shape, dtype=dtype)  # [L, num_blocks, block_size, 2, kvh, d]
+            self.kv_cache = huge_page_zeros(shape, dtype=kv_dtype)  # [L, num_blocks, block_size, 2, kvh, d]
         else:
-            self.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+            self.kv_cache = torch.zeros(shape, dtype=kv_dtype, device=device)
         self.k_cache, self.v_cache = self.kv_cache[:, :, :, 0], self.kv_cache[:, :, :, 1]  # [L, nb, bs, kvh, d] views
         self.k_caches, self.v_caches = list(self.k_cache.unbind(0)), list(self.v_cache.unbind(0))
         if device.type == "cpu":  # decode: every layer in one call, where the model and the batch allow

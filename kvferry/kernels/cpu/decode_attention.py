@@ -1,5 +1,6 @@
 """Paged decode attention on the CPU by the C kernel in decode_attention.c, which reads K and V from their blocks
-in place: once through memory, where the reference's gather and SDPA take about three."""
+in place: once through memory, where the reference's gather and SDPA take about three. The cache may be fp32, fp16
+or bf16 (one entry point each); the query and output are fp32."""
 
 import ctypes
 from pathlib import Path
@@ -12,9 +13,22 @@ SOURCE = Path(__file__).with_suffix(".c")
 pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 ARGTYPES = [pointer, pointer, size, pointer, size, pointer, pointer, pointer, size, size, size]
 ARGTYPES += [pointer, size, pointer, pointer] + [count] * 5 + [ctypes.c_float, count]
-SIGNATURES = {"kvferry_paged_decode_attention_f32": (ARGTYPES, ctypes.c_int)}
+# The C name of each KV cache type, and its bit in kvferry_kv_types (vectors.h's kv_type)
+KV_TYPES = {torch.float32: ("f32", 0), torch.float16: ("f16", 1), torch.bfloat16: ("bf16", 2)}
+SIGNATURES = {f"kvferry_paged_decode_attention_{name}": (ARGTYPES, ctypes.c_int) for name, _ in KV_TYPES.values()}
+SIGNATURES["kvferry_kv_types"] = ([], ctypes.c_int)
 _lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU decode attention")
 enable, disable = _lib.enable, _lib.disable
+
+
+def takes_kv_dtype(dtype: torch.dtype) -> bool:
+    """Whether the loaded kernels read a cache of this type (fp16 needs the CPU's conversions: F16C or AVX-512)."""
+    return _lib.loaded is not None and dtype in KV_TYPES and bool(_lib.kvferry_kv_types() >> KV_TYPES[dtype][1] & 1)
+
+
+def entry_point(lib, prefix: str, dtype: torch.dtype):
+    """lib's function prefix_<the C name of dtype>: the kernel's entry point for a cache of that type."""
+    return getattr(lib, f"{prefix}_{KV_TYPES[dtype][0]}")
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -23,11 +37,14 @@ def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -
 
 
 def layout_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """What the C attention kernels take: fp32 on the CPU, each token's heads laid out alike in K and V, every
-    head's vector contiguous and a whole number of 16-float vectors, up to 256."""
+    """What the C attention kernels take: an fp32 query on the CPU over a cache of a type they read
+    (takes_kv_dtype), each token's heads laid out alike in K and V, every head's vector contiguous and a whole number
+    of 16-element vectors, up to 256."""
     return (
         not query.is_cuda
-        and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and query.dtype == torch.float32
+        and k_cache.dtype == v_cache.dtype
+        and takes_kv_dtype(k_cache.dtype)
         and k_cache.device.type == "cpu"
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(-1) == 1
@@ -62,7 +79,7 @@ def paged_decode_attention(
         if key.stride()[1:] != (head_dim, 1) or value.stride()[1:] != (head_dim, 1):
             key, value = key.contiguous(), value.contiguous()  # each token's heads one run of floats
         slots = slots.to(torch.int64).contiguous()
-    failed = _lib.kvferry_paged_decode_attention_f32(
+    failed = entry_point(_lib, "kvferry_paged_decode_attention", k_cache.dtype)(
         query.data_ptr(),
         None if key is None else key.data_ptr(), 0 if key is None else key.stride(0),
         None if value is None else value.data_ptr(), 0 if value is None else value.stride(0),

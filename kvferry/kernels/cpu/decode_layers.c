@@ -30,7 +30,8 @@ typedef struct { /* a linear layer's buffers: an Int8Linear's (common/model/int8
 typedef struct {
     const float *input_norm, *post_norm; /* [hidden] each */
     Weights qkv, o, gate_up, down;
-    float *k_cache, *v_cache; /* this layer's: [blocks][block_size][kv_heads][head_dim] with the strides below */
+    void *k_cache, *v_cache; /* this layer's: [blocks][block_size][kv_heads][head_dim] with the strides below, in
+                              * the type of the attention entry point the caller chose (decode_attention.c) */
 } Layer;
 
 typedef struct { /* the functions the layer runs; their contracts are in their own files */
@@ -41,8 +42,8 @@ typedef struct { /* the functions the layer runs; their contracts are in their o
     void (*matmul_i8)(const int8_t *, int, int, const int8_t *, int, const int32_t *, int, const float *,
                       const float *, const float *, const uint16_t *, int, const float *, float *, int);
     void (*matmul_f32)(const float *, int, int, const float *, int, int, const float *, float *, int);
-    int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, float *,
-                     float *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
+    int (*attention)(const float *, const float *, int64_t, const float *, int64_t, const int64_t *, void *,
+                     void *, int64_t, int64_t, int64_t, const int32_t *, int64_t, const int32_t *, float *, int, int,
                      int, int, int, float, int);
 } Kernels;
 

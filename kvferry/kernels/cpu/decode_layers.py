@@ -153,7 +153,7 @@ class DecodeLayers:
             layer_ops._lib.kvferry_quantize_rows_f32,
             small_matmul._lib.kvferry_matmul_i8 if self.int8 else None,  # a library not loaded: its kind is not here
             panel_matmul._lib.kvferry_panel_matmul_f32 if self.fp32 else None,
-            decode_attention._lib.kvferry_paged_decode_attention_f32,
+            decode_attention.entry_point(decode_attention._lib, "kvferry_paged_decode_attention", cache.dtype),
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
         outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)

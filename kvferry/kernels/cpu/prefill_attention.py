@@ -1,5 +1,6 @@
 """Paged prefill attention on the CPU by the C kernel in prefill_attention.c, reading each context from its blocks
-in place, 8 or 16 query rows at a time (vectors.h), where the reference gathers a copy per sequence."""
+in place, 8 or 16 query rows at a time (vectors.h), where the reference gathers a copy per sequence. The cache may
+be fp32, fp16 or bf16, as decode_attention.py's."""
 
 import ctypes
 from pathlib import Path
@@ -7,13 +8,13 @@ from pathlib import Path
 import torch
 
 from kvferry.kernels.cpu import build
-from kvferry.kernels.cpu.decode_attention import layout_fits
+from kvferry.kernels.cpu.decode_attention import KV_TYPES, entry_point, layout_fits
 
 SOURCE = Path(__file__).with_suffix(".c")
 pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 ARGTYPES = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
 ARGTYPES += [count] * 5 + [ctypes.c_float, count]
-SIGNATURES = {"kvferry_paged_prefill_attention_f32": (ARGTYPES, ctypes.c_int)}
+SIGNATURES = {f"kvferry_paged_prefill_attention_{name}": (ARGTYPES, ctypes.c_int) for name, _ in KV_TYPES.values()}
 _lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU prefill attention")
 enable, disable = _lib.enable, _lib.disable
 
@@ -42,7 +43,7 @@ def paged_prefill_attention(
     tables = block_tables.to(torch.int32).contiguous()
     starts = cu_seqlens_q.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    failed = _lib.kvferry_paged_prefill_attention_f32(
+    failed = entry_point(_lib, "kvferry_paged_prefill_attention", k_cache.dtype)(
         query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
         tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
         len(lens), num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),

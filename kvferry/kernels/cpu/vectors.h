@@ -73,4 +73,68 @@ static inline vfloat exp_vector(vfloat x) {
 
 static inline float exp_one(float x) { return exp_vector(splat(x))[0]; }
 
+/* The KV cache's element types. The attention kernels take K and V as stored and widen them to fp32 on load, so a
+ * half-precision cache costs half the memory and half the bytes read; all arithmetic stays fp32. */
+enum kv_type { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+typedef uint16_t vbits16 __attribute__((vector_size(LANES * sizeof(uint16_t))));
+typedef uint32_t vuint __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+/* fp16 needs the CPU's conversion instructions (F16C with AVX2; AVX-512F): elsewhere the kernels refuse fp16 and the
+ * PyTorch reference serves it. bf16 is fp32's top half: a shift, on any machine. */
+#if (LANES == 16 && defined(__AVX512F__)) || (LANES == 8 && defined(__F16C__))
+#include <immintrin.h>
+#define KV_HAS_F16 1
+#else
+#define KV_HAS_F16 0
+#endif
+#define KV_TYPES ((1 << KV_F32) | (KV_HAS_F16 << KV_F16) | (1 << KV_BF16)) /* a bit per type the kernels read */
+
+static inline size_t kv_size(enum kv_type type) { return type == KV_F32 ? sizeof(float) : sizeof(uint16_t); }
+
+/* LANES elements of a KV cache at element `at` of base, as fp32. Called with a constant type, so it folds to one
+ * load (and one conversion). */
+static inline __attribute__((always_inline)) vfloat load_kv(const void *base, int64_t at, const enum kv_type type) {
+    if (type == KV_F32)
+        return load((const float *)base + at);
+    vbits16 h;
+    memcpy(&h, (const uint16_t *)base + at, sizeof h);
+    if (type == KV_BF16)
+        return (vfloat)(__builtin_convertvector(h, vuint) << 16);
+#if KV_HAS_F16
+#if LANES == 16
+    return _mm512_cvtph_ps((__m256i)h);
+#else
+    return _mm256_cvtph_ps((__m128i)h);
+#endif
+#else
+    return splat(0.0f); /* not reached: KV_TYPES has no fp16 here, and the Python side checks it */
+#endif
+}
+
+/* Store LANES fp32 values into a KV cache at element `at`, rounded to nearest even as PyTorch's conversions round
+ * (a cache written by the C kernels and by PyTorch's store_kv holds the same bits). */
+static inline __attribute__((always_inline)) void store_kv(void *base, int64_t at, vfloat v, const enum kv_type type) {
+    if (type == KV_F32) {
+        store((float *)base + at, v);
+        return;
+    }
+    vbits16 h = {0};
+    if (type == KV_BF16) {
+        vuint bits = (vuint)v;
+        vuint rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;
+        vuint quiet = (bits >> 16) | 0x40; /* a NaN stays a NaN: rounding could carry it into infinity */
+        h = __builtin_convertvector((vuint)pick(v == v, (vfloat)rounded, (vfloat)quiet), vbits16);
+    }
+#if KV_HAS_F16
+    else {
+#if LANES == 16
+        h = (vbits16)_mm512_cvtps_ph((__m512)v, _MM_FROUND_TO_NEAREST_INT);
+#else
+        h = (vbits16)_mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT);
+#endif
+    }
+#endif
+    memcpy((uint16_t *)base + at, &h, sizeof h);
+}
+
 #endif

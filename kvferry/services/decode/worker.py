@@ -12,6 +12,7 @@ from kvferry.common import protocol as p
 from kvferry.common import settings
 from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.errors import KvferryError
+from kvferry.common.memory_budget import kv_cache_ceiling
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model_files import read_config, resolve_model
 from kvferry.common.process_config import ProcessConfig
@@ -35,7 +36,7 @@ def kv_frame_bound(config) -> int:
     before the model loads): the largest layer group's share of the KV cache budget."""
     num_layers = read_config(resolve_model(config.model))["num_hidden_layers"]
     largest_group = max(hi - lo for lo, hi in layer_groups(num_layers))
-    return largest_group * config.kv_cache_memory // num_layers
+    return largest_group * (config.kv_cache_memory or kv_cache_ceiling()) // num_layers
 
 
 class DecodeWorker(Worker):

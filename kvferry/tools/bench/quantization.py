@@ -1,4 +1,5 @@
-"""`kvferry bench quantization`: int8 against the unquantized model, in one process.
+"""`kvferry bench quantization`: int8 against the unquantized model, in one process; with --kv-cache, a half-precision
+KV cache against a float32 one instead (the same weights on both sides).
 
 Accuracy on text neither side was calibrated on (Python's reference documentation, other topics than calibration's):
 each next token's logprob difference and top-1 agreement (teacher-forced), and greedy chat outputs' agreement up to
@@ -91,6 +92,12 @@ def accuracy(
 
 def add_parser(bench) -> None:
     p = bench.add_parser("quantization", help="--quantization int8 against the unquantized model: accuracy and speed")
+    p.add_argument(
+        "--kv-cache",
+        action="store_true",
+        help="compare the KV cache's type instead: --kv-cache-dtype (auto: the CPU's half precision) against float32, "
+        "both with --quantization as given",
+    )
     p.add_argument("--repeat", type=int, default=2, help="std-32 runs of each engine, alternated; the best is kept")
     p.add_argument("--no-speed", action="store_true", help="accuracy only")
     p.add_argument("--no-floor", action="store_true")
@@ -113,21 +120,28 @@ def cmd_bench_quantization(args) -> int:
 
     config = EngineConfig.from_args(args)
     config.num_threads = config.num_threads or 2
-    engines = {
-        "unquantized": LLMEngine(replace(config, quantization=None)),
-        "int8": LLMEngine(replace(config, quantization="int8")),
-    }
+    if args.kv_cache:  # the reference first, then the candidate
+        half = LLMEngine(config)
+        engines = {"float32 KV": LLMEngine(replace(config, kv_cache_dtype="float32"))}
+        engines[f"{str(half.kv_dtype).removeprefix('torch.')} KV"] = half
+    else:
+        engines = {
+            "unquantized": LLMEngine(replace(config, quantization=None)),
+            "int8": LLMEngine(replace(config, quantization="int8")),
+        }
+    (reference_name, reference), (candidate_name, candidate) = engines.items()
     report = {
         "threads": torch.get_num_threads(),
-        "dtype": str(engines["int8"].dtype).removeprefix("torch."),
-        "accuracy": accuracy(engines["unquantized"], engines["int8"], held_out_texts(), list(CHAT_PROMPTS)),
+        "dtype": str(candidate.dtype).removeprefix("torch."),
+        "compared": [reference_name, candidate_name],
+        "accuracy": accuracy(reference, candidate, held_out_texts(), list(CHAT_PROMPTS)),
     }
     say(args, "accuracy", report["accuracy"])
     if not args.no_speed:
-        requests = workload.generate("std-32", engines["int8"].vocab_size)
+        requests = workload.generate("std-32", candidate.vocab_size)
         runs = {name: [] for name in engines}
         floors = []
-        hf_model = None if args.no_floor else load_hf_model(engines["int8"])
+        hf_model = None if args.no_floor else load_hf_model(candidate)
         for engine in engines.values():
             engine.generate([workload.warmup_prompt(engine.vocab_size)], None)  # warm-up
         for i in range(args.repeat):
@@ -141,7 +155,7 @@ def cmd_bench_quantization(args) -> int:
             name: {k: b[k] for k in ("output_tok_per_s", "elapsed_s", "ttft_p50_s", "tpot_p50_ms")}
             for name, b in best.items()
         }
-        report["std32"]["int8_speedup"] = round(best["unquantized"]["elapsed_s"] / best["int8"]["elapsed_s"], 3)
+        report["std32"]["speedup"] = round(best[reference_name]["elapsed_s"] / best[candidate_name]["elapsed_s"], 3)
         if floors:
             floor = min(floors, key=lambda f: f["floor_s"])
             report["std32"]["floor_output_tok_per_s"] = floor["floor_output_tok_per_s"]
@@ -151,7 +165,7 @@ def cmd_bench_quantization(args) -> int:
         print(json.dumps(report))
         return 0
     a = report["accuracy"]
-    print(f"\n== int8 against {report['dtype']}, {report['threads']} threads ==")
+    print(f"\n== {candidate_name} against {reference_name} ({report['dtype']} model), {report['threads']} threads ==")
     print(
         f"held-out text, {a['positions']} positions: logprob MAD {a['logprob_mad']}, top-1 agreement "
         f"{a['top1_agreement']:.1%}"
@@ -169,7 +183,7 @@ def cmd_bench_quantization(args) -> int:
                 f"TPOT p50 {s[name]['tpot_p50_ms']} ms{extra})"
             )
         print(
-            f"int8 speed-up {s['int8_speedup']}x"
+            f"{candidate_name} speed-up {s['speedup']}x"
             + (f"; floor {s['floor_output_tok_per_s']} tok/s" if "floor_output_tok_per_s" in s else "")
         )
     return 0

@@ -182,7 +182,7 @@ def int8(ctx: Context) -> None:
     a, s = report["accuracy"], report.get("std32", {})
     ctx.summary += (
         f"; bench quantization ({report['dtype']}, random weights): top-1 agreement {a['top1_agreement']:.1%}, "
-        f"int8 speed-up {s.get('int8_speedup')}x"
+        f"int8 speed-up {s.get('speedup')}x"
     )
     over = {d: e for d, e in worst.items() if e > INT8_TOLERANCE[d]}
     if over:

@@ -26,6 +26,7 @@ ENGINE_SETTINGS = (
     "model",
     "device",
     "dtype",
+    "kv_cache_dtype",
     "block_size",
     "kv_cache_memory",
     "max_num_seqs",

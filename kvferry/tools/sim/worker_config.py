@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
+from kvferry.common.memory_budget import FALLBACK_KV_CACHE, kv_bytes_per_token
 from kvferry.common.model_files import max_model_len_of, read_config, resolve_model
 from kvferry.common.serve_config import ServeConfig
 
@@ -34,12 +35,14 @@ class WorkerConfig:
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, num_blocks: int | None = None) -> "WorkerConfig":
-        """The worker a real one with this EngineConfig would be; num_blocks None: from --kv-cache-memory."""
+        """The worker a real one with this EngineConfig would be; num_blocks None: from --kv-cache-memory (unset: 1 GiB,
+        as a planned deployment's memory is not this machine's)."""
         max_model_len = config.max_model_len
         if num_blocks is None or max_model_len is None:
             model_config = read_config(resolve_model(config.model))
             if num_blocks is None:
-                num_blocks = config.kv_cache_memory // bytes_per_block(model_config, config.block_size, config)
+                kv_cache_memory = config.kv_cache_memory or FALLBACK_KV_CACHE
+                num_blocks = kv_cache_memory // bytes_per_block(model_config, config.block_size, config)
             if max_model_len is None:
                 max_model_len = max_model_len_of(model_config)
         same = {f.name: getattr(config, f.name) for f in fields(cls) if f.name not in ("num_blocks", "max_model_len")}
@@ -47,23 +50,15 @@ class WorkerConfig:
 
 
 def bytes_per_block(model_config: dict, block_size: int, config: EngineConfig) -> int:
-    """K and V of one block in every layer, as runner.KVCacheLayout sizes them with the engine's dtype resolution.
+    """K and V of one block in every layer, as runner.KVCacheLayout sizes them with the engine's KV dtype resolution.
     Loads torch. A named --device is taken as named, present or not: a GPU deployment can be planned without one."""
     import torch
 
-    from kvferry.common.engine_setup import resolve_device, resolve_dtype
-    from kvferry.common.model.runner import KVCacheLayout
+    from kvferry.common.engine_setup import resolve_device, resolve_dtype, resolve_kv_dtype
 
     device = resolve_device(config.device) if config.device == "auto" else torch.device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
-    layout = KVCacheLayout(
-        num_layers=model_config["num_hidden_layers"],
-        num_kv_heads=model_config.get("num_key_value_heads") or model_config["num_attention_heads"],
-        head_dim=model_config.get("head_dim") or model_config["hidden_size"] // model_config["num_attention_heads"],
-        block_size=block_size,
-        dtype_bytes=dtype.itemsize,
-    )
-    return layout.bytes_per_block
+    dtype = resolve_kv_dtype(config.kv_cache_dtype, device, resolve_dtype(config.dtype, device))
+    return block_size * kv_bytes_per_token(model_config, dtype.itemsize)
 
 
 @dataclass(frozen=True)
