@@ -27,6 +27,8 @@ from kvferry.common.engine_setup import (
     gpu_kv_cache_memory,
     is_device_failure,
     load_tokenizer,
+    load_weights,
+    mapped_weight_bytes,
     resolve_device,
     resolve_dtype,
     resolve_kv_dtype,
@@ -35,9 +37,8 @@ from kvferry.common.engine_setup import (
 from kvferry.common.errors import ConfigError, FatalError, InvalidRequest
 from kvferry.common.kv_connector import KVConnector
 from kvferry.common.memory_budget import budget_of, most_kv_cache
-from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.kv_blocks import layer_groups
-from kvferry.common.model.loader import load_model, resolve_model
+from kvferry.common.model.loader import resolve_model
 from kvferry.common.model.quant_calibration import calibration_token_ids
 from kvferry.common.model.runner import kv_cache_layout
 from kvferry.common.model_files import eos_token_ids
@@ -67,15 +68,21 @@ class LLMEngine:
         kv_cache_memory = config.kv_cache_memory
         if self.device.type == "cpu":  # a GPU's own memory fails as the cache is allocated (build_runner)
             most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
-            budget = budget_of(model_dir, self.dtype.itemsize, kv_cache_memory, config.memory_utilization, most)
+            budget = budget_of(
+                model_dir, self.dtype.itemsize, kv_cache_memory, config.memory_utilization, most,
+                weights=mapped_weight_bytes(model_dir, self.dtype, self.device, config),
+            )  # fmt: skip
             log.info("memory budget: %s", budget.describe())
             budget.check()  # before loading: Linux would start what cannot fit, and kill it later
             kv_cache_memory = budget.kv_cache
-        self.model, self.model_config, max_model_len = load_model(
-            model_dir, self.dtype, self.device, config.max_model_len
+        # Quantized before the cache: its errors are not the cache's
+        self.model, self.model_config, max_model_len = load_weights(
+            model_dir,
+            self.dtype,
+            self.device,
+            config,
+            lambda model_config: calibration_token_ids(self.tokenizer, model_config.vocab_size),
         )
-        if config.quantization == "int8":  # before the cache: its errors are not the cache's
-            quantize_model(self.model, self.device, calibration_token_ids(self.tokenizer, self.model_config.vocab_size))
         if kv_cache_memory is None:  # CUDA: what the utilization leaves of the GPU beside the weights now loaded
             most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
             kv_cache_memory = min(gpu_kv_cache_memory(self.device, config.memory_utilization), most)

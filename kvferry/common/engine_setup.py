@@ -10,6 +10,9 @@ from pathlib import Path
 import torch
 
 from kvferry.common.errors import ConfigError
+from kvferry.common.model import prepared_weights
+from kvferry.common.model.int8_linear import quantize_model
+from kvferry.common.model.loader import load_model
 from kvferry.common.model.runner import ModelRunner
 
 log = logging.getLogger("kvferry.engine")
@@ -95,6 +98,36 @@ def load_tokenizer(model_dir):
     if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     return AutoTokenizer.from_pretrained(model_dir)
+
+
+def maps_prepared_weights(device: torch.device, config) -> bool:
+    """Whether the weights come from the host's prepared file (prepared_weights.py): int8 on the CPU."""
+    return config.quantization == "int8" and device.type == "cpu"
+
+
+def mapped_weight_bytes(model_dir, dtype: torch.dtype, device: torch.device, config) -> int | None:
+    """The size of the prepared file this worker will map, where there is one already (a warm start's weights at
+    their peak); None where the weights load in full first."""
+    if not maps_prepared_weights(device, config):
+        return None
+    path = prepared_weights.prepared_path(model_dir, dtype, "int8")
+    return path.stat().st_size if path.exists() else None
+
+
+def load_weights(model_dir, dtype: torch.dtype, device: torch.device, config, calibration_ids) -> tuple:
+    """(model, ModelConfig, max_model_len): int8 on the CPU mapped from the host's prepared file, made first where
+    there is none; otherwise loaded, and quantized, in this process. calibration_ids(model): int8's calibration
+    text, read only where the model is quantized here."""
+    if maps_prepared_weights(device, config):
+
+        def quantize(model):
+            quantize_model(model, device, calibration_ids(model.config))
+
+        return prepared_weights.load_or_prepare(model_dir, dtype, config.max_model_len, quantize)
+    model, model_config, max_model_len = load_model(model_dir, dtype, device, config.max_model_len)
+    if config.quantization == "int8":
+        quantize_model(model, device, calibration_ids(model_config))
+    return model, model_config, max_model_len
 
 
 def gpu_kv_cache_memory(device: torch.device, utilization: float) -> int:

@@ -137,10 +137,17 @@ def most_kv_cache(model_dir: Path, config, itemsize: int) -> int:
 
 
 def budget_of(
-    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float = 0.9, most: int = 0
+    model_dir: Path,
+    itemsize: int,
+    kv_cache_memory: int | None,
+    utilization: float = 0.9,
+    most: int = 0,
+    weights: int | None = None,
 ) -> Budget:
-    """One worker's budget; kv_cache_memory None: sized from memory, at most `most` bytes (0: no bound)."""
-    weights, available = parameter_count(model_dir) * itemsize, available_memory()
+    """One worker's budget; kv_cache_memory None: sized from memory, at most `most` bytes (0: no bound). weights:
+    their bytes where known (a prepared file's, mapped), else counted at itemsize from the checkpoint."""
+    weights = parameter_count(model_dir) * itemsize if weights is None else weights
+    available = available_memory()
     if kv_cache_memory is not None:
         return Budget(weights, kv_cache_memory, available)
     return Budget(weights, sized_kv_cache(weights, available, utilization, most=most), available, sized=True)

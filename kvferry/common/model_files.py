@@ -139,10 +139,10 @@ def converted_dir(gguf_path: Path) -> Path:
 
 
 def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
-    """Convert (kvferry.common.model.loader.convert_gguf) in a child process: converting needs torch and
+    """Convert (kvferry.common.model.gguf_convert.convert_gguf) in a child process: converting needs torch and
     transformers, which a process that only locates the model, like the gateway, must not load."""
     code = (  # umask 077: the converted files are this user's alone, whatever the umask (002 lets the group write)
-        "import os, sys; from pathlib import Path; from kvferry.common.model.loader import convert_gguf; "
+        "import os, sys; from pathlib import Path; from kvferry.common.model.gguf_convert import convert_gguf; "
         "os.umask(0o077); "
         "convert_gguf(Path(sys.argv[1]), Path(sys.argv[2]))"
     )

@@ -249,8 +249,9 @@ def test_garbage_on_the_wire_is_counted_and_survived(stack):
 
 
 def test_a_full_decode_worker_makes_requests_wait_not_fail(make_stack):
-    # 40 blocks of 16 tokens on the decode worker: one 300-token conversation at a time fits.
-    s = make_stack(kv_cache_memory=str(40 * 737280))  # the decode worker lowers its max_model_len to 640
+    # 40 blocks of 16 tokens on the decode worker (each 368,640 bytes in the CPU's half-precision cache): one
+    # 300-token conversation at a time fits.
+    s = make_stack(kv_cache_memory=str(40 * 368640))  # the decode worker lowers its max_model_len to 640
     s.start_gateway()
     s.start_worker("p", "prefill", "--kv-cache-memory", "256MiB")
     s.start_worker("d", "decode")

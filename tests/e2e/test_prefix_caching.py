@@ -102,7 +102,7 @@ def test_benchmark_replay_reports_groups_and_the_prefill_counters(make_stack):
     assert delta["prompt_tokens_computed"] == sum(len(r["prompt_token_ids"]) for r in requests) - 3 * 64
 
 
-BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 4  # K and V of one 16-token block of SmolLM2-135M in float32
+BLOCK_BYTES = 2 * 30 * 16 * 3 * 64 * 2  # K and V of one 16-token block of SmolLM2-135M in the CPU's half precision
 
 
 def test_a_second_chat_turn_ships_only_its_new_blocks(make_stack):

@@ -57,6 +57,16 @@ class Int8Linear(nn.Module):
         self.register_buffer("scale", scale, persistent=False)  # [N] fp32
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
 
+    @classmethod
+    def shell(cls, linear: nn.Linear) -> "Int8Linear":
+        """An Int8Linear of linear's shape with no weights yet: prepared_weights.load puts in those it mapped."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name in ("outliers", "outlier_weight", "qweight", "qweight_sums", "scale", "bias"):
+            self.register_buffer(name, None, persistent=False)
+        return self
+
     def interleave(self) -> bool:
         """Keep qweight, in place of the plain one, in the layout the C product streams fastest where it takes every
         product of this layer (small_matmul.interleave), the outlier weights tiled with it. Returns whether it did.

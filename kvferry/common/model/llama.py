@@ -189,8 +189,9 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab]
 
-    def load_hf_state_dict(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load transformers-named weights, fusing q/k/v and gate/up on the way."""
+    def load_hf_state_dict(self, weights) -> None:
+        """Load transformers-named weights, (name, tensor) pairs, fusing q/k/v and gate/up on the way: each fused
+        weight as soon as its parts are in, so that no more than one layer's parts are held at a time."""
         own = self.state_dict()
         loaded = set()
 
@@ -203,20 +204,23 @@ class LlamaModel(nn.Module):
             loaded.add(name)
 
         fused, tied = {}, self.config.tie_word_embeddings
-        for name, tensor in weights.items():
+        for name, tensor in weights:
             # Older checkpoints saved inv_freq (the tables are recomputed); a tied lm_head is the embedding.
             if name.endswith("rotary_emb.inv_freq") or (tied and name.startswith("lm_head.")):
                 continue
             for part, (target, index) in FUSED_PARTS.items():
                 if f".{part}." in name:
-                    fused.setdefault(name.replace(part, target), {})[index] = tensor
+                    whole = name.replace(part, target)
+                    pieces = fused.setdefault(whole, {})
+                    pieces[index] = tensor
+                    if len(pieces) == (3 if "qkv_proj" in whole else 2):
+                        put(whole.removeprefix("model."), torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
+                        del fused[whole]
                     break
             else:
                 put(name.removeprefix("model."), tensor)
-        for name, pieces in fused.items():
-            if set(pieces) != set(range(3 if "qkv_proj" in name else 2)):
-                raise ModelLoadError(f"incomplete fused weight {name}")
-            put(name.removeprefix("model."), torch.cat([pieces[i] for i in sorted(pieces)], dim=0))
+        if fused:
+            raise ModelLoadError(f"incomplete fused weight {next(iter(fused))}")
         if tied:
             loaded.add("lm_head.weight")
         absent = set(own) - loaded

@@ -1,0 +1,198 @@
+"""One prepared copy of a model's weights per host: a quantized model, once made, is written into the cache as one
+safetensors file, and every worker maps that file read-only instead of holding its own copy.
+
+A prefill and a decode worker on one host then share the same pages (the kernel's page cache), and a restart
+starts from the file: no checkpoint read, no float32 model, no calibration, no quantization. The file holds the
+weights exactly as the CPU kernels read them (int8 weights in the layout small_matmul.c streams, its outlier
+rows tiled), so its name carries everything they depend on: the checkpoint's files, the settings, the code that
+made them, and the CPU (prepared_path). A file that is truncated, not this format, or not for this key is made
+again; one that someone else could have written is refused (cache_trust), as the compiled kernels are.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import mmap
+import os
+import struct
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from kvferry.common import model_files
+from kvferry.common.model import int8_linear, llama, quant_calibration
+from kvferry.common.model.int8_linear import Int8Linear
+from kvferry.common.model.loader import weight_files
+from kvferry.kernels.cpu import build, small_matmul
+
+log = logging.getLogger("kvferry.engine")
+
+FORMAT = "kvferry-prepared-1"
+_HEADER_LIMIT = 100 * 2**20
+# What a tensor's storage is: the model's own code rebuilds these (RoPE's tables), the file need not hold them
+_REBUILT = ("rope_cos", "rope_sin")
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+           "I32": torch.int32, "I64": torch.int64}  # fmt: skip
+
+
+def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Path:
+    """The file for this model, dtype and quantization on this CPU with this code, in the cache's `prepared`
+    folder (this user's alone, or a ConfigError)."""
+    identity = [FORMAT, str(dtype), quantization, build._cpu_features(), str(torch.__version__)]
+    for path in [*weight_files(model_dir), model_dir / "config.json"]:
+        status = path.stat()
+        identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
+    for module in (int8_linear, llama, quant_calibration, small_matmul):  # how the weights are made and laid out
+        identity.append(Path(module.__file__).read_text())
+    key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
+    return model_files.cache_folder("prepared") / f"{model_dir.name}-{quantization}-{key}.safetensors"
+
+
+@contextlib.contextmanager
+def preparing(path: Path):
+    """Held while this process makes path: a worker starting beside it waits, then maps the file it wrote."""
+    with open(path.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(each distinct weight tensor by its first name, each other name of it -> that name)."""
+    tensors, aliases, seen = {}, {}, {}
+    named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in named:
+        if tensor is None or name.rsplit(".", 1)[-1] in _REBUILT:
+            continue
+        identity = (tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride())
+        if identity in seen:
+            aliases[name] = seen[identity]
+        else:
+            seen[identity] = name
+            tensors[name] = tensor.detach().contiguous()
+    return tensors, aliases
+
+
+def save(model: nn.Module, path: Path) -> None:
+    """Write the model's weights to path, whole or not at all (a temporary file renamed into place)."""
+    from safetensors.torch import save_file
+
+    tensors, aliases = _weights(model)
+    int8 = [name for name, module in model.named_modules() if isinstance(module, Int8Linear)]
+    metadata = {"format": FORMAT, "name": path.name, "aliases": json.dumps(aliases), "int8": json.dumps(int8)}
+    fd, partial = tempfile.mkstemp(suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, partial, metadata=metadata)
+        os.chmod(partial, 0o644)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    # One copy per host: the same model's files of older keys (another checkpoint, kvferry or CPU) go
+    prefix = path.name.rsplit("-", 1)[0] + "-"
+    for old in path.parent.glob(f"{prefix}*.safetensors"):
+        if old != path and len(old.name) == len(path.name):
+            old.unlink(missing_ok=True)
+            old.with_suffix(".lock").unlink(missing_ok=True)
+
+
+def _header(path: Path) -> tuple[dict, int] | None:
+    """(the file's header, where its data starts), or None (with the reason logged) where the file is not a whole
+    prepared file of this format and name: truncated, of another version, or not safetensors at all."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < length <= min(_HEADER_LIMIT, size - 8):
+            log.warning("prepared weights %s: not a safetensors file; making them again", path)
+            return None
+        try:
+            header = json.loads(f.read(length))
+        except ValueError:
+            log.warning("prepared weights %s: its header is not JSON; making them again", path)
+            return None
+    metadata = header.pop("__metadata__", {})
+    if metadata.get("format") != FORMAT or metadata.get("name") != path.name:
+        log.warning("prepared weights %s: of another version (%s); making them again", path, metadata.get("format"))
+        return None
+    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
+    if 8 + length + end != size:
+        log.warning("prepared weights %s: %d bytes, where its header says %d; making them again", path, size,
+                    8 + length + end)  # fmt: skip
+        return None
+    header["__metadata__"] = metadata
+    return header, 8 + length
+
+
+def load(model: nn.Module, path: Path) -> bool:
+    """Put path's weights into model (built without its weights: skip_weight_init) as read-only views of the file
+    mapped into memory, every Int8Linear the file names in place of its nn.Linear. False, with nothing changed,
+    where the file is missing or not whole (the caller makes it again)."""
+    if not path.exists():
+        return False
+    with model_files.trusted_cache():  # someone else's file would be run as this user's weights
+        from kvferry import cache_trust
+
+        cache_trust.check(path, model_files.cache_root())
+    found = _header(path)
+    if found is None:
+        return False
+    header, start = found
+    metadata = header.pop("__metadata__")
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while a tensor views it
+    int8_linear.swap_linears(
+        model, lambda name, linear: Int8Linear.shell(linear) if name in json.loads(metadata["int8"]) else linear
+    )
+    tensors = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only, as meant
+        for name, entry in header.items():
+            lo, hi = entry["data_offsets"]
+            dtype = _DTYPES[entry["dtype"]]
+            flat = torch.frombuffer(mapped, dtype=dtype, count=(hi - lo) // dtype.itemsize, offset=start + lo)
+            tensors[name] = flat.view(entry["shape"])
+    for alias, name in json.loads(metadata["aliases"]).items():
+        tensors[alias] = tensors[name]
+    for name, tensor in tensors.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        if attr in owner._parameters:
+            owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+        else:
+            owner._buffers[attr] = tensor
+    return True
+
+
+def load_or_prepare(model_dir: Path, dtype: torch.dtype, max_model_len: int | None, quantize) -> tuple:
+    """load_model's result for an int8 model on the CPU, its weights mapped from the prepared file: made first where
+    there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
+    from kvferry.common.model.loader import load_model
+    from kvferry.common.model.runner import enable_cpu_kernels
+
+    path = prepared_path(model_dir, dtype, "int8")
+    cpu = torch.device("cpu")
+    with preparing(path):
+        model, config, max_model_len = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
+        if load(model, path):
+            log.info("weights mapped from %s (%.2f GiB, shared with every worker on this host)", path,
+                     path.stat().st_size / 2**30)  # fmt: skip
+            return model, config, max_model_len
+        made, _, _ = load_model(model_dir, dtype, cpu, max_model_len)
+        quantize(made)
+        enable_cpu_kernels()
+        int8_linear.interleave_linears(made)  # the layout the kernels read, kept in the file
+        save(made, path)
+        del made  # this process's own copy: the file's pages replace it
+        log.info("weights prepared once into %s (%.2f GiB)", path, path.stat().st_size / 2**30)
+        if not load(model, path):
+            raise OSError(f"the prepared weights just written to {path} do not read back")
+    return model, config, max_model_len
