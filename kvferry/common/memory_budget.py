@@ -6,7 +6,7 @@ Loading holds every weight in the engine's dtype at its peak (int8 quantization 
 counts, whatever --quantization says.
 
 Without --kv-cache-memory the KV cache takes what --memory-utilization leaves after the weights: of MemAvailable at
-start, for one worker alone or, under `kvferry serve`, for all its workers together (plan_workers: serve sizes each
+start, for one worker alone or, under `kvferry serve`, for all its workers together (plan_serve: serve sizes each
 worker's cache before any starts, as workers starting together would each count the same free memory).
 """
 
@@ -153,19 +153,27 @@ def budget_of(
     return Budget(weights, sized_kv_cache(weights, available, utilization, most=most), available, sized=True)
 
 
-def plan_workers(
-    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float, workers: int, most: int = 0
-) -> int:
-    """`kvferry serve`'s check of its workers together on one host, before any starts: each worker's KV cache
-    bytes (given, or sized from memory, at most `most`), or a ConfigError naming the numbers."""
+# serve's KV memory for its prefill worker when sized from memory: it holds a prompt's KV only until the decode worker
+# has it (and its prefix cache), where the decode worker holds every running sequence to its end.
+PREFILL_KV_SHARE = 0.25
+
+
+def plan_serve(
+    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float, most: int = 0
+) -> tuple[int, int]:
+    """`kvferry serve`'s check of its prefill and decode worker together on one host, before either starts: the KV
+    cache bytes of each (given: the same for both; else sized from memory, PREFILL_KV_SHARE of it the prefill
+    worker's, each at most `most`), or a ConfigError naming the numbers."""
     weights, available = parameter_count(model_dir) * itemsize, available_memory()
     if kv_cache_memory is None:
-        return sized_kv_cache(weights, available, utilization, workers, most)
-    need = workers * (weights + kv_cache_memory)
+        total = 2 * sized_kv_cache(weights, available, utilization, workers=2)
+        prefill = int(total * PREFILL_KV_SHARE)
+        return min(prefill, most or prefill), min(total - prefill, most or total)
+    need = 2 * (weights + kv_cache_memory)
     if available is not None and need > available:
         raise ConfigError(
-            f"not enough memory: {workers} workers each take {gib(weights)} of weights while loading and "
+            f"not enough memory: 2 workers each take {gib(weights)} of weights while loading and "
             f"{gib(kv_cache_memory)} of KV cache ({KV_CACHE_MEMORY}), {gib(need)} in all, but {gib(available)} is "
             "available: lower it, leave it unset to size it from memory, or serve a smaller model or --dtype"
         )
-    return kv_cache_memory
+    return kv_cache_memory, kv_cache_memory

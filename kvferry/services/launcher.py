@@ -18,7 +18,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.errors import KvferryError
 from kvferry.common.gateway_config import GatewayConfig
 from kvferry.common.gateway_ports import check_gateway_ports, control_addresses
-from kvferry.common.memory_budget import most_kv_cache, plan_workers
+from kvferry.common.memory_budget import most_kv_cache, plan_serve
 from kvferry.common.serve_config import ServeConfig
 from kvferry.common.setting import from_args
 
@@ -173,21 +173,23 @@ def start_services(
     return procs
 
 
-def share_memory(model_dir, engine: EngineConfig, workers: int) -> dict[str, str]:
-    """The memory settings that let serve's workers on this host fit together (memory_budget.plan_workers): on the
-    CPU each worker's KV cache bytes, given or sized here for all of them (each worker alone would count the same
-    free memory); on a GPU, which the workers share, each worker's share of --memory-utilization. A ConfigError,
-    before anything starts, where they cannot fit."""
+def share_memory(model_dir, engine: EngineConfig) -> tuple[dict[str, str], dict[str, str]]:
+    """The memory settings (the prefill worker's, the decode worker's) that let serve's two workers on this host fit
+    together (memory_budget.plan_serve): on the CPU each worker's KV cache bytes, given or sized here for both (each
+    worker alone would count the same free memory); on a GPU, which they share, each one half of
+    --memory-utilization. A ConfigError, before anything starts, where they cannot fit."""
     gpu = engine.device.startswith("cuda") or (engine.device == "auto" and os.path.exists("/dev/nvidiactl"))
     if gpu:
-        if engine.kv_cache_memory is not None:
-            return {}
-        return {settings.env_name("memory_utilization"): repr(engine.memory_utilization / workers)}
+        half = {} if engine.kv_cache_memory is not None else {
+            settings.env_name("memory_utilization"): repr(engine.memory_utilization / 2)
+        }  # fmt: skip
+        return half, half
     weight_bytes = 4 if engine.dtype in ("auto", "float32") else 2  # as loading holds them on the CPU
     kv_bytes = 4 if engine.kv_cache_dtype == "float32" else 2  # auto: half precision on the CPU, whatever the model's
     most = most_kv_cache(model_dir, engine, kv_bytes)
-    each = plan_workers(model_dir, weight_bytes, engine.kv_cache_memory, engine.memory_utilization, workers, most)
-    return {settings.env_name("kv_cache_memory"): str(each)}
+    sizes = plan_serve(model_dir, weight_bytes, engine.kv_cache_memory, engine.memory_utilization, most)
+    prefill, decode = ({settings.env_name("kv_cache_memory"): str(size)} for size in sizes)
+    return prefill, decode
 
 
 def serve(args) -> int:
@@ -206,12 +208,13 @@ def serve(args) -> int:
     # The children read serve's settings from the environment: each that serve and a child take, as serve got it.
     children = (settings.GATEWAY, settings.PREFILL, settings.DECODE)
     env = settings.apply_environment(dict(os.environ), settings.child_environment(args, settings.SERVE, children))
-    env.update(share_memory(model_dir, engine, workers=2))  # before any worker starts: it fits, or nothing starts
+    prefill_memory, decode_memory = share_memory(model_dir, engine)  # before either starts: they fit, or neither starts
+    env.update(decode_memory)
     # The workers share the cores, and an idle OpenMP thread spins 300,000 rounds before it sleeps, taking a core
     # from the other worker. Prefill's spin 10,000: awake across one step's short gaps, no longer. Decode keeps the
     # default: it runs niced, so its spinning yields, and its many short parallel regions run faster with threads
     # awake (docs/benchmarks.md). libgomp reads it as it loads: only the children's environment can carry it.
-    prefill_env = {"GOMP_SPINCOUNT": "10000", **env}  # a user's value wins
+    prefill_env = {"GOMP_SPINCOUNT": "10000", **env, **prefill_memory}  # a user's spin count wins
     procs = []
     try:
         procs = start_services(

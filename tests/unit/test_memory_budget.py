@@ -12,12 +12,13 @@ from safetensors.torch import save_file
 from kvferry.common.config import EngineConfig
 from kvferry.common.errors import ConfigError
 from kvferry.common.memory_budget import (
+    PREFILL_KV_SHARE,
     Budget,
     available_memory,
     kv_bytes_per_token,
     most_kv_cache,
     parameter_count,
-    plan_workers,
+    plan_serve,
     sized_kv_cache,
 )
 
@@ -89,9 +90,12 @@ def test_serves_workers_are_planned_together(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     save_file({"w": torch.zeros(2**20)}, tmp_path / "model.safetensors")  # 4 MiB in float32
     available = available_memory()
-    each = plan_workers(tmp_path, 4, None, 0.5, workers=2)
-    assert abs(each - (available // 2 - 2 * 4 * 2**20) // 2) < 2**26  # MemAvailable moves a little between reads
-    assert plan_workers(tmp_path, 4, 2**20, 0.5, workers=2) == 2**20  # given: kept, where it fits
+    prefill, decode = plan_serve(tmp_path, 4, None, 0.5, most=0)
+    total = available // 2 - 2 * 4 * 2**20  # half of what is available, less both workers' weights
+    assert abs(prefill + decode - total) < 2**26  # MemAvailable moves a little between reads
+    assert prefill == int((prefill + decode) * PREFILL_KV_SHARE)  # a quarter: prompts only until shipped
+    assert plan_serve(tmp_path, 4, None, 0.5, most=2**20) == (2**20, 2**20)  # no more than either could fill
+    assert plan_serve(tmp_path, 4, 2**20, 0.5) == (2**20, 2**20)  # given: the same for both, where they fit
     with pytest.raises(ConfigError) as refused:
-        plan_workers(tmp_path, 4, available, 0.5, workers=2)  # two of all there is
+        plan_serve(tmp_path, 4, available, 0.5)  # two of all there is
     assert "2 workers each take" in str(refused.value) and "--kv-cache-memory" in str(refused.value)
