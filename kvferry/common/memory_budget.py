@@ -80,22 +80,18 @@ def kv_bytes_per_token(model_config: dict, itemsize: int) -> int:
 
 
 def sized_kv_cache(weights: int, available: int | None, utilization: float, workers: int = 1, most: int = 0) -> int:
-    """Each worker's KV cache when sized from memory: the utilization's share of what is available, less every
-    worker's weights, split evenly, and no more than `most` (when set): what the worker could ever fill. A
-    ConfigError naming the numbers where nothing is left."""
+    """Each worker's KV cache when sized from memory: the utilization's share of what is available, less the
+    weights (every worker's together, as they are held at once), split evenly, and no more than `most` (when set):
+    what the worker could ever fill. A ConfigError naming the numbers where nothing is left."""
     if available is None:
         return min(FALLBACK_KV_CACHE, most or FALLBACK_KV_CACHE)
-    left = int(utilization * available) - workers * weights
+    left = int(utilization * available) - weights
     if left < workers * 2**20:
-        each = (
-            f"{workers} workers' weights take {gib(workers * weights)}"
-            if workers > 1
-            else f"the weights take {gib(weights)}"
-        )
+        whose = f" ({workers} workers')" if workers > 1 else ""
         raise ConfigError(
-            f"not enough memory for a KV cache: {each} while loading, and {UTILIZATION} {utilization:g} of the "
-            f"{gib(available)} available is {gib(int(utilization * available))}: raise it, set {KV_CACHE_MEMORY}, "
-            "or serve a smaller model or --dtype"
+            f"not enough memory for a KV cache: the weights{whose} take {gib(weights)} while loading, and "
+            f"{UTILIZATION} {utilization:g} of the {gib(available)} available is "
+            f"{gib(int(utilization * available))}: raise it, set {KV_CACHE_MEMORY}, or serve a smaller model or --dtype"
         )
     return min(left // workers, most or left)
 
@@ -159,14 +155,20 @@ PREFILL_KV_SHARE = 0.25
 
 
 def plan_serve(
-    model_dir: Path, itemsize: int, kv_cache_memory: int | None, utilization: float, most: int = 0
+    model_dir: Path,
+    itemsize: int,
+    kv_cache_memory: int | None,
+    utilization: float,
+    most: int = 0,
+    shared_weights: bool = False,
 ) -> tuple[int, int]:
     """`kvferry serve`'s check of its prefill and decode worker together on one host, before either starts: the KV
     cache bytes of each (given: the same for both; else sized from memory, PREFILL_KV_SHARE of it the prefill
-    worker's, each at most `most`), or a ConfigError naming the numbers."""
+    worker's, each at most `most`), or a ConfigError naming the numbers. shared_weights: one worker loads the
+    weights while the other waits to map what it prepared (prepared_weights.py), so they count once."""
     weights, available = parameter_count(model_dir) * itemsize, available_memory()
     if kv_cache_memory is None:
-        total = 2 * sized_kv_cache(weights, available, utilization, workers=2)
+        total = 2 * sized_kv_cache(weights * (1 if shared_weights else 2), available, utilization, workers=2)
         prefill = int(total * PREFILL_KV_SHARE)
         return min(prefill, most or prefill), min(total - prefill, most or total)
     need = 2 * (weights + kv_cache_memory)

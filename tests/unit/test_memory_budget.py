@@ -63,13 +63,13 @@ def test_this_machine_reports_its_available_memory():
 def test_a_kv_cache_sized_from_memory_takes_the_utilizations_share_less_every_workers_weights():
     gib = 2**30
     assert sized_kv_cache(2 * gib, 20 * gib, 0.9) == 16 * gib  # 18 of 20, less 2 of weights
-    assert sized_kv_cache(2 * gib, 20 * gib, 0.9, workers=2) == 7 * gib  # (18 - 2 x 2) / 2 each
-    assert sized_kv_cache(2 * gib, 20 * gib, 0.9, workers=2, most=3 * gib) == 3 * gib  # no more than it can fill
+    assert sized_kv_cache(4 * gib, 20 * gib, 0.9, workers=2) == 7 * gib  # (18 - 2 x 2) / 2 each
+    assert sized_kv_cache(4 * gib, 20 * gib, 0.9, workers=2, most=3 * gib) == 3 * gib  # no more than it can fill
     assert sized_kv_cache(2 * gib, None, 0.9, most=5 * 2**20) == 5 * 2**20  # no /proc/meminfo: 1 GiB, or less
     with pytest.raises(ConfigError) as refused:
-        sized_kv_cache(6 * gib, 20 * gib, 0.5, workers=2)  # 10 of 20, all of it the weights' 12
+        sized_kv_cache(12 * gib, 20 * gib, 0.5, workers=2)  # 10 of 20, all of it the weights' 12
     text = str(refused.value)
-    assert "2 workers' weights take 12.00 GiB" in text and "--memory-utilization" in text and "0.5" in text
+    assert "the weights (2 workers') take 12.00 GiB" in text and "--memory-utilization" in text and "0.5" in text
     assert "--kv-cache-memory" in text
 
 
@@ -95,6 +95,8 @@ def test_serves_workers_are_planned_together(tmp_path):
     assert abs(prefill + decode - total) < 2**26  # MemAvailable moves a little between reads
     assert prefill == int((prefill + decode) * PREFILL_KV_SHARE)  # a quarter: prompts only until shipped
     assert plan_serve(tmp_path, 4, None, 0.5, most=2**20) == (2**20, 2**20)  # no more than either could fill
+    prefill_shared, decode_shared = plan_serve(tmp_path, 4, None, 0.5, shared_weights=True)  # int8: mapped once
+    assert abs(prefill_shared + decode_shared - (total + 4 * 2**20)) < 2**26
     assert plan_serve(tmp_path, 4, 2**20, 0.5) == (2**20, 2**20)  # given: the same for both, where they fit
     with pytest.raises(ConfigError) as refused:
         plan_serve(tmp_path, 4, available, 0.5)  # two of all there is
