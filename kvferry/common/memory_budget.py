@@ -171,11 +171,12 @@ def plan_serve(
         total = 2 * sized_kv_cache(weights * (1 if shared_weights else 2), available, utilization, workers=2)
         prefill = int(total * PREFILL_KV_SHARE)
         return min(prefill, most or prefill), min(total - prefill, most or total)
-    need = 2 * (weights + kv_cache_memory)
+    need = weights * (1 if shared_weights else 2) + 2 * kv_cache_memory
     if available is not None and need > available:
         raise ConfigError(
-            f"not enough memory: 2 workers each take {gib(weights)} of weights while loading and "
-            f"{gib(kv_cache_memory)} of KV cache ({KV_CACHE_MEMORY}), {gib(need)} in all, but {gib(available)} is "
-            "available: lower it, leave it unset to size it from memory, or serve a smaller model or --dtype"
+            f"not enough memory for serve's 2 workers: their weights take {gib(need - 2 * kv_cache_memory)} while "
+            f"loading and each KV cache {gib(kv_cache_memory)} ({KV_CACHE_MEMORY}), {gib(need)} in all, but "
+            f"{gib(available)} is available: lower it, leave it unset to size it from memory, or serve a smaller "
+            "model or --dtype"
         )
     return kv_cache_memory, kv_cache_memory

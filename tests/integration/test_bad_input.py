@@ -166,7 +166,7 @@ def test_a_kv_cache_larger_than_the_machine_fails_before_the_model_loads(tiny_di
 def test_serve_refuses_workers_that_cannot_fit_together_before_starting_any(tiny_dir):
     result = run_cli("serve", "--model", str(tiny_dir), "--kv-cache-memory", "100000GiB", "--port", "1")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "kvferry: error: not enough memory: 2 workers each take" in result.stderr
+    assert "kvferry: error: not enough memory for serve's 2 workers" in result.stderr
     assert "--kv-cache-memory (KVFERRY_KV_CACHE_MEMORY)" in result.stderr
     assert "serving on" not in result.stdout
 

@@ -59,19 +59,25 @@ def test_the_first_engine_prepares_the_file_and_the_next_maps_it(model, caplog):
     assert _greedy(warm) == cold
 
 
-@pytest.mark.parametrize("damage", ["truncated", "another version"])
+@pytest.mark.parametrize("damage", ["truncated", "another version", "a bad entry"])
 def test_a_damaged_file_is_made_again(model, caplog, damage):
     folder, path, cold = model
     if damage == "truncated":
         os.truncate(path, path.stat().st_size - 100)
-    else:
+    elif damage == "another version":
         raw = bytearray(path.read_bytes())
         at = raw.index(b"kvferry-prepared-")
         raw[at : at + 17] = b"kvferry-prepared-".upper()  # the same length: only the format differs
         path.write_bytes(bytes(raw))
+    else:
+        raw = bytearray(path.read_bytes())
+        at = raw.index(b'"dtype":"I8"')
+        raw[at : at + 12] = b'"dtype":"Q4"'  # a type no prepared file holds, in a header otherwise whole
+        path.write_bytes(bytes(raw))
     with caplog.at_level(logging.INFO, logger="kvferry.engine"):
         again = LLMEngine(_config(folder))
-    expected = "where its header says" if damage == "truncated" else "of another version"
+    expected = {"truncated": "that its header does not describe", "another version": "of another version",
+                "a bad entry": "that its header does not describe"}[damage]  # fmt: skip
     assert expected in caplog.text and "making them again" in caplog.text and "prepared once" in caplog.text
     assert _mapped_from(again, path) and _greedy(again) == cold
 

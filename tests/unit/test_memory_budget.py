@@ -100,4 +100,4 @@ def test_serves_workers_are_planned_together(tmp_path):
     assert plan_serve(tmp_path, 4, 2**20, 0.5) == (2**20, 2**20)  # given: the same for both, where they fit
     with pytest.raises(ConfigError) as refused:
         plan_serve(tmp_path, 4, available, 0.5)  # two of all there is
-    assert "2 workers each take" in str(refused.value) and "--kv-cache-memory" in str(refused.value)
+    assert "not enough memory for serve's 2 workers" in str(refused.value) and "--kv-cache-memory" in str(refused.value)

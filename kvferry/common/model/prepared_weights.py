@@ -17,7 +17,6 @@ import logging
 import mmap
 import os
 import struct
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -40,17 +39,29 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
            "I32": torch.int32, "I64": torch.int64}  # fmt: skip
 
 
+def _layout() -> str:
+    """Whether int8 weights are kept interleaved here (the C kernels loaded and taking every row count), which the
+    file's layout follows: a file of the other layout would cost each worker a private copy."""
+    from kvferry.common.model.runner import enable_cpu_kernels
+    from kvferry.kernels.cpu import layer_ops
+
+    enable_cpu_kernels()
+    return "interleaved" if small_matmul.takes_every_row_count() and layer_ops.handles() else "plain"
+
+
 def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Path:
     """The file for this model, dtype and quantization on this CPU with this code, in the cache's `prepared`
-    folder (this user's alone, or a ConfigError)."""
-    identity = [FORMAT, str(dtype), quantization, build._cpu_features(), str(torch.__version__)]
+    folder (this user's alone, or a ConfigError). Its name starts with what tells a model's files apart for the
+    same setup (pruned by save), then the key of everything else."""
+    identity = [FORMAT, str(dtype), quantization, build._cpu_features(), str(torch.__version__), _layout()]
     for path in [*weight_files(model_dir), model_dir / "config.json"]:
         status = path.stat()
         identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
     for module in (int8_linear, llama, quant_calibration, small_matmul):  # how the weights are made and laid out
         identity.append(Path(module.__file__).read_text())
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
-    return model_files.cache_folder("prepared") / f"{model_dir.name}-{quantization}-{key}.safetensors"
+    setup = f"{model_dir.name}-{quantization}-{str(dtype).removeprefix('torch.')}"
+    return model_files.cache_folder("prepared") / f"{setup}-{key}.safetensors"
 
 
 @contextlib.contextmanager
@@ -87,88 +98,140 @@ def save(model: nn.Module, path: Path) -> None:
     tensors, aliases = _weights(model)
     int8 = [name for name, module in model.named_modules() if isinstance(module, Int8Linear)]
     metadata = {"format": FORMAT, "name": path.name, "aliases": json.dumps(aliases), "int8": json.dumps(int8)}
-    fd, partial = tempfile.mkstemp(suffix=".partial", dir=path.parent)
-    os.close(fd)
+    partial = path.with_suffix(".partial")  # one name, under the lock: a killed attempt's leftover is overwritten
     try:
-        save_file(tensors, partial, metadata=metadata)
+        save_file(tensors, str(partial), metadata=metadata)
         os.chmod(partial, 0o644)
         os.replace(partial, path)
     finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    # One copy per host: the same model's files of older keys (another checkpoint, kvferry or CPU) go
-    prefix = path.name.rsplit("-", 1)[0] + "-"
-    for old in path.parent.glob(f"{prefix}*.safetensors"):
-        if old != path and len(old.name) == len(path.name):
+        partial.unlink(missing_ok=True)
+    _prune(path)
+
+
+def _prune(path: Path) -> None:
+    """One copy per host: delete this setup's files of older keys (an older checkpoint or kvferry), each only while
+    holding its lock, so never one a worker is preparing; a worker still mapping one keeps its pages until it
+    ends. Lock files stay: deleting one that is held would let a second preparer in."""
+    setup = path.name.rsplit("-", 1)[0] + "-"
+    for old in path.parent.glob(f"{setup}*.safetensors"):
+        if old == path or len(old.name) != len(path.name):
+            continue
+        with open(old.with_suffix(".lock"), "a") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # being prepared now
             old.unlink(missing_ok=True)
-            old.with_suffix(".lock").unlink(missing_ok=True)
 
 
-def _header(path: Path) -> tuple[dict, int] | None:
-    """(the file's header, where its data starts), or None (with the reason logged) where the file is not a whole
-    prepared file of this format and name: truncated, of another version, or not safetensors at all."""
-    size = path.stat().st_size
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < length <= min(_HEADER_LIMIT, size - 8):
-            log.warning("prepared weights %s: not a safetensors file; making them again", path)
+def _entries(header: dict, data_bytes: int) -> dict[str, tuple[torch.dtype, list[int], int]] | None:
+    """Each tensor's (dtype, shape, offset in the data) where every entry is well formed, one after the other and
+    exactly covering data_bytes; else None."""
+    entries, spans = {}, []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or entry.get("dtype") not in _DTYPES:
             return None
-        try:
+        shape, offsets = entry.get("shape"), entry.get("data_offsets")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            return None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+            return None
+        dtype, (lo, hi) = _DTYPES[entry["dtype"]], offsets
+        count = 1
+        for d in shape:
+            count *= d
+        if not 0 <= lo <= hi or hi - lo != count * dtype.itemsize or lo % dtype.itemsize:
+            return None
+        entries[name] = (dtype, shape, lo)
+        spans.append((lo, hi))
+    spans.sort()
+    if [lo for lo, _ in spans] != [0] + [hi for _, hi in spans[:-1]] or (spans[-1][1] if spans else 0) != data_bytes:
+        return None
+    return entries
+
+
+def _read(path: Path) -> tuple[dict, dict, int] | None:
+    """(each tensor's dtype, shape and offset; the metadata; where the data starts), or None (the reason logged)
+    where path is not a whole prepared file of this format and name: truncated, of another version, or not
+    safetensors at all."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+            if not 0 < length <= min(_HEADER_LIMIT, size - 8):
+                log.warning("prepared weights %s: not a safetensors file; making them again", path)
+                return None
             header = json.loads(f.read(length))
-        except ValueError:
-            log.warning("prepared weights %s: its header is not JSON; making them again", path)
-            return None
-    metadata = header.pop("__metadata__", {})
-    if metadata.get("format") != FORMAT or metadata.get("name") != path.name:
-        log.warning("prepared weights %s: of another version (%s); making them again", path, metadata.get("format"))
+    except FileNotFoundError:
+        return None  # pruned in the meantime (another setup's newer file)
+    except ValueError:
+        log.warning("prepared weights %s: its header is not JSON; making them again", path)
         return None
-    end = max((entry["data_offsets"][1] for entry in header.values()), default=0)
-    if 8 + length + end != size:
-        log.warning("prepared weights %s: %d bytes, where its header says %d; making them again", path, size,
-                    8 + length + end)  # fmt: skip
+    metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("name") != path.name:
+        found = metadata.get("format") if isinstance(metadata, dict) else None
+        log.warning("prepared weights %s: of another version (%s); making them again", path, found)
         return None
-    header["__metadata__"] = metadata
-    return header, 8 + length
+    try:
+        metadata["aliases"], metadata["int8"] = json.loads(metadata["aliases"]), json.loads(metadata["int8"])
+    except (KeyError, TypeError, ValueError):
+        log.warning("prepared weights %s: its metadata is not whole; making them again", path)
+        return None
+    entries = _entries(header, size - 8 - length)
+    if entries is None:
+        log.warning("prepared weights %s: %d bytes that its header does not describe; making them again", path, size)
+        return None
+    return entries, metadata, 8 + length
 
 
 def load(model: nn.Module, path: Path) -> bool:
     """Put path's weights into model (built without its weights: skip_weight_init) as read-only views of the file
-    mapped into memory, every Int8Linear the file names in place of its nn.Linear. False, with nothing changed,
-    where the file is missing or not whole (the caller makes it again)."""
+    mapped into memory, every Int8Linear the file names in place of its nn.Linear. False where the file is missing
+    or not whole (the caller makes it again; the model may then be half changed: build another)."""
     if not path.exists():
         return False
     with model_files.trusted_cache():  # someone else's file would be run as this user's weights
         from kvferry import cache_trust
 
-        cache_trust.check(path, model_files.cache_root())
-    found = _header(path)
+        try:
+            cache_trust.check(path, model_files.cache_root())
+        except FileNotFoundError:
+            return False
+    found = _read(path)
     if found is None:
         return False
-    header, start = found
-    metadata = header.pop("__metadata__")
-    with open(path, "rb") as f:
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while a tensor views it
-    int8_linear.swap_linears(
-        model, lambda name, linear: Int8Linear.shell(linear) if name in json.loads(metadata["int8"]) else linear
-    )
+    entries, metadata, start = found
+    try:
+        with open(path, "rb") as f:
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # stays mapped while a tensor views it
+    except FileNotFoundError:
+        return False
     tensors = {}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only, as meant
-        for name, entry in header.items():
-            lo, hi = entry["data_offsets"]
-            dtype = _DTYPES[entry["dtype"]]
-            flat = torch.frombuffer(mapped, dtype=dtype, count=(hi - lo) // dtype.itemsize, offset=start + lo)
-            tensors[name] = flat.view(entry["shape"])
-    for alias, name in json.loads(metadata["aliases"]).items():
-        tensors[alias] = tensors[name]
-    for name, tensor in tensors.items():
-        owner_name, _, attr = name.rpartition(".")
-        owner = model.get_submodule(owner_name)
-        if attr in owner._parameters:
-            owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
-        else:
-            owner._buffers[attr] = tensor
+        for name, (dtype, shape, lo) in entries.items():
+            count = 1
+            for d in shape:
+                count *= d
+            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + lo).view(shape)
+    int8 = set(metadata["int8"])
+    int8_linear.swap_linears(model, lambda name, linear: Int8Linear.shell(linear) if name in int8 else linear)
+    try:
+        for alias, name in metadata["aliases"].items():
+            tensors[alias] = tensors[name]
+        for name, tensor in tensors.items():
+            owner_name, _, attr = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            if attr in owner._parameters:
+                owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+            elif attr in owner._buffers:
+                owner._buffers[attr] = tensor
+            else:
+                raise AttributeError(f"{name} is no weight of this model")
+    except (AttributeError, KeyError, TypeError) as exc:
+        log.warning("prepared weights %s: %s; making them again", path, exc)
+        return False
     return True
 
 
@@ -193,6 +256,7 @@ def load_or_prepare(model_dir: Path, dtype: torch.dtype, max_model_len: int | No
         save(made, path)
         del made  # this process's own copy: the file's pages replace it
         log.info("weights prepared once into %s (%.2f GiB)", path, path.stat().st_size / 2**30)
+        model, config, max_model_len = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
         if not load(model, path):
             raise OSError(f"the prepared weights just written to {path} do not read back")
     return model, config, max_model_len

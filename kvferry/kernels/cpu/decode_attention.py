@@ -21,9 +21,11 @@ _lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU decode a
 enable, disable = _lib.enable, _lib.disable
 
 
-def takes_kv_dtype(dtype: torch.dtype) -> bool:
-    """Whether the loaded kernels read a cache of this type (fp16 needs the CPU's conversions: F16C or AVX-512)."""
-    return _lib.loaded is not None and dtype in KV_TYPES and bool(_lib.kvferry_kv_types() >> KV_TYPES[dtype][1] & 1)
+def takes_kv_dtype(dtype: torch.dtype, lib: build.Library | None = None) -> bool:
+    """Whether lib (default: this kernel's), loaded, reads a cache of this type (fp16 needs the CPU's conversions:
+    F16C or AVX-512)."""
+    lib = lib or _lib
+    return lib.loaded is not None and dtype in KV_TYPES and bool(lib.kvferry_kv_types() >> KV_TYPES[dtype][1] & 1)
 
 
 def entry_point(lib, prefix: str, dtype: torch.dtype):
@@ -32,19 +34,18 @@ def entry_point(lib, prefix: str, dtype: torch.dtype):
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether the kernel is loaded and takes these tensors (see layout_fits)."""
-    return _lib.loaded is not None and layout_fits(query, k_cache, v_cache)
+    """Whether the kernel is loaded and takes these tensors (see layout_fits) and the cache's type."""
+    return layout_fits(query, k_cache, v_cache) and takes_kv_dtype(k_cache.dtype)
 
 
 def layout_fits(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """What the C attention kernels take: an fp32 query on the CPU over a cache of a type they read
-    (takes_kv_dtype), each token's heads laid out alike in K and V, every head's vector contiguous and a whole number
-    of 16-element vectors, up to 256."""
+    """What the C attention kernels take: an fp32 query on the CPU over a cache of one type (which takes_kv_dtype
+    checks against the library), each token's heads laid out alike in K and V, every head's vector contiguous and a
+    whole number of 16-element vectors, up to 256."""
     return (
         not query.is_cuda
         and query.dtype == torch.float32
         and k_cache.dtype == v_cache.dtype
-        and takes_kv_dtype(k_cache.dtype)
         and k_cache.device.type == "cpu"
         and k_cache.stride() == v_cache.stride()
         and k_cache.stride(-1) == 1

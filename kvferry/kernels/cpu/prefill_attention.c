@@ -169,3 +169,6 @@ ENTRY(kvferry_paged_prefill_attention_f32, KV_F32)
 ENTRY(kvferry_paged_prefill_attention_f16, KV_F16)
 ENTRY(kvferry_paged_prefill_attention_bf16, KV_BF16)
 #undef ENTRY
+
+/* Which element types this build takes, a bit per kv_type: fp16 only where the CPU converts it (vectors.h). */
+int kvferry_kv_types(void) { return KV_TYPES; }

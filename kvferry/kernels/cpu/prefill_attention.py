@@ -8,20 +8,23 @@ from pathlib import Path
 import torch
 
 from kvferry.kernels.cpu import build
-from kvferry.kernels.cpu.decode_attention import KV_TYPES, entry_point, layout_fits
+from kvferry.kernels.cpu.decode_attention import KV_TYPES, entry_point, layout_fits, takes_kv_dtype
 
 SOURCE = Path(__file__).with_suffix(".c")
 pointer, size, count = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 ARGTYPES = [pointer, size, pointer, pointer, size, size, size, pointer, size, pointer, pointer, pointer]
 ARGTYPES += [count] * 5 + [ctypes.c_float, count]
 SIGNATURES = {f"kvferry_paged_prefill_attention_{name}": (ARGTYPES, ctypes.c_int) for name, _ in KV_TYPES.values()}
+SIGNATURES["kvferry_kv_types"] = ([], ctypes.c_int)
 _lib = build.Library(SOURCE, SIGNATURES, "the PyTorch reference for CPU prefill attention")
 enable, disable = _lib.enable, _lib.disable
 
 
 def handles(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     return (
-        _lib.loaded is not None and layout_fits(query, k_cache, v_cache) and query.stride()[1:] == (query.shape[2], 1)
+        layout_fits(query, k_cache, v_cache)
+        and takes_kv_dtype(k_cache.dtype, _lib)
+        and query.stride()[1:] == (query.shape[2], 1)
     )
 
 

@@ -112,7 +112,8 @@ static inline __attribute__((always_inline)) vfloat load_kv(const void *base, in
 }
 
 /* Store LANES fp32 values into a KV cache at element `at`, rounded to nearest even as PyTorch's conversions round
- * (a cache written by the C kernels and by PyTorch's store_kv holds the same bits). */
+ * (a cache written by the C kernels and by PyTorch's store_kv holds the same bits; a NaN stays a NaN, its payload
+ * perhaps not PyTorch's). */
 static inline __attribute__((always_inline)) void store_kv(void *base, int64_t at, vfloat v, const enum kv_type type) {
     if (type == KV_F32) {
         store((float *)base + at, v);

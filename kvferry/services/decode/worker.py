@@ -12,7 +12,7 @@ from kvferry.common import protocol as p
 from kvferry.common import settings
 from kvferry.common.bind_check import bind_zmq, check_exposed
 from kvferry.common.errors import KvferryError
-from kvferry.common.memory_budget import kv_cache_ceiling
+from kvferry.common.memory_budget import kv_cache_ceiling, most_kv_cache
 from kvferry.common.model.kv_blocks import layer_groups
 from kvferry.common.model_files import read_config, resolve_model
 from kvferry.common.process_config import ProcessConfig
@@ -34,9 +34,12 @@ def max_kv_frame_bytes(engine) -> int:
 def kv_frame_bound(config) -> int:
     """max_kv_frame_bytes, or a hair above, before the engine exists (ZeroMQ takes a socket's size limit as it binds,
     before the model loads): the largest layer group's share of the KV cache budget."""
-    num_layers = read_config(resolve_model(config.model))["num_hidden_layers"]
+    model_dir = resolve_model(config.model)
+    num_layers = read_config(model_dir)["num_hidden_layers"]
     largest_group = max(hi - lo for lo, hi in layer_groups(num_layers))
-    return largest_group * (config.kv_cache_memory or kv_cache_ceiling()) // num_layers
+    # Sized from memory: no more than the machine has, nor than the engine could fill (in float32, the widest)
+    budget = config.kv_cache_memory or min(kv_cache_ceiling(), most_kv_cache(model_dir, config, 4))
+    return largest_group * budget // num_layers
 
 
 class DecodeWorker(Worker):
