@@ -29,6 +29,7 @@ from kvferry.common.engine_setup import (
     load_tokenizer,
     load_weights,
     mapped_weight_bytes,
+    prepared_file,
     resolve_device,
     resolve_dtype,
     resolve_kv_dtype,
@@ -66,11 +67,12 @@ class LLMEngine:
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
         self.model_dir = model_dir = resolve_model(config.model)
         kv_cache_memory = config.kv_cache_memory
+        most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)  # a cache sized from memory takes no more
+        prepared = prepared_file(model_dir, self.dtype, self.device, config)
         if self.device.type == "cpu":  # a GPU's own memory fails as the cache is allocated (build_runner)
-            most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
             budget = budget_of(
                 model_dir, self.dtype.itemsize, kv_cache_memory, config.memory_utilization, most,
-                weights=mapped_weight_bytes(model_dir, self.dtype, self.device, config),
+                weights=mapped_weight_bytes(prepared),
             )  # fmt: skip
             log.info("memory budget: %s", budget.describe())
             budget.check()  # before loading: Linux would start what cannot fit, and kill it later
@@ -81,10 +83,10 @@ class LLMEngine:
             self.dtype,
             self.device,
             config,
+            prepared,
             lambda model_config: calibration_token_ids(self.tokenizer, model_config.vocab_size),
         )
         if kv_cache_memory is None:  # CUDA: what the utilization leaves of the GPU beside the weights now loaded
-            most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)
             kv_cache_memory = min(gpu_kv_cache_memory(self.device, config.memory_utilization), most)
         self.kv_cache_memory = kv_cache_memory
         layout = kv_cache_layout(self.model_config, config.block_size, self.kv_dtype)

@@ -1,7 +1,6 @@
 """What an engine is built from: the device, dtype and KV cache dtype a config names, the tokenizer of a model folder (its EOS ids:
 model_files.eos_token_ids), and which errors mean the device itself is broken."""
 
-import contextlib
 import logging
 import os
 import time
@@ -14,6 +13,7 @@ from kvferry.common.model import prepared_weights
 from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.loader import load_model
 from kvferry.common.model.runner import ModelRunner
+from kvferry.kernels.cpu.build import cpu_features
 
 log = logging.getLogger("kvferry.engine")
 
@@ -48,11 +48,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _converts_float16() -> bool:
     """Whether this CPU converts float16 in hardware (x86's F16C, which every AVX-512 CPU has), as the C attention
     kernels need to read a float16 cache (kernels/cpu/vectors.h); elsewhere bfloat16, which they read anywhere."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return " f16c" in line or " avx512f" in line
-    return False
+    flags = cpu_features()
+    return flags.startswith("flags") and (" f16c" in flags or " avx512f" in flags)
 
 
 def resolve_kv_dtype(name: str, device: torch.device, model_dtype: torch.dtype) -> torch.dtype:
@@ -100,30 +97,32 @@ def load_tokenizer(model_dir):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def maps_prepared_weights(device: torch.device, config) -> bool:
-    """Whether the weights come from the host's prepared file (prepared_weights.py): int8 on the CPU."""
-    return config.quantization == "int8" and device.type == "cpu"
+def prepared_file(model_dir, dtype: torch.dtype, device: torch.device, config) -> Path | None:
+    """The host's prepared file this worker's weights come from (prepared_weights.py: int8 on the CPU), made or not
+    yet; None where the weights load in full."""
+    if config.quantization != "int8" or device.type != "cpu":
+        return None
+    return prepared_weights.prepared_path(model_dir, dtype, "int8")
 
 
-def mapped_weight_bytes(model_dir, dtype: torch.dtype, device: torch.device, config) -> int | None:
+def mapped_weight_bytes(prepared: Path | None) -> int | None:
     """The size of the prepared file this worker will map, where there is one already (a warm start's weights at
     their peak); None where the weights load in full first."""
-    if not maps_prepared_weights(device, config):
-        return None
-    path = prepared_weights.prepared_path(model_dir, dtype, "int8")
-    return path.stat().st_size if path.exists() else None
+    return prepared.stat().st_size if prepared is not None and prepared.exists() else None
 
 
-def load_weights(model_dir, dtype: torch.dtype, device: torch.device, config, calibration_ids) -> tuple:
-    """(model, ModelConfig, max_model_len): int8 on the CPU mapped from the host's prepared file, made first where
-    there is none; otherwise loaded, and quantized, in this process. calibration_ids(model): int8's calibration
-    text, read only where the model is quantized here."""
-    if maps_prepared_weights(device, config):
+def load_weights(
+    model_dir, dtype: torch.dtype, device: torch.device, config, prepared: Path | None, calibration_ids
+) -> tuple:
+    """(model, ModelConfig, max_model_len): mapped from the prepared file where there is one for this worker
+    (prepared_file), made first where it is missing; otherwise loaded, and quantized, in this process.
+    calibration_ids(model_config): int8's calibration text, read only where the model is quantized here."""
+    if prepared is not None:
 
         def quantize(model):
             quantize_model(model, device, calibration_ids(model.config))
 
-        return prepared_weights.load_or_prepare(model_dir, dtype, config.max_model_len, quantize)
+        return prepared_weights.load_or_prepare(model_dir, prepared, dtype, config.max_model_len, quantize)
     model, model_config, max_model_len = load_model(model_dir, dtype, device, config.max_model_len)
     if config.quantization == "int8":
         quantize_model(model, device, calibration_ids(model_config))

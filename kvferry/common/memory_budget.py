@@ -10,17 +10,14 @@ start, for one worker alone or, under `kvferry serve`, for all its workers toget
 worker's cache before any starts, as workers starting together would each count the same free memory).
 """
 
-import json
+import math
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvferry.common.errors import ConfigError
-from kvferry.common.model.loader import weight_files
+from kvferry.common.model.loader import safetensors_header, weight_files
 from kvferry.common.model_files import max_model_len_of, read_config
-
-_HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
 
 
 def parameter_count(model_dir: Path) -> int:
@@ -30,17 +27,13 @@ def parameter_count(model_dir: Path) -> int:
     tied = bool(read_config(model_dir).get("tie_word_embeddings"))
     total = 0
     for path in weight_files(model_dir):
-        with open(path, "rb") as f:
-            (length,) = struct.unpack("<Q", f.read(8))
-            if length > _HEADER_LIMIT:
-                raise ConfigError(f"{path} is not a safetensors file (a header of {length} bytes)")
-            header = json.loads(f.read(length))
+        try:
+            header, _ = safetensors_header(path)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name, entry in header.items():
             if name != "__metadata__" and not (tied and name.startswith("lm_head.")):
-                count = 1
-                for dim in entry["shape"]:
-                    count *= dim
-                total += count
+                total += math.prod(entry["shape"])
     return total
 
 
@@ -166,15 +159,17 @@ def plan_serve(
     cache bytes of each (given: the same for both; else sized from memory, PREFILL_KV_SHARE of it the prefill
     worker's, each at most `most`), or a ConfigError naming the numbers. shared_weights: one worker loads the
     weights while the other waits to map what it prepared (prepared_weights.py), so they count once."""
-    weights, available = parameter_count(model_dir) * itemsize, available_memory()
+    # Both workers' weights as loading holds them at once
+    loading = parameter_count(model_dir) * itemsize * (1 if shared_weights else 2)
+    available = available_memory()
     if kv_cache_memory is None:
-        total = 2 * sized_kv_cache(weights * (1 if shared_weights else 2), available, utilization, workers=2)
+        total = 2 * sized_kv_cache(loading, available, utilization, workers=2)
         prefill = int(total * PREFILL_KV_SHARE)
         return min(prefill, most or prefill), min(total - prefill, most or total)
-    need = weights * (1 if shared_weights else 2) + 2 * kv_cache_memory
+    need = loading + 2 * kv_cache_memory
     if available is not None and need > available:
         raise ConfigError(
-            f"not enough memory for serve's 2 workers: their weights take {gib(need - 2 * kv_cache_memory)} while "
+            f"not enough memory for serve's 2 workers: their weights take {gib(loading)} while "
             f"loading and each KV cache {gib(kv_cache_memory)} ({KV_CACHE_MEMORY}), {gib(need)} in all, but "
             f"{gib(available)} is available: lower it, leave it unset to size it from memory, or serve a smaller "
             "model or --dtype"

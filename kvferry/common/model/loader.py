@@ -11,7 +11,23 @@ from kvferry.common.model_config import ModelConfig
 from kvferry.common.model_files import resolve_model
 
 # resolve_model is re-exported: the engine finds the model through here.
-__all__ = ["load_model", "resolve_model", "skip_weight_init", "weight_files"]
+__all__ = ["load_model", "resolve_model", "safetensors_header", "skip_weight_init", "weight_files"]
+
+
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20  # a safetensors header longer than this is not one
+
+
+def safetensors_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (its JSON, __metadata__ included) and where its data starts, read without the
+    data. ValueError where the file is not one: shorter than a header, a header longer than the limit or than the
+    file, or not JSON."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        length = int.from_bytes(raw, "little") if len(raw) == 8 else -1
+        if not 0 < length <= min(SAFETENSORS_HEADER_LIMIT, size - 8):
+            raise ValueError(f"{path} is not a safetensors file (a header of {length} bytes in {size})")
+        return json.loads(f.read(length)), 8 + length
 
 
 def weight_files(model_dir: Path) -> list[Path]:

@@ -14,9 +14,9 @@ import fcntl
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
-import struct
 import warnings
 from pathlib import Path
 
@@ -26,13 +26,12 @@ from torch import nn
 from kvferry.common import model_files
 from kvferry.common.model import int8_linear, llama, quant_calibration
 from kvferry.common.model.int8_linear import Int8Linear
-from kvferry.common.model.loader import weight_files
+from kvferry.common.model.loader import safetensors_header, weight_files
 from kvferry.kernels.cpu import build, small_matmul
 
 log = logging.getLogger("kvferry.engine")
 
 FORMAT = "kvferry-prepared-1"
-_HEADER_LIMIT = 100 * 2**20
 # What a tensor's storage is: the model's own code rebuilds these (RoPE's tables), the file need not hold them
 _REBUILT = ("rope_cos", "rope_sin")
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
@@ -53,7 +52,7 @@ def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Pat
     """The file for this model, dtype and quantization on this CPU with this code, in the cache's `prepared`
     folder (this user's alone, or a ConfigError). Its name starts with what tells a model's files apart for the
     same setup (pruned by save), then the key of everything else."""
-    identity = [FORMAT, str(dtype), quantization, build._cpu_features(), str(torch.__version__), _layout()]
+    identity = [FORMAT, str(dtype), quantization, build.cpu_features(), str(torch.__version__), _layout()]
     for path in [*weight_files(model_dir), model_dir / "config.json"]:
         status = path.stat()
         identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
@@ -137,10 +136,7 @@ def _entries(header: dict, data_bytes: int) -> dict[str, tuple[torch.dtype, list
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
             return None
         dtype, (lo, hi) = _DTYPES[entry["dtype"]], offsets
-        count = 1
-        for d in shape:
-            count *= d
-        if not 0 <= lo <= hi or hi - lo != count * dtype.itemsize or lo % dtype.itemsize:
+        if not 0 <= lo <= hi or hi - lo != math.prod(shape) * dtype.itemsize or lo % dtype.itemsize:
             return None
         entries[name] = (dtype, shape, lo)
         spans.append((lo, hi))
@@ -155,18 +151,12 @@ def _read(path: Path) -> tuple[dict, dict, int] | None:
     where path is not a whole prepared file of this format and name: truncated, of another version, or not
     safetensors at all."""
     try:
+        header, start = safetensors_header(path)
         size = path.stat().st_size
-        with open(path, "rb") as f:
-            raw = f.read(8)
-            length = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-            if not 0 < length <= min(_HEADER_LIMIT, size - 8):
-                log.warning("prepared weights %s: not a safetensors file; making them again", path)
-                return None
-            header = json.loads(f.read(length))
     except FileNotFoundError:
         return None  # pruned in the meantime (another setup's newer file)
-    except ValueError:
-        log.warning("prepared weights %s: its header is not JSON; making them again", path)
+    except ValueError as exc:
+        log.warning("prepared weights: %s; making them again", exc)
         return None
     metadata = header.pop("__metadata__", None) if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or metadata.get("format") != FORMAT or metadata.get("name") != path.name:
@@ -178,11 +168,11 @@ def _read(path: Path) -> tuple[dict, dict, int] | None:
     except (KeyError, TypeError, ValueError):
         log.warning("prepared weights %s: its metadata is not whole; making them again", path)
         return None
-    entries = _entries(header, size - 8 - length)
+    entries = _entries(header, size - start)
     if entries is None:
         log.warning("prepared weights %s: %d bytes that its header does not describe; making them again", path, size)
         return None
-    return entries, metadata, 8 + length
+    return entries, metadata, start
 
 
 def load(model: nn.Module, path: Path) -> bool:
@@ -211,10 +201,8 @@ def load(model: nn.Module, path: Path) -> bool:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given buffer is not writable")  # read-only, as meant
         for name, (dtype, shape, lo) in entries.items():
-            count = 1
-            for d in shape:
-                count *= d
-            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + lo).view(shape)
+            flat = torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=start + lo)
+            tensors[name] = flat.view(shape)
     int8 = set(metadata["int8"])
     int8_linear.swap_linears(model, lambda name, linear: Int8Linear.shell(linear) if name in int8 else linear)
     try:
@@ -235,13 +223,12 @@ def load(model: nn.Module, path: Path) -> bool:
     return True
 
 
-def load_or_prepare(model_dir: Path, dtype: torch.dtype, max_model_len: int | None, quantize) -> tuple:
-    """load_model's result for an int8 model on the CPU, its weights mapped from the prepared file: made first where
-    there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
+def load_or_prepare(model_dir: Path, path: Path, dtype: torch.dtype, max_model_len: int | None, quantize) -> tuple:
+    """load_model's result for an int8 model on the CPU, its weights mapped from path (prepared_path's): made first
+    where there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
     from kvferry.common.model.loader import load_model
     from kvferry.common.model.runner import enable_cpu_kernels
 
-    path = prepared_path(model_dir, dtype, "int8")
     cpu = torch.device("cpu")
     with preparing(path):
         model, config, max_model_len = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)

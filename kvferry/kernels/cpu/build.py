@@ -24,7 +24,7 @@ log = logging.getLogger("kvferry.kernels")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=gnu11", "-shared", "-fPIC", "-Wall")
 
 
-def _cpu_features() -> str:
+def cpu_features() -> str:
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
@@ -39,7 +39,7 @@ def build(source: Path, build_dir: Path, extra_flags: tuple[str, ...] = ()) -> P
     version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30, check=True).stdout
     executable = os.path.realpath(shutil.which(compiler[0]) or compiler[0])  # cc is a link to the compiler it runs
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]  # what the source may include
-    identity = [source.read_text(), *headers, *flags, shlex.join(compiler), executable, version, _cpu_features()]
+    identity = [source.read_text(), *headers, *flags, shlex.join(compiler), executable, version, cpu_features()]
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()
     make_folder(build_dir, build_dir)
     target = build_dir / f"{source.stem}-{key[:16]}.so"
