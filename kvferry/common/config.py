@@ -35,13 +35,15 @@ class EngineConfig:
         "CUDA",
         choices=("auto", "float32", "bfloat16", "float16"),
     )
-    # None ("none"): weights in dtype; "int8": see model/int8_linear.py
+    # None ("none"): weights in dtype; "int8": see model/int8_linear.py; "int4": model/int4_linear.py
     quantization: str | None = setting(
         "none",
         "int8: every linear layer's weights in int8 with one scale per output channel (a tied lm_head gets its "
-        "own int8 copy; the embedding stays in float); slightly less accurate: `kvferry bench quantization` "
-        "measures it. `kvferry serve` gives it to both workers",
-        choices=("int8", "none"),
+        "own int8 copy; the embedding stays in float); slightly less accurate. int4: GGUF's Q4_0 numbers (groups "
+        "of 32 weights, each with a half-precision scale; the lm_head stays int8), on the CPU; a Q4_0 GGUF file's "
+        "weights load as they are; less accurate again. `kvferry bench quantization` measures both. `kvferry "
+        "serve` gives it to both workers",
+        choices=("int8", "int4", "none"),
     )
     block_size: int = setting(
         16,

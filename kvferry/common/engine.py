@@ -24,6 +24,7 @@ from kvferry.common.config import EngineConfig
 from kvferry.common.engine_setup import (
     build_runner,
     capture_decode_graphs,
+    check_quantization,
     gpu_kv_cache_memory,
     is_device_failure,
     load_tokenizer,
@@ -65,6 +66,7 @@ class LLMEngine:
         use_device(self.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, self.device, self.dtype)
+        check_quantization(config.quantization, self.device)
         self.model_dir = model_dir = resolve_model(config.model)
         kv_cache_memory = config.kv_cache_memory
         most = most_kv_cache(model_dir, config, self.kv_dtype.itemsize)  # a cache sized from memory takes no more

@@ -10,8 +10,8 @@ import torch
 
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import prepared_weights
-from kvferry.common.model.int8_linear import quantize_model
 from kvferry.common.model.loader import load_model
+from kvferry.common.model.quantize import quantize_model
 from kvferry.common.model.runner import ModelRunner
 from kvferry.kernels.cpu.build import cpu_features
 
@@ -70,6 +70,15 @@ def resolve_kv_dtype(name: str, device: torch.device, model_dtype: torch.dtype) 
     return torch.float16 if _converts_float16() else torch.bfloat16
 
 
+def check_quantization(name: str | None, device: torch.device) -> None:
+    """A ConfigError where the device has no kernel for the quantization: int4 runs on the CPU only."""
+    if name == "int4" and device.type != "cpu":
+        raise ConfigError(
+            f"--quantization int4 is not served on {device}: its kernels are the CPU's (int4_matmul.c); use int8 "
+            "there, or --device cpu"
+        )
+
+
 def is_device_failure(exc: Exception) -> bool:
     """An error after which the device cannot be trusted (a CUDA fault poisons the context): the worker must end."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
@@ -100,9 +109,9 @@ def load_tokenizer(model_dir):
 def prepared_file(model_dir, dtype: torch.dtype, device: torch.device, config) -> Path | None:
     """The host's prepared file this worker's weights come from (prepared_weights.py: int8 on the CPU), made or not
     yet; None where the weights load in full."""
-    if config.quantization != "int8" or device.type != "cpu":
+    if config.quantization not in ("int8", "int4") or device.type != "cpu":
         return None
-    return prepared_weights.prepared_path(model_dir, dtype, "int8")
+    return prepared_weights.prepared_path(model_dir, dtype, config.quantization)
 
 
 def mapped_weight_bytes(prepared: Path | None) -> int | None:
@@ -120,12 +129,12 @@ def load_weights(
     if prepared is not None:
 
         def quantize(model):
-            quantize_model(model, device, calibration_ids(model.config))
+            quantize_model(model, device, calibration_ids(model.config), config.quantization)
 
         return prepared_weights.load_or_prepare(model_dir, prepared, dtype, config.max_model_len, quantize)
     model, model_config, max_model_len = load_model(model_dir, dtype, device, config.max_model_len)
-    if config.quantization == "int8":
-        quantize_model(model, device, calibration_ids(model_config))
+    if config.quantization is not None:
+        quantize_model(model, device, calibration_ids(model_config), config.quantization)
     return model, model_config, max_model_len
 
 

@@ -148,7 +148,7 @@ class Register:
     num_blocks: int
     max_model_len: int
     kv_address: str = ""  # decode workers: where prefill workers send KV
-    quantization: str = "none"  # or "int8": prefill and decode workers must compute alike
+    quantization: str = "none"  # or "int8", "int4": prefill and decode workers must compute alike
     # New with every process start: a gateway that sees a known worker id with a new instance knows the old
     # process is gone, and moves its requests at once instead of waiting for their deadlines.
     instance_id: str = ""

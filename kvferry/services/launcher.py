@@ -187,7 +187,7 @@ def share_memory(model_dir, engine: EngineConfig) -> tuple[dict[str, str], dict[
     weight_bytes = 4 if engine.dtype in ("auto", "float32") else 2  # as loading holds them on the CPU
     kv_bytes = 4 if engine.kv_cache_dtype == "float32" else 2  # auto: half precision on the CPU, whatever the model's
     most = most_kv_cache(model_dir, engine, kv_bytes)
-    shared = engine.quantization == "int8"  # one worker prepares the host's int8 file, the other maps it
+    shared = engine.quantization in ("int8", "int4")  # one worker prepares the host's quantized file, the other maps it
     sizes = plan_serve(model_dir, weight_bytes, engine.kv_cache_memory, engine.memory_utilization, most, shared)
     prefill, decode = ({settings.env_name("kv_cache_memory"): str(size)} for size in sizes)
     return prefill, decode

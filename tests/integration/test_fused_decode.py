@@ -1,4 +1,4 @@
-"""Decode on the CPU, int8 or fp32, runs every layer in one C call (common/model/fused_decode.py): the same logits,
+"""Decode on the CPU, int8, int4 or fp32, runs every layer in one C call (common/model/fused_decode.py): the same logits,
 bit for bit, as the layers one call at a time, at each row count it takes (one to four, or any batch where every
 layer is int8 and the int8 product takes every row count); more rows and other models go layer by layer."""
 
@@ -12,6 +12,7 @@ from kvferry.common.engine import LLMEngine
 from kvferry.common.model import fused_decode
 from kvferry.common.model.cpu_linear import PackedLinear
 from kvferry.common.model.fused_decode import FusedDecode
+from kvferry.common.model.int4_linear import Int4Linear
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
 from kvferry.kernels.cpu import decode_layers, panel_matmul, small_matmul
@@ -63,19 +64,21 @@ def decode_logits(engine, prompts, fused: bool, monkeypatch) -> tuple[list, list
     return outputs, steps, len(calls)
 
 
-@pytest.mark.parametrize("quantization", ["int8", None])
+@pytest.mark.parametrize("quantization", ["int8", "int4", None])
 @pytest.mark.parametrize("arch", ["llama", "mistral"])  # biases everywhere, GQA, an untied head; MQA, no biases
 def test_the_one_call_loop_gives_the_layers_logits_bit_for_bit(tmp_path, arch, quantization, monkeypatch):
     engine = engine_for(tmp_path, arch, quantization)
     if quantization is None and not _panels_everywhere(engine.runner.model):
         pytest.skip("oneDNN packs these fp32 weights in a layout other than the panels the C product reads")
     assert engine.runner.model.fused_decode is not None
-    if quantization == "int8":  # the runner's layout: interleaved where the C product takes every row count
+    if quantization == "int4":
+        assert isinstance(engine.runner.model.layers[0].mlp.gate_up_proj, Int4Linear)
+    if quantization is not None:  # the runner's layout: interleaved where the C product takes every row count
         linears = [m for m in engine.runner.model.layers.modules() if isinstance(m, Int8Linear)]
         assert {m.qweight.dim() for m in linears} == {4 if small_matmul._any_rows else 2}
     # Past four rows as many as the layers' own C products take (AVX2): every row count for int8 without VNNI, the
     # panel product's max_rows for fp32; elsewhere the layer path uses other products there (torch._int_mm, oneDNN)
-    if quantization == "int8":
+    if quantization is not None:  # int4: the down projection (96 wide, not in whole 64s) is int8
         most = decode_layers.ANY_ROWS if small_matmul.takes_every_row_count() else 4
     else:
         most = panel_matmul.max_rows()

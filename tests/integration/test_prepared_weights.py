@@ -1,4 +1,4 @@
-"""int8 weights prepared once per host (common/model/prepared_weights.py): the first engine writes the file, the
+"""int8 (and int4) weights prepared once per host (common/model/prepared_weights.py): the first engine writes the file, the
 next maps it read-only and serves the same tokens; a file that is truncated or of another version is made again,
 one that someone else could have written is refused."""
 
@@ -94,3 +94,22 @@ def test_a_changed_checkpoint_gets_a_file_of_its_own(model):
     folder, path, _ = model
     (folder / "config.json").write_text((folder / "config.json").read_text() + "\n")
     assert prepared_path(folder, torch.float32, "int8") != path
+
+
+def test_int4_weights_are_prepared_once_and_mapped_with_the_same_tokens(tmp_path, caplog):
+    save_tiny_model("llama", tmp_path)
+    config = EngineConfig(model=str(tmp_path), quantization="int4", kv_cache_memory=2**22, block_size=8, num_threads=1)
+    cold = LLMEngine(config)
+    path = prepared_path(tmp_path, cold.dtype, "int4")
+    try:
+        assert path.is_file() and path != prepared_path(tmp_path, cold.dtype, "int8")
+        with caplog.at_level(logging.INFO, logger="kvferry.engine"):
+            warm = LLMEngine(config)
+        assert "weights mapped from" in caplog.text and "prepared once" not in caplog.text
+        gate_up = warm.model.layers[0].mlp.gate_up_proj
+        assert type(gate_up).__name__ == "Int4Linear" and not gate_up.qweight.untyped_storage().resizable()
+        assert type(warm.model.layers[0].mlp.down_proj).__name__ == "Int8Linear"  # 96 wide: not whole 64s
+        assert _greedy(warm) == _greedy(cold)
+    finally:
+        for leftover in (path, path.with_suffix(".lock")):
+            leftover.unlink(missing_ok=True)

@@ -1,18 +1,24 @@
 """Which models and steps take the one-call decode loop (kernels/cpu/decode_layers.py), and its weights: a
-Llama-family model in fp32 on the CPU whose linear layers are each an Int8Linear or a PackedLinear in panels
-panel_matmul.c reads, without Qwen3's q/k norms, and a decode step of at most the loop's max_rows. Anything else runs
-layer by layer, with the same result.
+Llama-family model in fp32 on the CPU whose linear layers are each an Int8Linear, an Int4Linear or a PackedLinear
+in panels panel_matmul.c reads, without Qwen3's q/k norms, and a decode step of at most the loop's max_rows.
+Anything else runs layer by layer, with the same result.
 """
 
 import torch
 
 from kvferry.common.model.attention import PagedBatch
 from kvferry.common.model.cpu_linear import PackedLinear
+from kvferry.common.model.int4_linear import Int4Linear
 from kvferry.common.model.int8_linear import Int8Linear
-from kvferry.kernels.cpu import decode_attention, decode_layers, layer_ops, panel_matmul
+from kvferry.kernels.cpu import decode_attention, decode_layers, int4_matmul, layer_ops, panel_matmul
 
 
-def _weights(linear: Int8Linear | PackedLinear) -> decode_layers.Int8Weights | decode_layers.PanelWeights:
+def _weights(linear: Int8Linear | Int4Linear | PackedLinear):
+    """The loop's view of one linear layer: Int8Weights, Int4Weights or PanelWeights."""
+    if isinstance(linear, Int4Linear):
+        return decode_layers.Int4Weights(
+            linear.qweight, linear.scales, linear.mins, linear.outliers, linear.outlier_weight, linear.bias
+        )
     if isinstance(linear, PackedLinear):
         shape = (linear.out_features, linear.in_features)
         return decode_layers.PanelWeights(linear.packed_weight, linear.panel_width, shape, linear.bias)
@@ -26,9 +32,11 @@ def _linears(layer) -> tuple:
 
 
 def fits(linear) -> bool:
-    """Whether the loop takes this linear layer: int8 on the CPU, or fp32 in panels the C product reads."""
+    """Whether the loop takes this linear layer: int8 or int4 on the CPU, or fp32 in panels the C product reads."""
     if isinstance(linear, Int8Linear):
         return linear.qweight.device.type == "cpu" and layer_ops.handles(linear.scale)
+    if isinstance(linear, Int4Linear):
+        return int4_matmul.handles(torch.empty(1, linear.in_features, dtype=torch.int8), linear.qweight)
     return (
         isinstance(linear, PackedLinear)
         and linear.panel_width is not None
@@ -63,9 +71,10 @@ class FusedDecode:
         norms = [n for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         linears = [linear for layer in model.layers for linear in _linears(layer)]
         int8 = any(isinstance(linear, Int8Linear) for linear in linears)
+        int4 = any(isinstance(linear, Int4Linear) for linear in linears)
         fp32 = any(isinstance(linear, PackedLinear) for linear in linears)
         takes_model = (
-            decode_layers.available(int8, fp32)
+            decode_layers.available(int8, fp32, int4)
             and all(fits(linear) for linear in linears)
             and not any(layer.self_attn.qk_norm for layer in model.layers)
             and len({n.eps for n in norms}) == 1

@@ -16,7 +16,6 @@ from torch import nn
 
 from kvferry.kernels.cpu import layer_ops, small_matmul
 
-QUANTIZATIONS = ("int8",)
 NUM_OUTLIER_CHANNELS = 32  # per layer; found by calibration (quant_calibration.py)
 OUTLIER_WEIGHT_DTYPE = torch.float16  # the outlier channels' weights; their products are summed in fp32
 
@@ -120,18 +119,6 @@ class Int8Linear(nn.Module):
 def interleave_linears(model: nn.Module) -> int:
     """Every Int8Linear.interleave(), once the C kernels are loaded; returns how many moved."""
     return sum(m.interleave() for m in model.modules() if isinstance(m, Int8Linear))
-
-
-def quantize_model(model: nn.Module, device: torch.device, calibration_ids: list[int] | None) -> int:
-    """--quantization int8 (on the CPU, the outlier channels calibrated first); returns how many layers moved."""
-    from kvferry.common.model.quant_calibration import outlier_channels
-
-    outliers = None
-    if device.type == "cpu":
-        if not calibration_ids:
-            raise ValueError("int8 on the CPU calibrates its outlier channels on a text: calibration_ids is empty")
-        outliers = outlier_channels(model, calibration_ids, NUM_OUTLIER_CHANNELS)
-    return quantize_linears(model, outliers)
 
 
 def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:

@@ -24,17 +24,20 @@ import torch
 from torch import nn
 
 from kvferry.common import model_files
-from kvferry.common.model import int8_linear, llama, quant_calibration
+from kvferry.common.model import int4_linear, int8_linear, llama, quant_calibration
+from kvferry.common.model import quantize as quantize_module
+from kvferry.common.model.int4_linear import Int4Linear
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.model.loader import safetensors_header, weight_files
-from kvferry.kernels.cpu import build, small_matmul
+from kvferry.kernels.cpu import build, int4_matmul, small_matmul
 
 log = logging.getLogger("kvferry.engine")
 
-FORMAT = "kvferry-prepared-1"
+FORMAT = "kvferry-prepared-2"
 # What a tensor's storage is: the model's own code rebuilds these (RoPE's tables), the file need not hold them
 _REBUILT = ("rope_cos", "rope_sin")
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
+_QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}  # the metadata lists each kind's layers by name
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8, "U8": torch.uint8,
            "I32": torch.int32, "I64": torch.int64}  # fmt: skip
 
 
@@ -56,7 +59,8 @@ def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Pat
     for path in [*weight_files(model_dir), model_dir / "config.json"]:
         status = path.stat()
         identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
-    for module in (int8_linear, llama, quant_calibration, small_matmul):  # how the weights are made and laid out
+    made_by = (int4_linear, int4_matmul, int8_linear, llama, quant_calibration, quantize_module, small_matmul)
+    for module in made_by:  # how the weights are made and laid out
         identity.append(Path(module.__file__).read_text())
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]
     setup = f"{model_dir.name}-{quantization}-{str(dtype).removeprefix('torch.')}"
@@ -95,8 +99,9 @@ def save(model: nn.Module, path: Path) -> None:
     from safetensors.torch import save_file
 
     tensors, aliases = _weights(model)
-    int8 = [name for name, module in model.named_modules() if isinstance(module, Int8Linear)]
-    metadata = {"format": FORMAT, "name": path.name, "aliases": json.dumps(aliases), "int8": json.dumps(int8)}
+    metadata = {"format": FORMAT, "name": path.name, "aliases": json.dumps(aliases)}
+    for kind, cls in _QUANTIZED.items():
+        metadata[kind] = json.dumps([name for name, module in model.named_modules() if isinstance(module, cls)])
     partial = path.with_suffix(".partial")  # one name, under the lock: a killed attempt's leftover is overwritten
     try:
         save_file(tensors, str(partial), metadata=metadata)
@@ -164,7 +169,8 @@ def _read(path: Path) -> tuple[dict, dict, int] | None:
         log.warning("prepared weights %s: of another version (%s); making them again", path, found)
         return None
     try:
-        metadata["aliases"], metadata["int8"] = json.loads(metadata["aliases"]), json.loads(metadata["int8"])
+        for key in ("aliases", *_QUANTIZED):
+            metadata[key] = json.loads(metadata[key])
     except (KeyError, TypeError, ValueError):
         log.warning("prepared weights %s: its metadata is not whole; making them again", path)
         return None
@@ -177,8 +183,8 @@ def _read(path: Path) -> tuple[dict, dict, int] | None:
 
 def load(model: nn.Module, path: Path) -> bool:
     """Put path's weights into model (built without its weights: skip_weight_init) as read-only views of the file
-    mapped into memory, every Int8Linear the file names in place of its nn.Linear. False where the file is missing
-    or not whole (the caller makes it again; the model may then be half changed: build another)."""
+    mapped into memory, every Int8Linear or Int4Linear the file names in place of its nn.Linear. False where the
+    file is missing or not whole (the caller makes it again; the model may then be half changed: build another)."""
     if not path.exists():
         return False
     with model_files.trusted_cache():  # someone else's file would be run as this user's weights
@@ -203,8 +209,8 @@ def load(model: nn.Module, path: Path) -> bool:
         for name, (dtype, shape, lo) in entries.items():
             flat = torch.frombuffer(mapped, dtype=dtype, count=math.prod(shape), offset=start + lo)
             tensors[name] = flat.view(shape)
-    int8 = set(metadata["int8"])
-    int8_linear.swap_linears(model, lambda name, linear: Int8Linear.shell(linear) if name in int8 else linear)
+    kinds = {name: cls for kind, cls in _QUANTIZED.items() for name in metadata[kind]}
+    int8_linear.swap_linears(model, lambda name, linear: kinds[name].shell(linear) if name in kinds else linear)
     try:
         for alias, name in metadata["aliases"].items():
             tensors[alias] = tensors[name]
@@ -224,8 +230,8 @@ def load(model: nn.Module, path: Path) -> bool:
 
 
 def load_or_prepare(model_dir: Path, path: Path, dtype: torch.dtype, max_model_len: int | None, quantize) -> tuple:
-    """load_model's result for an int8 model on the CPU, its weights mapped from path (prepared_path's): made first
-    where there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
+    """load_model's result for a quantized model on the CPU, its weights mapped from path (prepared_path's): made
+    first where there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
     from kvferry.common.model.loader import load_model
     from kvferry.common.model.runner import enable_cpu_kernels
 

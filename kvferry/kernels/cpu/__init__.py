@@ -10,6 +10,7 @@ def enable(build_dir: Path) -> list[str]:
         decode_layers,
         draw_filtered,
         draw_rows,
+        int4_matmul,
         layer_ops,
         panel_matmul,
         prefill_attention,
@@ -17,7 +18,7 @@ def enable(build_dir: Path) -> list[str]:
     )
 
     kernels = (
-        decode_attention, prefill_attention, layer_ops, small_matmul, panel_matmul, decode_layers, draw_rows,
-        draw_filtered,
+        decode_attention, prefill_attention, layer_ops, small_matmul, int4_matmul, panel_matmul, decode_layers,
+        draw_rows, draw_filtered,
     )  # fmt: skip
     return [why for why in (kernel.enable(build_dir) for kernel in kernels) if why]

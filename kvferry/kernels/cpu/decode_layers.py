@@ -1,4 +1,4 @@
-"""Every decoder layer of a decode step on the CPU, int8 or fp32 weights, in one call to decode_layers.c: at a few
+"""Every decoder layer of a decode step on the CPU, int8, int4 or fp32 weights, in one call to decode_layers.c: at a few
 rows a step's hundreds of calls from Python cost about as much as their work (docs/benchmarks.md). It runs the same C
 functions in the same order, so the output is bit for bit the layer-by-layer path's, and it takes as many rows as
 the layers' own C products do. common/model/fused_decode.py says which models and batches it takes.
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from kvferry.kernels.cpu import build, decode_attention, layer_ops, panel_matmul, small_matmul
+from kvferry.kernels.cpu import build, decode_attention, int4_matmul, layer_ops, panel_matmul, small_matmul
 
 SOURCE = Path(__file__).with_suffix(".c")
 # Rows that every loop takes; past them, as many as its products take (DecodeLayers.max_rows)
@@ -20,7 +20,8 @@ _p, _i, _i64, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 
 
 class _Weights(ctypes.Structure):
-    _fields_ = [(name, _p) for name in ("qweight", "sums", "scale", "outliers", "outlier_rows", "bias", "panels")]
+    _pointers = ("qweight", "group_scales", "group_mins", "sums", "scale", "outliers", "outlier_rows", "bias", "panels")
+    _fields_ = [(name, _p) for name in _pointers]
     _fields_ += [("n", _i), ("k", _i), ("count", _i), ("width", _i), ("interleaved", _i)]
 
 
@@ -33,7 +34,16 @@ class _Layer(ctypes.Structure):
 class _Kernels(ctypes.Structure):
     _fields_ = [
         (name, _p)
-        for name in ("add_rms_norm", "rope", "silu_mul", "quantize_rows", "matmul_i8", "matmul_f32", "attention")
+        for name in (
+            "add_rms_norm",
+            "rope",
+            "silu_mul",
+            "quantize_rows",
+            "matmul_i8",
+            "matmul_i4",
+            "matmul_f32",
+            "attention",
+        )  # fmt: skip
     ]
 
 
@@ -58,9 +68,10 @@ _lib = build.Library(SOURCE, SIGNATURES, "one call per op for CPU decode layers"
 enable, disable = _lib.enable, _lib.disable
 
 
-def available(int8: bool, fp32: bool) -> bool:
-    """Whether this loop and every function it calls for int8 and/or fp32 weights are loaded."""
-    products = ([small_matmul._lib] if int8 else []) + ([panel_matmul._lib] if fp32 else [])
+def available(int8: bool, fp32: bool, int4: bool = False) -> bool:
+    """Whether this loop and every function it calls for int8, int4 and/or fp32 weights are loaded."""
+    uses = ((small_matmul._lib, int8), (int4_matmul._lib, int4), (panel_matmul._lib, fp32))
+    products = [lib for lib, used in uses if used]
     return all(lib.loaded is not None for lib in (_lib, layer_ops._lib, decode_attention._lib, *products))
 
 
@@ -87,7 +98,32 @@ class Int8Weights:
         n, k = self.shape
         count = 0 if self.outliers is None else len(self.outliers)
         tensors = (self.qweight, self.sums, self.scale, self.outliers, self.outlier_rows, self.bias)
-        return _Weights(*map(_address, tensors), None, n, k, count, 0, int(small_matmul.is_interleaved(self.qweight)))
+        interleaved = int(small_matmul.is_interleaved(self.qweight))
+        return _Weights(
+            _address(self.qweight), None, None, *map(_address, tensors[1:]), None, n, k, count, 0, interleaved
+        )
+
+
+@dataclass
+class Int4Weights:
+    """An Int4Linear's buffers (see there), all contiguous on the CPU."""
+
+    qweight: torch.Tensor  # [n, k / 2] uint8
+    scales: torch.Tensor  # [n, k / 32] fp16
+    mins: torch.Tensor  # [n, k / 32] fp16
+    outliers: torch.Tensor | None
+    outlier_rows: torch.Tensor | None  # [count, n] fp16, plain
+    bias: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[0], 2 * self.qweight.shape[1]
+
+    def as_struct(self) -> _Weights:
+        n, k = self.shape
+        count = 0 if self.outliers is None else len(self.outliers)
+        tensors = (self.qweight, self.scales, self.mins, None, None, self.outliers, self.outlier_rows, self.bias)
+        return _Weights(*map(_address, tensors), None, n, k, count, 0, 0)
 
 
 @dataclass
@@ -101,21 +137,21 @@ class PanelWeights:
 
     def as_struct(self) -> _Weights:
         panels = torch.ops.mkldnn.data_ptr(self.packed)
-        return _Weights(None, None, None, None, None, _address(self.bias), panels, *self.shape, 0, self.width, 0)
+        return _Weights(*[None] * 7, _address(self.bias), panels, *self.shape, 0, self.width, 0)
 
 
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] fp32
     post_norm: torch.Tensor
-    qkv: Int8Weights | PanelWeights
-    o: Int8Weights | PanelWeights
-    gate_up: Int8Weights | PanelWeights
-    down: Int8Weights | PanelWeights
+    qkv: Int8Weights | Int4Weights | PanelWeights
+    o: Int8Weights | Int4Weights | PanelWeights
+    gate_up: Int8Weights | Int4Weights | PanelWeights
+    down: Int8Weights | Int4Weights | PanelWeights
     k_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor  # the same shape and strides
 
-    def linears(self) -> tuple[Int8Weights | PanelWeights, ...]:
+    def linears(self) -> tuple[Int8Weights | Int4Weights | PanelWeights, ...]:
         return self.qkv, self.o, self.gate_up, self.down
 
 
@@ -145,18 +181,21 @@ class DecodeLayers:
         self.structs = (_Layer * len(structs))(*structs)
         linears = [w for layer in layers for w in layer.linears()]
         int8_linears = [w for w in linears if isinstance(w, Int8Weights)]
-        self.int8, self.fp32 = bool(int8_linears), len(int8_linears) < len(linears)  # the products the loop calls
+        quantized = [w for w in linears if not isinstance(w, PanelWeights)]
+        self.int8, self.fp32 = bool(int8_linears), len(quantized) < len(linears)  # the products the loop calls
+        self.int4 = len(int8_linears) < len(quantized)
         functions = (
             layer_ops._lib.kvferry_add_rms_norm_f32,
             layer_ops._lib.kvferry_rope_f32,
             layer_ops._lib.kvferry_silu_mul_f32,
             layer_ops._lib.kvferry_quantize_rows_f32,
             small_matmul._lib.kvferry_matmul_i8 if self.int8 else None,  # a library not loaded: its kind is not here
+            int4_matmul._lib.kvferry_matmul_i4 if self.int4 else None,
             panel_matmul._lib.kvferry_panel_matmul_f32 if self.fp32 else None,
             decode_attention.entry_point(decode_attention._lib, "kvferry_paged_decode_attention", cache.dtype),
         )
         self.kernels = _Kernels(*(None if f is None else ctypes.cast(f, _p).value for f in functions))
-        outliers = max((len(w.outliers) for w in int8_linears if w.outliers is not None), default=0)
+        outliers = max((len(w.outliers) for w in quantized if w.outliers is not None), default=0)
         q_size = num_heads * head_dim
         self.widths = {  # of the float scratch, per row
             "normed": hidden, "qkv": first.qkv.shape[0], "query": q_size, "attended": q_size,
@@ -167,7 +206,7 @@ class DecodeLayers:
         self.hidden = hidden
         # As many rows as every product the loop calls takes in the layer path too
         int8_rows = ANY_ROWS if small_matmul.takes_every_row_count() else small_matmul.MAX_ROWS
-        self.max_rows = min([int8_rows] * self.int8 + [panel_matmul.max_rows()] * self.fp32)
+        self.max_rows = min([int8_rows] * self.int8 + [ANY_ROWS] * self.int4 + [panel_matmul.max_rows()] * self.fp32)
         self.rows = 0  # of the scratch: it grows with the largest batch seen
         self._reserve(MAX_ROWS)
 
@@ -183,7 +222,7 @@ class DecodeLayers:
 
     def available(self) -> bool:
         """Whether the loop and every function it calls are still loaded (a test or benchmark may switch one off)."""
-        return available(self.int8, self.fp32)
+        return available(self.int8, self.fp32, self.int4)
 
     def run(
         self,
@@ -206,5 +245,5 @@ class DecodeLayers:
             block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         if failed:
-            raise MemoryError("CPU decode attention: no memory for its scores")
+            raise MemoryError("CPU decode layers: no memory for attention's scores or a product's scratch")
         return x, residual

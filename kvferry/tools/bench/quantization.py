@@ -91,7 +91,10 @@ def accuracy(
 
 
 def add_parser(bench) -> None:
-    p = bench.add_parser("quantization", help="--quantization int8 against the unquantized model: accuracy and speed")
+    p = bench.add_parser(
+        "quantization",
+        help="--quantization int8 (or the one given, e.g. int4) against the unquantized model: accuracy and speed",
+    )
     p.add_argument(
         "--kv-cache",
         action="store_true",
@@ -125,9 +128,10 @@ def cmd_bench_quantization(args) -> int:
         engines = {"float32 KV": LLMEngine(replace(config, kv_cache_dtype="float32"))}
         engines[f"{str(half.kv_dtype).removeprefix('torch.')} KV"] = half
     else:
+        kind = config.quantization or "int8"  # --quantization int4 measures int4
         engines = {
             "unquantized": LLMEngine(replace(config, quantization=None)),
-            "int8": LLMEngine(replace(config, quantization="int8")),
+            kind: LLMEngine(replace(config, quantization=kind)),
         }
     (reference_name, reference), (candidate_name, candidate) = engines.items()
     report = {

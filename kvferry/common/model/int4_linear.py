@@ -1,0 +1,147 @@
+"""4-bit weights (`--quantization int4`): each linear layer's weights in groups of 32 along the input, each group
+32 four-bit values q and a half-precision scale and minimum, value = q * scale + min: the numbers of GGUF's Q4_1.
+5 bits a weight.
+
+Why this: the 4-bit GGUF files users have are Q4_0 and Q4_1 (the default model ships as Q4_1), and both load into
+it exactly (from_gguf: Q4_0's (q - 8) * scale is min = -8 * scale, exact in half precision), with no second
+rounding. A checkpoint quantized here gets the numbers llama.cpp's llama-quantize gives Q4_1 (the same rule): the
+minimum follows a group's range, which Q4_0's symmetric one cannot, for half a bit more than Q4_0. Groups of 32
+keep each scale close to its weights with no calibration data, where AWQ's or GPTQ's groups of 128 need it. Its error
+is larger than int8's: `kvferry bench quantization --quantization int4` measures it.
+
+As int8 on the CPU: activations are quantized per row to int8 and the products summed in int32 (int4_matmul.c),
+with the calibrated outlier channels kept in float (int8_linear.py says why). The lm_head stays int8, as llama.cpp
+keeps its output layer at 6 bits or more: every token's choice goes through it. A layer whose input width is not a
+multiple of 64 (the packing unit) stays int8 too.
+"""
+
+import torch
+from torch import nn
+
+from kvferry.common.model.int8_linear import OUTLIER_WEIGHT_DTYPE, Int8Linear, swap_linears
+from kvferry.kernels.cpu import int4_matmul, layer_ops
+
+GROUP, CHUNK = int4_matmul.GROUP, int4_matmul.CHUNK
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (q [N, K] uint8 in [0, 15], fp16 scales and mins [N, K / 32]) by Q4_1's rule: a group's
+    minimum and its range over 15 steps, kept in fp16, the values rounded with the fp32 ones."""
+    n, k = weight.shape
+    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
+    low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+    scale = (high - low) / 15.0
+    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+    q = torch.floor((w - low) * inverse + 0.5).clamp_(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale.reshape(n, k // GROUP).half(), low.reshape(n, k // GROUP).half()
+
+
+def pack(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] uint8 in [0, 15] -> [N, K / 2]: in each 64 values' 32 bytes, byte i holds value i (low) and value
+    i + 32 (high), int4_matmul.c's order."""
+    n, k = q.shape
+    halves = q.reshape(n, k // CHUNK, 2, CHUNK // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """pack's inverse: [N, K / 2] -> q [N, K] uint8."""
+    n, half = packed.shape
+    chunks = packed.reshape(n, half // (CHUNK // 2), 1, CHUNK // 2)
+    return torch.cat([chunks & 15, chunks >> 4], dim=2).reshape(n, 2 * half)
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> torch.Tensor:
+    """The weights the 4-bit layer stands for, fp32 [N, K]."""
+    q = unpack(packed).float()
+    n, k = q.shape
+    grouped = q.reshape(n, k // GROUP, GROUP) * scales.float()[:, :, None] + mins.float()[:, :, None]
+    return grouped.reshape(n, k)
+
+
+GGUF_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}  # per 32 values: the fp16 scale (and Q4_1's fp16 min), 16 bytes of q
+
+
+def from_gguf(kind: str, blocks, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A GGUF Q4_0 or Q4_1 tensor's raw blocks (uint8; byte i of a block's 16 holds value i low and value i + 16
+    high) of logical shape [N, K] -> (packed, scales, mins) as this module keeps them, the same numbers exactly."""
+    n, k = shape
+    raw = torch.as_tensor(blocks).reshape(n, k // GROUP, GGUF_BLOCK_BYTES[kind])
+    halves = raw[:, :, : GGUF_BLOCK_BYTES[kind] - 16].contiguous().view(torch.float16)  # [N, G, 1 or 2]
+    scales = halves[:, :, 0].contiguous()
+    mins = halves[:, :, 1].contiguous() if kind == "Q4_1" else scales * -8.0  # a power of two: exact
+    nibbles = raw[:, :, -16:]
+    q = torch.cat([nibbles & 15, nibbles >> 4], dim=2).reshape(n, k)
+    return pack(q), scales, mins
+
+
+def fits(linear: nn.Linear) -> bool:
+    """Whether a layer can be 4-bit: its input width in whole packing units."""
+    return linear.in_features % CHUNK == 0
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None):
+        """outliers: input channels kept in float (CPU), or None."""
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach()
+        if outliers is not None and len(outliers):
+            outliers = outliers.to(weight.device, torch.long).sort().values
+            self.register_buffer("outliers", outliers, persistent=False)
+            rows = weight[:, outliers].t().to(OUTLIER_WEIGHT_DTYPE).contiguous()  # [count, N]
+            self.register_buffer("outlier_weight", rows, persistent=False)
+            weight = weight.index_fill(1, outliers, 0)  # the groups' scales are then the other channels'
+        else:
+            self.outliers = self.outlier_weight = None
+        q, scales, mins = quantize_weight(weight)
+        self.register_buffer("qweight", pack(q), persistent=False)  # [N, K / 2] uint8
+        self.register_buffer("scales", scales, persistent=False)  # [N, K / 32] fp16
+        self.register_buffer("mins", mins, persistent=False)  # [N, K / 32] fp16
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+
+    @classmethod
+    def shell(cls, linear: nn.Linear) -> "Int4Linear":
+        """An Int4Linear of linear's shape with no weights yet (prepared_weights.load)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name in ("outliers", "outlier_weight", "qweight", "scales", "mins", "bias"):
+            self.register_buffer(name, None, persistent=False)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).float()
+        if layer_ops.handles(x2) and x2.shape[0] > 0:
+            xq, row_scale, x_out = layer_ops.quantize_rows(x2, self.outliers)
+            if int4_matmul.handles(xq, self.qweight):
+                outliers = None if self.outliers is None else (x_out, self.outlier_weight)
+                y = int4_matmul.matmul_i4(xq, self.qweight, self.scales, self.mins, row_scale, outliers, self.bias)
+                return y.to(x.dtype).reshape(*lead, self.out_features)
+        # Without the C product (or on another device): the same quantized rows times the dequantized weights
+        weight = dequantize(self.qweight, self.scales, self.mins).to(x2.device)
+        if self.outliers is not None:
+            kept = x2.index_fill(1, self.outliers, 0.0)
+        else:
+            kept = x2
+        row_scale = kept.abs().amax(dim=1, keepdim=True).clamp_min_(1e-12).div_(127.0)
+        xq = torch.round(kept / row_scale).clamp_(-127, 127)
+        y = (xq @ weight.t()).mul_(row_scale)
+        if self.outliers is not None:
+            y.addmm_(x2[:, self.outliers], self.outlier_weight.float())
+        if self.bias is not None:
+            y.add_(self.bias)
+        return y.to(x.dtype).reshape(*lead, self.out_features)
+
+
+def quantize_linears(model: nn.Module, outliers: dict[str, torch.Tensor] | None = None) -> int:
+    """Swap every nn.Linear for an Int4Linear, the lm_head and any layer fits() refuses for an Int8Linear (outliers:
+    their float channels, by module name); returns how many."""
+    outliers = outliers or {}
+
+    def make(name: str, linear: nn.Linear) -> nn.Module:
+        kind = Int4Linear if name != "lm_head" and fits(linear) else Int8Linear
+        return kind(linear, outliers.get(name))
+
+    return swap_linears(model, make)
