@@ -10,6 +10,7 @@ import torch
 
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import prepared_weights
+from kvferry.common.model.gguf_int4 import take_exact
 from kvferry.common.model.loader import load_model
 from kvferry.common.model.quantize import quantize_model
 from kvferry.common.model.runner import ModelRunner
@@ -130,6 +131,8 @@ def load_weights(
 
         def quantize(model):
             quantize_model(model, device, calibration_ids(model.config), config.quantization)
+            if config.quantization == "int4":
+                take_exact(model, model_dir)  # a Q4_0 or Q4_1 GGUF's own numbers, where it came from one
 
         return prepared_weights.load_or_prepare(model_dir, prepared, dtype, config.max_model_len, quantize)
     model, model_config, max_model_len = load_model(model_dir, dtype, device, config.max_model_len)

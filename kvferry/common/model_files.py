@@ -150,6 +150,34 @@ def convert_gguf_in_child(gguf_path: Path, out_dir: Path) -> None:
         raise ModelLoadError(f"converting {gguf_path} failed (the lines above say why)")
 
 
+GGUF_SOURCE = "gguf_source.json"  # in a converted folder: the GGUF file it came from (gguf_source)
+
+
+def _file_identity(path: Path) -> dict:
+    status = path.stat()
+    return {"path": str(path.resolve()), "size": status.st_size, "mtime_ns": status.st_mtime_ns}
+
+
+def record_gguf_source(gguf_path: Path, model_dir: Path) -> None:
+    """Write which GGUF file model_dir was converted from, where it is not written yet (atomically)."""
+    record = model_dir / GGUF_SOURCE
+    if record.is_file():
+        return
+    partial = record.with_suffix(f".tmp{os.getpid()}")
+    partial.write_text(json.dumps(_file_identity(gguf_path)))
+    os.replace(partial, record)
+
+
+def gguf_source(model_dir: Path) -> Path | None:
+    """The GGUF file model_dir was converted from, where it is recorded and still the same file; else None."""
+    try:
+        recorded = json.loads((Path(model_dir) / GGUF_SOURCE).read_text())
+        path = Path(recorded["path"])
+        return path if _file_identity(path) == recorded else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def resolve_model(model: str | os.PathLike | None) -> Path:
     """Return a Hugging Face folder (config.json, safetensors, tokenizer) for --model, converting a GGUF file the
     first time (in a child process)."""
@@ -179,6 +207,7 @@ def resolve_model(model: str | os.PathLike | None) -> Path:
         convert_gguf_in_child(gguf_path, out_dir)
     with trusted_cache():
         cache_trust.check_tree(out_dir, cache_root())
+    record_gguf_source(gguf_path, out_dir)  # where --quantization int4 finds its 4-bit tensors (gguf_int4.py)
     return out_dir
 
 

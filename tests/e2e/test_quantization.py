@@ -1,4 +1,4 @@
-"""--quantization int8 across real processes: both workers quantize alike, so a completion through the stack equals the
+"""--quantization int8 (and int4) across real processes: both workers quantize alike, so a completion through the stack equals the
 in-process int8 engine's; a worker that computes otherwise is refused."""
 
 import pytest
@@ -25,6 +25,21 @@ def test_int8_stack_matches_the_in_process_int8_engine_and_refuses_an_unquantize
     engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, quantization="int8", num_threads=1))
     params = SamplingParams(max_tokens=20, temperature=0)
     for prompt in PROMPTS:  # one at a time, alone in every step on both sides: the same arithmetic
+        expected = engine.generate([prompt], params)[0].text
+        status, reply = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
+        assert status == 200, reply
+        assert reply["choices"][0]["text"] == expected, prompt
+
+
+def test_int4_stack_matches_the_in_process_int4_engine(make_stack):
+    s = make_stack(extra_env={"KVFERRY_QUANTIZATION": "int4"})
+    s.start_pair()
+    s.wait_workers({"prefill-a", "decode-a"})
+    assert {w["quantization"] for w in s.workers().values()} == {"int4"}
+    assert served_quantization(s.url) == "int4"
+    engine = LLMEngine(EngineConfig(kv_cache_memory=64 * 2**20, quantization="int4", num_threads=1))
+    params = SamplingParams(max_tokens=20, temperature=0)
+    for prompt in PROMPTS:
         expected = engine.generate([prompt], params)[0].text
         status, reply = s.post("/v1/completions", {"prompt": prompt, "max_tokens": 20, "temperature": 0})
         assert status == 200, reply

@@ -138,5 +138,6 @@ def test_calibration_finds_a_planted_outlier_channel(tmp_path):
 def test_the_quantization_setting():
     assert EngineConfig(quantization="none").quantization is None
     assert EngineConfig(quantization="int8").quantization == "int8"
-    with pytest.raises(ConfigError, match="quantization must be int8 or none"):
-        EngineConfig(quantization="int4")
+    assert EngineConfig(quantization="int4").quantization == "int4"
+    with pytest.raises(ConfigError, match="quantization must be int8, int4 or none"):
+        EngineConfig(quantization="int2")

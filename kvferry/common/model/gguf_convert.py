@@ -16,12 +16,12 @@ from pathlib import Path
 ALIGNMENT = 8  # safetensors' data starts on an 8-byte boundary
 
 
-def _logical_shape(tensor) -> tuple[int, ...]:
+def logical_shape(tensor) -> tuple[int, ...]:
     """A GGUF tensor's shape in numpy's order (GGUF lists the fastest dimension first)."""
     return tuple(int(d) for d in reversed(tensor.shape.tolist()))
 
 
-def _plan(gguf_path: Path, config) -> tuple[list, dict]:
+def plan(gguf_path: Path, config) -> tuple[list, dict]:
     """[(the GGUF tensor, its transformers name)] in file order, and the processor that rearranges them."""
     import torch
     from gguf import GGUFReader
@@ -57,8 +57,8 @@ def _write_weights(planned: list, processor, path: Path) -> None:
 
     header, offset = {}, 0
     for tensor, name in planned:
-        size = 4 * int(np.prod(_logical_shape(tensor)))
-        header[name] = {"dtype": "F32", "shape": list(_logical_shape(tensor)), "data_offsets": [offset, offset + size]}
+        size = 4 * int(np.prod(logical_shape(tensor)))
+        header[name] = {"dtype": "F32", "shape": list(logical_shape(tensor)), "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = {"format": "pt"}
     encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -94,7 +94,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(tmp)
-    _write_weights(*_plan(gguf_path, config), tmp / "model.safetensors")
+    _write_weights(*plan(gguf_path, config), tmp / "model.safetensors")
     try:
         tmp.rename(out_dir)  # atomic: a half-written folder is never taken for a converted one
     except OSError:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from kvferry.common import model_files
-from kvferry.common.model import int4_linear, int8_linear, llama, quant_calibration
+from kvferry.common.model import gguf_int4, int4_linear, int8_linear, llama, quant_calibration
 from kvferry.common.model import quantize as quantize_module
 from kvferry.common.model.int4_linear import Int4Linear
 from kvferry.common.model.int8_linear import Int8Linear
@@ -56,10 +56,20 @@ def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Pat
     folder (this user's alone, or a ConfigError). Its name starts with what tells a model's files apart for the
     same setup (pruned by save), then the key of everything else."""
     identity = [FORMAT, str(dtype), quantization, build.cpu_features(), str(torch.__version__), _layout()]
-    for path in [*weight_files(model_dir), model_dir / "config.json"]:
+    source = model_dir / model_files.GGUF_SOURCE  # int4 takes a GGUF's own 4-bit numbers (gguf_int4.py)
+    for path in [*weight_files(model_dir), model_dir / "config.json", *([source] if source.is_file() else [])]:
         status = path.stat()
         identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
-    made_by = (int4_linear, int4_matmul, int8_linear, llama, quant_calibration, quantize_module, small_matmul)
+    made_by = (
+        gguf_int4,
+        int4_linear,
+        int4_matmul,
+        int8_linear,
+        llama,
+        quant_calibration,
+        quantize_module,
+        small_matmul,
+    )
     for module in made_by:  # how the weights are made and laid out
         identity.append(Path(module.__file__).read_text())
     key = hashlib.sha256("\0".join(identity).encode()).hexdigest()[:20]

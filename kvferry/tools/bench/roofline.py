@@ -20,12 +20,12 @@ class ModelShape:
     head_dim: int
     vocab: int
     bytes_per_param: int  # the activations' and the KV cache's dtype; the weights' too unless weight_bytes_per_param
-    weight_bytes_per_param: int | None = None  # int8: 1
+    weight_bytes_per_param: float | None = None  # int8: 1; int4: 5 / 8
     bytes_per_output: int = 0  # read per output channel beside the weights: int8's scale and float outlier columns
 
     @classmethod
     def from_config(
-        cls, config: dict, bytes_per_param: int, weight_bytes_per_param: int | None = None, bytes_per_output: int = 0
+        cls, config: dict, bytes_per_param: int, weight_bytes_per_param: float | None = None, bytes_per_output: int = 0
     ) -> "ModelShape":
         """config: read_config's dict (a Llama-like decoder; norms and biases are too small to count)."""
         heads = config["num_attention_heads"]

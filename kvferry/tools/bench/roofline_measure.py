@@ -52,14 +52,17 @@ def quantization_of(args) -> str | None:
 
 def model_shape(config: dict, dtype: torch.dtype, quantization: str | None, device: torch.device):
     """The model's shape with the bytes its weights take on this path: int8 weights are a byte each, plus each
-    output channel's fp32 scale and, on the CPU, its outlier columns (int8_linear.py)."""
+    output channel's fp32 scale and, on the CPU, its outlier columns (int8_linear.py); int4's five bits."""
     dtype_bytes = torch.finfo(dtype).bits // 8
-    if quantization != "int8":
+    if quantization not in ("int8", "int4"):
         return roofline.ModelShape.from_config(config, dtype_bytes)
     from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS, OUTLIER_WEIGHT_DTYPE
 
     outliers = NUM_OUTLIER_CHANNELS if device.type == "cpu" else 0
-    return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + OUTLIER_WEIGHT_DTYPE.itemsize * outliers)
+    per_output = OUTLIER_WEIGHT_DTYPE.itemsize * outliers
+    if quantization == "int4":  # 4 bits and, per 32, two fp16 numbers (int4_linear.py; the lm_head counted so too)
+        return roofline.ModelShape.from_config(config, dtype_bytes, 5 / 8, per_output)
+    return roofline.ModelShape.from_config(config, dtype_bytes, 1, 4 + per_output)
 
 
 def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantization: str | None = None):
@@ -76,6 +79,11 @@ def gemm_path(device: torch.device, dtype: torch.dtype, k: int, n: int, quantiza
         layer = Int8Linear(linear, outliers)
         layer.interleave()  # as the runner lays the weights out
         return layer
+    if quantization == "int4":
+        from kvferry.common.model.int4_linear import Int4Linear
+        from kvferry.common.model.int8_linear import NUM_OUTLIER_CHANNELS
+
+        return Int4Linear(torch.nn.Linear(k, n, bias=False), torch.randperm(k)[:NUM_OUTLIER_CHANNELS])
     if device.type == "cpu":
         from kvferry.common.model.cpu_linear import PackedLinear, can_pack
 

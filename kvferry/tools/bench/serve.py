@@ -73,7 +73,7 @@ def _latencies(results: list[dict]) -> dict:
 
 
 def served_quantization(url: str) -> str | None:
-    """The quantization kvferry's workers at url compute with ("int8"), from /v1/workers; None for float weights,
+    """The quantization kvferry's workers at url compute with ("int8", "int4"), from /v1/workers; None for float weights,
     or from a server without /v1/workers."""
     import urllib.request
 
