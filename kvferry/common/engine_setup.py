@@ -11,8 +11,8 @@ import torch
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import prepared_weights
 from kvferry.common.model.gguf_int4 import take_exact
-from kvferry.common.model.loader import load_model
-from kvferry.common.model.quantize import quantize_model
+from kvferry.common.model.loader import load_in_parts, load_model
+from kvferry.common.model.quantize import quantize_in_parts, quantize_model
 from kvferry.common.model.runner import ModelRunner
 from kvferry.kernels.cpu.build import cpu_features
 
@@ -129,8 +129,10 @@ def load_weights(
     calibration_ids(model_config): int8's calibration text, read only where the model is quantized here."""
     if prepared is not None:
 
-        def quantize(model):
-            quantize_model(model, device, calibration_ids(model.config), config.quantization)
+        def quantize(model):  # built without weights: each layer loaded, calibrated and quantized in turn
+            outer, load_layer, check_loaded = load_in_parts(model_dir, model)
+            quantize_in_parts(model, calibration_ids(model.config), config.quantization, outer, load_layer)
+            check_loaded()
             if config.quantization == "int4":
                 take_exact(model, model_dir)  # a Q4_0 or Q4_1 GGUF's own numbers, where it came from one
 

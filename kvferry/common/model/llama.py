@@ -189,9 +189,10 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)  # [N, vocab]
 
-    def load_hf_state_dict(self, weights) -> None:
+    def load_hf_state_dict(self, weights, complete: bool = True) -> set[str]:
         """Load transformers-named weights, (name, tensor) pairs, fusing q/k/v and gate/up on the way: each fused
-        weight as soon as its parts are in, so that no more than one layer's parts are held at a time."""
+        weight as soon as its parts are in, so that no more than one layer's parts are held at a time. Returns the
+        names loaded; complete False: a part of the checkpoint (one layer's), so none missing is an error."""
         own = self.state_dict()
         loaded = set()
 
@@ -224,8 +225,9 @@ class LlamaModel(nn.Module):
         if tied:
             loaded.add("lm_head.weight")
         absent = set(own) - loaded
-        if absent:
+        if absent and complete:
             raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(absent)[:5])}")
+        return loaded
 
 
 FUSED_PARTS = {  # transformers name -> (our fused name, position in the fused matrix)

@@ -59,15 +59,46 @@ def skip_weight_init():
             cls.reset_parameters = method
 
 
-def _tensors(files: list[Path]):
-    """(name, tensor) of every weight in the files, read one at a time: the checkpoint is never all in memory beside
-    the model (the file's pages are the kernel's page cache, which it can drop)."""
+def _tensors(files: list[Path], select=None):
+    """(name, tensor) of every weight in the files (or those whose name select(name) takes), read one at a time: the
+    checkpoint is never all in memory beside the model (the file's pages are the kernel's page cache, which it can
+    drop)."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if select is None or select(name):
+                    yield name, f.get_tensor(name)
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder layer a transformers weight name belongs to (model.layers.N....), or None for the others."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
+        return int(parts[2])
+    return None
+
+
+def load_in_parts(model_dir: Path, model) -> tuple:
+    """For a model built without its weights (load_model's read_weights False): (load the weights outside the
+    decoder layers, load decoder layer i, check that every weight came), each part read from the checkpoint when
+    called, so that only the layers loaded so far are in memory (prepared_weights.py quantizes each as it goes)."""
+    files = weight_files(model_dir)
+    expected, loaded = set(model.state_dict()), set()
+
+    def outer() -> None:
+        loaded.update(model.load_hf_state_dict(_tensors(files, lambda n: layer_of(n) is None), complete=False))
+
+    def layer(i: int) -> None:
+        loaded.update(model.load_hf_state_dict(_tensors(files, lambda n: layer_of(n) == i), complete=False))
+
+    def check() -> None:
+        absent = expected - loaded
+        if absent:
+            raise ModelLoadError(f"weights missing from the checkpoint: {', '.join(sorted(absent)[:5])}")
+
+    return outer, layer, check
 
 
 def load_model(model_dir: Path, dtype, device, max_model_len: int | None = None, read_weights: bool = True):

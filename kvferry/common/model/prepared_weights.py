@@ -241,7 +241,8 @@ def load(model: nn.Module, path: Path) -> bool:
 
 def load_or_prepare(model_dir: Path, path: Path, dtype: torch.dtype, max_model_len: int | None, quantize) -> tuple:
     """load_model's result for a quantized model on the CPU, its weights mapped from path (prepared_path's): made
-    first where there is none (quantize(model) quantizes a loaded float model in place), one process at a time."""
+    first where there is none (quantize(model) loads and quantizes a model built without its weights, in place),
+    one process at a time."""
     from kvferry.common.model.loader import load_model
     from kvferry.common.model.runner import enable_cpu_kernels
 
@@ -252,7 +253,7 @@ def load_or_prepare(model_dir: Path, path: Path, dtype: torch.dtype, max_model_l
             log.info("weights mapped from %s (%.2f GiB, shared with every worker on this host)", path,
                      path.stat().st_size / 2**30)  # fmt: skip
             return model, config, max_model_len
-        made, _, _ = load_model(model_dir, dtype, cpu, max_model_len)
+        made, _, _ = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
         quantize(made)
         enable_cpu_kernels()
         int8_linear.interleave_linears(made)  # the layout the kernels read, kept in the file

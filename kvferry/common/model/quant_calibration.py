@@ -3,6 +3,8 @@ found at load time from one forward over Python's own reference documentation (t
 machine calibrates identically, with nothing downloaded. `kvferry bench quantization` uses other topics, held out.
 """
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -34,9 +36,10 @@ class DenseCausalBatch:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)[0].transpose(0, 1)
 
 
-@torch.inference_mode()
-def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) -> dict[str, torch.Tensor]:
-    """Each nn.Linear's (by module name) num_channels input channels of the largest activation over token_ids."""
+@contextlib.contextmanager
+def record_peaks(model: nn.Module):
+    """Yields a dict that each nn.Linear's forwards fill, by module name: the largest |activation| of each of its
+    input channels so far."""
     peaks: dict[str, torch.Tensor] = {}
 
     def recorder(name):
@@ -48,12 +51,19 @@ def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) 
 
     handles = [m.register_forward_hook(recorder(name)) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     try:
+        yield peaks
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def outlier_channels(model: nn.Module, token_ids: list[int], num_channels: int) -> dict[str, torch.Tensor]:
+    """Each nn.Linear's (by module name) num_channels input channels of the largest activation over token_ids."""
+    with record_peaks(model) as peaks:
         device = model.embed_tokens.weight.device
         ids = torch.tensor(token_ids[: model.rope_cos.shape[0]], device=device)  # no further than the model reaches
         hidden = model(ids, torch.arange(len(ids), device=device), DenseCausalBatch())
         for rows in hidden.split(128):  # the lm_head's input too, a slice at a time: the logits are wide
             model.compute_logits(rows)
-    finally:
-        for h in handles:
-            h.remove()
     return {name: peak.topk(min(num_channels, peak.numel())).indices for name, peak in peaks.items()}

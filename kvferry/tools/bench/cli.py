@@ -227,12 +227,13 @@ def add_bench_parser(sub) -> None:
     settings.add_arguments(p, settings.BENCH)
     p.set_defaults(func=_command("step", "cmd_bench_step"))
 
-    from kvferry.tools.bench import ab, quantization, random_model, sim_check
+    from kvferry.tools.bench import ab, quantization, random_model, scaling, sim_check
 
     sim_check.add_parser(bench)
     ab.add_parser(bench)
     quantization.add_parser(bench)
     random_model.add_parser(bench)
+    scaling.add_parser(bench)
 
     _add_gateway_parser(bench)
 
