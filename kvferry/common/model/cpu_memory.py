@@ -6,6 +6,7 @@ Decode attention reads blocks from scattered places in the pool, which on 2 MB p
 (docs/benchmarks.md, "Paging overhead").
 """
 
+import contextlib
 import ctypes
 import functools
 import math
@@ -27,14 +28,33 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
-@functools.cache
-def keep_freed_memory() -> bool:
-    """Apply once per process; returns whether glibc took the settings."""
+def _mallopt(mmap_threshold: int, trim_threshold: int) -> bool:
     try:
         mallopt = _libc().mallopt
     except AttributeError:  # not glibc (musl, macOS): keep the allocator's defaults
         return False
-    return mallopt(_M_MMAP_THRESHOLD, 32 * 2**20) == 1 and mallopt(_M_TRIM_THRESHOLD, 2**30) == 1
+    return mallopt(_M_MMAP_THRESHOLD, mmap_threshold) == 1 and mallopt(_M_TRIM_THRESHOLD, trim_threshold) == 1
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Apply once per process; returns whether glibc took the settings."""
+    return _mallopt(32 * 2**20, 2**30)
+
+
+@contextlib.contextmanager
+def returning_freed_memory():
+    """While a model is quantized a layer at a time: each allocation of 1 MiB or more its own mapping, unmapped when
+    freed, and heap tops trimmed, so that each float layer's memory goes back to the system as soon as it is freed
+    (glibc's own threshold grows with what was freed, and freed heap memory between live buffers stays resident:
+    the peak of preparing varied between runs by a whole copy of the weights, docs/benchmarks.md). Afterwards
+    keep_freed_memory's settings again, where they were in force."""
+    _mallopt(2**20, 2**20)
+    try:
+        yield
+    finally:
+        if keep_freed_memory.cache_info().currsize:
+            _mallopt(32 * 2**20, 2**30)
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -18,22 +18,33 @@ multiple of 64 (the packing unit) stays int8 too.
 import torch
 from torch import nn
 
-from kvferry.common.model.int8_linear import OUTLIER_WEIGHT_DTYPE, Int8Linear, swap_linears
+from kvferry.common.model.int8_linear import OUTLIER_WEIGHT_DTYPE, QUANTIZE_ROWS, Int8Linear, swap_linears
 from kvferry.kernels.cpu import int4_matmul, layer_ops
 
 GROUP, CHUNK = int4_matmul.GROUP, int4_matmul.CHUNK
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_weight(
+    weight: torch.Tensor, zeroed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[N, K] float -> (q [N, K] uint8 in [0, 15], fp16 scales and mins [N, K / 32]) by Q4_1's rule: a group's
-    minimum and its range over 15 steps, kept in fp16, the values rounded with the fp32 ones."""
+    minimum and its range over 15 steps, kept in fp16, the values rounded with the fp32 ones; the input channels
+    `zeroed` (or none) taken as zero. QUANTIZE_ROWS rows at a time, as int8's quantize_weight."""
     n, k = weight.shape
-    w = weight.detach().float().reshape(n, k // GROUP, GROUP)
-    low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
-    scale = (high - low) / 15.0
-    inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
-    q = torch.floor((w - low) * inverse + 0.5).clamp_(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale.reshape(n, k // GROUP).half(), low.reshape(n, k // GROUP).half()
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales, mins = torch.empty(n, k // GROUP, dtype=torch.float16), torch.empty(n, k // GROUP, dtype=torch.float16)
+    for first in range(0, n, QUANTIZE_ROWS):
+        rows = slice(first, first + QUANTIZE_ROWS)
+        w = weight[rows].detach().float()
+        if zeroed is not None:
+            w = w.index_fill(1, zeroed, 0)
+        w = w.reshape(-1, k // GROUP, GROUP)
+        low, high = w.amin(dim=2, keepdim=True), w.amax(dim=2, keepdim=True)
+        scale = (high - low) / 15.0
+        inverse = torch.where(scale == 0, torch.zeros_like(scale), 1.0 / scale)
+        q[rows] = torch.floor((w - low) * inverse + 0.5).clamp_(0, 15).reshape(-1, k)
+        scales[rows], mins[rows] = scale[:, :, 0].half(), low[:, :, 0].half()
+    return q, scales, mins
 
 
 def pack(q: torch.Tensor) -> torch.Tensor:
@@ -91,10 +102,9 @@ class Int4Linear(nn.Module):
             self.register_buffer("outliers", outliers, persistent=False)
             rows = weight[:, outliers].t().to(OUTLIER_WEIGHT_DTYPE).contiguous()  # [count, N]
             self.register_buffer("outlier_weight", rows, persistent=False)
-            weight = weight.index_fill(1, outliers, 0)  # the groups' scales are then the other channels'
         else:
             self.outliers = self.outlier_weight = None
-        q, scales, mins = quantize_weight(weight)
+        q, scales, mins = quantize_weight(weight, self.outliers)  # as zero: the groups' scales fit the others
         self.register_buffer("qweight", pack(q), persistent=False)  # [N, K / 2] uint8
         self.register_buffer("scales", scales, persistent=False)  # [N, K / 32] fp16
         self.register_buffer("mins", mins, persistent=False)  # [N, K / 32] fp16

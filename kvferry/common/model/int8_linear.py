@@ -20,11 +20,23 @@ NUM_OUTLIER_CHANNELS = 32  # per layer; found by calibration (quant_calibration.
 OUTLIER_WEIGHT_DTYPE = torch.float16  # the outlier channels' weights; their products are summed in fp32
 
 
-def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~= int8 * scale[:, None]."""
-    w = weight.detach().float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
-    return torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8), scale
+QUANTIZE_ROWS = 1024  # rows quantized at a time: their float temporaries stay small beside the model being made
+
+
+def quantize_weight(weight: torch.Tensor, zeroed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] float -> (int8 [N, K], fp32 scale [N]) with weight ~= int8 * scale[:, None]; the input channels
+    `zeroed` (or none) taken as zero. QUANTIZE_ROWS rows at a time, each row alone as if all at once."""
+    n, k = weight.shape
+    qweight = torch.empty(n, k, dtype=torch.int8, device=weight.device)
+    scale = torch.empty(n, device=weight.device)
+    for first in range(0, n, QUANTIZE_ROWS):
+        rows = slice(first, first + QUANTIZE_ROWS)
+        w = weight[rows].detach().float()
+        if zeroed is not None:
+            w = w.index_fill(1, zeroed, 0)
+        scale[rows] = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+        qweight[rows] = torch.round(w / scale[rows, None]).clamp_(-127, 127)
+    return qweight, scale
 
 
 def int8_rows_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -47,10 +59,9 @@ class Int8Linear(nn.Module):
             # [count, N]: a row per channel, so the C loops run along the output columns (outlier_columns.h)
             rows = weight[:, outliers].t().to(OUTLIER_WEIGHT_DTYPE).contiguous()
             self.register_buffer("outlier_weight", rows, persistent=False)
-            weight = weight.index_fill(1, outliers, 0)
         else:
             self.outliers = self.outlier_weight = None
-        qweight, scale = quantize_weight(weight)
+        qweight, scale = quantize_weight(weight, self.outliers)  # the outlier channels as zero
         self.register_buffer("qweight", qweight, persistent=False)  # [N, K] int8, or interleaved (interleave())
         self.register_buffer("qweight_sums", small_matmul.weight_sums(qweight), persistent=False)  # [N] int32
         self.register_buffer("scale", scale, persistent=False)  # [N] fp32

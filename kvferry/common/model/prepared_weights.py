@@ -26,6 +26,7 @@ from torch import nn
 from kvferry.common import model_files
 from kvferry.common.model import gguf_int4, int4_linear, int8_linear, llama, quant_calibration
 from kvferry.common.model import quantize as quantize_module
+from kvferry.common.model.cpu_memory import returning_freed_memory
 from kvferry.common.model.int4_linear import Int4Linear
 from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.model.loader import safetensors_header, weight_files
@@ -104,17 +105,40 @@ def _weights(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]
     return tensors, aliases
 
 
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata: dict) -> None:
+    """tensors in safetensors' format, each one's bytes written straight from its memory (safetensors' save_file
+    copies every tensor to bytes first: a second copy of the model at preparing's peak, docs/benchmarks.md). The
+    widest types first, so that every tensor starts at a multiple of its item size."""
+    names = {dtype: name for name, dtype in _DTYPES.items()}
+    ordered = sorted(tensors.items(), key=lambda item: (-item[1].element_size(), item[0]))
+    header, offset = {"__metadata__": metadata}, 0
+    for name, tensor in ordered:
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": names[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts on an 8-byte boundary
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for _, tensor in ordered:
+            if tensor.numel():
+                f.write(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def save(model: nn.Module, path: Path) -> None:
     """Write the model's weights to path, whole or not at all (a temporary file renamed into place)."""
-    from safetensors.torch import save_file
-
     tensors, aliases = _weights(model)
     metadata = {"format": FORMAT, "name": path.name, "aliases": json.dumps(aliases)}
     for kind, cls in _QUANTIZED.items():
         metadata[kind] = json.dumps([name for name, module in model.named_modules() if isinstance(module, cls)])
     partial = path.with_suffix(".partial")  # one name, under the lock: a killed attempt's leftover is overwritten
     try:
-        save_file(tensors, str(partial), metadata=metadata)
+        _write_safetensors(tensors, partial, metadata)
         os.chmod(partial, 0o644)
         os.replace(partial, path)
     finally:
@@ -253,12 +277,13 @@ def load_or_prepare(model_dir: Path, path: Path, dtype: torch.dtype, max_model_l
             log.info("weights mapped from %s (%.2f GiB, shared with every worker on this host)", path,
                      path.stat().st_size / 2**30)  # fmt: skip
             return model, config, max_model_len
-        made, _, _ = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
-        quantize(made)
-        enable_cpu_kernels()
-        int8_linear.interleave_linears(made)  # the layout the kernels read, kept in the file
-        save(made, path)
-        del made  # this process's own copy: the file's pages replace it
+        with returning_freed_memory():  # each float layer's memory back to the system once quantized
+            made, _, _ = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
+            quantize(made)
+            enable_cpu_kernels()
+            int8_linear.interleave_linears(made)  # the layout the kernels read, kept in the file
+            save(made, path)
+            del made  # this process's own copy: the file's pages replace it
         log.info("weights prepared once into %s (%.2f GiB)", path, path.stat().st_size / 2**30)
         model, config, max_model_len = load_model(model_dir, dtype, cpu, max_model_len, read_weights=False)
         if not load(model, path):

@@ -186,7 +186,7 @@ def cmd_bench_scaling(args) -> int:
     from kvferry.common.model_files import resolve_model
 
     for name in args.workloads:
-        if name not in workload.WORKLOADS:
+        if name not in workload.NAMES:
             raise SystemExit(f"bench scaling: unknown workload {name!r}")
     if not os.access(args.llama_server, os.X_OK):
         raise SystemExit(f"bench scaling: {args.llama_server} is not an executable llama-server")
