@@ -105,3 +105,33 @@ def test_the_engine_asks_for_huge_pages_unless_told_not_to(tmp_path, huge_pages)
     )
     flags = json.loads(probe.stdout.strip().splitlines()[-1])
     assert ("hg" in flags) == (huge_pages == "on"), flags
+
+
+RETURNING = """
+import contextlib, json, sys, torch
+from kvferry.common.model.cpu_memory import keep_freed_memory, returning_freed_memory
+
+def rss():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096
+
+keep_freed_memory()  # as in a process whose runner started already
+with returning_freed_memory() if sys.argv[1] == "returning" else contextlib.nullcontext():
+    before = rss()
+    blocks = [torch.ones(3 * 2**20 // 4) for _ in range(8)]  # 3 MiB each: the runner's settings keep them
+    held = rss()
+    del blocks
+    after = rss()
+print(json.dumps({"before": before, "held": held, "after": after}))
+"""
+
+
+@pytest.mark.parametrize("returning", [True, False])
+def test_memory_freed_while_preparing_goes_back_to_the_system(returning):
+    # A fresh interpreter: the allocator's state is the process's own
+    mode = "returning" if returning else "keeping"
+    done = subprocess.run([sys.executable, "-c", RETURNING, mode], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rss = json.loads(done.stdout)
+    assert rss["held"] - rss["before"] >= 20 * 2**20  # the blocks were resident
+    kept = rss["after"] - rss["before"]
+    assert kept < 4 * 2**20 if returning else kept >= 20 * 2**20  # and the runner's own settings keep them
