@@ -22,7 +22,7 @@ from kvferry.tools.bench import workload
 from kvferry.tools.bench.serve import replay
 from kvferry.tools.bench.stack import served_model
 
-WORKLOADS = ("std-32", "single-stream")
+WORKLOADS = ("single-stream", "std-32")  # one stream first, on an idle server: after std-32 llama-server's gap tripled
 READY_TIMEOUT_S = 900.0  # a cold start quantizes a model of a few GB first
 
 
@@ -74,10 +74,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, started: float) -> float:
 
 
 def _stop(proc: subprocess.Popen, sig: int) -> None:
+    """Stop the server and its children (its own process group); SIGKILL after a minute."""
     try:
         os.killpg(proc.pid, sig)
         proc.wait(timeout=60)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
+    except ProcessLookupError:  # the group is gone already
+        proc.wait()
+    except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
@@ -98,6 +101,14 @@ def measure(url: str, proc: subprocess.Popen, ready_s: float, kv_tokens, vocab_s
     return report
 
 
+def _ready(wait, url: str, proc: subprocess.Popen, started: float, log_path: Path) -> float:
+    """wait(url, proc, started)'s seconds, or a SystemExit that names the server's log."""
+    try:
+        return wait(url, proc, started)
+    except RuntimeError as exc:
+        raise SystemExit(f"bench scaling: {exc} ({log_path} says why)") from None
+
+
 def run_kvferry(args, port: int, vocab_size: int) -> dict:
     """`kvferry serve` on the model, from launch to serving (its log says whether it prepared the weights)."""
     command = [sys.executable, "-m", "kvferry.tools.cli", "serve", "--model", args.model, "--port", str(port),
@@ -108,7 +119,7 @@ def run_kvferry(args, port: int, vocab_size: int) -> dict:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        ready_s = _wait_workers(url, proc, started)
+        ready_s = _ready(_wait_workers, url, proc, started, log_path)
 
         def decode_tokens() -> int:
             workers = _get(url + "/v1/workers")["workers"]
@@ -140,12 +151,13 @@ def _wait_workers(url: str, proc: subprocess.Popen, started: float) -> float:
 def run_llama_server(args, port: int, vocab_size: int) -> dict:
     command = [args.llama_server, "-m", args.gguf, "-np", "32", "-c", str(args.ctx), "-t", str(args.threads),
                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    log_path = Path(args.log_dir) / "llama-server.log"
     started = time.perf_counter()
-    with open(Path(args.log_dir) / "llama-server.log", "w") as log:
+    with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        ready_s = _wait_healthy(url, proc, started)
+        ready_s = _ready(_wait_healthy, url, proc, started, log_path)
         return measure(url, proc, ready_s, lambda: args.ctx, vocab_size, args.workloads)
     finally:
         _stop(proc, signal.SIGINT)
