@@ -103,6 +103,7 @@ def test_int4_weights_are_prepared_once_and_mapped_with_the_same_tokens(tmp_path
     path = prepared_path(tmp_path, cold.dtype, "int4")
     try:
         assert path.is_file() and path != prepared_path(tmp_path, cold.dtype, "int8")
+        caplog.clear()  # the cold engine's lines
         with caplog.at_level(logging.INFO, logger="kvferry.engine"):
             warm = LLMEngine(config)
         assert "weights mapped from" in caplog.text and "prepared once" not in caplog.text

@@ -41,7 +41,8 @@ def test_the_ratios_are_kvferrys_over_llama_servers():
 
 
 def test_a_server_that_ends_before_serving_is_named_with_its_log(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"], start_new_session=True)
     log = tmp_path / "server.log"
+    command = [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"]
     with pytest.raises(SystemExit, match=f"ended with 3 before serving \\({log} says why\\)"):
-        scaling._ready(scaling._wait_healthy, "http://127.0.0.1:9", proc, time.perf_counter(), log)
+        scaling._launch(command, log, scaling._wait_healthy, 9)
+    assert log.read_text() == "no model here\n"

@@ -39,6 +39,7 @@ def _rows(model: nn.Module, name: str) -> tuple[str, int] | None:
     return module, 0
 
 
+@torch.inference_mode()  # as quantize_in_parts made the layers
 def take_exact(model: nn.Module, model_dir: Path) -> int:
     """Put the Q4_0 and Q4_1 tensors of model_dir's GGUF source into model's Int4Linear layers; returns how many."""
     gguf_path = gguf_source(model_dir)

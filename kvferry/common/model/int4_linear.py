@@ -15,10 +15,12 @@ keeps its output layer at 6 bits or more: every token's choice goes through it. 
 multiple of 64 (the packing unit) stays int8 too.
 """
 
+import warnings
+
 import torch
 from torch import nn
 
-from kvferry.common.model.int8_linear import OUTLIER_WEIGHT_DTYPE, QUANTIZE_ROWS, Int8Linear, swap_linears
+from kvferry.common.model.int8_linear import QUANTIZE_ROWS, Int8Linear, QuantizedLinear, swap_linears
 from kvferry.kernels.cpu import int4_matmul, layer_ops
 
 GROUP, CHUNK = int4_matmul.GROUP, int4_matmul.CHUNK
@@ -77,7 +79,9 @@ def from_gguf(kind: str, blocks, shape: tuple[int, int]) -> tuple[torch.Tensor, 
     """A GGUF Q4_0 or Q4_1 tensor's raw blocks (uint8; byte i of a block's 16 holds value i low and value i + 16
     high) of logical shape [N, K] -> (packed, scales, mins) as this module keeps them, the same numbers exactly."""
     n, k = shape
-    raw = torch.as_tensor(blocks).reshape(n, k // GROUP, GGUF_BLOCK_BYTES[kind])
+    with warnings.catch_warnings():  # a GGUF file's mapping is read-only, and only read here
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        raw = torch.as_tensor(blocks).reshape(n, k // GROUP, GGUF_BLOCK_BYTES[kind])
     halves = raw[:, :, : GGUF_BLOCK_BYTES[kind] - 16].contiguous().view(torch.float16)  # [N, G, 1 or 2]
     scales = halves[:, :, 0].contiguous()
     mins = halves[:, :, 1].contiguous() if kind == "Q4_1" else scales * -8.0  # a power of two: exact
@@ -91,34 +95,17 @@ def fits(linear: nn.Linear) -> bool:
     return linear.in_features % CHUNK == 0
 
 
-class Int4Linear(nn.Module):
+class Int4Linear(QuantizedLinear):
+    BUFFERS = ("qweight", "scales", "mins")
+
     def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None):
         """outliers: input channels kept in float (CPU), or None."""
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach()
-        if outliers is not None and len(outliers):
-            outliers = outliers.to(weight.device, torch.long).sort().values
-            self.register_buffer("outliers", outliers, persistent=False)
-            rows = weight[:, outliers].t().to(OUTLIER_WEIGHT_DTYPE).contiguous()  # [count, N]
-            self.register_buffer("outlier_weight", rows, persistent=False)
-        else:
-            self.outliers = self.outlier_weight = None
+        weight = self._keep_outliers(linear, outliers)
         q, scales, mins = quantize_weight(weight, self.outliers)  # as zero: the groups' scales fit the others
         self.register_buffer("qweight", pack(q), persistent=False)  # [N, K / 2] uint8
         self.register_buffer("scales", scales, persistent=False)  # [N, K / 32] fp16
         self.register_buffer("mins", mins, persistent=False)  # [N, K / 32] fp16
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-
-    @classmethod
-    def shell(cls, linear: nn.Linear) -> "Int4Linear":
-        """An Int4Linear of linear's shape with no weights yet (prepared_weights.load)."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        for name in ("outliers", "outlier_weight", "qweight", "scales", "mins", "bias"):
-            self.register_buffer(name, None, persistent=False)
-        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

@@ -47,10 +47,14 @@ def int8_rows_matmul(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor
     return torch._int_mm(xq, qweight.t()).float().mul_(row_scale).mul_(scale)  # [M, N]
 
 
-class Int8Linear(nn.Module):
-    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None):
-        """outliers: input channels kept in float (CPU), or None."""
-        super().__init__()
+class QuantizedLinear(nn.Module):
+    """What int8 and int4 linear layers share: the shape, the float outlier channels, and a shell that
+    prepared_weights.load fills with the buffers it mapped (BUFFERS)."""
+
+    BUFFERS: tuple[str, ...] = ()
+
+    def _keep_outliers(self, linear: nn.Linear, outliers: torch.Tensor | None) -> torch.Tensor:
+        """Set the shape and the outlier channels (None where there are none); returns the float weight."""
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach()
         if outliers is not None and len(outliers):
@@ -61,21 +65,31 @@ class Int8Linear(nn.Module):
             self.register_buffer("outlier_weight", rows, persistent=False)
         else:
             self.outliers = self.outlier_weight = None
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
+        return weight
+
+    @classmethod
+    def shell(cls, linear: nn.Linear):
+        """A layer of linear's shape with no weights yet: prepared_weights.load puts in those it mapped."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        for name in ("outliers", "outlier_weight", "bias", *cls.BUFFERS):
+            self.register_buffer(name, None, persistent=False)
+        return self
+
+
+class Int8Linear(QuantizedLinear):
+    BUFFERS = ("qweight", "qweight_sums", "scale")
+
+    def __init__(self, linear: nn.Linear, outliers: torch.Tensor | None = None):
+        """outliers: input channels kept in float (CPU), or None."""
+        super().__init__()
+        weight = self._keep_outliers(linear, outliers)
         qweight, scale = quantize_weight(weight, self.outliers)  # the outlier channels as zero
         self.register_buffer("qweight", qweight, persistent=False)  # [N, K] int8, or interleaved (interleave())
         self.register_buffer("qweight_sums", small_matmul.weight_sums(qweight), persistent=False)  # [N] int32
         self.register_buffer("scale", scale, persistent=False)  # [N] fp32
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone(), persistent=False)
-
-    @classmethod
-    def shell(cls, linear: nn.Linear) -> "Int8Linear":
-        """An Int8Linear of linear's shape with no weights yet: prepared_weights.load puts in those it mapped."""
-        self = cls.__new__(cls)
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        for name in ("outliers", "outlier_weight", "qweight", "qweight_sums", "scale", "bias"):
-            self.register_buffer(name, None, persistent=False)
-        return self
 
     def interleave(self) -> bool:
         """Keep qweight, in place of the plain one, in the layout the C product streams fastest where it takes every

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "outlier_columns.h"
+#include "row_shares.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -180,14 +181,6 @@ static inline __attribute__((always_inline)) void i4_block(const int8_t *x, cons
     }
 }
 
-static inline void my_share(int n, int *first, int *last) {
-    int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    int groups = (n + SHARE_ROWS - 1) / SHARE_ROWS;
-    *first = (int)((int64_t)groups * me / threads) * SHARE_ROWS;
-    *last = (int)((int64_t)groups * (me + 1) / threads) * SHARE_ROWS;
-    *last = *last < n ? *last : n;
-}
-
 /* y [rows][n] = x [rows][k] (int8 in [-127, 127]) · w [n][k / 2] (packed, above) with scales and mins [n][k / 32]
  * (half precision bits), times row_scale [rows]; then the outlier channels x_out [rows][count] · wt [count][n] and the bias
  * [n] (NULL: none) added (outlier_columns.h, plain layout). k a multiple of 32. Returns 0, or -1 when there was no
@@ -203,7 +196,7 @@ int kvferry_matmul_i4(const int8_t *x, int rows, int k, const uint8_t *w, const 
 #pragma omp parallel num_threads(num_threads) if ((int64_t)n * k / 2 * groups >= PARALLEL_WEIGHT_BYTES)
     {
         int first, last;
-        my_share(n, &first, &last);
+        my_share(n, SHARE_ROWS, &first, &last);
         for (int block = first; block < last; block += WEIGHT_BLOCK) {
             int end = block + WEIGHT_BLOCK < last ? block + WEIGHT_BLOCK : last;
             for (int r = 0; r < rows; r += MAX_ROWS) {

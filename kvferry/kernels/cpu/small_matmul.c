@@ -17,6 +17,7 @@
 #include <stdint.h>
 
 #include "outlier_columns.h"
+#include "row_shares.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
@@ -164,15 +165,6 @@ static inline __attribute__((always_inline)) void i8_block(const int8_t *x, int 
     }
 }
 
-/* This thread's share of a weight's n rows: one contiguous run, a multiple of SHARE_ROWS except at the end. */
-static inline void my_share(int n, int *first, int *last) {
-    int threads = omp_get_num_threads(), me = omp_get_thread_num();
-    int groups = (n + SHARE_ROWS - 1) / SHARE_ROWS;
-    *first = (int)((int64_t)groups * me / threads) * SHARE_ROWS;
-    *last = (int)((int64_t)groups * (me + 1) / threads) * SHARE_ROWS;
-    *last = *last < n ? *last : n;
-}
-
 /* Whether this file's loop should take every row count here, not just a few: PyTorch's torch._int_mm takes
  * oneDNN's int8 GEMM only with AVX-512 VNNI and otherwise a scalar loop, 30 times slower than an fp32 GEMM at 512
  * rows, where the AVX2 loop above is as fast as fp32 (docs/benchmarks.md). Without either, nothing was measured,
@@ -198,7 +190,7 @@ void kvferry_matmul_i8(const int8_t *x, int rows, int k, const int8_t *w, int in
 #pragma omp parallel num_threads(num_threads) if ((int64_t)n * k * groups >= PARALLEL_WEIGHT_BYTES)
     {
         int first, last;
-        my_share(n, &first, &last);
+        my_share(n, SHARE_ROWS, &first, &last);
         for (int block = first; block < last; block += WEIGHT_BLOCK) {
             int end = block + WEIGHT_BLOCK < last ? block + WEIGHT_BLOCK : last;
             for (int r = 0; r < rows; r += MAX_ROWS) {

@@ -101,12 +101,21 @@ def measure(url: str, proc: subprocess.Popen, ready_s: float, kv_tokens, vocab_s
     return report
 
 
-def _ready(wait, url: str, proc: subprocess.Popen, started: float, log_path: Path) -> float:
-    """wait(url, proc, started)'s seconds, or a SystemExit that names the server's log."""
+def _launch(command: list[str], log_path: Path, wait, port: int) -> tuple[subprocess.Popen, str, float]:
+    """Start a server in its own process group, its output to log_path; (it, its URL, seconds until wait(url, proc,
+    started) says it serves), or a SystemExit that names the log, the server stopped."""
+    started = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
     try:
-        return wait(url, proc, started)
+        return proc, url, wait(url, proc, started)
     except RuntimeError as exc:
+        _stop(proc, signal.SIGTERM)
         raise SystemExit(f"bench scaling: {exc} ({log_path} says why)") from None
+    except BaseException:
+        _stop(proc, signal.SIGTERM)
+        raise
 
 
 def run_kvferry(args, port: int, vocab_size: int) -> dict:
@@ -114,12 +123,8 @@ def run_kvferry(args, port: int, vocab_size: int) -> dict:
     command = [sys.executable, "-m", "kvferry.tools.cli", "serve", "--model", args.model, "--port", str(port),
                "--control-port", str(port + 1), "--quantization", args.quantization, *args.serve_arg]  # fmt: skip
     log_path = Path(args.log_dir) / "kvferry-serve.log"
-    started = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, ready_s = _launch(command, log_path, _wait_workers, port)
     try:
-        ready_s = _ready(_wait_workers, url, proc, started, log_path)
 
         def decode_tokens() -> int:
             workers = _get(url + "/v1/workers")["workers"]
@@ -151,13 +156,8 @@ def _wait_workers(url: str, proc: subprocess.Popen, started: float) -> float:
 def run_llama_server(args, port: int, vocab_size: int) -> dict:
     command = [args.llama_server, "-m", args.gguf, "-np", "32", "-c", str(args.ctx), "-t", str(args.threads),
                "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
-    log_path = Path(args.log_dir) / "llama-server.log"
-    started = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url, ready_s = _launch(command, Path(args.log_dir) / "llama-server.log", _wait_healthy, port)
     try:
-        ready_s = _ready(_wait_healthy, url, proc, started, log_path)
         return measure(url, proc, ready_s, lambda: args.ctx, vocab_size, args.workloads)
     finally:
         _stop(proc, signal.SIGINT)
