@@ -159,13 +159,20 @@ def _file_identity(path: Path) -> dict:
 
 
 def record_gguf_source(gguf_path: Path, model_dir: Path) -> None:
-    """Write which GGUF file model_dir was converted from, where it is not written yet (atomically)."""
+    """Write which GGUF file model_dir was converted from, where no file is recorded or the one recorded is gone or
+    changed (atomically). Conversions are shared by content (converted_dir), so the file named may be another
+    clone's copy of the same one. A cache this process cannot write (mounted read-only) goes without: int4 then
+    rounds the converted weights again."""
     record = model_dir / GGUF_SOURCE
-    if record.is_file():
+    if gguf_source(model_dir) is not None:
         return
     partial = record.with_suffix(f".tmp{os.getpid()}")
-    partial.write_text(json.dumps(_file_identity(gguf_path)))
-    os.replace(partial, record)
+    try:
+        partial.write_text(json.dumps(_file_identity(gguf_path)))
+        os.replace(partial, record)
+    except OSError:
+        with contextlib.suppress(OSError):
+            partial.unlink()
 
 
 def gguf_source(model_dir: Path) -> Path | None:

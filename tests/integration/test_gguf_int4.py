@@ -12,7 +12,8 @@ from kvferry.common.model.loader import load_model
 
 def test_the_default_models_q4_1_weights_are_taken_as_they_are():
     model_dir = model_files.resolve_model(None)
-    assert model_files.gguf_source(model_dir) == model_files.default_gguf_path().resolve()
+    source = model_files.gguf_source(model_dir)  # this clone's file, or another's copy of it: the same content
+    assert source is not None and model_files.converted_dir(source) == model_dir
     engine = LLMEngine(EngineConfig(quantization="int4", kv_cache_memory=2**24, num_threads=1))
     reference, _, _ = load_model(model_dir, torch.float32, torch.device("cpu"))
     layers = {name: m for name, m in engine.model.named_modules() if isinstance(m, Int4Linear)}

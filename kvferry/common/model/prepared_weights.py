@@ -57,8 +57,7 @@ def prepared_path(model_dir: Path, dtype: torch.dtype, quantization: str) -> Pat
     folder (this user's alone, or a ConfigError). Its name starts with what tells a model's files apart for the
     same setup (pruned by save), then the key of everything else."""
     identity = [FORMAT, str(dtype), quantization, build.cpu_features(), str(torch.__version__), _layout()]
-    source = model_dir / model_files.GGUF_SOURCE  # int4 takes a GGUF's own 4-bit numbers (gguf_int4.py)
-    for path in [*weight_files(model_dir), model_dir / "config.json", *([source] if source.is_file() else [])]:
+    for path in [*weight_files(model_dir), model_dir / "config.json"]:
         status = path.stat()
         identity += [path.name, str(status.st_size), str(status.st_mtime_ns)]
     made_by = (
