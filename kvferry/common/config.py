@@ -39,9 +39,9 @@ class EngineConfig:
     quantization: str | None = setting(
         "none",
         "int8: every linear layer's weights in int8 with one scale per output channel (a tied lm_head gets its "
-        "own int8 copy; the embedding stays in float); slightly less accurate. int4: GGUF's Q4_0 numbers (groups "
-        "of 32 weights, each with a half-precision scale; the lm_head stays int8), on the CPU; a Q4_0 GGUF file's "
-        "weights load as they are; less accurate again. `kvferry bench quantization` measures both. `kvferry "
+        "own int8 copy; the embedding stays in float); slightly less accurate. int4: GGUF's Q4_1 numbers (groups "
+        "of 32 weights, each with a half-precision scale and minimum; the lm_head stays int8), on the CPU; a Q4_0 "
+        "or Q4_1 GGUF file's weights load as they are; less accurate again on a full-precision checkpoint. `kvferry bench quantization` measures both. `kvferry "
         "serve` gives it to both workers",
         choices=("int8", "int4", "none"),
     )

@@ -169,6 +169,7 @@ def record_gguf_source(gguf_path: Path, model_dir: Path) -> None:
     partial = record.with_suffix(f".tmp{os.getpid()}")
     try:
         partial.write_text(json.dumps(_file_identity(gguf_path)))
+        os.chmod(partial, 0o644)  # whatever the umask: cache_trust refuses a folder with group-writable files
         os.replace(partial, record)
     except OSError:
         with contextlib.suppress(OSError):

@@ -1,6 +1,8 @@
 """A converted GGUF folder names the file it came from (model_files.record_gguf_source), for int4 to take its 4-bit
 numbers as they are: only while that file is unchanged, and a folder that cannot be written goes without."""
 
+import os
+
 from kvferry.common import model_files
 
 
@@ -29,3 +31,16 @@ def test_a_folder_that_cannot_be_written_goes_without(tmp_path):
     not_a_folder.write_text("")  # writing under it fails for any user, root too
     model_files.record_gguf_source(gguf, not_a_folder)  # no error: int4 rounds the weights again instead
     assert model_files.gguf_source(not_a_folder) is None
+
+
+def test_the_record_is_not_group_writable_whatever_the_umask(tmp_path):
+    # cache_trust refuses a converted folder holding a file the group may write: every later start would fail
+    gguf, folder = tmp_path / "model.gguf", tmp_path / "converted"
+    gguf.write_bytes(b"GGUF")
+    folder.mkdir()
+    old = os.umask(0o002)
+    try:
+        model_files.record_gguf_source(gguf, folder)
+    finally:
+        os.umask(old)
+    assert (folder / model_files.GGUF_SOURCE).stat().st_mode & 0o777 == 0o644

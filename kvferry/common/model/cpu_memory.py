@@ -48,13 +48,15 @@ def returning_freed_memory():
     freed, and heap tops trimmed, so that each float layer's memory goes back to the system as soon as it is freed
     (glibc's own threshold grows with what was freed, and freed heap memory between live buffers stays resident:
     the peak of preparing varied between runs by a whole copy of the weights, docs/benchmarks.md). Afterwards
-    keep_freed_memory's settings again, where they were in force."""
+    keep_freed_memory's settings, which the runner that follows would apply anyway."""
     _mallopt(2**20, 2**20)
     try:
         yield
     finally:
         if keep_freed_memory.cache_info().currsize:
             _mallopt(32 * 2**20, 2**30)
+        else:
+            keep_freed_memory()
 
 
 def huge_page_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -30,7 +30,10 @@ def _rows(model: nn.Module, name: str) -> tuple[str, int] | None:
     for part, (target, index) in FUSED_PARTS.items():
         if f".{part}" in module:
             module = module.replace(part, target)
-            parent = model.get_submodule(module.rsplit(".", 1)[0])
+            try:
+                parent = model.get_submodule(module.rsplit(".", 1)[0])
+            except AttributeError:  # not a weight of this model: the caller skips it
+                return None
             if target == "qkv_proj":
                 sizes = [parent.q_size, parent.kv_size, parent.kv_size]
             else:

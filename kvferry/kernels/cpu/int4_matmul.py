@@ -19,7 +19,7 @@ SIGNATURES = {
         count,
     ),
 }
-_lib = build.Library(SOURCE, SIGNATURES, "dequantized 4-bit weights in PyTorch ops")
+_lib = build.Library(SOURCE, SIGNATURES, "dequantized 4-bit weights in PyTorch ops", FLAGS)
 enable, disable = _lib.enable, _lib.disable
 
 

@@ -18,7 +18,6 @@ import torch
 from kvferry.common.errors import ConfigError
 from kvferry.common.model import attention, llama
 from kvferry.common.model import runner as runner_module
-from kvferry.common.model.int8_linear import Int8Linear
 from kvferry.common.sampling import SamplingParams
 from kvferry.tools.bench import breakdown_roofline as limits
 from kvferry.tools.bench.roofline_measure import best_seconds, read_bandwidth
@@ -225,7 +224,7 @@ def measure(
     spans = Spans()
     wrapper_s = wrapper_cost()
     dtype = runner.model.embed_tokens.weight.dtype
-    quantization = "int8" if any(isinstance(m, Int8Linear) for m in runner.model.modules()) else None
+    quantization = engine.config.quantization  # int8 or int4: the GEMM rates are that path's (gemm_path)
     bandwidth = read_bandwidth(torch.device("cpu"), read_bytes, trials=4)
     machine = limits.Machine(bandwidth, dtype, quantization, budget_s=gemm_budget_s)
     rng = random.Random(0)

@@ -27,7 +27,7 @@ GEMM_PARTS = {  # the model's module name (its last component) -> the part
 class Machine:
     read_bytes_per_s: float
     dtype: torch.dtype
-    quantization: str | None = None  # int8: the GEMM rates are the int8 path's
+    quantization: str | None = None  # int8, int4: the GEMM rates are that path's
     gemm_flops_per_s: dict = field(default_factory=dict)  # (rows, in, out) -> FLOP/s
     budget_s: float = 0.1  # the time each GEMM shape is given
 

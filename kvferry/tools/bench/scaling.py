@@ -93,6 +93,8 @@ def measure(url: str, proc: subprocess.Popen, ready_s: float, kv_tokens, vocab_s
     pss = pss_bytes(process_tree(proc.pid))
     tokens = kv_tokens()
     report = {"ready_s": round(ready_s, 1), "pss_gib": round(pss / 2**30, 2), "kv_tokens": tokens}
+    if not tokens:
+        raise SystemExit(f"bench scaling: the server at {url} reports no decode KV cache")
     report["pss_kib_per_kv_token"] = round(pss / 1024 / tokens, 1)
     for name in workloads:
         result = asyncio.run(replay(url, model, workload.generate(name, vocab_size)))
