@@ -108,7 +108,7 @@ def load_tokenizer(model_dir):
 
 
 def prepared_file(model_dir, dtype: torch.dtype, device: torch.device, config) -> Path | None:
-    """The host's prepared file this worker's weights come from (prepared_weights.py: int8 on the CPU), made or not
+    """The host's prepared file this worker's weights come from (prepared_weights.py: int8 or int4 on the CPU), made or not
     yet; None where the weights load in full."""
     if config.quantization not in ("int8", "int4") or device.type != "cpu":
         return None
